@@ -1,0 +1,35 @@
+# Two commands set everything up on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of this exact version installs from the machine's local disk; a looser
+# requirement would pull a multi-GB CUDA build.
+TORCH_PIN := torch==2.13.0
+
+.PHONY: run test lint bench-capacity clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install -q $(TORCH_PIN)
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/python -m pip install -q $(TORCH_PIN) -e ".[test]"
+	touch $@
+
+run: $(VENV)/.installed
+	$(BIN)/hybridkv plan --model ibm-granite/granite-4.0-h-small --platform cuda --backend flashinfer
+
+test: $(VENV)/.installed-test
+	$(BIN)/ruff check hybridkv tests benchmarks scripts
+	$(BIN)/python -m pytest -q -n 2
+
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff check hybridkv tests benchmarks scripts
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

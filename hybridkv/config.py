@@ -1,0 +1,85 @@
+"""Frozen configuration dataclasses. Their fields are the keyword arguments of `LLM(...)`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from hybridkv.dtypes import STATE_DTYPES, canonical_dtype
+
+DEFAULT_MEMORY_BYTES = 4 * 2**30
+ALLOCATION_MODES = ("page", "block")
+
+
+def _positive_or_none(name: str, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How the paged cache is sized and used.
+
+    - `page_tokens`: tokens per attention page (None: derived from the model, DESIGN.md 3.3).
+    - `kernel_block_size`: tokens per kernel block (None: chosen from the backends' declarations).
+    - `memory_bytes` or `num_pages`: the budget (at most one; default 4 GiB).
+    - `allocation`: "page" (reference behaviour, whole pages) or "block" (kernel-block
+      sub-allocation, the default).
+    """
+
+    page_tokens: int | None = None
+    kernel_block_size: int | None = None
+    kv_cache_dtype: str = "auto"
+    state_dtype: str = "auto"
+    ssm_state_dtype: str = "auto"
+    memory_bytes: int | None = None
+    num_pages: int | None = None
+    allocation: str = "block"
+    enable_prefix_caching: bool = True
+    platform: str = "cpu"
+    attention_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        _positive_or_none("page_tokens", self.page_tokens)
+        _positive_or_none("kernel_block_size", self.kernel_block_size)
+        _positive_or_none("memory_bytes", self.memory_bytes)
+        _positive_or_none("num_pages", self.num_pages)
+        if self.memory_bytes is not None and self.num_pages is not None:
+            raise ValueError("give memory_bytes or num_pages, not both")
+        if self.allocation not in ALLOCATION_MODES:
+            raise ValueError(
+                f"allocation must be one of {', '.join(ALLOCATION_MODES)}, got {self.allocation!r}"
+            )
+        if self.kv_cache_dtype != "auto":
+            object.__setattr__(self, "kv_cache_dtype", canonical_dtype(self.kv_cache_dtype))
+        for name in ("state_dtype", "ssm_state_dtype"):
+            value = getattr(self, name)
+            if value != "auto" and canonical_dtype(value) not in STATE_DTYPES:
+                raise ValueError(
+                    f"{name} must be auto or one of {', '.join(STATE_DTYPES)}, got {value!r}"
+                )
+            if value != "auto":
+                object.__setattr__(self, name, canonical_dtype(value))
+        # Imported here so that the registry stays importable on its own.
+        from hybridkv.layers.attention.registry import get_backend, get_platform
+
+        get_platform(self.platform)
+        if self.attention_backend is not None:
+            get_backend(self.attention_backend)
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.memory_bytes if self.memory_bytes is not None else DEFAULT_MEMORY_BYTES
+
+
+def split_kwargs(kwargs: dict[str, Any], *classes: type) -> list[dict[str, Any]]:
+    """Split flat `LLM(**kwargs)` into one dict per config class; unknown keys are an error."""
+    out: list[dict[str, Any]] = []
+    left = dict(kwargs)
+    for cls in classes:
+        names = {f.name for f in fields(cls)}
+        out.append({k: left.pop(k) for k in list(left) if k in names})
+    if left:
+        valid = sorted({f.name for cls in classes for f in fields(cls)})
+        raise ValueError(f"unknown option(s) {', '.join(sorted(left))}; valid: {', '.join(valid)}")
+    return out

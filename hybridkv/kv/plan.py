@@ -1,0 +1,398 @@
+"""The memory plan (DESIGN.md section 3): pure functions from layer specs to a frozen plan.
+
+    A = attention bytes per token per layer      M = state bytes per layer
+    align = max(smallest kernel block any attention backend accepts, page_tokens or 16)
+    hybrid:  page_tokens = align * ceil(M / (align * A)),  page_bytes = page_tokens * A
+    kernel block per attention group: page_tokens if every backend of the group accepts it,
+        else the largest declared int that divides page_tokens and every backend accepts
+    num_pages = budget // (page_bytes * layers_per_group)
+
+One page is `page_bytes` bytes in each of the `layers_per_group` buffers; page ids are global.
+An attention page of `page_tokens` tokens is split into `blocks_per_page` kernel blocks:
+
+    page p:  | kb p*r+0 | kb p*r+1 | ... | kb p*r+r-1 |      r = blocks_per_page
+               kernel_block_size tokens each
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hybridkv.config import CacheConfig
+from hybridkv.dtypes import dtype_bytes
+from hybridkv.kv.specs import (
+    AttentionSpec,
+    CacheLayer,
+    LayerSpec,
+    MLASpec,
+    StateSpec,
+    architecture_of,
+    read_layers,
+    resolve_cache_dtypes,
+    text_config,
+)
+from hybridkv.layers.attention.registry import (
+    AttentionBackendInfo,
+    PlanContext,
+    get_backend,
+    get_platform,
+)
+
+DEFAULT_PAGE_TOKENS = 16
+DEFAULT_CONTEXT = PlanContext()
+NULL_PAGES = 1  # page 0 is reserved as the null page (DESIGN.md 5: skipped positions)
+
+
+class PlanError(ValueError):
+    """A memory plan that cannot be made (one-line message naming the value and what is allowed)."""
+
+
+def pages_to_kernel_blocks(page_ids: Sequence[int], blocks_per_page: int) -> list[int]:
+    """Expand page ids to kernel-block ids: p -> p*r .. p*r+r-1 (r = blocks_per_page)."""
+    r = blocks_per_page
+    return [p * r + j for p in page_ids for j in range(r)]
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """Layers with an identical spec that share one block table."""
+
+    group_id: int
+    spec: LayerSpec
+    layer_names: tuple[str, ...]
+    page_tokens: int | None  # tokens per page for attention-like groups; None for state
+    kernel_block_size: int | None  # None for state groups (never split)
+    backend: str | None
+    padding_bytes: int  # state groups: page bytes the state does not use
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    @property
+    def is_state(self) -> bool:
+        return isinstance(self.spec, StateSpec)
+
+    @property
+    def blocks_per_page(self) -> int:
+        if self.kernel_block_size is None or self.page_tokens is None:
+            return 1
+        return self.page_tokens // self.kernel_block_size
+
+    @property
+    def window(self) -> int | None:
+        return getattr(self.spec, "sliding_window", None)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    architecture: str
+    platform: str
+    page_tokens: int
+    page_bytes: int
+    num_pages: int
+    layers_per_group: int
+    groups: tuple[GroupPlan, ...]
+    attention_bytes_per_token: int
+    state_bytes: int
+    align: int
+    max_model_len: int
+    context: PlanContext = DEFAULT_CONTEXT
+
+    @property
+    def is_hybrid(self) -> bool:
+        return any(g.is_state for g in self.groups) and any(not g.is_state for g in self.groups)
+
+    @property
+    def attention_groups(self) -> tuple[GroupPlan, ...]:
+        return tuple(g for g in self.groups if not g.is_state)
+
+    @property
+    def state_groups(self) -> tuple[GroupPlan, ...]:
+        return tuple(g for g in self.groups if g.is_state)
+
+    @property
+    def state_padding_bytes(self) -> int:
+        return self.page_bytes - self.state_bytes if self.state_bytes else 0
+
+    @property
+    def state_padding_pct(self) -> float:
+        return 100.0 * self.state_padding_bytes / self.page_bytes if self.state_bytes else 0.0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_pages * self.page_bytes * self.layers_per_group
+
+    @property
+    def usable_pages(self) -> int:
+        return self.num_pages - NULL_PAGES
+
+    @property
+    def attention_token_capacity(self) -> int | None:
+        """Tokens the pool holds for the groups whose cache grows with length (full attention
+        and MLA), if every usable page went to them. Never divided by state groups."""
+        growing = [g for g in self.attention_groups if g.window is None]
+        if not growing:
+            return None
+        return (self.usable_pages // len(growing)) * self.page_tokens
+
+    def max_kernel_blocks_per_seq(self, group: GroupPlan) -> int:
+        assert group.kernel_block_size is not None
+        return math.ceil(self.max_model_len / group.kernel_block_size)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "architecture": self.architecture,
+            "platform": self.platform,
+            "page_tokens": self.page_tokens,
+            "page_bytes": self.page_bytes,
+            "num_pages": self.num_pages,
+            "layers_per_group": self.layers_per_group,
+            "total_bytes": self.total_bytes,
+            "attention_bytes_per_token": self.attention_bytes_per_token,
+            "state_bytes": self.state_bytes,
+            "state_padding_bytes": self.state_padding_bytes,
+            "state_padding_pct": round(self.state_padding_pct, 3),
+            "attention_token_capacity": self.attention_token_capacity,
+            "max_model_len": self.max_model_len,
+            "groups": [
+                {
+                    "group_id": g.group_id,
+                    "kind": g.kind,
+                    "layers": list(g.layer_names),
+                    "page_tokens": g.page_tokens,
+                    "kernel_block_size": g.kernel_block_size,
+                    "blocks_per_page": g.blocks_per_page,
+                    "backend": g.backend,
+                    "padding_bytes": g.padding_bytes,
+                }
+                for g in self.groups
+            ],
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Rules (each a small pure function, tested on its own)
+# ---------------------------------------------------------------------------------------------
+
+
+def _describe(backends: Sequence[AttentionBackendInfo], ctx: PlanContext) -> str:
+    return "; ".join(f"{b.name}: {b.sizes_for(ctx).describe()}" for b in backends)
+
+
+def select_kernel_block_size(
+    page_tokens: int,
+    backends: Sequence[AttentionBackendInfo],
+    head_dim: int,
+    ctx: PlanContext = DEFAULT_CONTEXT,
+    requested: int | None = None,
+) -> int:
+    """DESIGN.md 3.4: page_tokens if every backend accepts it, else the largest declared int
+    dividing page_tokens that every backend accepts; a requested size is validated the same way."""
+
+    def ok(size: int) -> bool:
+        return page_tokens % size == 0 and all(b.accepts(size, head_dim, ctx) for b in backends)
+
+    names = ", ".join(b.name for b in backends)
+    if requested is not None:
+        if page_tokens % requested:
+            raise PlanError(
+                f"kernel_block_size={requested} does not divide page_tokens="
+                f"{page_tokens}; it must divide it exactly"
+            )
+        if not ok(requested):
+            raise PlanError(
+                f"kernel_block_size={requested} is not accepted by {names} for head "
+                f"dim {head_dim}; accepted: {_describe(backends, ctx)}"
+            )
+        return requested
+    if ok(page_tokens):
+        return page_tokens
+    declared = sorted({i for b in backends for i in b.sizes_for(ctx).ints}, reverse=True)
+    for size in declared:
+        if ok(size):
+            return size
+    raise PlanError(
+        f"no kernel block size divides page_tokens={page_tokens} and is accepted by "
+        f"every backend of the group for head dim {head_dim} ({_describe(backends, ctx)})"
+    )
+
+
+def layers_per_group_for(bucket_sizes: Sequence[int]) -> int:
+    """DESIGN.md 3.5: the smallest bucket, or the largest if largest < 1.5 x smallest."""
+    smallest, largest = min(bucket_sizes), max(bucket_sizes)
+    return largest if largest < 1.5 * smallest else smallest
+
+
+def split_bucket(layer_names: Sequence[str], layers_per_group: int) -> list[tuple[str, ...]]:
+    """A bucket of n layers becomes ceil(n / layers_per_group) groups taking layers strided."""
+    n_groups = math.ceil(len(layer_names) / layers_per_group)
+    return [tuple(layer_names[i::n_groups]) for i in range(n_groups)]
+
+
+def hybrid_page_tokens(state_bytes: int, attention_bytes_per_token: int, align: int) -> int:
+    """DESIGN.md 3.3: the smallest multiple of `align` whose attention page holds one state."""
+    return align * math.ceil(state_bytes / (align * attention_bytes_per_token))
+
+
+def _bucket(layers: Sequence[CacheLayer]) -> dict[LayerSpec, list[str]]:
+    buckets: dict[LayerSpec, list[str]] = {}
+    for layer in layers:
+        buckets.setdefault(layer.spec, []).append(layer.name)
+    return buckets
+
+
+def _group_backends(
+    spec: AttentionSpec | MLASpec, cache: CacheConfig
+) -> list[AttentionBackendInfo]:
+    platform = get_platform(cache.platform)
+    name = cache.attention_backend or platform.default_backend(spec.kind)
+    backend = get_backend(name)
+    reason = backend.why_not(spec.kind, spec.dtype, spec.head_dim)
+    if reason is not None:
+        raise PlanError(f"attention backend {name!r} cannot serve {spec.kind} layers: it {reason}")
+    return [backend]
+
+
+def _check_state_fits(spec: StateSpec, page_bytes: int, page_tokens: int, a: int) -> None:
+    if spec.state_bytes > page_bytes:
+        need = math.ceil(spec.state_bytes / a)
+        raise PlanError(
+            f"page_tokens={page_tokens} is too small for the {spec.kind} state: a page "
+            f"holds {page_bytes} bytes but the state needs {spec.state_bytes}; use "
+            f"page_tokens >= {need} (or leave it unset)"
+        )
+    for t in spec.tensors:
+        if page_bytes % dtype_bytes(t.dtype):
+            raise PlanError(
+                f"page_bytes={page_bytes} is not a multiple of {t.dtype} for state "
+                f"tensor {t.name!r}; choose a page_tokens that is a multiple of 16"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------------------------
+
+
+def _page_size(
+    attn: Sequence[AttentionSpec | MLASpec],
+    states: Sequence[StateSpec],
+    align: int,
+    cache: CacheConfig,
+) -> tuple[int, int, int, int]:
+    """(page_tokens, page_bytes, A, M) for the reference attention spec (largest bytes/token)."""
+    if not attn:
+        raise PlanError("the model has no attention layers; pure state models are not supported")
+    a = max(s.bytes_per_token for s in attn)
+    m = max((s.state_bytes for s in states), default=0)
+    if states and cache.page_tokens is None:
+        page_tokens = hybrid_page_tokens(m, a, align)
+    else:
+        page_tokens = cache.page_tokens or align
+    page_bytes = page_tokens * a
+    for spec in states:
+        _check_state_fits(spec, page_bytes, page_tokens, a)
+    return page_tokens, page_bytes, a, m
+
+
+def _attention_group(
+    gid: int,
+    spec: AttentionSpec | MLASpec,
+    names: tuple[str, ...],
+    page_bytes: int,
+    cache: CacheConfig,
+    ctx: PlanContext,
+) -> GroupPlan:
+    if page_bytes % spec.bytes_per_token:
+        raise PlanError(
+            f"page_bytes={page_bytes} is not a whole number of tokens for the "
+            f"{spec.kind} layers ({spec.bytes_per_token} bytes per token)"
+        )
+    tokens = page_bytes // spec.bytes_per_token
+    backends = _group_backends(spec, cache)
+    size = select_kernel_block_size(tokens, backends, spec.head_dim, ctx, cache.kernel_block_size)
+    return GroupPlan(gid, spec, names, tokens, size, backends[0].name, 0)
+
+
+def _num_pages(cache: CacheConfig, page_bytes: int, layers_per_group: int, n_groups: int) -> int:
+    needed = n_groups + NULL_PAGES
+    if cache.num_pages is not None:
+        if cache.num_pages < needed:
+            raise PlanError(
+                f"num_pages={cache.num_pages} is too small: this model needs at least "
+                f"{needed} (one page per group plus the null page)"
+            )
+        return cache.num_pages
+    per_page = page_bytes * layers_per_group
+    num_pages = cache.budget_bytes // per_page
+    if num_pages < needed:
+        raise PlanError(
+            f"memory budget {cache.budget_bytes} bytes is too small: one page per "
+            f"group plus the null page needs {needed * per_page} bytes"
+        )
+    return num_pages
+
+
+def make_plan(
+    layers: Sequence[CacheLayer],
+    cache: CacheConfig,
+    architecture: str = "",
+    max_model_len: int = 4096,
+) -> MemoryPlan:
+    """The memory plan of a model's cache layers under a cache config (DESIGN.md section 3)."""
+    buckets = _bucket(layers)
+    attn = [s for s in buckets if not isinstance(s, StateSpec)]
+    states = [s for s in buckets if isinstance(s, StateSpec)]
+    ctx = PlanContext(
+        is_hybrid=bool(states) and bool(attn),
+        fp32_state=any(t.dtype == "float32" for s in states for t in s.tensors),
+    )
+    smallest = max(
+        (b.smallest_accepted(s.head_dim, ctx) for s in attn for b in _group_backends(s, cache)),
+        default=1,
+    )
+    align = max(smallest, cache.page_tokens or DEFAULT_PAGE_TOKENS)
+    page_tokens, page_bytes, a, m = _page_size(attn, states, align, cache)
+
+    lpg = layers_per_group_for([len(v) for v in buckets.values()])
+    groups: list[GroupPlan] = []
+    for spec, names in buckets.items():
+        for chunk in split_bucket(names, lpg):
+            gid = len(groups)
+            if isinstance(spec, StateSpec):
+                groups.append(
+                    GroupPlan(gid, spec, chunk, None, None, None, page_bytes - spec.state_bytes)
+                )
+            else:
+                groups.append(_attention_group(gid, spec, chunk, page_bytes, cache, ctx))
+    return MemoryPlan(
+        architecture=architecture,
+        platform=cache.platform,
+        page_tokens=page_tokens,
+        page_bytes=page_bytes,
+        num_pages=_num_pages(cache, page_bytes, lpg, len(groups)),
+        layers_per_group=lpg,
+        groups=tuple(groups),
+        attention_bytes_per_token=a,
+        state_bytes=m,
+        align=align,
+        max_model_len=max_model_len,
+        context=ctx,
+    )
+
+
+def plan_for_config(
+    config: dict[str, Any], cache: CacheConfig, max_model_len: int | None = None
+) -> MemoryPlan:
+    """Read a Hugging Face config dict and plan its cache."""
+    dtypes = resolve_cache_dtypes(
+        config, cache.kv_cache_dtype, cache.state_dtype, cache.ssm_state_dtype
+    )
+    layers = read_layers(config, dtypes)
+    if max_model_len is None:
+        max_model_len = int(text_config(config).get("max_position_embeddings") or 4096)
+    return make_plan(layers, cache, architecture_of(config), max_model_len)

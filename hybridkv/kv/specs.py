@@ -1,0 +1,694 @@
+"""Layer specs: what one layer keeps per request, read from a Hugging Face config.json.
+
+A *layer spec* describes the cache of one cache layer (DESIGN.md section 2):
+
+- `AttentionSpec`: K and V per token (optionally only inside a sliding window),
+- `MLASpec`: one compressed latent + rope key per token (DeepSeek-style MLA),
+- `StateSpec`: a fixed set of state tensors per request (Mamba1, Mamba2, gated delta net, short
+  conv, KDA) that does not grow with the sequence.
+
+A decoder layer may own more than one cache layer (Falcon-H1 runs attention and Mamba2 side by
+side; a Zamba2 hybrid layer calls the shared attention block next to its Mamba2 mixer), so cache
+layers carry their own names (`layers.5.attention`, `layers.5.mamba`).
+
+Nothing here imports torch: the memory plan is pure arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hybridkv.dtypes import STATE_DTYPES, canonical_dtype, dtype_bytes, resolve_dtype
+
+STATE_KINDS = ("mamba1", "mamba2", "gated_delta_net", "short_conv", "kda")
+ATTENTION_KINDS = ("attention", "sliding_window", "mla")
+ALL_KINDS = ATTENTION_KINDS + STATE_KINDS
+
+
+class ConfigError(ValueError):
+    """A config.json that cannot be read into layer specs (one-line message)."""
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Full or sliding-window attention: K and V of `num_kv_heads x head_dim` per token."""
+
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads <= 0 or self.head_dim <= 0:
+            raise ValueError(f"attention needs positive heads and head_dim, got {self}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+
+    @property
+    def kind(self) -> str:
+        return "attention" if self.sliding_window is None else "sliding_window"
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * dtype_bytes(self.dtype)
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention: one latent of `kv_lora_rank + qk_rope_head_dim` per token."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.kv_lora_rank <= 0 or self.qk_rope_head_dim < 0:
+            raise ValueError(f"MLA needs a positive kv_lora_rank, got {self}")
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+
+    kind = "mla"
+    sliding_window = None
+
+    @property
+    def head_dim(self) -> int:
+        """Width of the cached latent (the kernel's head dim)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.head_dim * dtype_bytes(self.dtype)
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if not self.shape or any(d <= 0 for d in self.shape):
+            raise ValueError(f"state tensor {self.name!r} needs a positive shape, got {self.shape}")
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtype_bytes(self.dtype)
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """A fixed-size recurrent state: the tensors a state kernel keeps for one request."""
+
+    kind: str
+    tensors: tuple[StateTensor, ...]
+
+    def __post_init__(self) -> None:
+        if self.kind not in STATE_KINDS:
+            raise ValueError(f"unknown state kind {self.kind!r}; allowed: {', '.join(STATE_KINDS)}")
+        if not self.tensors:
+            raise ValueError("a state spec needs at least one tensor")
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def layout(self) -> tuple[tuple[StateTensor, int], ...]:
+        """(tensor, byte offset inside the page): packed widest element first, so that every
+        offset is aligned to its dtype without gaps; padding sits at the end of the page."""
+        order = sorted(self.tensors, key=lambda t: -dtype_bytes(t.dtype))
+        out, offset = [], 0
+        for t in order:
+            out.append((t, offset))
+            offset += t.nbytes
+        return tuple(out)
+
+
+LayerSpec = AttentionSpec | MLASpec | StateSpec
+
+
+@dataclass(frozen=True)
+class CacheLayer:
+    """One cache layer of a model: its name, the decoder layer it sits in, and its spec."""
+
+    name: str
+    layer_index: int
+    spec: LayerSpec
+
+
+# ---------------------------------------------------------------------------------------------
+# State spec constructors (shapes as the state kernels keep them; conv state has d_conv-1 columns)
+# ---------------------------------------------------------------------------------------------
+
+
+def mamba2_state(
+    n_heads: int,
+    head_dim: int,
+    d_state: int,
+    n_groups: int,
+    d_conv: int,
+    conv_dtype: str,
+    ssm_dtype: str,
+) -> StateSpec:
+    conv_dim = n_heads * head_dim + 2 * n_groups * d_state
+    return StateSpec(
+        "mamba2",
+        (
+            StateTensor("conv", (conv_dim, d_conv - 1), conv_dtype),
+            StateTensor("ssm", (n_heads, head_dim, d_state), ssm_dtype),
+        ),
+    )
+
+
+def mamba1_state(d_inner: int, d_state: int, d_conv: int, conv_dtype: str, ssm_dtype: str):
+    return StateSpec(
+        "mamba1",
+        (
+            StateTensor("conv", (d_inner, d_conv - 1), conv_dtype),
+            StateTensor("ssm", (d_inner, d_state), ssm_dtype),
+        ),
+    )
+
+
+def gated_delta_net_state(
+    k_heads: int,
+    v_heads: int,
+    k_dim: int,
+    v_dim: int,
+    d_conv: int,
+    conv_dtype: str,
+    ssm_dtype: str,
+) -> StateSpec:
+    conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
+    return StateSpec(
+        "gated_delta_net",
+        (
+            StateTensor("conv", (conv_dim, d_conv - 1), conv_dtype),
+            StateTensor("recurrent", (v_heads, k_dim, v_dim), ssm_dtype),
+        ),
+    )
+
+
+def short_conv_state(channels: int, kernel: int, dtype: str) -> StateSpec:
+    return StateSpec("short_conv", (StateTensor("conv", (channels, kernel - 1), dtype),))
+
+
+def kda_state(n_heads: int, head_dim: int, d_conv: int, conv_dtype: str, ssm_dtype: str):
+    width = n_heads * head_dim
+    return StateSpec(
+        "kda",
+        (
+            StateTensor("conv_q", (width, d_conv - 1), conv_dtype),
+            StateTensor("conv_k", (width, d_conv - 1), conv_dtype),
+            StateTensor("conv_v", (width, d_conv - 1), conv_dtype),
+            StateTensor("recurrent", (n_heads, head_dim, head_dim), ssm_dtype),
+        ),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a config.json
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheDtypes:
+    """Resolved cache dtypes for one model (`auto` already replaced)."""
+
+    kv: str
+    conv: str
+    ssm: str
+
+
+class _Config:
+    """Read access to a (text) config dict with one-line errors naming the missing key."""
+
+    def __init__(self, data: dict[str, Any], arch: str) -> None:
+        self.data = data
+        self.arch = arch
+
+    def get(self, *keys: str, default: Any = None) -> Any:
+        for key in keys:
+            value = self.data.get(key)
+            if value is not None:
+                return value
+        return default
+
+    def req(self, *keys: str) -> Any:
+        value = self.get(*keys)
+        if value is None:
+            names = " or ".join(repr(k) for k in keys)
+            raise ConfigError(f"config.json of {self.arch} is missing {names}")
+        return value
+
+    def int(self, *keys: str, default: int | None = None) -> int:
+        value = self.get(*keys, default=default) if default is not None else self.req(*keys)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+            raise ConfigError(
+                f"config.json of {self.arch}: {keys[0]!r} must be an integer, got {value!r}"
+            )
+        return int(value)
+
+    @property
+    def num_layers(self) -> int:
+        n = self.int("num_hidden_layers")
+        if n <= 0:
+            raise ConfigError(
+                f"config.json of {self.arch}: num_hidden_layers must be >= 1, got {n}"
+            )
+        return n
+
+
+# Layer-type tokens as families spell them -> our cache roles.
+_TOKEN_ROLE = {
+    "attention": "attention",
+    "full_attention": "attention",
+    "*": "attention",
+    "global": "attention",
+    "full": "attention",
+    "sliding_attention": "sliding",
+    "sliding": "sliding",
+    "local": "sliding",
+    "local_attention": "sliding",
+    "mamba": "state",
+    "mamba2": "state",
+    "m": "state",
+    "linear_attention": "state",
+    "conv": "state",
+    "short_conv": "state",
+    "kda": "state",
+    "linear": "state",
+    "hybrid": "hybrid",
+    "g": "hybrid",
+    "mlp": "none",
+    "moe": "none",
+    "-": "none",
+    "e": "none",
+    "ffn": "none",
+    "dense": "none",
+}
+
+
+def _roles_from_tokens(tokens: Sequence[str], cfg: _Config, source: str) -> list[str]:
+    roles = []
+    for tok in tokens:
+        role = _TOKEN_ROLE.get(str(tok).strip().lower())
+        if role is None:
+            allowed = ", ".join(sorted(_TOKEN_ROLE))
+            raise ConfigError(
+                f"config.json of {cfg.arch}: unknown layer type {tok!r} in {source}; "
+                f"allowed: {allowed}"
+            )
+        roles.append(role)
+    return roles
+
+
+def _roles_from_indices(indices: Sequence[int], n: int, cfg: _Config, key: str, base: int = 0):
+    roles = ["state"] * n
+    for raw in indices:
+        i = int(raw) - base
+        if not 0 <= i < n:
+            raise ConfigError(
+                f"config.json of {cfg.arch}: {key} holds layer {raw}, outside 0..{n - 1 + base}"
+            )
+        roles[i] = "attention"
+    return roles
+
+
+def layer_roles(cfg: _Config, default: str | None = None) -> list[str]:
+    """Per decoder layer: 'attention', 'sliding', 'state', 'hybrid' (both) or 'none'.
+
+    Families spell the layout in many ways (DESIGN.md section 10); all are accepted here.
+    """
+    n = cfg.num_layers
+    roles: list[str] | None = None
+    source = ""
+    for key in ("layer_types", "layers_block_type"):
+        value = cfg.get(key)
+        if isinstance(value, list):
+            roles, source = _roles_from_tokens(value, cfg, key), key
+            break
+    if roles is None and isinstance(cfg.get("hybrid_override_pattern"), str):
+        source = "hybrid_override_pattern"
+        roles = _roles_from_tokens(list(cfg.get(source)), cfg, source)
+    if roles is None and isinstance(cfg.get("attn_layer_indices"), list):
+        source = "attn_layer_indices"
+        roles = _roles_from_indices(cfg.get(source), n, cfg, source)
+    if roles is None and isinstance(cfg.get("full_attn_idxs"), list):
+        source = "full_attn_idxs"
+        roles = _roles_from_indices(cfg.get(source), n, cfg, source)
+    linear = cfg.get("linear_attn_config")
+    if roles is None and isinstance(linear, dict) and linear.get("full_attn_layers"):
+        source = "linear_attn_config.full_attn_layers"  # 1-based in Kimi configs
+        roles = _roles_from_indices(linear["full_attn_layers"], n, cfg, source, base=1)
+    if roles is None and cfg.get("attn_layer_period") is not None:
+        period, offset = cfg.int("attn_layer_period"), cfg.int("attn_layer_offset", default=0)
+        roles = ["attention" if i % period == offset else "state" for i in range(n)]
+        source = "attn_layer_period"
+    if roles is None and cfg.get("full_attention_interval") is not None:
+        every = cfg.int("full_attention_interval")
+        roles = ["attention" if (i + 1) % every == 0 else "state" for i in range(n)]
+        source = "full_attention_interval"
+    if roles is None:
+        if default is None:
+            raise ConfigError(
+                f"config.json of {cfg.arch} does not say which layers are attention "
+                "(no layer_types, layers_block_type, hybrid_override_pattern, "
+                "attn_layer_indices, full_attention_interval or full_attn_idxs)"
+            )
+        roles, source = [default] * n, "default"
+    if len(roles) != n:
+        raise ConfigError(
+            f"config.json of {cfg.arch}: {source} describes {len(roles)} layers but "
+            f"num_hidden_layers is {n}"
+        )
+    return roles
+
+
+def _attention(cfg: _Config, dt: CacheDtypes, window: int | None = None) -> AttentionSpec:
+    heads = cfg.int("num_attention_heads")
+    kv_heads = cfg.int("num_key_value_heads", default=heads)
+    head_dim = cfg.get("head_dim", "attention_head_dim") or cfg.int("hidden_size") // heads
+    return AttentionSpec(kv_heads, int(head_dim), dt.kv, window)
+
+
+def _mamba2(cfg: _Config, dt: CacheDtypes, prefix: str = "mamba_") -> StateSpec:
+    """Mamba2 mixers of Bamba / GraniteMoeHybrid / Falcon-H1 (keys `mamba_*`)."""
+    n_heads = cfg.int(prefix + "n_heads")
+    head_dim = cfg.get(prefix + "d_head")
+    if head_dim in (None, "auto"):
+        inner = cfg.get(prefix + "d_ssm") or cfg.int(prefix + "expand") * cfg.int("hidden_size")
+        head_dim = int(inner) // n_heads
+    return mamba2_state(
+        n_heads,
+        int(head_dim),
+        cfg.int(prefix + "d_state"),
+        cfg.int(prefix + "n_groups", default=1),
+        cfg.int(prefix + "d_conv", default=4),
+        dt.conv,
+        dt.ssm,
+    )
+
+
+def _roles_to_layers(
+    roles: Sequence[str],
+    make_attention: Callable[[str], LayerSpec],
+    make_state: Callable[[int], LayerSpec] | None,
+    state_name: str = "mamba",
+    attention_name: str = "attention",
+) -> list[CacheLayer]:
+    layers: list[CacheLayer] = []
+    for i, role in enumerate(roles):
+        if role in ("attention", "sliding", "hybrid"):
+            layers.append(CacheLayer(f"layers.{i}.{attention_name}", i, make_attention(role)))
+        if role in ("state", "hybrid") and make_state is not None:
+            layers.append(CacheLayer(f"layers.{i}.{state_name}", i, make_state(i)))
+    return layers
+
+
+def _parse_dense(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
+    """Llama / Qwen3 / gpt-oss / Gemma3: attention everywhere, some layers maybe sliding."""
+    n = cfg.num_layers
+    window = cfg.get("sliding_window")
+    if isinstance(cfg.get("layer_types"), list):
+        roles = layer_roles(cfg)
+    elif cfg.arch.startswith("Gemma3"):
+        pattern = cfg.int("sliding_window_pattern", default=6)
+        roles = ["attention" if (i + 1) % pattern == 0 else "sliding" for i in range(n)]
+    elif cfg.arch.startswith("GptOss"):
+        roles = ["sliding" if i % 2 == 0 else "attention" for i in range(n)]
+    elif cfg.get("use_sliding_window") and window:
+        first = cfg.int("max_window_layers", default=0)
+        roles = ["sliding" if i >= first else "attention" for i in range(n)]
+    else:
+        roles = ["attention"] * n
+    if "sliding" in roles and not window:
+        if cfg.arch.startswith("Gemma3"):
+            window = 4096  # transformers Gemma3TextConfig default
+        else:
+            raise ConfigError(f"config.json of {cfg.arch} has sliding layers but no sliding_window")
+    if any(r not in ("attention", "sliding", "none") for r in roles):
+        raise ConfigError(f"config.json of {cfg.arch}: layer types must be attention or sliding")
+    return _roles_to_layers(
+        roles, lambda r: _attention(cfg, dt, int(window) if r == "sliding" else None), None
+    )
+
+
+def _parse_mamba2_hybrid(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
+    """Bamba and GraniteMoeHybrid: attention or Mamba2 per layer."""
+    state = _mamba2(cfg, dt)
+    return _roles_to_layers(layer_roles(cfg), lambda r: _attention(cfg, dt), lambda i: state)
+
+
+def _parse_nemotron_h(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
+    n_heads = cfg.int("mamba_num_heads")
+    head_dim = cfg.int("mamba_head_dim")
+    state = mamba2_state(
+        n_heads,
+        head_dim,
+        cfg.int("ssm_state_size"),
+        cfg.int("n_groups", default=1),
+        cfg.int("conv_kernel", default=4),
+        dt.conv,
+        dt.ssm,
+    )
+    return _roles_to_layers(layer_roles(cfg), lambda r: _attention(cfg, dt), lambda i: state)
+
+
+def _parse_falcon_h1(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
+    """Falcon-H1: attention and Mamba2 run in parallel inside every decoder layer."""
+    state = _mamba2(cfg, dt)
+    roles = ["hybrid"] * cfg.num_layers
+    return _roles_to_layers(roles, lambda r: _attention(cfg, dt), lambda i: state)
+
+
+def _parse_zamba2(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
+    """Zamba2: Mamba2 in every layer; hybrid layers also call the shared attention block, and
+    every call keeps its own KV cache."""
+    n = cfg.num_layers
+    if isinstance(cfg.get("hybrid_layer_ids"), list):
+        roles = ["state"] * n
+        for i in cfg.get("hybrid_layer_ids"):
+            roles[int(i)] = "hybrid"
+    else:
+        roles = ["hybrid" if r in ("attention", "hybrid") else r for r in layer_roles(cfg)]
+    hidden = cfg.int("hidden_size")
+    heads = cfg.int("num_attention_heads")
+    attention = AttentionSpec(
+        cfg.int("num_key_value_heads", "num_query_groups", default=heads),
+        cfg.int("attention_head_dim", default=2 * hidden // heads),
+        dt.kv,
+    )
+    head_dim = cfg.int("mamba_headdim")
+    n_heads = cfg.int(
+        "n_mamba_heads",
+        default=cfg.int("mamba_expand", "expansion_factor", default=2) * hidden // head_dim,
+    )
+    state = mamba2_state(
+        n_heads,
+        head_dim,
+        cfg.int("mamba_d_state", "state_size"),
+        cfg.int("mamba_ngroups", default=1),
+        cfg.int("mamba_d_conv", "conv_dimension", default=4),
+        dt.conv,
+        dt.ssm,
+    )
+    return _roles_to_layers(roles, lambda r: attention, lambda i: state)
+
+
+def _parse_gated_delta_net(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
+    """Qwen3-Next and Qwen3.5: gated delta net layers with a full-attention layer every few."""
+    state = gated_delta_net_state(
+        cfg.int("linear_num_key_heads"),
+        cfg.int("linear_num_value_heads"),
+        cfg.int("linear_key_head_dim"),
+        cfg.int("linear_value_head_dim"),
+        cfg.int("linear_conv_kernel_dim", default=4),
+        dt.conv,
+        dt.ssm,
+    )
+    return _roles_to_layers(
+        layer_roles(cfg),
+        lambda r: _attention(cfg, dt),
+        lambda i: state,
+        "linear_attn",
+    )
+
+
+def _parse_jamba(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
+    if cfg.get("attn_layer_period") is None and not isinstance(cfg.get("layers_block_type"), list):
+        cfg.data.setdefault("attn_layer_period", 8)  # transformers JambaConfig defaults
+        cfg.data.setdefault("attn_layer_offset", 4)
+    d_inner = cfg.int("mamba_expand", default=2) * cfg.int("hidden_size")
+    state = mamba1_state(
+        d_inner,
+        cfg.int("mamba_d_state", default=16),
+        cfg.int("mamba_d_conv", default=4),
+        dt.conv,
+        dt.ssm,
+    )
+    return _roles_to_layers(layer_roles(cfg), lambda r: _attention(cfg, dt), lambda i: state)
+
+
+def _parse_lfm2(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
+    state = short_conv_state(
+        cfg.int("conv_dim", default=cfg.int("hidden_size")),
+        cfg.int("conv_L_cache", default=3),
+        dt.conv,
+    )
+    return _roles_to_layers(
+        layer_roles(cfg), lambda r: _attention(cfg, dt), lambda i: state, "conv"
+    )
+
+
+def _mla(cfg: _Config, dt: CacheDtypes) -> MLASpec:
+    return MLASpec(cfg.int("kv_lora_rank"), cfg.int("qk_rope_head_dim"), dt.kv)
+
+
+def _parse_deepseek(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
+    spec = _mla(cfg, dt)
+    return [CacheLayer(f"layers.{i}.attention", i, spec) for i in range(cfg.num_layers)]
+
+
+def _parse_kimi_linear(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
+    linear = cfg.get("linear_attn_config")
+    if not isinstance(linear, dict):
+        raise ConfigError(f"config.json of {cfg.arch} is missing 'linear_attn_config'")
+    sub = _Config(linear, cfg.arch + " linear_attn_config")
+    state = kda_state(
+        sub.int("num_heads"),
+        sub.int("head_dim"),
+        sub.int("short_conv_kernel_size", default=4),
+        dt.conv,
+        dt.ssm,
+    )
+    return _roles_to_layers(layer_roles(cfg), lambda r: _mla(cfg, dt), lambda i: state, "kda")
+
+
+_Parser = Callable[[_Config, CacheDtypes], list[CacheLayer]]
+
+# Architecture name (config.json "architectures"[0]) -> reader.
+ARCHITECTURES: dict[str, _Parser] = {
+    "LlamaForCausalLM": _parse_dense,
+    "Qwen3ForCausalLM": _parse_dense,
+    "GptOssForCausalLM": _parse_dense,
+    "Gemma3ForCausalLM": _parse_dense,
+    "Gemma3ForConditionalGeneration": _parse_dense,
+    "BambaForCausalLM": _parse_mamba2_hybrid,
+    "GraniteMoeHybridForCausalLM": _parse_mamba2_hybrid,
+    "NemotronHForCausalLM": _parse_nemotron_h,
+    "Qwen3NextForCausalLM": _parse_gated_delta_net,
+    "Qwen3_5ForCausalLM": _parse_gated_delta_net,
+    "Qwen3_5ForConditionalGeneration": _parse_gated_delta_net,
+    "Qwen3_5MoeForCausalLM": _parse_gated_delta_net,
+    "Qwen3_5MoeForConditionalGeneration": _parse_gated_delta_net,
+    "JambaForCausalLM": _parse_jamba,
+    "FalconH1ForCausalLM": _parse_falcon_h1,
+    "Zamba2ForCausalLM": _parse_zamba2,
+    "Lfm2ForCausalLM": _parse_lfm2,
+    "Lfm2MoeForCausalLM": _parse_lfm2,
+    "DeepseekV3ForCausalLM": _parse_deepseek,
+    "KimiLinearForCausalLM": _parse_kimi_linear,
+}
+
+# model_type -> architecture, for configs without an "architectures" list.
+MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "bamba": "BambaForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "jamba": "JambaForCausalLM",
+    "falcon_h1": "FalconH1ForCausalLM",
+    "zamba2": "Zamba2ForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
+    "lfm2_moe": "Lfm2MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_linear": "KimiLinearForCausalLM",
+}
+
+
+def architecture_of(config: dict[str, Any]) -> str:
+    """The supported architecture a config.json describes, or a one-line error."""
+    if not isinstance(config, dict):
+        raise ConfigError(f"config.json must hold a JSON object, got {type(config).__name__}")
+    archs = config.get("architectures")
+    if isinstance(archs, list) and archs:
+        for arch in archs:
+            if arch in ARCHITECTURES:
+                return arch
+        name = archs[0]
+    elif config.get("model_type") in MODEL_TYPES:
+        return MODEL_TYPES[config["model_type"]]
+    else:
+        name = config.get("model_type") or "<no architectures or model_type>"
+    raise ConfigError(f"unsupported architecture {name!r}; supported: {', '.join(ARCHITECTURES)}")
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language-model part of a config (multimodal wrappers keep it in `text_config`)."""
+    inner = config.get("text_config")
+    return inner if isinstance(inner, dict) else config
+
+
+def model_dtype(config: dict[str, Any]) -> str:
+    """The checkpoint's dtype (`dtype` in transformers 5, `torch_dtype` before); bf16 if unset."""
+    for source in (text_config(config), config):
+        for key in ("dtype", "torch_dtype"):
+            if isinstance(source.get(key), str):
+                return canonical_dtype(source[key])
+    return "bfloat16"
+
+
+def resolve_cache_dtypes(
+    config: dict[str, Any],
+    kv_cache_dtype: str = "auto",
+    state_dtype: str = "auto",
+    ssm_state_dtype: str = "auto",
+) -> CacheDtypes:
+    """Cache dtypes for a model. `auto` = the model dtype, except that the SSM / recurrent part
+    of a state honours the config's own `mamba_ssm_cache_dtype` / `mamba_ssm_dtype`."""
+    base = model_dtype(config)
+    conv = resolve_dtype(state_dtype, base)
+    cfg = text_config(config)
+    if ssm_state_dtype != "auto":
+        ssm = canonical_dtype(ssm_state_dtype)
+    elif state_dtype != "auto":
+        ssm = conv
+    else:
+        ssm = canonical_dtype(
+            cfg.get("mamba_ssm_cache_dtype") or cfg.get("mamba_ssm_dtype") or base
+        )
+    for name, value in (("state_dtype", conv), ("ssm_state_dtype", ssm)):
+        if value not in STATE_DTYPES:
+            raise ValueError(
+                f"{name} {value!r} is not a state dtype; allowed: {', '.join(STATE_DTYPES)}"
+            )
+    return CacheDtypes(resolve_dtype(kv_cache_dtype, base), conv, ssm)
+
+
+def read_layers(config: dict[str, Any], dtypes: CacheDtypes | None = None) -> list[CacheLayer]:
+    """Read a Hugging Face config dict into the model's cache layers, in layer order."""
+    arch = architecture_of(config)
+    dtypes = dtypes or resolve_cache_dtypes(config)
+    cfg = _Config(dict(text_config(config)), arch)
+    try:
+        layers = ARCHITECTURES[arch](cfg, dtypes)
+    except (KeyError, TypeError, ZeroDivisionError) as exc:
+        raise ConfigError(f"config.json of {arch} is malformed: {exc!r}") from None
+    if not layers:
+        raise ConfigError(f"config.json of {arch} describes no layer that keeps a cache")
+    return layers

@@ -1,0 +1,112 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hybridkv.entrypoints.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_text_table(capsys):
+    code, out, _ = run(
+        capsys, "plan", "--model", "ibm-granite/granite-4.0-h-small", "--backend", "flashinfer"
+    )
+    assert code == 0
+    assert "page_tokens         528" in out
+    assert "padding 14,848 B (0.69%)" in out
+    row = next(line for line in out.splitlines() if line.split()[1:2] == ["attention"])
+    assert row.split()[1:7] == ["attention", "4", "flashinfer", "528", "16", "33"]
+
+
+def test_plan_json(capsys):
+    code, out, _ = run(
+        capsys,
+        "plan",
+        "--model",
+        "Qwen/Qwen3-Next-80B-A3B-Instruct",
+        "--backend",
+        "flashinfer",
+        "--memory",
+        "40GiB",
+        "--json",
+    )
+    assert code == 0
+    j = json.loads(out)
+    assert (j["page_tokens"], j["layers_per_group"]) == (544, 12)
+    attn = [g for g in j["groups"] if g["kind"] == "attention"]
+    assert [(g["kernel_block_size"], g["blocks_per_page"]) for g in attn] == [(32, 17)]
+    assert {g["kind"] for g in j["groups"]} == {"attention", "gated_delta_net"}
+    assert j["num_pages"] == 40 * 2**30 // (j["page_bytes"] * 12)
+
+
+def test_plan_num_pages_and_options(capsys):
+    code, out, _ = run(
+        capsys,
+        "plan",
+        "--model",
+        "nvidia/NVIDIA-Nemotron-Nano-9B-v2",
+        "--num-pages",
+        "100",
+        "--platform",
+        "cpu",
+        "--kernel-block-size",
+        "96",
+        "--json",
+    )
+    j = json.loads(out)
+    assert code == 0 and j["num_pages"] == 100 and j["platform"] == "cpu"
+    assert [g["kernel_block_size"] for g in j["groups"] if g["kind"] == "attention"] == [96]
+
+
+def test_plan_of_a_folder(tmp_path, capsys):
+    from hybridkv.kv.presets import load_preset
+
+    (tmp_path / "config.json").write_text(json.dumps(load_preset("ai21labs/Jamba-v0.1")))
+    code, out, _ = run(capsys, "plan", "--model", str(tmp_path), "--json")
+    assert code == 0 and {g["kind"] for g in json.loads(out)["groups"]} == {"attention", "mamba1"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "nope/nope"], "neither a folder"),
+        (["--kernel-block-size", "48", "--backend", "flashinfer"], "kernel_block_size=48"),
+        (["--kernel-block-size", "100"], "does not divide page_tokens=528"),
+        (["--page-tokens", "64"], "page_tokens=64 is too small"),
+        (["--memory", "1MiB"], "memory budget"),
+        (["--memory", "lots"], "cannot read memory size 'lots'"),
+        (["--backend", "warp"], "unknown attention backend 'warp'"),
+        (["--platform", "tpu"], "unknown platform 'tpu'"),
+        (["--kv-cache-dtype", "int4"], "unknown dtype 'int4'"),
+        (["--page-tokens", "0"], "page_tokens must be a positive integer"),
+    ],
+)
+def test_plan_errors_are_one_line_exit_2(capsys, argv, message):
+    code, out, err = run(capsys, "plan", *argv)
+    assert code == 2
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_malformed_config(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    code, _, err = run(capsys, "plan", "--model", str(tmp_path))
+    assert code == 2 and "missing 'num_hidden_layers'" in err
+    (tmp_path / "config.json").write_text("[1, 2")
+    code, _, err = run(capsys, "plan", "--model", str(tmp_path))
+    assert code == 2 and "cannot read" in err
+
+
+def test_console_script_exit_code_without_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-m", "hybridkv.entrypoints.cli", "plan", "--model", "x/y"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("hybridkv plan: error:") and "Traceback" not in proc.stderr
