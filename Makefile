@@ -25,11 +25,11 @@ run: $(VENV)/.installed
 	$(BIN)/hybridkv plan --model ibm-granite/granite-4.0-h-small --platform cuda --backend flashinfer
 
 test: $(VENV)/.installed-test
-	$(BIN)/ruff check hybridkv tests benchmarks scripts
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n 2
 
 lint: $(VENV)/.installed-test
-	$(BIN)/ruff check hybridkv tests benchmarks scripts
+	$(BIN)/ruff check .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
