@@ -1,0 +1,51 @@
+"""The attention backend interface and its per-step, per-group metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """What an attention kernel needs for one attention group in one step (immutable).
+
+    Requests are packed: request s owns query tokens query_start_loc[s]:query_start_loc[s+1],
+    the last q_len of its seq_lens[s] context tokens.
+    """
+
+    block_table: torch.Tensor  # [num_seqs, max_kernel_blocks] int32 kernel-block ids
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 for padding
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length after this step
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionImpl(Protocol):
+    """A backend implementation: writes new K/V by slot and attends over the paged cache."""
+
+    name: str
+
+    def write_kv_cache(
+        self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [num_kernel_blocks, 2, kernel_block_size, kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
