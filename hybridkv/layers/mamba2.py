@@ -1,0 +1,200 @@
+"""Mamba2 mixer over packed ragged batches with paged conv/SSM state.
+
+Parameter names follow the transformers mixers (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`,
+`norm.weight`, `out_proj`) so a checkpoint's mixer tensors load by name. The data flow:
+
+    hidden [T, hidden] -> in_proj -> split (gate [I] | xBC [I + 2GN] | dt [H])
+    xBC -> causal conv1d (+ state) -> silu -> split (x [H, P] | B [G, N] | C [G, N])
+    x, dt, B, C -> scan (+ state) -> y [I] -> gated RMSNorm(y, gate) -> out_proj -> [T, hidden]
+
+with I = n_heads * head_dim. Family differences found in transformers 5.x, and the constructor
+option that covers each:
+
+- Bamba, GraniteMoeHybrid: identical mixers. `dt_limit = config.time_step_limit` (default
+  (0, inf)); in_proj and out_proj bias = `mamba_proj_bias`; conv bias = `mamba_conv_bias`;
+  norm eps = `rms_norm_eps`; head_dim = `mamba_d_head` (intermediate = mamba_expand * hidden).
+- NemotronH: same layout and names (the mixer is `backbone.layers.i.mixer`), but
+  intermediate = mamba_num_heads * mamba_head_dim, bias = `use_bias` / `use_conv_bias`,
+  eps = `layer_norm_epsilon`, and **dt_limit = (time_step_min, inf)**, a lower clamp that the
+  other families do not have. Its n_groups (often 8) also groups the gated norm.
+- Zamba2: like NemotronH (dt_limit = (time_step_min, inf)); conv bias always on, norm eps fixed
+  to 1e-5, bias = `add_bias_linear`. Supported with plain arguments.
+- Falcon-H1: supported with `in_multiplier` (ssm_in_multiplier, scales the mixer input),
+  `proj_multipliers` (ssm_multipliers for the z, x, B, C, dt slices of in_proj's output; stored
+  as the non-persistent buffer `mup_vector`, as transformers does), `gated_norm=False`
+  (mamba_rms_norm off: y * silu(gate), no norm weight), `norm_before_gate`
+  (mamba_norm_before_gate) and `norm_weight_in_fp32=True` (its norm multiplies the weight before
+  the cast), `out_proj_bias` (projectors_bias, separate from mamba_proj_bias). Its
+  `ssm_out_multiplier` is applied by the decoder layer, outside the mixer. `mamba_d_ssm` sets
+  I, which must equal n_heads * head_dim here.
+
+Where transformers itself is inconsistent: its one-token decode path ignores dt_limit and rounds
+the scan output to the model dtype before the norm; here dt_limit applies to every token and the
+scan output stays float32 into the norm (what its prefill path does), so decode equals prefill.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.layers.state_base import StateMetadata
+from hybridkv.ops.conv1d import causal_conv1d_varlen
+from hybridkv.ops.mamba2 import mamba2_scan_varlen
+from hybridkv.ops.norm import gated_rms_norm
+
+
+class _GatedNormWeight(nn.Module):
+    """Holds `norm.weight` (the computation lives in `hybridkv.ops.norm.gated_rms_norm`)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(channels))
+
+
+class Mamba2Mixer(nn.Module):
+    """A Mamba2 mixer whose conv and SSM states live in pages of the state cache."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        n_heads: int,
+        head_dim: int,
+        d_state: int,
+        n_groups: int = 1,
+        d_conv: int = 4,
+        chunk_size: int = 256,
+        conv_bias: bool = True,
+        proj_bias: bool = False,
+        norm_eps: float = 1e-5,
+        dt_limit: tuple[float, float] = (0.0, math.inf),
+        activation: str | None = "silu",
+        *,
+        out_proj_bias: bool | None = None,
+        norm_group_size: int | None = None,
+        gated_norm: bool = True,
+        norm_before_gate: bool = False,
+        norm_weight_in_fp32: bool = False,
+        in_multiplier: float = 1.0,
+        proj_multipliers: Sequence[float] | None = None,
+    ):
+        super().__init__()
+        if n_heads % n_groups != 0:
+            raise ValueError(f"n_heads {n_heads} must be a multiple of n_groups {n_groups}")
+        self.hidden_size, self.n_heads, self.head_dim = hidden_size, n_heads, head_dim
+        self.d_state, self.n_groups, self.d_conv = d_state, n_groups, d_conv
+        self.chunk_size = chunk_size
+        self.norm_eps = norm_eps
+        self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
+        self.activation = activation
+        self.intermediate_size = n_heads * head_dim
+        self.conv_dim = self.intermediate_size + 2 * n_groups * d_state
+        self.norm_group_size = norm_group_size or self.intermediate_size // n_groups
+        self.gated_norm = gated_norm
+        self.norm_before_gate = norm_before_gate
+        self.norm_weight_in_fp32 = norm_weight_in_fp32
+        self.in_multiplier = in_multiplier
+
+        projection_size = self.intermediate_size + self.conv_dim + n_heads
+        self.in_proj = nn.Linear(hidden_size, projection_size, bias=proj_bias)
+        # Depthwise: weight [conv_dim, 1, d_conv] as in the checkpoints (padding is unused here).
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim, bias=conv_bias
+        )
+        self.dt_bias = nn.Parameter(torch.ones(n_heads))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, n_heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(n_heads))
+        if gated_norm:
+            self.norm = _GatedNormWeight(self.intermediate_size)
+        out_bias = proj_bias if out_proj_bias is None else out_proj_bias
+        self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=out_bias)
+        mup = None if proj_multipliers is None else self._mup_vector(proj_multipliers)
+        self.register_buffer("mup_vector", mup, persistent=False)
+
+    def _mup_vector(self, multipliers: Sequence[float]) -> torch.Tensor:
+        """Per-channel scale of in_proj's output from 5 multipliers (z, x, B, C, dt)."""
+        if len(multipliers) != 5:
+            raise ValueError("proj_multipliers needs 5 values: z, x, B, C, dt")
+        gn = self.n_groups * self.d_state
+        sizes = [self.intermediate_size, self.intermediate_size, gn, gn, self.n_heads]
+        parts = [torch.full((n,), float(m)) for n, m in zip(sizes, multipliers, strict=True)]
+        return torch.cat(parts)  # [projection_size]
+
+    def _project_in(
+        self, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[T, hidden] -> gate [T, I], xBC [T, conv_dim], dt [T, H]."""
+        if self.in_multiplier != 1.0:
+            hidden_states = hidden_states * self.in_multiplier
+        zxbcdt = self.in_proj(hidden_states)  # [T, I + conv_dim + H]
+        if self.mup_vector is not None:
+            zxbcdt = zxbcdt * self.mup_vector.to(zxbcdt.dtype)
+        gate, xbc, dt = zxbcdt.split([self.intermediate_size, self.conv_dim, self.n_heads], -1)
+        return gate, xbc, dt
+
+    def _output_gate(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Gated RMSNorm (or plain silu gating when the family has no norm). y: [T, I] fp32."""
+        if not self.gated_norm:
+            return y * F.silu(gate)
+        return gated_rms_norm(
+            y,
+            gate,
+            self.norm.weight,
+            self.norm_eps,
+            self.norm_group_size,
+            norm_before_gate=self.norm_before_gate,
+            weight_in_fp32=self.norm_weight_in_fp32,
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+        meta: StateMetadata,
+    ) -> torch.Tensor:
+        """hidden_states: [T, hidden]; conv_state: [num_pages, conv_dim, d_conv - 1];
+        ssm_state: [num_pages, n_heads, head_dim, d_state] (both updated in place) -> [T, hidden].
+        """
+        num_tokens = hidden_states.shape[0]
+        gn = self.n_groups * self.d_state
+        gate, xbc, dt = self._project_in(hidden_states)
+
+        # xbc: [T, conv_dim] after the causal conv and activation
+        xbc = causal_conv1d_varlen(
+            xbc,
+            self.conv1d.weight[:, 0, :],
+            self.conv1d.bias,
+            conv_state,
+            meta.state_pages,
+            meta.has_initial_state,
+            meta.query_start_loc,
+            meta.max_query_len,
+            activation=self.activation,
+        )
+        x, B, C = xbc.split([self.intermediate_size, gn, gn], dim=-1)
+
+        # y: [T, n_heads, head_dim] in float32 (kept for the norm, as transformers' prefill does)
+        y = mamba2_scan_varlen(
+            x.reshape(num_tokens, self.n_heads, self.head_dim),
+            dt,
+            -torch.exp(self.A_log.float()),
+            B.reshape(num_tokens, self.n_groups, self.d_state),
+            C.reshape(num_tokens, self.n_groups, self.d_state),
+            self.D,
+            self.dt_bias,
+            ssm_state,
+            meta.state_pages,
+            meta.has_initial_state,
+            meta.query_start_loc,
+            meta.max_query_len,
+            self.chunk_size,
+            dt_limit=self.dt_limit,
+            out_dtype=torch.float32,
+        )
+        y = self._output_gate(y.reshape(num_tokens, self.intermediate_size), gate)
+        return self.out_proj(y.to(hidden_states.dtype))

@@ -1,0 +1,75 @@
+"""RMS normalisation as the Hugging Face hybrid families compute it (float32 inside).
+
+Where the families differ (read in transformers 5.x):
+
+- Plain RMSNorm. Bamba, GraniteMoeHybrid, Falcon-H1 and Zamba2 cast the normalised value back to
+  the input dtype and *then* multiply by the weight (Llama style: `weight * x_hat.to(dtype)`).
+  NemotronH multiplies by the weight in float32 and casts the product (`weight_in_fp32=True`).
+- Gated RMSNorm of the Mamba2 mixers. Bamba, GraniteMoeHybrid, NemotronH and Zamba2 gate first
+  (`x * silu(gate)`), normalise per group of `intermediate_size // n_groups` channels, cast to the
+  input dtype, then multiply by the weight. Falcon-H1 differs: it multiplies by the weight in
+  float32 before the cast, and by default (`mamba_norm_before_gate=True`) it normalises first
+  and gates after (`norm_before_gate=True`, `weight_in_fp32=True` here).
+
+In float32 every variant gives the same numbers up to rounding order; they differ in bf16/fp16.
+All functions return the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) over the last dimension; x is float32."""
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return x * torch.rsqrt(variance + eps)
+
+
+def _apply_weight(
+    x_hat: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, weight_in_fp32: bool
+) -> torch.Tensor:
+    """Multiply the float32 normalised value by the weight, in the family's order, -> `dtype`."""
+    if weight_in_fp32:
+        return (weight.float() * x_hat).to(dtype)
+    return (weight * x_hat.to(dtype)).to(dtype)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool = False
+) -> torch.Tensor:
+    """RMSNorm over the last dimension. x: [..., hidden]; weight: [hidden] -> [..., hidden]."""
+    x_hat = _normalise(x.float(), eps)
+    return _apply_weight(x_hat, weight, x.dtype, weight_in_fp32)
+
+
+def gated_rms_norm(
+    x: torch.Tensor,
+    gate: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    group_size: int,
+    norm_before_gate: bool = False,
+    weight_in_fp32: bool = False,
+) -> torch.Tensor:
+    """Gated, grouped RMSNorm of a Mamba2 mixer output.
+
+    x, gate: [..., channels]; weight: [channels]; channels % group_size == 0 -> [..., channels].
+    Default (Bamba, GraniteMoeHybrid, NemotronH, Zamba2): normalise(x * silu(gate)) per group of
+    `group_size` channels, cast to x.dtype, times weight. Falcon-H1: `norm_before_gate=True,
+    weight_in_fp32=True` gives silu(gate) * (weight * normalise(x)) computed in float32.
+    """
+    dtype = x.dtype
+    xf = x.float()
+    gate_f = None if gate is None else F.silu(gate.float())
+    if gate_f is not None and not norm_before_gate:
+        xf = xf * gate_f
+    *prefix, channels = xf.shape
+    # grouped: [..., n_groups, group_size]
+    grouped = xf.reshape(*prefix, channels // group_size, group_size)
+    x_hat = _normalise(grouped, eps).reshape(*prefix, channels)
+    if gate_f is not None and norm_before_gate:
+        # Falcon-H1 order: weight in float32, then gate, then one cast.
+        return (weight.float() * x_hat * gate_f).to(dtype)
+    return _apply_weight(x_hat, weight, dtype, weight_in_fp32)

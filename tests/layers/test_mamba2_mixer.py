@@ -1,0 +1,237 @@
+"""Mamba2Mixer against the transformers mixers (pure-PyTorch path) with the same weights."""
+
+import warnings
+
+import pytest
+import torch
+
+from hybridkv.layers.mamba2 import Mamba2Mixer
+from hybridkv.layers.state_base import StateMetadata
+
+HIDDEN, HEADS, STATE, GROUPS, CHUNK = 32, 4, 8, 2, 8
+
+
+def bamba():
+    from transformers import BambaConfig
+    from transformers.models.bamba.modeling_bamba import BambaMixer
+
+    cfg = BambaConfig(
+        hidden_size=HIDDEN, num_hidden_layers=1, mamba_n_heads=HEADS, mamba_d_state=STATE,
+        mamba_n_groups=GROUPS, mamba_chunk_size=CHUNK, mamba_proj_bias=True,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    kwargs = dict(
+        hidden_size=cfg.hidden_size, n_heads=cfg.mamba_n_heads, head_dim=cfg.mamba_d_head,
+        d_state=cfg.mamba_d_state, n_groups=cfg.mamba_n_groups, d_conv=cfg.mamba_d_conv,
+        chunk_size=cfg.mamba_chunk_size, conv_bias=cfg.mamba_conv_bias,
+        proj_bias=cfg.mamba_proj_bias, norm_eps=cfg.rms_norm_eps, dt_limit=cfg.time_step_limit,
+    )  # fmt: skip
+    return BambaMixer(cfg, layer_idx=0), kwargs
+
+
+def granite():
+    from transformers import GraniteMoeHybridConfig
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (
+        GraniteMoeHybridMambaLayer,
+    )
+
+    cfg = GraniteMoeHybridConfig(
+        hidden_size=HIDDEN, num_hidden_layers=1, mamba_n_heads=HEADS, mamba_d_state=STATE,
+        mamba_n_groups=1, mamba_chunk_size=CHUNK, mamba_conv_bias=False,
+        time_step_limit=(0.0, 1.5), num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["mamba"],
+    )  # fmt: skip
+    kwargs = dict(
+        hidden_size=cfg.hidden_size, n_heads=cfg.mamba_n_heads, head_dim=cfg.mamba_d_head,
+        d_state=cfg.mamba_d_state, n_groups=cfg.mamba_n_groups, d_conv=cfg.mamba_d_conv,
+        chunk_size=cfg.mamba_chunk_size, conv_bias=cfg.mamba_conv_bias,
+        proj_bias=cfg.mamba_proj_bias, norm_eps=cfg.rms_norm_eps, dt_limit=cfg.time_step_limit,
+    )  # fmt: skip
+    return GraniteMoeHybridMambaLayer(cfg, layer_idx=0), kwargs
+
+
+def nemotron_h():
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+    cfg = NemotronHConfig(
+        hidden_size=HIDDEN, mamba_num_heads=HEADS, mamba_head_dim=12, ssm_state_size=STATE,
+        n_groups=GROUPS, chunk_size=CHUNK, use_bias=True, time_step_min=0.6,
+        layers_block_type=["mamba"], num_hidden_layers=1,
+    )  # fmt: skip
+    kwargs = dict(
+        hidden_size=cfg.hidden_size, n_heads=cfg.mamba_num_heads, head_dim=cfg.mamba_head_dim,
+        d_state=cfg.ssm_state_size, n_groups=cfg.n_groups, d_conv=cfg.conv_kernel,
+        chunk_size=cfg.chunk_size, conv_bias=cfg.use_conv_bias, proj_bias=cfg.use_bias,
+        norm_eps=cfg.layer_norm_epsilon, dt_limit=(cfg.time_step_min, float("inf")),
+    )  # fmt: skip
+    return NemotronHMamba2Mixer(cfg, layer_idx=0), kwargs
+
+
+def zamba2():
+    from transformers import Zamba2Config
+    from transformers.models.zamba2.modeling_zamba2 import Zamba2MambaMixer
+
+    cfg = Zamba2Config(
+        hidden_size=HIDDEN, n_mamba_heads=HEADS, mamba_d_state=STATE, mamba_ngroups=GROUPS,
+        chunk_size=CHUNK, num_hidden_layers=1, layers_block_type=["mamba"],
+        num_attention_heads=4, time_step_min=0.3,
+    )  # fmt: skip
+    kwargs = dict(
+        hidden_size=cfg.hidden_size, n_heads=cfg.n_mamba_heads, head_dim=cfg.mamba_headdim,
+        d_state=cfg.mamba_d_state, n_groups=cfg.mamba_ngroups, d_conv=cfg.mamba_d_conv,
+        chunk_size=cfg.chunk_size, conv_bias=True, proj_bias=cfg.add_bias_linear,
+        norm_eps=1e-5, dt_limit=(cfg.time_step_min, float("inf")),
+    )  # fmt: skip
+    return Zamba2MambaMixer(cfg, layer_idx=0), kwargs
+
+
+def falcon_h1(rms_norm: bool):
+    from transformers import FalconH1Config
+    from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Mixer, compute_mup_vector
+
+    cfg = FalconH1Config(
+        hidden_size=HIDDEN, num_hidden_layers=1, mamba_d_ssm=48, mamba_n_heads=HEADS,
+        mamba_d_state=STATE, mamba_n_groups=GROUPS, mamba_chunk_size=CHUNK,
+        mamba_rms_norm=rms_norm, projectors_bias=True, ssm_in_multiplier=0.8,
+        ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.9], num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    hf = FalconH1Mixer(cfg, layer_idx=0)
+    hf.register_buffer("mup_vector", compute_mup_vector(cfg), persistent=False)
+    kwargs = dict(
+        hidden_size=cfg.hidden_size, n_heads=cfg.mamba_n_heads, head_dim=cfg.mamba_d_head,
+        d_state=cfg.mamba_d_state, n_groups=cfg.mamba_n_groups, d_conv=cfg.mamba_d_conv,
+        chunk_size=cfg.mamba_chunk_size, conv_bias=cfg.mamba_conv_bias,
+        proj_bias=cfg.mamba_proj_bias, norm_eps=cfg.rms_norm_eps, dt_limit=cfg.time_step_limit,
+        out_proj_bias=cfg.projectors_bias, gated_norm=cfg.mamba_rms_norm,
+        norm_before_gate=cfg.mamba_norm_before_gate, norm_weight_in_fp32=True,
+        in_multiplier=cfg.ssm_in_multiplier, proj_multipliers=cfg.ssm_multipliers,
+    )  # fmt: skip
+    return hf, kwargs
+
+
+FAMILIES = {
+    "bamba": bamba,
+    "granitemoehybrid": granite,
+    "nemotron_h": nemotron_h,
+    "zamba2": zamba2,
+    "falcon_h1": lambda: falcon_h1(rms_norm=False),
+    "falcon_h1_rmsnorm": lambda: falcon_h1(rms_norm=True),
+}
+
+
+def build(family: str, seed: int = 0):
+    """The transformers mixer with seeded random weights, and ours loaded from its state_dict."""
+    torch.manual_seed(seed)
+    hf, kwargs = FAMILIES[family]()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name == "norm.weight":
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name in ("A_log", "dt_bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    ours = Mamba2Mixer(**kwargs)
+    ours.load_state_dict(hf.state_dict(), strict=True)
+    return hf.eval(), ours.eval()
+
+
+class Pages:
+    """Conv and SSM state views into one float32 buffer (stride = page), filled with NaN."""
+
+    def __init__(self, mixer: Mamba2Mixer, num_pages: int = 8):
+        conv_n = mixer.conv_dim * (mixer.d_conv - 1)
+        ssm_n = mixer.n_heads * mixer.head_dim * mixer.d_state
+        self.buffer = torch.full((num_pages, conv_n + ssm_n + 3), float("nan"))
+        self.conv = self.buffer[:, :conv_n].view(num_pages, mixer.conv_dim, mixer.d_conv - 1)
+        self.ssm = self.buffer[:, conv_n : conv_n + ssm_n].view(
+            num_pages, mixer.n_heads, mixer.head_dim, mixer.d_state
+        )
+
+
+def meta_for(lens, pages, has_init) -> StateMetadata:
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return StateMetadata(
+        state_pages=torch.tensor(pages, dtype=torch.int64),
+        has_initial_state=torch.tensor(has_init),
+        query_start_loc=qsl,
+        max_query_len=max(lens),
+    )
+
+
+def hf_outputs(hf, seqs):
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        return [hf(s[None])[0] for s in seqs]
+
+
+def rel_err(out, ref):
+    return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_prefill_matches_transformers(family):
+    hf, ours = build(family)
+    seqs = [torch.randn(n, HIDDEN) for n in (13, 5, 20)]  # one, partial and several chunks
+    refs = hf_outputs(hf, seqs)
+    pages = Pages(ours)
+    with torch.no_grad():
+        out = ours(
+            torch.cat(seqs), pages.conv, pages.ssm, meta_for([13, 5, 20], [6, 1, 3], [False] * 3)
+        )
+    assert not torch.isnan(out).any()
+    assert rel_err(out, torch.cat(refs)) <= 1e-5  # measured 1e-7..6e-7
+    assert torch.cat(refs).std() > 0.05  # outputs are not flat
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_chunked_prefill_and_decode_match_transformers(family):
+    """Ragged steps (prefill chunks, mixed prefill+decode, pure decode) vs one full-length run."""
+    hf, ours = build(family, seed=1)
+    totals = {"a": 16, "b": 9, "c": 7}
+    seqs = {k: torch.randn(n, HIDDEN) for k, n in totals.items()}
+    refs = dict(zip(seqs, hf_outputs(hf, list(seqs.values())), strict=True))
+    page_of = {"a": 5, "b": 0, "c": 2}
+    steps = [  # request -> tokens this step
+        {"a": 10, "b": 3},
+        {"a": 1, "b": 4, "c": 5},  # decode mixed with prefill chunks
+        {"a": 1, "b": 1, "c": 1},  # pure decode
+        {"a": 1, "b": 1, "c": 1},
+        {"a": 1},
+        {"a": 1},
+        {"a": 1},
+    ]
+    pages = Pages(ours)
+    done = dict.fromkeys(totals, 0)
+    outs = {k: [] for k in totals}
+    for step in steps:
+        names = list(step)
+        x = torch.cat([seqs[k][done[k] : done[k] + step[k]] for k in names])
+        meta = meta_for([step[k] for k in names], [page_of[k] for k in names],
+                        [done[k] > 0 for k in names])  # fmt: skip
+        with torch.no_grad():
+            y = ours(x, pages.conv, pages.ssm, meta)
+        for k, part in zip(names, y.split([step[k] for k in names]), strict=True):
+            outs[k].append(part)
+            done[k] += step[k]
+    assert done == totals
+    for k in totals:
+        assert rel_err(torch.cat(outs[k]), refs[k]) <= 1e-5, k
+
+
+def test_bf16_weights_with_bf16_conv_and_fp32_ssm_pages():
+    """Runs in bf16 (conv state bf16, SSM state fp32) and stays close to the fp32 result."""
+    _, ours = build("nemotron_h")
+    x = torch.randn(11, HIDDEN)
+    meta = meta_for([7, 4], [1, 0], [False, False])
+    pages = Pages(ours)
+    with torch.no_grad():
+        ref = ours(x, pages.conv, pages.ssm, meta)
+        ours_bf16 = ours.to(torch.bfloat16)
+        conv = torch.full(pages.conv.shape, float("nan"), dtype=torch.bfloat16)
+        ssm = torch.full(pages.ssm.shape, float("nan"))
+        out = ours_bf16(x.to(torch.bfloat16), conv, ssm, meta)
+    assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
+    assert rel_err(out.float(), ref) < 5e-2
+    torch.testing.assert_close(ssm[[1, 0]], pages.ssm[[1, 0]], rtol=5e-2, atol=5e-2)
