@@ -38,12 +38,28 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     platform: str = "cpu"
     attention_backend: str | None = None
+    # State snapshot policy (which token counts get a state snapshot for prefix caching):
+    snapshot_prompt_end: bool = True  # the last hit boundary inside the prompt
+    snapshot_request_end: bool = True  # the last boundary a request reached (rolling tail)
+    snapshot_branch_point: bool = True  # where a new prompt's attention hit outruns its state hit
+    snapshot_interval_blocks: int | None = None  # also every N hit blocks inside the prompt
+    max_snapshots_per_request: int = 4  # cap on prompt snapshots (the rolling tail is one more)
+    debug_checks: bool = False  # run the allocator integrity check after every step
 
     def __post_init__(self) -> None:
         _positive_or_none("page_tokens", self.page_tokens)
         _positive_or_none("kernel_block_size", self.kernel_block_size)
         _positive_or_none("memory_bytes", self.memory_bytes)
         _positive_or_none("num_pages", self.num_pages)
+        _positive_or_none("snapshot_interval_blocks", self.snapshot_interval_blocks)
+        if (
+            not isinstance(self.max_snapshots_per_request, int)
+            or self.max_snapshots_per_request < 0
+        ):
+            raise ValueError(
+                f"max_snapshots_per_request must be an integer >= 0, got "
+                f"{self.max_snapshots_per_request!r}"
+            )
         if self.memory_bytes is not None and self.num_pages is not None:
             raise ValueError("give memory_bytes or num_pages, not both")
         if self.allocation not in ALLOCATION_MODES:

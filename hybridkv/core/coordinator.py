@@ -1,0 +1,453 @@
+"""The cache manager: one page pool, one manager per group, hybrid prefix caching.
+
+Per request and step the scheduler calls, in this order:
+
+    hit = cm.lookup(req)                     # at admission: longest prefix every group serves
+    alloc = cm.allocate(req, n, hit)         # hold cache for n more tokens; None if the pool is dry
+    ... the runner copies alloc.copies_in, runs the forward, copies alloc.snapshots ...
+    cm.commit(req, num_computed_tokens)      # full units and new snapshots enter the cache
+    cm.free(req)                             # finished or preempted
+
+Allocation is all or nothing across groups; freeing runs groups in reverse order.
+
+Hybrid prefix hits (DESIGN.md section 5): a hit of L tokens needs every full-attention group to
+hold all units of the first L tokens, every sliding group those inside its window, and every
+state group a snapshot taken after exactly L tokens. Hit lengths are multiples of `hit_tokens`
+(the least common multiple of the attention groups' unit sizes: kernel_block_size in block mode,
+page_tokens in page mode).
+
+Snapshot policy (CacheConfig fields; boundaries are multiples of hit_tokens):
+
+- `snapshot_prompt_end`: the last boundary inside the prompt, so a longer prompt sharing it
+  (the next turn of a conversation, a shared system prompt) hits;
+- `snapshot_request_end`: every boundary a request reaches after its prompt replaces its
+  previous one (a rolling tail), so the state at the last boundary a finished request reached
+  stays cached for the follow-up that extends it;
+- `snapshot_branch_point`: when a new prompt's attention hit is longer than its state hit, the
+  attention hit length, so the next prompt with that prefix hits in full;
+- `snapshot_interval_blocks`: also every N boundaries inside the prompt;
+- `max_snapshots_per_request` caps the prompt-time snapshots (the tail is at most one more).
+
+The scheduler ends prefill chunks at `next_boundary(req)` so that the running state is exactly
+at a boundary when its snapshot is copied. Every snapshot page is cached (evictable) as soon as
+its copy has run: snapshots never lower the number of requests the pool can hold.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from hybridkv.config import CacheConfig
+from hybridkv.core.hashing import extend_hashes
+from hybridkv.core.managers import (
+    MANAGERS,
+    AttentionReq,
+    FullAttentionManager,
+    SlidingWindowManager,
+    StateManager,
+    StateReq,
+)
+from hybridkv.core.page_pool import PagePool
+from hybridkv.kv.plan import MemoryPlan
+
+INF = math.inf
+
+
+class CacheRequest(Protocol):
+    """What the cache manager reads from a request."""
+
+    request_id: str
+    all_token_ids: Sequence[int]  # prompt followed by the tokens generated so far
+    num_prompt_tokens: int
+    extra_keys: tuple[Hashable, ...]  # enter the prefix hash (adapter id, cache salt, ...)
+
+
+@dataclass
+class SimpleRequest:
+    """A minimal `CacheRequest` (tests and benchmarks)."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_prompt_tokens: int
+    extra_keys: tuple[Hashable, ...] = ()
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    num_tokens: int  # tokens every group can serve
+    attention_tokens: int  # tokens the attention groups alone could serve
+
+
+NO_HIT = PrefixHit(0, 0)
+
+
+@dataclass(frozen=True)
+class StepAllocation:
+    """What the runner needs from one allocation (ids are kernel-block ids and page ids)."""
+
+    new_blocks: dict[int, list[int]]  # attention group -> kernel-block ids to append to its row
+    copies_in: tuple[tuple[int, int, int], ...] = ()  # (group, snapshot page, running page)
+    snapshots: tuple[tuple[int, int, int], ...] = ()  # (group, running page, snapshot page)
+
+
+EMPTY_ALLOCATION = StepAllocation({})
+
+
+@dataclass
+class _ReqState:
+    request: CacheRequest
+    groups: list[AttentionReq | StateReq]
+    hashes: list[int]
+    num_computed: int = 0
+    boundaries: list[int] = field(default_factory=list)  # prompt-time snapshot lengths, sorted
+    has_pending: bool = False  # snapshot / copy-in ops waiting for commit
+    cap: float = 0  # tokens every attention group can hold
+    next_snap: float = INF  # total at which the next snapshot is due
+    next_drop: float = INF  # first-query position at which a sliding group drops a unit
+    next_commit: float = INF  # computed tokens at which a unit becomes full
+
+
+@dataclass
+class CacheStats:
+    queries: int = 0  # admissions that looked up the prefix cache
+    hits: int = 0  # admissions with a hit
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    snapshots_taken: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class CacheManager:
+    def __init__(self, plan: MemoryPlan, cache: CacheConfig) -> None:
+        self.plan = plan
+        self.config = cache
+        self.caching = cache.enable_prefix_caching
+        self.pool = PagePool(plan.num_pages)
+        self.groups = [MANAGERS[g.kind](g, self.pool, cache.allocation) for g in plan.groups]
+        attention = [m for m in self.groups if isinstance(m, FullAttentionManager)]
+        units = [m.unit_tokens for m in attention]
+        self.hash_block_tokens = math.gcd(*units)
+        self.hit_tokens = math.lcm(*units)
+        self.full_groups = [m for m in attention if not isinstance(m, SlidingWindowManager)]
+        self.sliding_groups = [m for m in attention if isinstance(m, SlidingWindowManager)]
+        self.state_groups = [m for m in self.groups if isinstance(m, StateManager)]
+        self._reqs: dict[str, _ReqState] = {}
+        self._lookup_hashes: dict[str, list[int]] = {}
+        self.stats = CacheStats()
+
+    # -- prefix keys -------------------------------------------------------------------------
+
+    def _key_at(self, req: CacheRequest, hashes: list[int], length: int) -> int | None:
+        idx = length // self.hash_block_tokens - 1
+        if idx >= len(hashes):
+            extend_hashes(hashes, req.all_token_ids, self.hash_block_tokens, req.extra_keys)
+        return hashes[idx] if 0 <= idx < len(hashes) else None
+
+    # -- lookup ------------------------------------------------------------------------------
+
+    def lookup(self, req: CacheRequest) -> PrefixHit:
+        """The longest prefix every group can serve (no side effects on the cache)."""
+        if not self.caching or req.request_id in self._reqs:
+            return NO_HIT
+        hashes = self._lookup_hashes.setdefault(req.request_id, [])
+
+        def key_at(length: int) -> int | None:
+            return self._key_at(req, hashes, length)
+
+        gran = self.hit_tokens
+        limit = (len(req.all_token_ids) - 1) // gran * gran  # one token must be computed
+        for m in self.full_groups:
+            limit = min(limit, m.cached_prefix_tokens(key_at, limit) // gran * gran)
+        attention = self._longest(limit, self.sliding_groups, key_at)
+        length = self._longest(attention, self.state_groups + self.sliding_groups, key_at)
+        return PrefixHit(length, attention)
+
+    def _longest(self, length: int, groups: list, key_at) -> int:
+        while length > 0 and not all(m.can_serve(length, key_at) for m in groups):
+            length -= self.hit_tokens
+        return length
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def _admit(self, req: CacheRequest, hit: PrefixHit) -> _ReqState:
+        hashes = self._lookup_hashes.pop(req.request_id, [])
+        rs = _ReqState(req, [m.new_request() for m in self.groups], hashes)
+
+        def key_at(length: int) -> int | None:
+            return self._key_at(req, rs.hashes, length)
+
+        for m, gr in zip(self.groups, rs.groups, strict=True):
+            m.take_hit(gr, hit.num_tokens, key_at)  # type: ignore[arg-type]
+        rs.num_computed = hit.num_tokens
+        rs.boundaries = self._prompt_boundaries(req, hit) if self.state_groups else []
+        self._update_events(rs, rs.num_computed)
+        return rs
+
+    def _prompt_boundaries(self, req: CacheRequest, hit: PrefixHit) -> list[int]:
+        if not self.caching:
+            return []
+        cfg, gran = self.config, self.hit_tokens
+        prompt_end = len(req.all_token_ids) // gran * gran
+        wanted: list[int] = []
+        if cfg.snapshot_prompt_end:
+            wanted.append(prompt_end)
+        if cfg.snapshot_branch_point and hit.attention_tokens > hit.num_tokens:
+            wanted.append(hit.attention_tokens)
+        if cfg.snapshot_interval_blocks:
+            step = cfg.snapshot_interval_blocks * gran
+            wanted.extend(range(prompt_end - step, hit.num_tokens, -step))
+        chosen: list[int] = []
+        for length in wanted:  # in priority order, up to the cap
+            if length > hit.num_tokens and length not in chosen:
+                chosen.append(length)
+        return sorted(chosen[: cfg.max_snapshots_per_request])
+
+    def next_boundary(self, req: CacheRequest, hit: PrefixHit | None = None) -> int | None:
+        """The next prompt-time snapshot length; a prefill chunk must not run past it. For a
+        request not admitted yet, pass the hit its admission will use."""
+        rs = self._reqs.get(req.request_id)
+        if rs is None:
+            hit = hit or NO_HIT
+            boundaries = self._prompt_boundaries(req, hit) if self.state_groups else []
+            start = hit.num_tokens
+        else:
+            boundaries, start = rs.boundaries, rs.num_computed
+        return next((b for b in boundaries if b > start), None)
+
+    # -- allocation --------------------------------------------------------------------------
+
+    def allocate(
+        self, req: CacheRequest, num_new_tokens: int, hit: PrefixHit | None = None
+    ) -> StepAllocation | None:
+        """Hold cache for `num_new_tokens` more tokens in every group, or None (nothing held
+        changes) when the pool cannot serve it; the caller then preempts or waits."""
+        rs = self._reqs.get(req.request_id)
+        new = rs is None
+        if rs is None:
+            rs = self._admit(req, hit or NO_HIT)
+        total = rs.num_computed + num_new_tokens
+        if total <= rs.cap and total < rs.next_snap and rs.num_computed < rs.next_drop:
+            return EMPTY_ALLOCATION  # fast path: nothing to do in any group
+        snapshot_at, is_tail = self._snapshot_for(rs, total)
+        if not self._allocate_groups(rs, total, snapshot_at, is_tail):
+            if new:
+                self._release(rs)
+                self._lookup_hashes[req.request_id] = rs.hashes
+            return None
+        if new:
+            self._reqs[req.request_id] = rs
+            self._count_admission(req, rs.num_computed)
+        return self._finish_allocation(rs, total, snapshot_at)
+
+    def _allocate_groups(
+        self, rs: _ReqState, total: int, snapshot_at: int | None, is_tail: bool
+    ) -> bool:
+        """All or nothing. The pages needed are counted first, so a request the pool cannot
+        serve changes nothing (not even the cached content an eviction would have dropped);
+        then attention groups fill free units of pages they own before any page changes hands
+        (so an eviction can never take a page whose free units were counted)."""
+        pairs = list(zip(self.groups, rs.groups, strict=True))
+        need = blocked = 0
+        for m, gr in pairs:
+            arg = snapshot_at if isinstance(m, StateManager) else total
+            pages, evictable_partial = m.pages_needed(gr, arg)  # type: ignore[arg-type]
+            need += pages
+            blocked += evictable_partial
+        if need > self.pool.num_available - blocked:
+            return False
+        for m, gr in pairs:
+            if isinstance(m, FullAttentionManager):
+                m.fill_from_slots(gr, rs.num_computed, total)  # type: ignore[arg-type]
+        for m, gr in pairs:
+            if isinstance(m, StateManager):
+                ok = m.allocate(gr, snapshot_at, is_tail)  # type: ignore[arg-type]
+            else:
+                ok = m.allocate(gr, rs.num_computed, total)  # type: ignore[arg-type]
+            if not ok:  # cannot happen after the count above; kept as a safety net
+                for m2, gr2 in pairs:
+                    m2.undo(gr2)  # type: ignore[arg-type]
+                return False
+        return True
+
+    def _snapshot_for(self, rs: _ReqState, total: int) -> tuple[int | None, bool]:
+        if not self.caching or not self.state_groups or total < rs.next_snap:
+            return None, False
+        for b in rs.boundaries:
+            if b == total:
+                return total, False
+        prompt = rs.request.num_prompt_tokens
+        if self.config.snapshot_request_end and total > prompt and total % self.hit_tokens == 0:
+            return total, True
+        return None, False
+
+    def _finish_allocation(
+        self, rs: _ReqState, total: int, snapshot_at: int | None
+    ) -> StepAllocation:
+        new_blocks: dict[int, list[int]] = {}
+        copies_in, snapshots = [], []
+        for m, gr in zip(self.groups, rs.groups, strict=True):
+            gid = m.group.group_id
+            if isinstance(gr, AttentionReq):
+                if gr.new_entries:
+                    new_blocks[gid] = list(gr.new_entries)
+            else:
+                if gr.copy_in is not None:
+                    copies_in.append((gid, *gr.copy_in))
+                snapshots.extend((gid, *op) for op in gr.snapshots)
+            m.end_step(gr)  # type: ignore[arg-type]
+        if snapshots:
+            self.stats.snapshots_taken += 1
+        rs.boundaries = [b for b in rs.boundaries if b > total]
+        rs.has_pending = rs.has_pending or bool(copies_in or snapshots)
+        self._update_events(rs, total)
+        return StepAllocation(new_blocks, tuple(copies_in), tuple(snapshots))
+
+    def _update_events(self, rs: _ReqState, total: int) -> None:
+        cap: float = INF
+        drop: float = INF
+        commit: float = INF
+        for m, gr in zip(self.groups, rs.groups, strict=True):
+            if isinstance(m, FullAttentionManager):
+                cap = min(cap, m.capacity(gr))  # type: ignore[arg-type]
+                if self.caching:
+                    commit = min(commit, m.next_commit(gr))  # type: ignore[arg-type]
+                if isinstance(m, SlidingWindowManager):
+                    drop = min(drop, m.next_drop(gr))  # type: ignore[arg-type]
+        rs.cap, rs.next_drop, rs.next_commit = cap, drop, commit
+        rs.next_snap = INF
+        if self.caching and self.state_groups:
+            if rs.boundaries:
+                rs.next_snap = rs.boundaries[0]
+            elif self.config.snapshot_request_end:
+                gran = self.hit_tokens
+                rs.next_snap = (max(total, rs.request.num_prompt_tokens) // gran + 1) * gran
+
+    def _count_admission(self, req: CacheRequest, hit_tokens: int) -> None:
+        if not self.caching:
+            return
+        self.stats.queries += 1
+        self.stats.query_tokens += len(req.all_token_ids)
+        self.stats.hit_tokens += hit_tokens
+        self.stats.hits += hit_tokens > 0
+
+    # -- after the step ----------------------------------------------------------------------
+
+    def commit(self, req: CacheRequest, num_computed_tokens: int) -> None:
+        """The step ran: `num_computed_tokens` are in the cache; full units and snapshots taken
+        become available to other requests."""
+        rs = self._reqs[req.request_id]
+        rs.num_computed = num_computed_tokens
+        if num_computed_tokens < rs.next_commit and not rs.has_pending:
+            return
+
+        def key_at(length: int) -> int | None:
+            return self._key_at(rs.request, rs.hashes, length)
+
+        for m, gr in zip(self.groups, rs.groups, strict=True):
+            if isinstance(m, StateManager):
+                m.commit(gr, key_at)  # type: ignore[arg-type]
+            else:
+                m.commit(gr, num_computed_tokens, key_at, self.caching)  # type: ignore[arg-type]
+        rs.has_pending = False
+        if self.caching:
+            rs.next_commit = min(
+                (
+                    m.next_commit(gr)
+                    for m, gr in zip(self.groups, rs.groups, strict=True)
+                    if isinstance(m, FullAttentionManager)
+                ),  # type: ignore[arg-type]
+                default=INF,
+            )
+
+    def free(self, req: CacheRequest) -> None:
+        """Release everything a request holds (finished or preempted); cached content stays."""
+        self._lookup_hashes.pop(req.request_id, None)
+        rs = self._reqs.pop(req.request_id, None)
+        if rs is not None:
+            self._release(rs)
+
+    def _release(self, rs: _ReqState) -> None:
+        for m, gr in reversed(list(zip(self.groups, rs.groups, strict=True))):
+            m.free(gr)  # type: ignore[arg-type]
+
+    # -- queries for the runner ------------------------------------------------------------
+
+    def is_admitted(self, req: CacheRequest) -> bool:
+        return req.request_id in self._reqs
+
+    def num_computed(self, req: CacheRequest) -> int:
+        return self._reqs[req.request_id].num_computed
+
+    def table_row(self, req: CacheRequest, group_id: int) -> list[int]:
+        m, gr = self.groups[group_id], self._reqs[req.request_id].groups[group_id]
+        assert isinstance(m, FullAttentionManager) and isinstance(gr, AttentionReq)
+        return m.table_row(gr)
+
+    def state_page(self, req: CacheRequest, group_id: int) -> int:
+        gr = self._reqs[req.request_id].groups[group_id]
+        assert isinstance(gr, StateReq) and gr.running is not None
+        return gr.running
+
+    def drain_new_pages(self) -> dict[int, list[int]]:
+        """Pages newly handed to each attention group since the last call (to be zeroed)."""
+        out = {}
+        for m in self.groups:
+            pages = m.units.drain_new_pages()
+            if pages and isinstance(m, FullAttentionManager):
+                out[m.group.group_id] = pages
+        return out
+
+    # -- accounting --------------------------------------------------------------------------
+
+    def usage(self) -> dict[str, int]:
+        """Pages free, cached only (evictable) and in use, plus snapshot pages held."""
+        cached = self.pool.num_evictable
+        free = self.pool.num_free
+        snapshot_pages = sum(m.units.num_cached_units for m in self.state_groups)
+        return {
+            "total": self.pool.num_usable,
+            "free": free,
+            "cached": cached,
+            "in_use": self.pool.num_usable - free - cached,
+            "snapshot_pages": snapshot_pages,
+        }
+
+    def group_usage(self) -> list[dict[str, int | str]]:
+        rows: list[dict[str, int | str]] = []
+        for m in self.groups:
+            owned = m.units.num_pages
+            in_use = m.units.pages_in_use()
+            rows.append(
+                {
+                    "group": m.group.group_id,
+                    "kind": m.group.kind,
+                    "in_use": in_use,
+                    "cached": owned - in_use,
+                }
+            )
+        return rows
+
+    def check_integrity(self) -> None:
+        """Every page free, cached or in use exactly once; refcounts equal the references held
+        by requests; no page owned by two groups. Raises AssertionError on a violation."""
+        self.pool.check()
+        for m in self.groups:
+            m.units.check()
+        for gid, m in enumerate(self.groups):
+            expected = Counter(
+                u
+                for rs in self._reqs.values()
+                for u in m.references(rs.groups[gid])  # type: ignore[arg-type]
+            )
+            held = {u: c for u, c in m.units.ref.items() if c > 0}
+            assert held == dict(expected), f"group {gid}: refcounts differ from references"
+        usage = self.usage()
+        assert usage["free"] + usage["cached"] + usage["in_use"] == usage["total"]
+        assert usage["in_use"] >= 0

@@ -1,0 +1,130 @@
+"""Per-manager behaviour, driven through the coordinator with tiny specs."""
+
+from hybridkv.core.managers import NULL_UNIT, FullAttentionManager, StateManager
+from hybridkv.kv.plan import pages_to_kernel_blocks
+from hybridkv.kv.specs import AttentionSpec
+
+from .helpers import ATTN, decode, manager, prefill, request
+
+SLIDING = AttentionSpec(1, 4, "float32", sliding_window=8)
+
+
+def attn_group(cm):
+    return next(i for i, m in enumerate(cm.groups) if isinstance(m, FullAttentionManager))
+
+
+def test_page_mode_rows_are_expanded_pages():
+    cm = manager(allocation="page")  # page 32 tokens, kernel block 4 -> 8 blocks per page
+    req = request("a", range(70))
+    prefill(cm, req)
+    g = attn_group(cm)
+    row = cm.table_row(req, g)
+    pages = row[::8]
+    assert len(row) == 24 and row == pages_to_kernel_blocks([p // 8 for p in pages], 8)
+    cm.check_integrity()
+
+
+def test_block_mode_holds_only_needed_kernel_blocks_contiguously():
+    cm = manager()
+    req = request("a", range(10))
+    prefill(cm, req)
+    row = cm.table_row(req, attn_group(cm))
+    assert len(row) == 3  # ceil(10 / 4)
+    assert row == list(range(row[0], row[0] + 3))  # one page, consecutive kernel blocks
+    cm.check_integrity()
+
+
+def test_short_requests_share_one_page_in_block_mode():
+    cm = manager(specs=[ATTN], num_pages=10, page_tokens=32)
+    reqs = [request(f"r{i}", [i] * 5) for i in range(4)]
+    for r in reqs:
+        prefill(cm, r)
+    pages = {b // 8 for r in reqs for b in cm.table_row(r, 0)}
+    assert len(pages) == 1  # 4 requests x 2 kernel blocks in one 8-block page
+    page_mode = manager(specs=[ATTN], num_pages=10, page_tokens=32, allocation="page")
+    for r in [request(f"r{i}", [i] * 5) for i in range(4)]:
+        prefill(page_mode, r)
+    assert page_mode.usage()["in_use"] == 4
+
+
+def test_sliding_window_drops_blocks_that_leave_the_window():
+    cm = manager(specs=[SLIDING], num_pages=10, enable_prefix_caching=False)
+    req = request("a", range(8))
+    prefill(cm, req)
+    m, gr = cm.groups[0], cm._reqs["a"].groups[0]
+    assert len(m.references(gr)) == 2
+    decode(cm, req, 20)  # 28 computed; queries at >= 27 read keys >= 20: units 5, 6, 7
+    live = m.references(gr)
+    assert 2 <= len(live) <= 3 and gr.units[:4] == [NULL_UNIT] * 4
+    cm.check_integrity()
+    cm.free(req)
+    assert cm.usage()["in_use"] == 0
+
+
+def test_sliding_hit_needs_only_window_blocks():
+    cm = manager(specs=[SLIDING], num_pages=10)
+    a = request("a", range(30))
+    prefill(cm, a)
+    cm.free(a)
+    b = request("b", list(range(30)) + [99, 98])
+    hit = cm.lookup(b)
+    assert hit.num_tokens == 28
+    # the oldest blocks can be gone: evict everything outside the last window
+    prefill(cm, b)
+    gr = cm._reqs["b"].groups[0]
+    assert gr.units[0] == NULL_UNIT
+    cm.check_integrity()
+
+
+def test_state_running_page_snapshot_at_prompt_end_and_exact_length_only():
+    cm = manager()
+    a = request("a", range(30))  # hit granularity 4: prompt-end snapshot at 28
+    prefill(cm, a)
+    cm.free(a)
+    st = [m for m in cm.groups if isinstance(m, StateManager)]
+    assert all(m.units.num_cached_units == 1 for m in st)
+    # a prompt sharing 26 tokens: attention serves 24, no snapshot at 24 -> no hit
+    b = request("b", list(range(26)) + [500] * 10)
+    hit = cm.lookup(b)
+    assert (hit.num_tokens, hit.attention_tokens) == (0, 24)
+    # sharing all 30: the snapshot at exactly 28 serves
+    c = request("c", list(range(30)) + [1, 2, 3])
+    assert cm.lookup(c).num_tokens == 28
+    cm.check_integrity()
+
+
+def test_branch_point_snapshot_makes_the_next_request_hit():
+    cm = manager()
+    prefill(cm, request("a", list(range(24)) + [100] * 9))
+    b = request("b", list(range(24)) + [200] * 9)
+    assert prefill(cm, b) == 0  # attention has 24 tokens, state has none: branch at 24
+    c = request("c", list(range(24)) + [300] * 9)
+    assert cm.lookup(c).num_tokens == 24
+    cm.check_integrity()
+
+
+def test_rolling_tail_snapshot_keeps_one_per_request():
+    cm = manager()
+    a = request("a", range(10))
+    prefill(cm, a)
+    decode(cm, a, 23)  # passes boundaries 12, 16, 20, 24, 28, 32
+    st = next(m for m in cm.groups if isinstance(m, StateManager))
+    assert st.units.num_cached_units == 2  # prompt end (8) + the latest tail (32)
+    cm.free(a)
+    follow = request("f", list(a.all_token_ids) + [5, 6, 7])
+    assert cm.lookup(follow).num_tokens == 32
+    cm.check_integrity()
+
+
+def test_copy_in_source_is_pinned_until_commit():
+    cm = manager()
+    prefill(cm, request("a", range(20)))
+    b = request("b", list(range(20)) + [1])
+    hit = cm.lookup(b)
+    alloc = cm.allocate(b, 21 - hit.num_tokens, hit)
+    assert alloc.copies_in and all(src != dst for _, src, dst in alloc.copies_in)
+    st_gid, src, _ = alloc.copies_in[0]
+    assert cm.groups[st_gid].units.ref[src] == 1
+    cm.commit(b, 21)
+    assert cm.groups[st_gid].units.ref[src] == 0
+    cm.check_integrity()
