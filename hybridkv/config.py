@@ -41,6 +41,7 @@ class CacheConfig:
     # State snapshot policy (which token counts get a state snapshot for prefix caching):
     snapshot_prompt_end: bool = True  # the last hit boundary inside the prompt
     snapshot_request_end: bool = True  # the last boundary a request reached (rolling tail)
+    snapshot_tail_interval_tokens: int = 64  # rolling tail granularity (rounded to hit blocks)
     snapshot_branch_point: bool = True  # where a new prompt's attention hit outruns its state hit
     snapshot_interval_blocks: int | None = None  # also every N hit blocks inside the prompt
     max_snapshots_per_request: int = 4  # cap on prompt snapshots (the rolling tail is one more)
@@ -52,6 +53,7 @@ class CacheConfig:
         _positive_or_none("memory_bytes", self.memory_bytes)
         _positive_or_none("num_pages", self.num_pages)
         _positive_or_none("snapshot_interval_blocks", self.snapshot_interval_blocks)
+        _positive_or_none("snapshot_tail_interval_tokens", self.snapshot_tail_interval_tokens)
         if (
             not isinstance(self.max_snapshots_per_request, int)
             or self.max_snapshots_per_request < 0
@@ -99,3 +101,22 @@ def split_kwargs(kwargs: dict[str, Any], *classes: type) -> list[dict[str, Any]]
         valid = sorted({f.name for cls in classes for f in fields(cls)})
         raise ValueError(f"unknown option(s) {', '.join(sorted(left))}; valid: {', '.join(valid)}")
     return out
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits.
+
+    - `max_num_seqs`: requests running at once (rows of the block tables).
+    - `max_num_batched_tokens`: tokens per step (decodes plus prefill chunks).
+    - `max_model_len`: the longest request (prompt + output); None: the model's own limit.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive_or_none("max_num_seqs", self.max_num_seqs)
+        _positive_or_none("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_or_none("max_model_len", self.max_model_len)

@@ -20,9 +20,10 @@ Snapshot policy (CacheConfig fields; boundaries are multiples of hit_tokens):
 
 - `snapshot_prompt_end`: the last boundary inside the prompt, so a longer prompt sharing it
   (the next turn of a conversation, a shared system prompt) hits;
-- `snapshot_request_end`: every boundary a request reaches after its prompt replaces its
-  previous one (a rolling tail), so the state at the last boundary a finished request reached
-  stays cached for the follow-up that extends it;
+- `snapshot_request_end`: a rolling tail: every `snapshot_tail_interval_tokens` (rounded up to
+  hit blocks) after its prompt, and at the last boundary `max_tokens` lets it reach, a request
+  snapshots its state and drops its previous tail, so the state near the end of a finished
+  request stays cached for the follow-up that extends it (the next turn of a conversation);
 - `snapshot_branch_point`: when a new prompt's attention hit is longer than its state hit, the
   attention hit length, so the next prompt with that prefix hits in full;
 - `snapshot_interval_blocks`: also every N boundaries inside the prompt;
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from hybridkv.config import CacheConfig
-from hybridkv.core.hashing import extend_hashes
+from hybridkv.core.hashing import PrefixKeys
 from hybridkv.core.managers import (
     MANAGERS,
     AttentionReq,
@@ -64,6 +65,7 @@ class CacheRequest(Protocol):
     all_token_ids: Sequence[int]  # prompt followed by the tokens generated so far
     num_prompt_tokens: int
     extra_keys: tuple[Hashable, ...]  # enter the prefix hash (adapter id, cache salt, ...)
+    max_computed_tokens: int | None  # the most tokens it can ever compute (None: unknown)
 
 
 @dataclass
@@ -74,6 +76,7 @@ class SimpleRequest:
     all_token_ids: list[int]
     num_prompt_tokens: int
     extra_keys: tuple[Hashable, ...] = ()
+    max_computed_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,7 @@ class _ReqState:
     num_computed: int = 0
     boundaries: list[int] = field(default_factory=list)  # prompt-time snapshot lengths, sorted
     has_pending: bool = False  # snapshot / copy-in ops waiting for commit
+    state_ready: bool = False  # every state group holds the running page
     cap: float = 0  # tokens every attention group can hold
     next_snap: float = INF  # total at which the next snapshot is due
     next_drop: float = INF  # first-query position at which a sliding group drops a unit
@@ -138,17 +142,20 @@ class CacheManager:
         self.full_groups = [m for m in attention if not isinstance(m, SlidingWindowManager)]
         self.sliding_groups = [m for m in attention if isinstance(m, SlidingWindowManager)]
         self.state_groups = [m for m in self.groups if isinstance(m, StateManager)]
+        self._attn_ids = [
+            i for i, m in enumerate(self.groups) if isinstance(m, FullAttentionManager)
+        ]
+        self._state_ids = [i for i, m in enumerate(self.groups) if isinstance(m, StateManager)]
         self._reqs: dict[str, _ReqState] = {}
         self._lookup_hashes: dict[str, list[int]] = {}
         self.stats = CacheStats()
+        interval = cache.snapshot_tail_interval_tokens
+        self.tail_interval = -(-interval // self.hit_tokens) * self.hit_tokens
 
     # -- prefix keys -------------------------------------------------------------------------
 
-    def _key_at(self, req: CacheRequest, hashes: list[int], length: int) -> int | None:
-        idx = length // self.hash_block_tokens - 1
-        if idx >= len(hashes):
-            extend_hashes(hashes, req.all_token_ids, self.hash_block_tokens, req.extra_keys)
-        return hashes[idx] if 0 <= idx < len(hashes) else None
+    def _keys(self, req: CacheRequest, hashes: list[int]) -> PrefixKeys:
+        return PrefixKeys(req.all_token_ids, self.hash_block_tokens, req.extra_keys, hashes)
 
     # -- lookup ------------------------------------------------------------------------------
 
@@ -156,10 +163,7 @@ class CacheManager:
         """The longest prefix every group can serve (no side effects on the cache)."""
         if not self.caching or req.request_id in self._reqs:
             return NO_HIT
-        hashes = self._lookup_hashes.setdefault(req.request_id, [])
-
-        def key_at(length: int) -> int | None:
-            return self._key_at(req, hashes, length)
+        key_at = self._keys(req, self._lookup_hashes.setdefault(req.request_id, []))
 
         gran = self.hit_tokens
         limit = (len(req.all_token_ids) - 1) // gran * gran  # one token must be computed
@@ -179,9 +183,7 @@ class CacheManager:
     def _admit(self, req: CacheRequest, hit: PrefixHit) -> _ReqState:
         hashes = self._lookup_hashes.pop(req.request_id, [])
         rs = _ReqState(req, [m.new_request() for m in self.groups], hashes)
-
-        def key_at(length: int) -> int | None:
-            return self._key_at(req, rs.hashes, length)
+        key_at = self._keys(req, rs.hashes)
 
         for m, gr in zip(self.groups, rs.groups, strict=True):
             m.take_hit(gr, hit.num_tokens, key_at)  # type: ignore[arg-type]
@@ -236,7 +238,12 @@ class CacheManager:
         if total <= rs.cap and total < rs.next_snap and rs.num_computed < rs.next_drop:
             return EMPTY_ALLOCATION  # fast path: nothing to do in any group
         snapshot_at, is_tail = self._snapshot_for(rs, total)
-        if not self._allocate_groups(rs, total, snapshot_at, is_tail):
+        ok = self._allocate_groups(rs, total, snapshot_at, is_tail)
+        if not ok and snapshot_at is not None:
+            # A snapshot is an optimisation: without room for it, the step runs without one.
+            snapshot_at, is_tail = None, False
+            ok = self._allocate_groups(rs, total, None, False)
+        if not ok:
             if new:
                 self._release(rs)
                 self._lookup_hashes[req.request_id] = rs.hashes
@@ -250,31 +257,45 @@ class CacheManager:
         self, rs: _ReqState, total: int, snapshot_at: int | None, is_tail: bool
     ) -> bool:
         """All or nothing. The pages needed are counted first, so a request the pool cannot
-        serve changes nothing (not even the cached content an eviction would have dropped);
-        then attention groups fill free units of pages they own before any page changes hands
-        (so an eviction can never take a page whose free units were counted)."""
-        pairs = list(zip(self.groups, rs.groups, strict=True))
-        need = blocked = 0
-        for m, gr in pairs:
-            arg = snapshot_at if isinstance(m, StateManager) else total
-            pages, evictable_partial = m.pages_needed(gr, arg)  # type: ignore[arg-type]
-            need += pages
-            blocked += evictable_partial
-        if need > self.pool.num_available - blocked:
+        serve changes nothing (not even cached content an eviction would have dropped). Then:
+
+            phase 1  attention groups fill free units of pages they already own
+            phase 2  state groups take their pages
+            phase 3  attention groups take new pages, within a per-group budget when the pool
+                     is short, reclaiming their own stranded cached units beyond it
+
+        Phase 1 runs before any page changes hands, so no eviction takes a page whose free
+        units were counted; the budgets make phase 3 unable to starve another group."""
+        groups, reqs = self.groups, rs.groups
+        attn = [(groups[i], reqs[i]) for i in self._attn_ids]
+        state = (
+            [(groups[i], reqs[i]) for i in self._state_ids]
+            if self._state_involved(rs, snapshot_at)
+            else []
+        )
+        needs = [m.pages_needed(gr, total) for m, gr in attn]  # type: ignore[arg-type]
+        state_pages = sum(m.pages_needed(gr, snapshot_at)[0] for m, gr in state)  # type: ignore[arg-type]
+        available = self.pool.num_available - sum(n[2] for n in needs) - state_pages
+        if sum(n[0] for n in needs) <= available:
+            budgets: list[int | None] = [None] * len(attn)
+        elif sum(n[1] for n in needs) <= available:
+            budgets = [n[1] for n in needs]
+        else:
             return False
-        for m, gr in pairs:
-            if isinstance(m, FullAttentionManager):
-                m.fill_from_slots(gr, rs.num_computed, total)  # type: ignore[arg-type]
-        for m, gr in pairs:
-            if isinstance(m, StateManager):
-                ok = m.allocate(gr, snapshot_at, is_tail)  # type: ignore[arg-type]
-            else:
-                ok = m.allocate(gr, rs.num_computed, total)  # type: ignore[arg-type]
-            if not ok:  # cannot happen after the count above; kept as a safety net
-                for m2, gr2 in pairs:
-                    m2.undo(gr2)  # type: ignore[arg-type]
-                return False
-        return True
+        for m, gr in attn:
+            m.fill_from_slots(gr, rs.num_computed, total)  # type: ignore[arg-type]
+        ok = all(m.allocate(gr, snapshot_at, is_tail) for m, gr in state) and all(  # type: ignore[arg-type]
+            m.allocate(gr, rs.num_computed, total, b)  # type: ignore[arg-type]
+            for (m, gr), b in zip(attn, budgets, strict=True)
+        )
+        if not ok:  # cannot happen after the count above; kept as a safety net
+            for m, gr in attn + state:
+                m.undo(gr)  # type: ignore[arg-type]
+        return ok
+
+    def _state_involved(self, rs: _ReqState, snapshot_at: int | None) -> bool:
+        """State groups act at admission (running pages) and at snapshot boundaries only."""
+        return snapshot_at is not None or not rs.state_ready
 
     def _snapshot_for(self, rs: _ReqState, total: int) -> tuple[int | None, bool]:
         if not self.caching or not self.state_groups or total < rs.next_snap:
@@ -282,29 +303,47 @@ class CacheManager:
         for b in rs.boundaries:
             if b == total:
                 return total, False
-        prompt = rs.request.num_prompt_tokens
-        if self.config.snapshot_request_end and total > prompt and total % self.hit_tokens == 0:
+        if self.config.snapshot_request_end and total == self._next_tail(rs, total - 1):
             return total, True
         return None, False
+
+    def _next_tail(self, rs: _ReqState, after: int) -> float:
+        """The first rolling-tail boundary past `after` tokens: on the interval grid past the
+        prompt, or the last boundary the request can reach (known from its max_tokens)."""
+        gran, req = self.hit_tokens, rs.request
+        start = max(after, req.num_prompt_tokens)
+        grid = (start // self.tail_interval + 1) * self.tail_interval
+        limit = getattr(req, "max_computed_tokens", None)
+        if limit is None:
+            return grid
+        final = limit // gran * gran
+        if final > start:
+            return min(grid, final)
+        return INF if grid > limit else grid
 
     def _finish_allocation(
         self, rs: _ReqState, total: int, snapshot_at: int | None
     ) -> StepAllocation:
         new_blocks: dict[int, list[int]] = {}
         copies_in, snapshots = [], []
-        for m, gr in zip(self.groups, rs.groups, strict=True):
-            gid = m.group.group_id
-            if isinstance(gr, AttentionReq):
-                if gr.new_entries:
-                    new_blocks[gid] = list(gr.new_entries)
-            else:
-                if gr.copy_in is not None:
-                    copies_in.append((gid, *gr.copy_in))
-                snapshots.extend((gid, *op) for op in gr.snapshots)
+        for i in self._attn_ids:
+            m, gr = self.groups[i], rs.groups[i]
+            if gr.new_entries:  # type: ignore[union-attr]
+                new_blocks[i] = gr.new_entries  # type: ignore[union-attr]
+                gr.new_entries = []  # type: ignore[union-attr]
             m.end_step(gr)  # type: ignore[arg-type]
+        if self._state_involved(rs, snapshot_at):
+            for i in self._state_ids:
+                m, gr = self.groups[i], rs.groups[i]
+                if gr.copy_in is not None:  # type: ignore[union-attr]
+                    copies_in.append((i, *gr.copy_in))  # type: ignore[union-attr]
+                snapshots.extend((i, *op) for op in gr.snapshots)  # type: ignore[union-attr]
+                m.end_step(gr)  # type: ignore[arg-type]
+            rs.state_ready = True
         if snapshots:
             self.stats.snapshots_taken += 1
-        rs.boundaries = [b for b in rs.boundaries if b > total]
+        if rs.boundaries:
+            rs.boundaries = [b for b in rs.boundaries if b > total]
         rs.has_pending = rs.has_pending or bool(copies_in or snapshots)
         self._update_events(rs, total)
         return StepAllocation(new_blocks, tuple(copies_in), tuple(snapshots))
@@ -313,21 +352,20 @@ class CacheManager:
         cap: float = INF
         drop: float = INF
         commit: float = INF
-        for m, gr in zip(self.groups, rs.groups, strict=True):
-            if isinstance(m, FullAttentionManager):
-                cap = min(cap, m.capacity(gr))  # type: ignore[arg-type]
-                if self.caching:
-                    commit = min(commit, m.next_commit(gr))  # type: ignore[arg-type]
-                if isinstance(m, SlidingWindowManager):
-                    drop = min(drop, m.next_drop(gr))  # type: ignore[arg-type]
+        for i in self._attn_ids:
+            m, gr = self.groups[i], rs.groups[i]
+            cap = min(cap, m.capacity(gr))  # type: ignore[union-attr,arg-type]
+            if self.caching:
+                commit = min(commit, m.next_commit(gr))  # type: ignore[union-attr,arg-type]
+            if isinstance(m, SlidingWindowManager):
+                drop = min(drop, m.next_drop(gr))  # type: ignore[arg-type]
         rs.cap, rs.next_drop, rs.next_commit = cap, drop, commit
         rs.next_snap = INF
         if self.caching and self.state_groups:
             if rs.boundaries:
                 rs.next_snap = rs.boundaries[0]
             elif self.config.snapshot_request_end:
-                gran = self.hit_tokens
-                rs.next_snap = (max(total, rs.request.num_prompt_tokens) // gran + 1) * gran
+                rs.next_snap = self._next_tail(rs, total)
 
     def _count_admission(self, req: CacheRequest, hit_tokens: int) -> None:
         if not self.caching:
@@ -347,24 +385,18 @@ class CacheManager:
         if num_computed_tokens < rs.next_commit and not rs.has_pending:
             return
 
-        def key_at(length: int) -> int | None:
-            return self._key_at(rs.request, rs.hashes, length)
-
-        for m, gr in zip(self.groups, rs.groups, strict=True):
-            if isinstance(m, StateManager):
-                m.commit(gr, key_at)  # type: ignore[arg-type]
-            else:
-                m.commit(gr, num_computed_tokens, key_at, self.caching)  # type: ignore[arg-type]
-        rs.has_pending = False
-        if self.caching:
-            rs.next_commit = min(
-                (
-                    m.next_commit(gr)
-                    for m, gr in zip(self.groups, rs.groups, strict=True)
-                    if isinstance(m, FullAttentionManager)
-                ),  # type: ignore[arg-type]
-                default=INF,
-            )
+        key_at = self._keys(rs.request, rs.hashes)
+        groups, reqs = self.groups, rs.groups
+        if num_computed_tokens >= rs.next_commit:
+            commit: float = INF
+            for i in self._attn_ids:
+                groups[i].commit(reqs[i], num_computed_tokens, key_at, self.caching)  # type: ignore[call-arg,arg-type]
+                commit = min(commit, groups[i].next_commit(reqs[i]))  # type: ignore[union-attr,arg-type]
+            rs.next_commit = commit if self.caching else INF
+        if rs.has_pending:
+            for i in self._state_ids:
+                groups[i].commit(reqs[i], key_at)  # type: ignore[call-arg,arg-type]
+            rs.has_pending = False
 
     def free(self, req: CacheRequest) -> None:
         """Release everything a request holds (finished or preempted); cached content stays."""

@@ -37,3 +37,37 @@ def extend_hashes(
         hashes.append(parent)
         start += block_tokens
     return hashes
+
+
+class PrefixKeys:
+    """The prefix keys of one request, extended lazily as its tokens become known.
+
+    `keys(L)` is the key of the first L tokens (L a multiple of `block_tokens`) or None if they
+    are not all known; `keys.unit_keys(t, i, j)` the keys of units i..j-1 of t tokens each.
+    """
+
+    __slots__ = ("tokens", "block_tokens", "extra_keys", "hashes")
+
+    def __init__(
+        self,
+        tokens: Sequence[int],
+        block_tokens: int,
+        extra_keys: Sequence[Hashable],
+        hashes: list[int],
+    ) -> None:
+        self.tokens, self.block_tokens, self.extra_keys = tokens, block_tokens, extra_keys
+        self.hashes = hashes
+
+    def _extend(self, num_blocks: int) -> None:
+        if num_blocks > len(self.hashes):
+            extend_hashes(self.hashes, self.tokens, self.block_tokens, self.extra_keys)
+
+    def __call__(self, length: int) -> int | None:
+        idx = length // self.block_tokens - 1
+        self._extend(idx + 1)
+        return self.hashes[idx] if 0 <= idx < len(self.hashes) else None
+
+    def unit_keys(self, unit_tokens: int, start: int, end: int) -> list[int]:
+        r = unit_tokens // self.block_tokens
+        self._extend(end * r)
+        return self.hashes[(start + 1) * r - 1 : end * r : r]

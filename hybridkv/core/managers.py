@@ -12,14 +12,15 @@ tokens under key_at(L).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from hybridkv.core.hashing import PrefixKeys
 from hybridkv.core.page_pool import NULL_PAGE, PagePool
 from hybridkv.core.units import UnitAllocator
 from hybridkv.kv.plan import GroupPlan
 
-KeyAt = Callable[[int], Hashable | None]
+KeyAt = PrefixKeys
 NULL_UNIT = NULL_PAGE  # unit 0 lies in the null page in both modes
 
 
@@ -67,9 +68,9 @@ class FullAttentionManager:
     def cached_prefix_tokens(self, key_at: KeyAt, limit: int) -> int:
         """Tokens of the longest run of cached units from position 0, at most `limit`."""
         t, n = self.unit_tokens, 0
-        while (n + 1) * t <= limit:
-            key = key_at((n + 1) * t)
-            if key is None or self.units.lookup(key) is None:
+        unit_of = self.units.unit_of
+        for key in key_at.unit_keys(t, 0, limit // t):
+            if key not in unit_of:
                 break
             n += 1
         return n * t
@@ -78,16 +79,17 @@ class FullAttentionManager:
         return self.cached_prefix_tokens(key_at, length) == length
 
     def take_hit(self, ar: AttentionReq, length: int, key_at: KeyAt) -> None:
-        for i in range(length // self.unit_tokens):
-            self._take_cached(ar, i, key_at)
-        ar.registered = length // self.unit_tokens
+        n = length // self.unit_tokens
+        self._take_cached(ar, key_at.unit_keys(self.unit_tokens, 0, n))
+        ar.registered = n
 
-    def _take_cached(self, ar: AttentionReq, i: int, key_at: KeyAt) -> None:
-        unit = self.units.lookup(key_at((i + 1) * self.unit_tokens))
-        assert unit is not None, "a prefix hit vanished before it was taken"
-        self.units.incref(unit)
-        ar.units.append(unit)
-        ar.new_entries.extend(self.kernel_blocks(unit))
+    def _take_cached(self, ar: AttentionReq, keys: list[int]) -> None:
+        for key in keys:
+            unit = self.units.lookup(key)
+            assert unit is not None, "a prefix hit vanished before it was taken"
+            self.units.incref(unit)
+            ar.units.append(unit)
+            ar.new_entries.extend(self.kernel_blocks(unit))
 
     # -- per step ----------------------------------------------------------------------------
 
@@ -97,31 +99,44 @@ class FullAttentionManager:
     def units_needed(self, ar: AttentionReq, total: int) -> int:
         return max(0, -(-total // self.unit_tokens) - len(ar.units))
 
-    def pages_needed(self, ar: AttentionReq, total: int) -> tuple[int, int]:
-        """(new pages from the pool, evictable pages whose free slots this would use)."""
+    def pages_needed(self, ar: AttentionReq, total: int) -> tuple[int, int, int]:
+        """(new pages needed, new pages needed if stranded cached units are reclaimed, evictable
+        pages whose free slots phase 1 would use)."""
         need = self.units_needed(ar, total)
         if need == 0:
-            return 0, 0
+            return 0, 0, 0
         found, touched = self.units.plan_slots(need, self._hint_page(ar))
-        return -(-(need - found) // self.units.units_per_page), touched
+        per_page = self.units.units_per_page
+        short = need - found
+        reclaimed = max(0, short - self.units.num_stranded)
+        return -(-short // per_page), -(-reclaimed // per_page), touched
 
     def fill_from_slots(self, ar: AttentionReq, num_computed: int, total: int) -> None:
         """Phase 1 of an allocation: use free units of pages the group already owns."""
-        self._take_units(ar, total, new_page=False)
+        self._take_units(ar, total, page_budget=0, reclaim=False)
 
-    def allocate(self, ar: AttentionReq, num_computed: int, total: int) -> bool:
-        """Phase 2: hold units for the first `total` tokens. False if the pool is dry."""
-        return self._take_units(ar, total, new_page=True)
+    def allocate(
+        self, ar: AttentionReq, num_computed: int, total: int, page_budget: int | None = None
+    ) -> bool:
+        """Phase 3: hold units for the first `total` tokens, taking at most `page_budget` new
+        pages (None: any) and reclaiming stranded cached units beyond. False if impossible."""
+        return self._take_units(ar, total, page_budget, reclaim=True)
 
-    def _take_units(self, ar: AttentionReq, total: int, new_page: bool) -> bool:
-        for _ in range(self.units_needed(ar, total)):
-            unit = self.units.alloc(self._hint_page(ar), new_page)
-            if unit is None:
-                return False
-            ar.units.append(unit)
-            ar.new_units.append(unit)
-            ar.new_entries.extend(self.kernel_blocks(unit))
-        return True
+    def _take_units(
+        self, ar: AttentionReq, total: int, page_budget: int | None, reclaim: bool
+    ) -> bool:
+        need = self.units_needed(ar, total)
+        if need == 0:
+            return True
+        units = self.units.take(need, self._hint_page(ar), page_budget, reclaim)
+        ar.units.extend(units)
+        ar.new_units.extend(units)
+        if self.blocks_per_unit == 1:
+            ar.new_entries.extend(units)
+        else:
+            for unit in units:
+                ar.new_entries.extend(self.kernel_blocks(unit))
+        return len(units) == need
 
     def _hint_page(self, ar: AttentionReq) -> int | None:
         last = ar.units[-1] if ar.units else NULL_UNIT
@@ -134,29 +149,29 @@ class FullAttentionManager:
     def commit(self, ar: AttentionReq, num_computed: int, key_at: KeyAt, caching: bool) -> None:
         """Offer every unit that is now full to the prefix cache."""
         full = min(num_computed // self.unit_tokens, len(ar.units))
-        if caching:
-            for i in range(ar.registered, full):
-                key = key_at((i + 1) * self.unit_tokens)
-                if key is not None and ar.units[i] != NULL_UNIT:
-                    self.units.set_key(ar.units[i], key)
+        if caching and full > ar.registered:
+            keys = key_at.unit_keys(self.unit_tokens, ar.registered, full)
+            units = ar.units[ar.registered : ar.registered + len(keys)]
+            if NULL_UNIT in units:  # sliding windows may hold dropped units
+                keys = [k for x, k in zip(units, keys, strict=True) if x != NULL_UNIT]
+                units = [x for x in units if x != NULL_UNIT]
+            self.units.set_keys(units, keys)
         ar.registered = max(ar.registered, full)
 
     def end_step(self, ar: AttentionReq) -> None:
         ar.new_units.clear()
-        ar.new_entries.clear()
+        ar.new_entries = []
 
     def undo(self, ar: AttentionReq) -> None:
         """Release what the current call allocated (allocation is all or nothing)."""
-        for unit in reversed(ar.new_units):
-            ar.units.pop()
-            self.units.decref(unit)
+        if ar.new_units:
+            del ar.units[len(ar.units) - len(ar.new_units) :]
+            self.units.release(reversed(ar.new_units))
         self.end_step(ar)
 
     def free(self, ar: AttentionReq) -> None:
         """Release every unit, last first: tail pages become evictable before head pages."""
-        for unit in reversed(ar.units):
-            if unit != NULL_UNIT:
-                self.units.decref(unit)
+        self.units.release(u for u in reversed(ar.units) if u != NULL_UNIT)
         ar.units.clear()
         self.end_step(ar)
 
@@ -182,11 +197,9 @@ class SlidingWindowManager(FullAttentionManager):
 
     def can_serve(self, length: int, key_at: KeyAt) -> bool:
         t = self.unit_tokens
-        for i in range(self._first_needed_unit(length), length // t):
-            key = key_at((i + 1) * t)
-            if key is None or self.units.lookup(key) is None:
-                return False
-        return True
+        first, n = self._first_needed_unit(length), length // t
+        keys = key_at.unit_keys(t, first, n)
+        return len(keys) == n - first and all(k in self.units.unit_of for k in keys)
 
     def cached_prefix_tokens(self, key_at: KeyAt, limit: int) -> int:
         """The longest servable length <= limit (the window needs only its own units)."""
@@ -197,13 +210,12 @@ class SlidingWindowManager(FullAttentionManager):
         return length
 
     def take_hit(self, ar: AttentionReq, length: int, key_at: KeyAt) -> None:
-        first = self._first_needed_unit(length)
-        for i in range(length // self.unit_tokens):
-            if i < first:
-                ar.units.append(NULL_UNIT)
-                ar.new_entries.extend(self.kernel_blocks(NULL_UNIT))
-            else:
-                self._take_cached(ar, i, key_at)
+        n = length // self.unit_tokens
+        first = min(self._first_needed_unit(length), n)
+        for _ in range(first):
+            ar.units.append(NULL_UNIT)
+            ar.new_entries.extend(self.kernel_blocks(NULL_UNIT))
+        self._take_cached(ar, key_at.unit_keys(self.unit_tokens, first, n))
         ar.first_live = first
         ar.registered = length // self.unit_tokens
 
@@ -265,8 +277,9 @@ class StateManager:
         self.units.incref(page)  # pinned until the copy into the running page has run
         sr.copy_from = page
 
-    def pages_needed(self, sr: StateReq, snapshot_at: int | None) -> tuple[int, int]:
-        return int(sr.running is None) + int(snapshot_at is not None), 0
+    def pages_needed(self, sr: StateReq, snapshot_at: int | None) -> tuple[int, int, int]:
+        pages = int(sr.running is None) + int(snapshot_at is not None)
+        return pages, pages, 0
 
     def allocate(self, sr: StateReq, snapshot_at: int | None, is_tail: bool) -> bool:
         if sr.running is None:

@@ -13,12 +13,17 @@ A *unit* is the allocation granule of one group:
 A unit is *in use* (refcount > 0), *cached* (refcount 0, content registered under a key, kept
 until its page is reclaimed) or *free*. A page goes back to the pool when none of its units is
 in use or cached, and is evictable when it holds cached units only; the pool reclaims evictable
-pages least-recently-used first (whole pages, never single units).
+pages least-recently-used first (whole pages).
+
+A cached unit inside a page that live requests still use cannot leave with its page; it would
+strand memory. Such *stranded* units are kept in their own LRU order, and the group that owns
+them may reclaim one (drop its cached content, reuse its slot) when the pool has no free page.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable
 
 from hybridkv.core.page_pool import PagePool
 
@@ -37,6 +42,7 @@ class UnitAllocator:
         self.partial: dict[int, None] = {}  # owned pages with a free slot, oldest first
         self.new_pages: list[int] = []  # pages taken from the pool since the last drain
         self.num_free_slots = 0  # free units across owned pages
+        self.stranded: OrderedDict[int, None] = OrderedDict()  # cached units in in-use pages
         pool.register(group_id, self)
 
     # -- allocation --------------------------------------------------------------------------
@@ -54,59 +60,121 @@ class UnitAllocator:
         self.new_pages.append(page)
         return page
 
-    def alloc(self, hint_page: int | None = None, new_page: bool = True) -> int | None:
-        """A new in-use unit, preferably in `hint_page` (keeps a request's units contiguous),
-        else in any owned page with room, else (if `new_page`) in a page from the pool."""
-        if hint_page is not None and hint_page in self.partial:
-            page = hint_page
-        elif self.partial:
-            page = next(iter(self.partial))
-        elif new_page:
-            page = self._new_page()
-            if page is None:
-                return None
-        else:
-            return None
+    def take(
+        self, n: int, hint_page: int | None, page_budget: int | None = None, reclaim: bool = False
+    ) -> list[int]:
+        """Up to `n` new in-use units (fewer if the pool is dry): first free slots of
+        `hint_page` (keeps a request's units contiguous), then of other owned pages (oldest
+        first), then new pages from the pool (at most `page_budget`; None: any), then, with
+        `reclaim`, the slots of least-recently-used stranded cached units."""
+        out: list[int] = []
+        pages = 0
+        page = hint_page if hint_page in self.partial else None
+        while len(out) < n:
+            if page is None or page not in self.partial:
+                if self.partial:
+                    page = next(iter(self.partial))
+                elif (page_budget is None or pages < page_budget) and (
+                    (page := self._new_page()) is not None
+                ):
+                    pages += 1
+                elif reclaim and self.stranded:
+                    out.append(self._reclaim())
+                    page = None
+                    continue
+                else:
+                    break
+            out.extend(self._take_from(page, n - len(out)))
+        return out
+
+    def alloc(
+        self, hint_page: int | None = None, new_page: bool = True, reclaim: bool = False
+    ) -> int | None:
+        """One new in-use unit (see `take`), or None."""
+        units = self.take(1, hint_page, None if new_page else 0, reclaim)
+        return units[0] if units else None
+
+    def _take_from(self, page: int, k: int) -> list[int]:
         slots = self.free_slots[page]
-        self.num_free_slots -= 1
-        j = slots.pop()
+        slots.sort(reverse=True)  # lowest offsets first: consecutive kernel blocks
+        k = min(k, len(slots))
+        taken = slots[-k:]
+        del slots[-k:]
+        base = page * self.units_per_page
+        units = [base + j for j in reversed(taken)]
+        ref = self.ref
+        for unit in units:
+            ref[unit] = 1
+        self.num_free_slots -= k
+        self.page_occupied[page] += k
         if not slots:
             del self.partial[page]
-        unit = page * self.units_per_page + j
+        self._use_page(page, k)
+        return units
+
+    def _reclaim(self) -> int:
+        """Drop the oldest stranded cached unit and hand its slot out as a new in-use unit."""
+        unit, _ = self.stranded.popitem(last=False)
+        del self.unit_of[self.key_of.pop(unit)]
         self.ref[unit] = 1
-        self.page_occupied[page] += 1
-        self._use_page(page)
+        self.page_used[unit // self.units_per_page] += 1
         return unit
 
-    def _use_page(self, page: int) -> None:
-        self.page_used[page] += 1
-        if self.page_used[page] == 1:
+    def _page_units(self, page: int) -> range:
+        return range(page * self.units_per_page, (page + 1) * self.units_per_page)
+
+    def _use_page(self, page: int, k: int = 1) -> None:
+        before = self.page_used[page]
+        self.page_used[page] = before + k
+        if before == 0:
             self.pool.set_evictable(page, False)
+            for unit in self._page_units(page):  # its cached units are stranded now
+                if self.ref.get(unit) == 0:
+                    self.stranded[unit] = None
+                    self.stranded.move_to_end(unit, last=False)
 
     def incref(self, unit: int) -> None:
         count = self.ref[unit]
         self.ref[unit] = count + 1
         if count == 0:
+            self.stranded.pop(unit, None)
             self._use_page(unit // self.units_per_page)
 
     def decref(self, unit: int) -> None:
-        count = self.ref[unit] - 1
-        self.ref[unit] = count
-        if count > 0:
-            return
-        page = unit // self.units_per_page
-        self.page_used[page] -= 1
-        if unit not in self.key_of:
-            self._free_unit(unit)
-        self._settle(page)
+        self.release((unit,))
+
+    def release(self, units: Iterable[int]) -> None:
+        """Drop one reference to each unit; units nobody uses become free or stay cached. Pages
+        settle in the order they first appear (release a request's tail first)."""
+        u = self.units_per_page
+        ref, key_of, page_used = self.ref, self.key_of, self.page_used
+        touched: dict[int, None] = {}
+        cached: list[int] = []
+        for unit in units:
+            count = ref[unit] - 1
+            if count:
+                ref[unit] = count
+                continue
+            page = unit // u
+            page_used[page] -= 1
+            touched[page] = None
+            if unit in key_of:
+                ref[unit] = 0
+                cached.append(unit)
+            else:
+                self._free_unit(unit)
+        stranded = self.stranded
+        for unit in cached:
+            if page_used[unit // u]:
+                stranded[unit] = None
+        for page in touched:
+            self._settle(page)
 
     def _free_unit(self, unit: int) -> None:
         page, j = divmod(unit, self.units_per_page)
         del self.ref[unit]
         self.page_occupied[page] -= 1
-        slots = self.free_slots[page]
-        slots.append(j)
-        slots.sort(reverse=True)
+        self.free_slots[page].append(j)
         self.num_free_slots += 1
         self.partial[page] = None
 
@@ -119,6 +187,8 @@ class UnitAllocator:
             self.pool.give_back(page)
         elif self.page_used[page] == 0:
             self.pool.set_evictable(page, True)
+            for unit in self._page_units(page):  # the page may leave whole now
+                self.stranded.pop(unit, None)
 
     # -- cache -------------------------------------------------------------------------------
 
@@ -134,12 +204,27 @@ class UnitAllocator:
         self.unit_of[key] = unit
         return True
 
+    def set_keys(self, units: list[int], keys: list[Hashable]) -> None:
+        """`set_key` for many units at once (dictionary updates in bulk when no key repeats)."""
+        new = dict(zip(keys, units, strict=True))
+        if (
+            len(new) == len(units)
+            and not (self.unit_of.keys() & new.keys())
+            and not (self.key_of.keys() & set(units))
+        ):
+            self.unit_of.update(new)
+            self.key_of.update(zip(units, keys, strict=True))
+            return
+        for unit, key in zip(units, keys, strict=True):
+            self.set_key(unit, key)
+
     def uncache(self, unit: int) -> None:
         """Forget a unit's key; a cached-only unit becomes free at once."""
         key = self.key_of.pop(unit, None)
         if key is None:
             return
         del self.unit_of[key]
+        self.stranded.pop(unit, None)
         if self.ref.get(unit) == 0:
             self._free_unit(unit)
             self._settle(unit // self.units_per_page)
@@ -170,20 +255,26 @@ class UnitAllocator:
     def num_cached_units(self) -> int:
         return len(self.key_of)
 
+    @property
+    def num_stranded(self) -> int:
+        return len(self.stranded)
+
     def plan_slots(self, n: int, hint_page: int | None) -> tuple[int, int]:
-        """If `n` units were taken with `new_page=False`: (units found, evictable pages they
-        would turn in-use). Follows `alloc`'s order: the hint page, then oldest first."""
-        order = list(self.partial)
-        if hint_page in self.partial:
-            order.remove(hint_page)
-            order.insert(0, hint_page)
+        """If `n` units were taken with no new page: (units found, evictable pages they would
+        turn in-use). Follows `take`'s order: the hint page, then the oldest first."""
         found = touched = 0
-        for page in order:
-            if found >= n:
-                break
-            found += len(self.free_slots[page])
-            touched += self.page_used[page] == 0
-        return min(found, n), touched
+        if hint_page in self.partial:
+            found = len(self.free_slots[hint_page])
+            touched = self.page_used[hint_page] == 0
+        if found < n and self.num_free_slots > found:
+            for page in self.partial:
+                if page == hint_page:
+                    continue
+                found += len(self.free_slots[page])
+                touched += self.page_used[page] == 0
+                if found >= n:
+                    break
+        return min(found, n), int(touched)
 
     def pages_in_use(self) -> int:
         return sum(1 for used in self.page_used.values() if used > 0)
@@ -205,6 +296,8 @@ class UnitAllocator:
             assert (page in self.partial) == bool(free), f"page {page}: partial flag wrong"
             assert self.pool.is_evictable(page) == (used == 0), f"page {page}: evictable flag"
         assert self.num_free_slots == sum(len(v) for v in self.free_slots.values())
+        expect_stranded = {x for x, c in self.ref.items() if c == 0 and self.page_used[x // u] > 0}
+        assert set(self.stranded) == expect_stranded, "stranded units differ"
         for unit, count in self.ref.items():
             assert count > 0 or unit in self.key_of, f"unit {unit} neither used nor cached"
         assert len(self.key_of) == len(self.unit_of)

@@ -104,10 +104,10 @@ def test_branch_point_snapshot_makes_the_next_request_hit():
 
 
 def test_rolling_tail_snapshot_keeps_one_per_request():
-    cm = manager()
+    cm = manager(snapshot_tail_interval_tokens=8)
     a = request("a", range(10))
     prefill(cm, a)
-    decode(cm, a, 23)  # passes boundaries 12, 16, 20, 24, 28, 32
+    decode(cm, a, 23)  # passes tail boundaries 16, 24, 32
     st = next(m for m in cm.groups if isinstance(m, StateManager))
     assert st.units.num_cached_units == 2  # prompt end (8) + the latest tail (32)
     cm.free(a)
@@ -128,3 +128,18 @@ def test_copy_in_source_is_pinned_until_commit():
     cm.commit(b, 21)
     assert cm.groups[st_gid].units.ref[src] == 0
     cm.check_integrity()
+
+
+def test_tail_snapshot_at_the_last_boundary_max_tokens_allows():
+    cm = manager()  # tail interval 64 tokens: only the final boundary (32) is reached
+    a = request("a", range(10))
+    a.max_computed_tokens = 10 + 23 - 1
+    prefill(cm, a)
+    decode(cm, a, 23)
+    cm.free(a)
+    assert cm.lookup(request("f", list(a.all_token_ids) + [5])).num_tokens == 32
+    b = request("b", range(100, 110))  # no max_tokens known and no grid point reached: no tail
+    prefill(cm, b)
+    decode(cm, b, 23)
+    cm.free(b)
+    assert cm.lookup(request("g", list(b.all_token_ids) + [5])).num_tokens == 8

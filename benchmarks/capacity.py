@@ -1,0 +1,312 @@
+"""Capacity benchmark: replay workloads through the real scheduler and cache managers (no model).
+
+For bundled presets of real hybrid models (plus Llama-3.1-8B as the dense reference), a 40 GiB
+budget planned for platform cuda with FlashInfer's kernel block sizes, `max_num_seqs` 1024, it
+compares page mode (the reference behaviour: whole pages per request) with block mode (kernel
+block sub-allocation) on three seeded workloads:
+
+- short_chat: 2000 requests, prompts uniform 12..200 tokens, outputs uniform 50..300;
+- multi_turn: conversations sharing one 480-token system prompt, 4 turns each, user turns
+  20..80 tokens, answers 50..200, each prompt = the conversation so far + the new user turn,
+  128 conversations open at a time, 2000 requests in all;
+- long_docs: 200 requests with prompts 8k..32k tokens and outputs 50..300.
+
+Reported per (model, workload, mode): peak concurrent requests, attention tokens pinned but
+unused per request at that peak (summed over attention groups), prefix hit rate (hit tokens /
+prompt tokens), snapshot pages held at the end, and manager CPU time per request-step (all cache
+manager calls of a step / running requests; median of 3 runs).
+
+    python benchmarks/capacity.py            # full run, prints a table
+    python benchmarks/capacity.py --json     # the same numbers as JSON rows
+    python benchmarks/capacity.py --quick    # reduced version (under a minute)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hybridkv.config import CacheConfig, SchedulerConfig  # noqa: E402
+from hybridkv.core.coordinator import CacheManager  # noqa: E402
+from hybridkv.core.managers import FullAttentionManager, SlidingWindowManager  # noqa: E402
+from hybridkv.core.request import Request  # noqa: E402
+from hybridkv.core.scheduler import Scheduler  # noqa: E402
+from hybridkv.kv.plan import plan_for_config  # noqa: E402
+from hybridkv.kv.presets import load_preset  # noqa: E402
+from hybridkv.sampling_params import SamplingParams  # noqa: E402
+
+MODELS = [
+    "ibm-granite/granite-4.0-h-small",
+    "Qwen/Qwen3-Next-80B-A3B-Instruct",
+    "nvidia/NVIDIA-Nemotron-Nano-9B-v2",
+    "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16",
+    "tiiuae/Falcon-H1-7B-Instruct",
+    "ai21labs/Jamba-v0.1",
+    "meta-llama/Llama-3.1-8B",
+]
+QUICK_MODELS = ["ibm-granite/granite-4.0-h-small", "meta-llama/Llama-3.1-8B"]
+WORKLOADS = ("short_chat", "multi_turn", "long_docs")
+MODES = ("page", "block")
+VOCAB = 32000
+GIB = 2**30
+MANAGER_CALLS = ("lookup", "allocate", "commit", "free", "next_boundary", "drain_new_pages")
+
+
+@dataclass(frozen=True)
+class Scale:
+    short_requests: int = 2000
+    multi_requests: int = 2000
+    open_conversations: int = 128
+    long_requests: int = 200
+    runs: int = 3
+
+
+FULL = Scale()
+QUICK = Scale(
+    short_requests=300, multi_requests=240, open_conversations=32, long_requests=12, runs=1
+)
+
+
+def _request(rid: str, prompt: list[int], out_len: int) -> Request:
+    params = SamplingParams(max_tokens=out_len, ignore_eos=True)
+    return Request(rid, prompt, params)
+
+
+# ---------------------------------------------------------------------------------------------
+# Workloads: generators of requests that may react to finished ones
+# ---------------------------------------------------------------------------------------------
+
+
+class Workload:
+    """Feeds requests to the scheduler; `on_finish` lets a conversation continue."""
+
+    def initial(self) -> list[Request]:
+        raise NotImplementedError
+
+    def on_finish(self, req: Request) -> list[Request]:
+        return []
+
+
+class Independent(Workload):
+    def __init__(self, rng: random.Random, n: int, prompt: tuple[int, int], out: tuple[int, int]):
+        self.requests = [
+            _request(
+                f"r{i}",
+                [rng.randrange(VOCAB) for _ in range(rng.randint(*prompt))],
+                rng.randint(*out),
+            )
+            for i in range(n)
+        ]
+
+    def initial(self) -> list[Request]:
+        return self.requests
+
+
+class MultiTurn(Workload):
+    TURNS = 4
+
+    def __init__(self, rng: random.Random, n_requests: int, open_conversations: int):
+        self.rng = rng
+        self.system = [rng.randrange(VOCAB) for _ in range(480)]
+        self.n_conversations = n_requests // self.TURNS
+        self.open = open_conversations
+        self.started = 0
+        self.turn: dict[str, int] = {}
+
+    def _turn(self, conv: int, history: list[int], turn: int) -> Request:
+        user = [self.rng.randrange(VOCAB) for _ in range(self.rng.randint(20, 80))]
+        req = _request(f"c{conv}t{turn}", history + user, self.rng.randint(50, 200))
+        self.turn[req.request_id] = turn
+        return req
+
+    def _start(self) -> Request:
+        conv = self.started
+        self.started += 1
+        return self._turn(conv, list(self.system), 0)
+
+    def initial(self) -> list[Request]:
+        return [self._start() for _ in range(min(self.open, self.n_conversations))]
+
+    def on_finish(self, req: Request) -> list[Request]:
+        turn = self.turn.pop(req.request_id)
+        conv = int(req.request_id[1:].split("t")[0])
+        if turn + 1 < self.TURNS:
+            return [self._turn(conv, list(req.all_token_ids), turn + 1)]
+        return [self._start()] if self.started < self.n_conversations else []
+
+
+def make_workload(name: str, seed: int, scale: Scale) -> Workload:
+    rng = random.Random(seed)
+    if name == "short_chat":
+        return Independent(rng, scale.short_requests, (12, 200), (50, 300))
+    if name == "multi_turn":
+        return MultiTurn(rng, scale.multi_requests, scale.open_conversations)
+    return Independent(rng, scale.long_requests, (8192, 32768), (50, 300))
+
+
+# ---------------------------------------------------------------------------------------------
+# Replay
+# ---------------------------------------------------------------------------------------------
+
+
+def _time_manager_calls(cm: CacheManager) -> Callable[[], int]:
+    """Wrap the manager's entry points; returns a reader of the accumulated nanoseconds."""
+    total = [0]
+
+    def wrap(fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                total[0] += time.perf_counter_ns() - t0
+
+        return timed
+
+    for name in MANAGER_CALLS:
+        setattr(cm, name, wrap(getattr(cm, name)))
+    return lambda: total[0]
+
+
+def _unused_pinned(cm: CacheManager, running: list[Request]) -> float:
+    """Attention tokens held but not written, per request, summed over full-attention groups."""
+    unused = 0
+    for req in running:
+        rs = cm._reqs.get(req.request_id)
+        if rs is None:
+            continue
+        for m, gr in zip(cm.groups, rs.groups, strict=True):
+            if isinstance(m, FullAttentionManager) and not isinstance(m, SlidingWindowManager):
+                unused += m.capacity(gr) - req.num_computed_tokens  # type: ignore[arg-type]
+    return unused / max(1, len(running))
+
+
+def replay(model: str, workload: str, mode: str, seed: int, scale: Scale) -> dict:
+    cfg = CacheConfig(
+        platform="cuda", attention_backend="flashinfer", memory_bytes=40 * GIB, allocation=mode
+    )
+    plan = plan_for_config(load_preset(model), cfg)
+    cm = CacheManager(plan, cfg)
+    manager_ns = _time_manager_calls(cm)
+    sched = Scheduler(cm, SchedulerConfig(max_num_seqs=1024, max_num_batched_tokens=8192))
+    rng = random.Random(seed + 1)
+    work = make_workload(workload, seed, scale)
+    for req in work.initial():
+        sched.add_request(req)
+    peak = request_steps = max_snapshots = 0
+    unused_at_peak = 0.0
+    while sched.has_unfinished:
+        out = sched.schedule()
+        sampled = {c.request.request_id: rng.randrange(VOCAB) for c in out.chunks if c.samples}
+        finished = sched.update(out, sampled)
+        request_steps += len(out.chunks)
+        if len(sched.running) > peak:
+            peak = len(sched.running)
+            unused_at_peak = _unused_pinned(cm, sched.running)
+        max_snapshots = max(max_snapshots, cm.usage()["snapshot_pages"])
+        for req in finished:
+            for nxt in work.on_finish(req):
+                sched.add_request(nxt)
+    cm.check_integrity()
+    return {
+        "model": model,
+        "workload": workload,
+        "mode": mode,
+        "peak_concurrency": peak,
+        "unused_pinned_tokens_per_request": round(unused_at_peak, 1),
+        "hit_rate": round(cm.stats.hit_rate, 4),
+        "snapshot_pages": cm.usage()["snapshot_pages"],
+        "max_snapshot_pages": max_snapshots,
+        "manager_us_per_request_step": manager_ns() / 1e3 / max(1, request_steps),
+        "preemptions": sched.num_preemptions,
+        "page_tokens": plan.page_tokens,
+        "num_pages": plan.num_pages,
+        "kernel_block_size": plan.attention_groups[0].kernel_block_size,
+    }
+
+
+def run(models: list[str], workloads: list[str], scale: Scale, seed: int) -> Iterator[dict]:
+    for model in models:
+        for workload in workloads:
+            for mode in MODES:
+                rows = [replay(model, workload, mode, seed, scale) for _ in range(scale.runs)]
+                row = dict(rows[0])
+                row["manager_us_per_request_step"] = round(
+                    statistics.median(r["manager_us_per_request_step"] for r in rows), 2
+                )
+                yield row
+
+
+COLUMNS = [
+    ("model", 42),
+    ("workload", 10),
+    ("mode", 5),
+    ("page_tokens", 5),
+    ("kernel_block_size", 3),
+    ("peak_concurrency", 5),
+    ("unused_pinned_tokens_per_request", 7),
+    ("hit_rate", 6),
+    ("snapshot_pages", 6),
+    ("manager_us_per_request_step", 6),
+    ("preemptions", 7),
+]
+HEADS = [
+    "model",
+    "workload",
+    "mode",
+    "page",
+    "kb",
+    "peak",
+    "unused",
+    "hit",
+    "snaps",
+    "us/rs",
+    "preempt",
+]
+
+
+def print_header() -> None:
+    print("  ".join(h.ljust(w) for h, (_, w) in zip(HEADS, COLUMNS, strict=True)))
+
+
+def print_row(r: dict) -> None:
+    print("  ".join(str(r[k]).ljust(w) for k, w in COLUMNS), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="reduced run (under a minute)")
+    p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    p.add_argument("--models", nargs="*", default=None, help="preset ids (default: all seven)")
+    p.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    scale = QUICK if args.quick else FULL
+    models = args.models or (QUICK_MODELS if args.quick else MODELS)
+    rows = []
+    if not args.json:
+        print(
+            f"capacity benchmark: 40 GiB, platform cuda, flashinfer sizes, max_num_seqs 1024, "
+            f"seed {args.seed}{' (quick)' if args.quick else ''}"
+        )
+        print_header()
+    for row in run(models, args.workloads, scale, args.seed):
+        rows.append(row)
+        if not args.json:
+            print_row(row)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
