@@ -4,4 +4,23 @@ Its paged cache decouples the page the cache manager allocates from the kernel b
 kernel indexes (see DESIGN.md). Heavy parts import lazily so that `hybridkv plan` needs no torch.
 """
 
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+if TYPE_CHECKING:
+    from hybridkv.entrypoints.llm import LLM
+    from hybridkv.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from hybridkv.entrypoints.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from hybridkv.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'hybridkv' has no attribute {name!r}")

@@ -31,15 +31,11 @@ class ScheduledChunk:
     start: int  # tokens computed before this step (= position of the first token)
     num_tokens: int
     allocation: StepAllocation
+    samples: bool  # after this chunk every known token is computed: the step samples one
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """After this chunk every known token is computed: the step samples the next one."""
-        return self.end == self.request.num_tokens
 
 
 @dataclass(frozen=True)
@@ -122,7 +118,8 @@ class Scheduler:
             alloc = self._allocate_or_preempt(req, n, preempted)
             if alloc is None:
                 continue
-            chunks.append(ScheduledChunk(req, req.num_computed_tokens, n, alloc))
+            start = req.num_computed_tokens
+            chunks.append(ScheduledChunk(req, start, n, alloc, start + n == req.num_tokens))
             budget -= n
         return budget
 
@@ -169,7 +166,8 @@ class Scheduler:
             req.num_computed_tokens = hit.num_tokens
             req.num_cached_tokens = hit.num_tokens
             self.running.append(req)
-            chunks.append(ScheduledChunk(req, hit.num_tokens, n, alloc))
+            start = hit.num_tokens
+            chunks.append(ScheduledChunk(req, start, n, alloc, start + n == req.num_tokens))
             budget -= n
 
     # -- update --------------------------------------------------------------------------------

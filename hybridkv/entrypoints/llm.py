@@ -1,0 +1,96 @@
+"""`LLM(model=..., **config).generate(prompts, sampling_params)`: offline batched generation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from hybridkv.engine import Engine
+from hybridkv.outputs import RequestOutput
+from hybridkv.sampling_params import SamplingParams
+from hybridkv.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Keyword arguments are the fields of ModelConfig (dtype, device, seed), CacheConfig
+    (allocation, kernel_block_size, enable_prefix_caching, memory_bytes, ...) and
+    SchedulerConfig (max_num_seqs, max_num_batched_tokens, max_model_len)."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine = Engine(model, **kwargs)
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One output per prompt, in order. Every prompt and parameter set is validated before
+        any request starts, so a bad one raises a ValueError and nothing runs."""
+        prompt_list = self._prompt_list(prompts)
+        params = self._params_list(sampling_params, len(prompt_list))
+        for prompt in prompt_list:
+            self.engine._prompt_ids(prompt)  # validate everything first
+        ids = [
+            self.engine.add_request(p, sp).request_id
+            for p, sp in zip(prompt_list, params, strict=True)
+        ]
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(ids)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generating", unit="req")
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        results[out.request_id] = out
+                        pending.discard(out.request_id)
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in pending:
+                self.engine.abort(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]
+
+    @staticmethod
+    def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str):
+            return [prompts]
+        if (
+            isinstance(prompts, list | tuple)
+            and prompts
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+        ):
+            return [list(prompts)]  # one prompt given as token ids
+        if not isinstance(prompts, list | tuple) or not prompts:
+            raise ValueError(
+                "prompts must be a string, a list of strings or a list of token-id "
+                "lists, and not empty"
+            )
+        return [p if isinstance(p, str) else list(p) for p in prompts]
+
+    @staticmethod
+    def _params_list(params, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError(f"give one SamplingParams or a list of {n} (one per prompt)")
+        return params

@@ -1,0 +1,102 @@
+"""Feed-forward blocks: RMSNorm module, SwiGLU MLPs and the GraniteMoeHybrid mixture of experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.ops.norm import rms_norm
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, weight_in_fp32: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.weight_in_fp32 = weight_in_fp32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, weight_in_fp32=self.weight_in_fp32)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2 * inter] = [gate | up] -> silu(gate) * up: [..., inter]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class FusedGateUpMLP(nn.Module):
+    """SwiGLU with one fused [gate | up] projection (GraniteMoeHybrid's `shared_mlp`)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.input_linear = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.output_linear = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output_linear(silu_and_mul(self.input_linear(x)))
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU with separate gate / up / down projections (Llama, Qwen3, Bamba)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Router(nn.Module):
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.layer = nn.Linear(hidden_size, num_experts, bias=False)
+
+
+class _ExpertWeights(nn.Module):
+    def __init__(self, num_experts: int, out_features: int, in_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+
+
+class GraniteMoE(nn.Module):
+    """Top-k routed experts with stacked weights (checkpoint names `block_sparse_moe.*`).
+
+    router logits -> top-k -> softmax over the k chosen -> each expert runs SwiGLU on the tokens
+    routed to it; outputs are summed weighted. Tokens are grouped by expert with one sort, then
+    one loop over the experts that received tokens (not over tokens).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.num_experts = num_experts
+        self.router = _Router(hidden_size, num_experts)
+        self.input_linear = _ExpertWeights(num_experts, 2 * intermediate_size, hidden_size)
+        self.output_linear = _ExpertWeights(num_experts, hidden_size, intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden]; logits: [T, experts] (routing in float32, as the reference does)
+        logits = self.router.layer(x).float()
+        top_logits, top_idx = logits.topk(self.top_k, dim=-1)  # [T, k]
+        weights = torch.softmax(top_logits, dim=-1).to(x.dtype)
+        flat_expert = top_idx.reshape(-1)  # [T * k]
+        order = torch.argsort(flat_expert, stable=True)
+        token_of = order // self.top_k
+        counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = order[start : start + count]
+            tokens = token_of[start : start + count]
+            start += count
+            h = silu_and_mul(F.linear(x[tokens], self.input_linear.weight[expert]))
+            h = F.linear(h, self.output_linear.weight[expert])
+            out.index_add_(0, tokens, h * weights.reshape(-1)[rows, None])
+        return out

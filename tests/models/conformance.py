@@ -1,0 +1,84 @@
+"""The engine configurations every model family must run token-for-token like transformers.
+
+A family test module builds a tiny seeded checkpoint and calls `check_case` for every case:
+allocation page and block; kernel-block ratios 1, 2 and 3; prefix caching on and off with
+shared prefixes (one shorter than a page); chunked prefill split at unaligned positions; a pool
+so small that requests are preempted and resumed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybridkv.engine import Engine
+
+from .utils import engine_greedy, prompts, reference_greedy
+
+NEW_TOKENS = 32
+# The smallest top-2 logit gap along the reference tokens must dwarf float32 noise: hybridkv and
+# transformers differ by at most ~2e-6 in the logits of these float32 models, so with a gap of
+# 1e-4 or more a token flip can only come from a bug.
+MIN_MARGIN = 1e-4
+LENGTHS = [5, 17, 33, 48, 9, 64, 2, 40]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    shared_prefix: bool = False  # run a first round, then prompts that share its prefixes
+    expect_preemption: bool = False
+
+
+CASES = [
+    Case("block"),
+    Case("page", {"allocation": "page"}),
+    Case("ratio1", {"page_tokens": 48, "kernel_block_size": 48}),
+    Case("ratio2", {"page_tokens": 48, "kernel_block_size": 24}),
+    Case("ratio3", {"page_tokens": 48, "kernel_block_size": 16}),
+    Case("prefix-block", {"kernel_block_size": 4}, shared_prefix=True),
+    Case("prefix-page", {"allocation": "page"}, shared_prefix=True),
+    Case("no-prefix-cache", {"enable_prefix_caching": False}, shared_prefix=True),
+    Case("chunked", {"max_num_batched_tokens": 13, "kernel_block_size": 8}),
+    Case("preempt", {"num_pages": 14, "kernel_block_size": 8}, expect_preemption=True),
+]
+
+
+@dataclass
+class Family:
+    folder: Path
+    vocab: int
+    plain: list[list[int]]
+    plain_ref: list[list[int]]
+    shared: list[list[int]]
+    shared_ref: list[list[int]]
+
+
+def make_family(folder: Path, hf_model, vocab: int) -> Family:
+    plain = prompts(vocab, LENGTHS, seed=1)
+    # 20 shared tokens: shorter than any page the tiny models get (>= 32 tokens)
+    shared = prompts(vocab, [24, 30, 45, 21, 60, 33, 26, 52], seed=2, shared=20)
+    plain_ref, m1 = reference_greedy(hf_model, plain, NEW_TOKENS)
+    shared_ref, m2 = reference_greedy(hf_model, shared, NEW_TOKENS)
+    assert min(m1, m2) > MIN_MARGIN, f"random weights too flat to compare (margin {min(m1, m2)})"
+    return Family(folder, vocab, plain, plain_ref, shared, shared_ref)
+
+
+def check_case(family: Family, case: Case, **engine_kwargs: Any) -> None:
+    engine = Engine(str(family.folder), dtype="float32", **{**case.kwargs, **engine_kwargs})
+    if case.shared_prefix:
+        first = engine_greedy(engine, family.shared[:3], NEW_TOKENS)
+        assert first == family.shared_ref[:3]
+        got = engine_greedy(engine, family.shared, NEW_TOKENS)
+        assert got == family.shared_ref
+        if engine.cache_config.enable_prefix_caching and case.kwargs.get("allocation") != "page":
+            assert engine.cache.stats.hit_tokens > 0, "the prefix cache was never hit"
+        if not engine.cache_config.enable_prefix_caching:
+            assert engine.cache.stats.hit_tokens == 0
+    else:
+        got = engine_greedy(engine, family.plain, NEW_TOKENS)
+        assert got == family.plain_ref
+    if case.expect_preemption:
+        assert engine.scheduler.num_preemptions > 0, "the small pool never preempted"
