@@ -56,11 +56,12 @@ class ModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and canonical_dtype(self.dtype) not in (
-            "float32",
-            "bfloat16",
-            "float16",
-        ):
+        allowed = ("float32", "bfloat16", "float16")
+        try:
+            ok = self.dtype == "auto" or canonical_dtype(self.dtype) in allowed
+        except ValueError:
+            ok = False
+        if not ok:
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
             )

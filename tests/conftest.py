@@ -17,3 +17,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny seeded GraniteMoeHybrid checkpoint (Mamba2 + attention + MoE) with a tokenizer
+    whose words are t0 .. t95, saved once per test session."""
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    from tests.models.utils import save_model, seeded
+
+    cfg = GraniteMoeHybridConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=32, shared_intermediate_size=48,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["mamba", "attention", "mamba", "attention"], mamba_n_heads=8,
+        mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16, num_local_experts=4,
+        num_experts_per_tok=2, position_embedding_type="rope", initializer_range=0.1,
+        max_position_embeddings=256,
+    )  # fmt: skip
+    hf = seeded(GraniteMoeHybridForCausalLM, cfg)
+    folder = save_model(hf, tmp_path_factory.mktemp("tiny-granite"))
+    return folder

@@ -82,7 +82,7 @@ class LLM:
                 "prompts must be a string, a list of strings or a list of token-id "
                 "lists, and not empty"
             )
-        return [p if isinstance(p, str) else list(p) for p in prompts]
+        return [list(p) if isinstance(p, list | tuple) else p for p in prompts]
 
     @staticmethod
     def _params_list(params, n: int) -> list[SamplingParams]:

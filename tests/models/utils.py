@@ -76,17 +76,25 @@ def reference_logits(hf_model, ids: list[int]) -> torch.Tensor:
 
 @torch.inference_mode()
 def engine_prefill_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    """Logits at every prompt position from one hybridkv prefill step."""
+    """Logits at every prompt position from hybridkv prefill steps (in as many chunks as the
+    scheduler makes); the probe request leaves nothing behind but cached content."""
     req = Request("prefill-probe", ids, SamplingParams(max_tokens=1))
     engine.scheduler.add_request(req)
-    out = engine.scheduler.schedule()
-    assert len(out.chunks) == 1 and out.chunks[0].num_tokens == len(ids)
-    engine.runner._apply_allocations(out)
-    batch = engine.runner.build_batch(out.chunks)
-    logits = engine.model.compute_logits(engine.model(batch))
+    rows = []
+    while True:
+        out = engine.scheduler.schedule()
+        (chunk,) = [c for c in out.chunks if c.request is req]
+        assert len(out.chunks) == 1, "the engine must be idle for a prefill probe"
+        engine.runner._apply_allocations(out)
+        batch = engine.runner.build_batch(out.chunks)
+        rows.append(engine.model.compute_logits(engine.model(batch)))
+        engine.runner._copy_states([op for op in chunk.allocation.snapshots])
+        if chunk.samples:
+            break
+        engine.scheduler.update(out, {})
     engine.scheduler.abort(req)
     engine.runner.release([req])
-    return logits
+    return torch.cat(rows)
 
 
 def engine_greedy(engine: Engine, prompt_ids: list[list[int]], max_new_tokens: int):

@@ -1,0 +1,208 @@
+"""The `LLM` API and the engine's request handling, on a tiny random hybrid model."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from hybridkv import LLM, SamplingParams
+from hybridkv.engine import Engine
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir), dtype="float32", seed=0)
+
+
+def words(ids):
+    return " ".join(f"t{i}" for i in ids)
+
+
+def test_generate_strings_and_token_ids(llm):
+    outs = llm.generate(["t1 t2 t3", [4, 5, 6, 7]], GREEDY, use_tqdm=False)
+    assert len(outs) == 2
+    for out in outs:
+        assert len(out.token_ids) == 8 and out.finish_reason == "length"
+        assert out.text == words(out.token_ids)
+    assert outs[0].prompt == "t1 t2 t3" and outs[0].prompt_token_ids == [1, 2, 3]
+    # a string and its token ids give the same tokens
+    again = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]
+    assert again.token_ids == outs[0].token_ids
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
+    p = SamplingParams(max_tokens=12, temperature=1.0, seed=123, ignore_eos=True)
+    alone = llm.generate([[9, 8, 7]], p, use_tqdm=False)[0].token_ids
+    other = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    mixed = llm.generate([[1, 1], [9, 8, 7], [3]], [other, p, other], use_tqdm=False)
+    assert mixed[1].token_ids == alone
+    differ = SamplingParams(max_tokens=12, temperature=1.0, seed=124, ignore_eos=True)
+    assert llm.generate([[9, 8, 7]], differ, use_tqdm=False)[0].token_ids != alone
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(llm):
+    greedy = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
+    k1 = SamplingParams(max_tokens=8, temperature=1.5, top_k=1, seed=1, ignore_eos=True)
+    p0 = SamplingParams(max_tokens=8, temperature=1.5, top_p=1e-6, seed=1, ignore_eos=True)
+    assert llm.generate([[5, 6, 7]], k1, use_tqdm=False)[0].token_ids == greedy
+    assert llm.generate([[5, 6, 7]], p0, use_tqdm=False)[0].token_ids == greedy
+
+
+def test_top_k_restricts_support(llm):
+    p = SamplingParams(max_tokens=30, temperature=5.0, top_k=3, seed=7, ignore_eos=True)
+    out = llm.generate([[5, 6, 7]], p, use_tqdm=False)[0]
+    eng = llm.engine
+    # every sampled token must be among the 3 most likely at its step (checked by recompute)
+    from tests.models.utils import engine_prefill_logits
+
+    seq = [5, 6, 7] + out.token_ids
+    logits = engine_prefill_logits(eng, seq[:-1])
+    for i, tok in enumerate(out.token_ids):
+        top3 = logits[2 + i].topk(3).indices.tolist()
+        assert tok in top3
+
+
+def test_logprobs(llm, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    p = SamplingParams(max_tokens=5, temperature=0.0, logprobs=3, ignore_eos=True)
+    out = llm.generate([[2, 4, 6, 8]], p, use_tqdm=False)[0]
+    assert len(out.logprobs) == 5
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    seq = [2, 4, 6, 8] + out.token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0].float(), -1)
+    for i, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        assert len(entry) == 3 and tok in entry  # greedy: the chosen token is the top one
+        assert abs(entry[tok] - float(ref[3 + i, tok])) < 1e-4
+    assert out.outputs[0].cumulative_logprob == pytest.approx(
+        sum(e[t] for e, t in zip(out.logprobs, out.token_ids, strict=True))
+    )
+
+
+def test_stop_token_ids_eos_and_max_tokens(llm, tiny_model_dir):
+    base = llm.generate([[3, 1, 4]], GREEDY, use_tqdm=False)[0].token_ids
+    stop_at = base[3]
+    p = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop_at])
+    out = llm.generate([[3, 1, 4]], p, use_tqdm=False)[0]
+    first = base.index(stop_at)
+    assert out.token_ids == base[: first + 1] and out.finish_reason == "stop"
+    assert out.outputs[0].stop_reason == stop_at
+    # the eos id comes from generation_config.json; ignore_eos=False stops there
+    eng = Engine(str(tiny_model_dir), dtype="float32")
+    eng.eos_token_ids = (stop_at,)
+    req = eng.add_request([3, 1, 4], SamplingParams(max_tokens=8, temperature=0.0))
+    assert req.eos_token_ids == (stop_at,)
+    while eng.has_unfinished:
+        eng.step()
+    assert req.finish_reason == "stop" and req.output_token_ids == base[: first + 1]
+
+
+def test_stop_strings_cut_the_text(llm):
+    base = llm.generate([[3, 1, 4]], GREEDY, use_tqdm=False)[0]
+    stop = f"t{base.token_ids[2]}"
+    p = SamplingParams(max_tokens=8, temperature=0.0, stop=[stop], ignore_eos=True)
+    out = llm.generate([[3, 1, 4]], p, use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    assert stop not in out.text and base.text.startswith(out.text)
+    keep = SamplingParams(
+        max_tokens=8, temperature=0.0, stop=[stop], ignore_eos=True, include_stop_str_in_output=True
+    )
+    assert llm.generate([[3, 1, 4]], keep, use_tqdm=False)[0].text.endswith(stop)
+
+
+def test_progress_bar(llm, capsys):
+    llm.generate([[1], [2]], GREEDY)
+    assert "generating" in capsys.readouterr().err
+    llm.generate([[1], [2]], GREEDY, use_tqdm=False)
+    assert "generating" not in capsys.readouterr().err
+
+
+def test_bfloat16_runs(tiny_model_dir):
+    out = LLM(str(tiny_model_dir), dtype="bfloat16").generate([[1, 2]], GREEDY, use_tqdm=False)
+    assert len(out[0].token_ids) == 8
+    assert (
+        out[0].token_ids[0]
+        == LLM(str(tiny_model_dir), dtype="float32")
+        .generate([[1, 2]], GREEDY, use_tqdm=False)[0]
+        .token_ids[0]
+    )
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ("", "prompt is empty"),
+        ([], "prompt is empty"),
+        ([1, 500], r"token ids must be integers in \[0, 96\)"),
+        ([1, -2], "token ids must be integers"),
+        (3.5, "a prompt is a string or a list of token ids"),
+        ([1] * 300, "prompt has 300 tokens; max_model_len is 256"),
+    ],
+)
+def test_bad_prompts_are_rejected_before_entering(llm, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"max_tokens": "10"}, "max_tokens must be an integer"),
+        ({"logprobs": 50}, "logprobs must be at most 20"),
+        ({"stop": [""]}, "stop must be a list of non-empty strings"),
+        ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+    ],
+)
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_a_bad_request_does_not_disturb_running_ones(tiny_model_dir):
+    eng = Engine(str(tiny_model_dir), dtype="float32")
+    good = [eng.add_request([i, i + 1], GREEDY) for i in range(3)]
+    eng.step()
+    with pytest.raises(ValueError):
+        eng.add_request([1] * 1000, GREEDY)
+    while eng.has_unfinished:
+        eng.step()
+    assert all(r.finish_reason == "length" and r.num_output_tokens == 8 for r in good)
+    eng.cache.check_integrity()
+    assert eng.cache.usage()["in_use"] == 0
+
+
+def test_bad_model_folders(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="is not a folder with config.json"):
+        Engine(str(tmp_path / "nothing"))
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(tiny_model_dir, no_weights)
+    (no_weights / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="holds no model weights"):
+        Engine(str(no_weights))
+    no_tok = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_model_dir, no_tok)
+    (no_tok / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="has no tokenizer.json"):
+        Engine(str(no_tok))
+    other = tmp_path / "other-arch"
+    shutil.copytree(tiny_model_dir, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["architectures"] = ["JambaForCausalLM"]
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="cannot run architecture 'JambaForCausalLM'"):
+        Engine(str(other))
+    with pytest.raises(ValueError, match="unknown option"):
+        Engine(str(tiny_model_dir), block_size=16)
+    with pytest.raises(ValueError, match="dtype must be"):
+        Engine(str(tiny_model_dir), dtype="int8")
