@@ -1,0 +1,146 @@
+"""IBM Bamba (BambaForCausalLM): Mamba2 layers with a few attention layers, dense SwiGLU MLPs.
+
+    x = embed(ids)
+    per layer:  x += mixer(input_layernorm(x))           mixer = Mamba2 or attention
+                x += feed_forward(pre_ff_layernorm(x))
+    logits = lm_head(final_layernorm(x))
+
+Attention layers sit at `attn_layer_indices`; they scale scores by 1/sqrt(head_dim) and rotate
+only part of each head: `partial_rotary_factor` (transformers 5 stores 0.5 in `rope_parameters`),
+or `attn_rotary_emb` channels in older checkpoints (Bamba-9B: 64 of 128), else half the head.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridkv.kv.specs import CacheLayer
+from hybridkv.layers.attention.layer import PagedAttention
+from hybridkv.layers.mlp import GatedMLP, RMSNorm
+from hybridkv.layers.rotary import RotaryEmbedding
+from hybridkv.layers.state_layers import PagedMamba2Mixer
+from hybridkv.models.base import CausalLM
+from hybridkv.models.granitemoehybrid import mamba2_kwargs
+from hybridkv.worker.batch import ForwardBatch
+
+# transformers' BambaConfig forces a partial rotary factor of 0.5 when none is given
+DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5
+# BambaConfig's default, used by transformers when config.json has no intermediate_size
+DEFAULT_INTERMEDIATE_SIZE = 14336
+
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+def attention_head_dim(cfg: dict[str, Any]) -> int:
+    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+
+
+def partial_rotary_factor(cfg: dict[str, Any]) -> float:
+    """Fraction of each attention head that RoPE rotates."""
+    rope = cfg.get("rope_parameters") or {}
+    for value in (rope.get("partial_rotary_factor"), cfg.get("partial_rotary_factor")):
+        if value:
+            return float(value)
+    if cfg.get("attn_rotary_emb"):
+        return int(cfg["attn_rotary_emb"]) / attention_head_dim(cfg)
+    return DEFAULT_PARTIAL_ROTARY_FACTOR
+
+
+def check_activation(cfg: dict[str, Any]) -> None:
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"Bamba with hidden_act={act!r} is not supported (only 'silu')")
+
+
+class BambaAttention(nn.Module):
+    def __init__(self, cfg: dict[str, Any], layer_name: str) -> None:
+        super().__init__()
+        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        self.head_dim = attention_head_dim(cfg)
+        self.heads, self.kv_heads = heads, kv_heads
+        bias = bool(cfg.get("attention_bias", False))
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=bias)
+        scale = self.head_dim**-0.5
+        self.attn = PagedAttention(layer_name, heads, kv_heads, self.head_dim, scale)
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, rotary: RotaryEmbedding, cos_sin: CosSin
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        # q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]
+        q = self.q_proj(x).view(t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        q, k = rotary(q, k, *cos_sin)
+        return self.o_proj(self.attn(q, k, v, batch))  # [T, hidden]
+
+
+class BambaDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any], index: int, kind: str) -> None:
+        super().__init__()
+        hidden, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-5)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.pre_ff_layernorm = RMSNorm(hidden, eps)
+        if kind == "attention":
+            self.self_attn = BambaAttention(cfg, f"layers.{index}.attention")
+        else:
+            self.mamba = PagedMamba2Mixer(f"layers.{index}.mamba", **mamba2_kwargs(cfg))
+        bias = bool(cfg.get("mlp_bias", False))
+        inter = cfg.get("intermediate_size", DEFAULT_INTERMEDIATE_SIZE)
+        self.feed_forward = GatedMLP(hidden, inter, bias=bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        rotary: RotaryEmbedding | None,
+        cos_sin: CosSin | None,
+    ) -> torch.Tensor:
+        # x: [T, hidden]
+        h = self.input_layernorm(x)
+        if hasattr(self, "mamba"):
+            h = self.mamba(h, batch)
+        else:
+            assert rotary is not None and cos_sin is not None
+            h = self.self_attn(h, batch, rotary, cos_sin)
+        x = x + h
+        return x + self.feed_forward(self.pre_ff_layernorm(x))
+
+
+class BambaModel(nn.Module):
+    def __init__(self, cfg: dict[str, Any], kinds: list[str]) -> None:
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], hidden)
+        self.layers = nn.ModuleList(BambaDecoderLayer(cfg, i, k) for i, k in enumerate(kinds))
+        self.final_layernorm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-5))
+
+
+class BambaForCausalLM(CausalLM):
+    def __init__(self, config: dict[str, Any], cache_layers: list[CacheLayer]) -> None:
+        super().__init__(config, cache_layers)
+        check_activation(config)
+        kinds = [
+            "attention" if f"layers.{i}.attention" in self.cache_layers else "mamba"
+            for i in range(config["num_hidden_layers"])
+        ]
+        self.model = BambaModel(config, kinds)
+        self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+        self.rotary = None
+        if "attention" in kinds:
+            rope_cfg = {**config, "partial_rotary_factor": partial_rotary_factor(config)}
+            self.rotary = RotaryEmbedding(attention_head_dim(config), rope_cfg)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype) if self.rotary else None
+        for layer in self.model.layers:
+            x = layer(x, batch, self.rotary, cos_sin)
+        return self.model.final_layernorm(x)

@@ -1,0 +1,75 @@
+import pytest
+
+from hybridkv.engine import Engine
+from hybridkv.models.bamba import partial_rotary_factor
+
+from .conformance import CASES, check_case, make_family
+from .utils import (
+    engine_prefill_logits,
+    max_rel_error,
+    prompts,
+    reference_logits,
+    save_model,
+    seeded,
+)
+
+VOCAB = 96
+# "half": transformers' default (partial_rotary_factor 0.5 written into rope_parameters), untied
+# lm_head; "quarter": an explicit factor 0.25 with another rope_theta, tied embeddings.
+VARIANTS = {
+    "half": dict(tie_word_embeddings=False),
+    "quarter": dict(
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 500.0,
+            "partial_rotary_factor": 0.25,
+        },
+    ),
+}
+
+
+def build(tmp_path_factory, variant: str):
+    from transformers import BambaConfig, BambaForCausalLM
+
+    cfg = BambaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1, 3],
+        mamba_n_heads=8, mamba_d_head=16, mamba_expand=2, mamba_d_state=8, mamba_n_groups=1,
+        mamba_chunk_size=16, initializer_range=0.1, max_position_embeddings=512,
+        **VARIANTS[variant],
+    )  # fmt: skip
+    hf = seeded(BambaForCausalLM, cfg)
+    folder = save_model(hf, tmp_path_factory.mktemp(f"bamba-{variant}"))
+    return folder, hf
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def checkpoint(request, tmp_path_factory):
+    return build(tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="module")
+def family(checkpoint):
+    folder, hf = checkpoint
+    return make_family(folder, hf, VOCAB)
+
+
+def test_prefill_logits_match(checkpoint):
+    folder, hf = checkpoint
+    engine = Engine(str(folder), dtype="float32", kernel_block_size=4, enable_prefix_caching=False)
+    ids = prompts(VOCAB, [37])[0]
+    assert max_rel_error(engine_prefill_logits(engine, ids), reference_logits(hf, ids)) <= 1e-4
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_greedy_matches_transformers(family, case):
+    check_case(family, case)
+
+
+def test_partial_rotary_factor_sources():
+    base = {"hidden_size": 4096, "num_attention_heads": 32}
+    assert partial_rotary_factor(base) == 0.5  # transformers' BambaConfig default
+    assert partial_rotary_factor({**base, "attn_rotary_emb": 32}) == 0.25  # pre-5 checkpoints
+    rope = {"rope_theta": 1e4, "partial_rotary_factor": 1.0}
+    assert partial_rotary_factor({**base, "attn_rotary_emb": 32, "rope_parameters": rope}) == 1.0
