@@ -20,16 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+
+from hybridkv.entrypoints.bench import random_prompts, run_hybridkv, run_transformers  # noqa: E402
 
 MODELS = {
     # name: GraniteMoeHybridConfig fields (dense: no routed experts)
@@ -63,41 +63,7 @@ def save_checkpoint(name: str, folder: Path) -> tuple[Path, int]:
 
 
 def workload(vocab: int, n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(rng.randint(32, 512))] for _ in range(n)]
-
-
-def run_hybridkv(path: Path, prompts: list[list[int]], new_tokens: int) -> float:
-    from hybridkv import LLM, SamplingParams
-
-    llm = LLM(str(path), dtype="float32", max_num_seqs=len(prompts))
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    assert all(len(o.token_ids) == new_tokens for o in outs)
-    return elapsed
-
-
-@torch.inference_mode()
-def run_transformers(path: Path, prompts: list[list[int]], new_tokens: int, batch: int) -> float:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    start = time.perf_counter()
-    for i in range(0, len(prompts), batch):
-        group = prompts[i : i + batch]
-        width = max(len(p) for p in group)
-        ids = torch.zeros(len(group), width, dtype=torch.long)
-        mask = torch.zeros(len(group), width, dtype=torch.long)
-        for row, p in enumerate(group):  # left padding
-            ids[row, width - len(p) :] = torch.tensor(p)
-            mask[row, width - len(p) :] = 1
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-        assert out.shape[1] == width + new_tokens
-    return time.perf_counter() - start
+    return random_prompts(vocab, n, 32, 512, seed)
 
 
 VLLM_RUNNER = """

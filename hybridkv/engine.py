@@ -318,6 +318,10 @@ class Engine:
             logprobs,
             cumulative,
         )
+        metrics = {"arrival_time": req.arrival_time}
+        if req.first_token_time is not None:
+            metrics["first_token_time"] = req.first_token_time
+            metrics["last_token_time"] = req.token_times[-1]
         return RequestOutput(
             req.request_id,
             getattr(req, "prompt_text", None),
@@ -325,4 +329,5 @@ class Engine:
             [completion],
             req.is_finished,
             req.num_cached_tokens,
+            metrics,
         )

@@ -141,9 +141,215 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# generate / serve / bench: they load a model
+# ---------------------------------------------------------------------------------------------
+
+DEFAULT_PROMPT = "def fibonacci(n):"
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan]
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint folder (config.json, safetensors, tokenizer.json); "
+        "default: the built-in default model",
+    )
+    p.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument(
+        "--memory",
+        default=None,
+        help="cache budget, e.g. 2GiB (default: sized for max-num-seqs requests)",
+    )
+    p.add_argument("--allocation", default="block", choices=["block", "page"])
+
+
+def _load_engine(args: argparse.Namespace):
+    """Build the engine, printing progress on stderr (model loading takes a moment)."""
+    import time
+
+    from hybridkv.engine import Engine
+
+    kwargs: dict[str, object] = {"dtype": args.dtype, "allocation": args.allocation}
+    if args.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.memory is not None:
+        kwargs["memory_bytes"] = parse_bytes(args.memory)
+    name = args.model or "the built-in default model"
+    print(f"loading {name} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    engine = Engine(args.model, **kwargs)
+    print(
+        f"loaded {engine.architecture} in {time.perf_counter() - start:.1f}s "
+        f"({engine.plan.num_pages} pages of {engine.plan.page_tokens} tokens)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return engine
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate completions for prompts",
+        description="Generate completions with a model (default: the built-in "
+        "one). Prompts come from --prompt (repeatable) or --prompts-file (one "
+        "per line).",
+    )
+    _add_model_args(p)
+    p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", default=None, help="a file with one prompt per line")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.set_defaults(func=cmd_generate)
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n").replace("\\n", "\n") for line in f if line.strip()]
+        except OSError as exc:
+            raise CliError(
+                f"cannot read --prompts-file {args.prompts_file!r}: {exc.strerror}"
+            ) from None
+    return prompts or [DEFAULT_PROMPT]
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from hybridkv.entrypoints.llm import LLM
+    from hybridkv.sampling_params import SamplingParams
+
+    prompts = _read_prompts(args)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    llm = LLM.__new__(LLM)
+    llm.engine = _load_engine(args)
+    outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    for prompt, out in zip(prompts, outs, strict=True):
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "text": out.text,
+                        "token_ids": out.token_ids,
+                        "finish_reason": out.finish_reason,
+                    }
+                )
+            )
+        else:
+            print(f"{prompt}{out.text}")
+            print(
+                f"--- {len(out.token_ids)} tokens, finish_reason={out.finish_reason}",
+                file=sys.stderr,
+            )
+    return 0
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible HTTP API",
+        description="Serve /v1/models, /v1/completions, /v1/chat/completions, "
+        "/health and /metrics.",
+    )
+    _add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send (default: --model, or 'hybridkv-default')",
+    )
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from hybridkv.entrypoints.server import serve
+
+    if not 0 < args.port < 65536:
+        raise CliError(f"--port must be in 1..65535, got {args.port}")
+    engine = _load_engine(args)
+    serve(engine, args.served_model_name or args.model or "hybridkv-default", args.host, args.port)
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="measure generation throughput on a model",
+        description="Generate for random prompts all submitted at once and "
+        "print output tokens per second (optionally next to transformers).",
+    )
+    p.add_argument("--model", default=None, help="checkpoint folder (default: built-in)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--min-prompt", type=int, default=32)
+    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--compare-transformers", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from hybridkv.engine import DEFAULT_MODEL
+    from hybridkv.entrypoints.bench import random_prompts, run_hybridkv, run_transformers
+    from hybridkv.kv.presets import load_model_config
+    from hybridkv.kv.specs import text_config
+
+    if args.requests < 1 or args.new_tokens < 1 or not 0 < args.min_prompt <= args.max_prompt:
+        raise CliError(
+            "--requests and --new-tokens must be >= 1 and 0 < --min-prompt <= --max-prompt"
+        )
+    folder = args.model or str(DEFAULT_MODEL)
+    vocab = int(text_config(load_model_config(folder))["vocab_size"])
+    prompts = random_prompts(vocab, args.requests, args.min_prompt, args.max_prompt, args.seed)
+    tokens = args.requests * args.new_tokens
+    print(
+        f"bench: {args.requests} requests, prompts {args.min_prompt}..{args.max_prompt}, "
+        f"{args.new_tokens} new tokens each",
+        file=sys.stderr,
+        flush=True,
+    )
+    rows = [("hybridkv", run_hybridkv(folder, prompts, args.new_tokens, dtype=args.dtype))]
+    if args.compare_transformers:
+        rows.append(("transformers", run_transformers(folder, prompts, args.new_tokens)))
+    result = [
+        {
+            "engine": e,
+            "seconds": round(t, 3),
+            "output_tokens": tokens,
+            "tokens_per_s": round(tokens / t, 1),
+        }
+        for e, t in rows
+    ]
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for r in result:
+            print(f"{r['engine']:<13} {r['tokens_per_s']:>9.1f} tokens/s  ({r['seconds']} s)")
+    return 0
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_generate,
+    _add_serve,
+    _add_plan,
+    _add_bench,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
