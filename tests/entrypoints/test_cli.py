@@ -1,0 +1,159 @@
+"""`hybridkv generate / serve / bench`: happy paths and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from hybridkv.entrypoints.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_json(capsys, tiny_model_dir):
+    code, out, err = run(
+        capsys,
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--prompt",
+        "t1 t2",
+        "--prompt",
+        "t3",
+        "--max-tokens",
+        "4",
+        "--json",
+        "--dtype",
+        "float32",
+    )
+    assert code == 0
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["prompt"] for r in rows] == ["t1 t2", "t3"]
+    assert all(len(r["token_ids"]) <= 4 for r in rows)
+    assert "loading" in err and "loaded GraniteMoeHybridForCausalLM" in err
+
+
+def test_generate_text_and_prompts_file(capsys, tiny_model_dir, tmp_path):
+    f = tmp_path / "prompts.txt"
+    f.write_text("t1 t2\n\nt4 t5\n")
+    code, out, err = run(
+        capsys,
+        "generate",
+        "--model",
+        str(tiny_model_dir),
+        "--prompts-file",
+        str(f),
+        "--max-tokens",
+        "3",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "3",
+    )
+    assert code == 0
+    assert out.count("\n") >= 2 and out.startswith("t1 t2")
+    assert "finish_reason=" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "--model", "/does/not/exist"], "is not a folder with config.json"),
+        (["generate", "--prompts-file", "/no/such/file"], "cannot read --prompts-file"),
+        (["generate", "--max-tokens", "0"], "max_tokens must be >= 1"),
+        (["generate", "--temperature", "-1"], "temperature"),
+        (["generate", "--dtype", "int4"], "dtype must be"),
+        (["serve", "--port", "0"], "--port must be in 1..65535"),
+        (["bench", "--requests", "0"], "--requests and --new-tokens must be >= 1"),
+    ],
+)
+def test_errors_are_one_line(capsys, tiny_model_dir, argv, message):
+    if "--model" not in argv and argv[0] != "bench":
+        argv = [*argv, "--model", str(tiny_model_dir)]
+    code, _, err = run(capsys, *argv)
+    lines = [ln for ln in err.splitlines() if not ln.startswith("loading")]
+    assert code == 2 and len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_bench(capsys, tiny_model_dir):
+    code, out, _ = run(
+        capsys,
+        "bench",
+        "--model",
+        str(tiny_model_dir),
+        "--requests",
+        "3",
+        "--new-tokens",
+        "4",
+        "--min-prompt",
+        "4",
+        "--max-prompt",
+        "20",
+        "--json",
+    )
+    assert code == 0
+    (row,) = json.loads(out)
+    assert row["engine"] == "hybridkv" and row["output_tokens"] == 12 and row["tokens_per_s"] > 0
+
+
+def test_help_for_every_subcommand():
+    for cmd in ("generate", "serve", "plan", "bench"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "hybridkv.entrypoints.cli", cmd, "--help"],
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0 and "usage: hybridkv" in proc.stdout
+
+
+def test_serve_subprocess(tiny_model_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hybridkv.entrypoints.cli",
+            "serve",
+            "--model",
+            str(tiny_model_dir),
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        r = httpx.post(
+            url + "/v1/completions", json={"model": "tiny", "prompt": "t1", "max_tokens": 2}
+        )
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in (
+            "length",
+            "stop",
+        )
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
