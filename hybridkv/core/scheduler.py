@@ -115,9 +115,10 @@ class Scheduler:
             n = self._chunk_size(req, req.num_computed_tokens, budget, None)
             if n <= 0:
                 continue
-            alloc = self._allocate_or_preempt(req, n, preempted)
-            if alloc is None:
+            fitted = self._allocate_or_preempt(req, n, preempted)
+            if fitted is None:
                 continue
+            alloc, n = fitted
             start = req.num_computed_tokens
             chunks.append(ScheduledChunk(req, start, n, alloc, start + n == req.num_tokens))
             budget -= n
@@ -125,18 +126,35 @@ class Scheduler:
 
     def _allocate_or_preempt(
         self, req: Request, n: int, preempted: list[Request]
-    ) -> StepAllocation | None:
-        """Allocate for a running request, preempting the newest running requests (which have
-        not been scheduled in this step yet) until it fits; None if `req` itself went."""
+    ) -> tuple[StepAllocation, int] | None:
+        """Allocate for a running request: a prefill chunk shrinks to what fits, then the
+        newest running requests (not scheduled in this step yet) are preempted until it fits.
+        Returns (allocation, tokens) or None if `req` itself went."""
         while True:
-            alloc = self.cache.allocate(req, n)
-            if alloc is not None:
-                return alloc
+            fitted = self._allocate_shrinking(req, n)
+            if fitted is not None:
+                return fitted
+            if self.running == [req]:  # alone and still short: it can never finish here
+                self.running.remove(req)
+                self._reject(req)
+                return None
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim)
             if victim is req:
                 return None
+
+    def _allocate_shrinking(
+        self, req: Request, n: int, hit: PrefixHit | None = None
+    ) -> tuple[StepAllocation, int] | None:
+        """Try `n` tokens, then halves of it: a smaller prefill chunk needs fewer pages at once
+        (a sliding-window group holds a whole chunk until the window moves past it)."""
+        while n >= 1:
+            alloc = self.cache.allocate(req, n, hit)
+            if alloc is not None:
+                return alloc, n
+            n //= 2
+        return None
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -152,15 +170,20 @@ class Scheduler:
             req = self.waiting[0]
             hit = self.cache.lookup(req)
             n = self._chunk_size(req, hit.num_tokens, budget, hit)
-            alloc = self.cache.allocate(req, n, hit)
-            if alloc is None:
+            # With others running, a request that does not fit waits for memory; alone, it takes
+            # the largest chunk that fits rather than being refused.
+            if self.running:
+                alloc = self.cache.allocate(req, n, hit)
+                fitted = None if alloc is None else (alloc, n)
+            else:
+                fitted = self._allocate_shrinking(req, n, hit)
+            if fitted is None:
                 if not self.running and not chunks:
                     self.waiting.popleft()  # cannot fit even into an empty pool
-                    self._finish(req, "abort")
-                    req.stop_reason = "the request does not fit into the cache"
-                    self.rejected.append(req)
+                    self._reject(req)
                     continue
                 break
+            alloc, n = fitted
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = hit.num_tokens
@@ -218,6 +241,11 @@ class Scheduler:
             if req in self.running:
                 self.running.remove(req)
             self._finish(req, reason)
+
+    def _reject(self, req: Request) -> None:
+        self._finish(req, "abort")
+        req.stop_reason = "the request does not fit into the cache"
+        self.rejected.append(req)
 
     def _finish(self, req: Request, reason: str) -> None:
         self.cache.free(req)

@@ -62,11 +62,15 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         factor = float(config.get("partial_rotary_factor", 1.0) or 1.0)
         self.rotary_dim = int(head_dim * factor)
-        inv_freq = _inv_freq(self.rotary_dim, rope_parameters(config))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # A plain attribute, not a buffer: `model.to(torch.bfloat16)` must not round the
+        # frequencies (transformers keeps them in float32; bf16 ones drift by whole radians
+        # at long positions).
+        self.inv_freq = _inv_freq(self.rotary_dim, rope_parameters(config))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """positions: [num_tokens] -> cos, sin: [num_tokens, rotary_dim] in `dtype`."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -1,0 +1,54 @@
+"""The model runner's batch description, and the engine on the Triton backend."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridkv.core.request import Request
+from hybridkv.engine import Engine
+from hybridkv.sampling_params import SamplingParams
+from tests.models.utils import engine_greedy, reference_greedy
+
+
+def test_forward_batch_of_a_mixed_step(tiny_model_dir):
+    eng = Engine(str(tiny_model_dir), dtype="float32", kernel_block_size=4,
+                 enable_prefix_caching=False, max_num_batched_tokens=9)
+    a = Request("a", [1, 2, 3], SamplingParams(max_tokens=4))
+    b = Request("b", list(range(10, 22)), SamplingParams(max_tokens=4))
+    eng.scheduler.add_request(a)
+    eng.scheduler.add_request(b)
+    out = eng.scheduler.schedule()  # a: 3 prompt tokens; b: the first 6 (budget 9)
+    eng.runner._apply_allocations(out)
+    batch = eng.runner.build_batch(out.chunks)
+    assert batch.input_ids.tolist() == [1, 2, 3, 10, 11, 12, 13, 14, 15]
+    assert batch.positions.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 5]
+    assert batch.query_start_loc.tolist() == [0, 3, 9]
+    assert batch.seq_lens.tolist() == [3, 6]
+    assert batch.logits_indices.tolist() == [2]  # only a samples; b's prompt is not done
+    (gid,) = batch.attention
+    meta = batch.attention[gid]
+    table = eng.runner.tables[gid]
+    for row, req in enumerate([a, b]):
+        blocks = eng.cache.table_row(req, gid)
+        assert meta.block_table[row, : len(blocks)].tolist() == blocks
+    slots = meta.slot_mapping.tolist()
+    kbs = table.kernel_block_size
+    for tok, (req_i, pos) in enumerate([(0, 0), (0, 1), (0, 2)] + [(1, p) for p in range(6)]):
+        blocks = eng.cache.table_row([a, b][req_i], gid)
+        assert slots[tok] == blocks[pos // kbs] * kbs + pos % kbs
+    for sid, smeta in batch.state.items():
+        assert smeta.has_initial_state.tolist() == [False, False]
+        assert smeta.state_pages.tolist() == [eng.cache.state_page(r, sid) for r in (a, b)]
+
+
+def test_engine_selects_the_triton_backend_by_declaration(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    eng = Engine(str(tiny_model_dir), dtype="float32", attention_backend="triton",
+                 kernel_block_size=16, max_num_batched_tokens=24)
+    assert type(eng.runner.backend).__name__ == "TritonAttentionBackend"
+    assert all(g.kernel_block_size % 16 == 0 for g in eng.plan.attention_groups)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * 5, [2, 7, 1, 8]]
+    ref, _ = reference_greedy(hf, prompts, 6)
+    assert engine_greedy(eng, prompts, 6) == ref
