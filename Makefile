@@ -22,7 +22,7 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	touch $@
 
 run: $(VENV)/.installed
-	$(BIN)/hybridkv plan --model ibm-granite/granite-4.0-h-small --platform cuda --backend flashinfer
+	$(BIN)/hybridkv generate --prompt "def fibonacci(n):" --max-tokens 96 --temperature 0.7 --seed 0
 
 test: $(VENV)/.installed-test
 	$(BIN)/ruff check .
