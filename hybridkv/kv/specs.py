@@ -256,6 +256,12 @@ class _Config:
 
     @property
     def num_layers(self) -> int:
+        """num_hidden_layers, or the length of the layout list when a config leaves it out
+        (transformers 5 saves NemotronH configs without it)."""
+        if self.get("num_hidden_layers") is None:
+            for key in ("layers_block_type", "layer_types", "hybrid_override_pattern"):
+                if isinstance(self.get(key), list | str):
+                    return len(self.get(key))
         n = self.int("num_hidden_layers")
         if n <= 0:
             raise ConfigError(
