@@ -376,11 +376,22 @@ def layer_roles(cfg: _Config, default: str | None = None) -> list[str]:
     return roles
 
 
+def attention_dims(config: dict[str, Any]) -> tuple[int, int, int]:
+    """(heads, kv_heads, head_dim) of a model's attention layers: the one rule that both the
+    cache spec and the model's attention module follow, so the KV view always fits."""
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = config.get("head_dim") or config.get("attention_head_dim")
+    return heads, kv_heads, int(head_dim or int(config["hidden_size"]) // heads)
+
+
 def _attention(cfg: _Config, dt: CacheDtypes, window: int | None = None) -> AttentionSpec:
-    heads = cfg.int("num_attention_heads")
-    kv_heads = cfg.int("num_key_value_heads", default=heads)
-    head_dim = cfg.get("head_dim", "attention_head_dim") or cfg.int("hidden_size") // heads
-    return AttentionSpec(kv_heads, int(head_dim), dt.kv, window)
+    heads = cfg.int("num_attention_heads")  # one-line errors for missing or bad values
+    cfg.int("hidden_size"), cfg.int("num_key_value_heads", default=heads)
+    if cfg.get("head_dim", "attention_head_dim") is not None:
+        cfg.int("head_dim", "attention_head_dim")
+    _, kv_heads, head_dim = attention_dims(cfg.data)
+    return AttentionSpec(kv_heads, head_dim, dt.kv, window)
 
 
 def _mamba2(cfg: _Config, dt: CacheDtypes, prefix: str = "mamba_") -> StateSpec:

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.kv.specs import CacheLayer
-from hybridkv.layers.attention.layer import PagedAttention
+from hybridkv.kv.specs import CacheLayer, attention_dims
+from hybridkv.layers.attention.self_attention import CosSin, SelfAttention
 from hybridkv.layers.mlp import GatedMLP, RMSNorm
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.layers.state_layers import PagedMamba2Mixer
@@ -31,12 +31,6 @@ DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5
 # BambaConfig's default, used by transformers when config.json has no intermediate_size
 DEFAULT_INTERMEDIATE_SIZE = 14336
 
-CosSin = tuple[torch.Tensor, torch.Tensor]
-
-
-def attention_head_dim(cfg: dict[str, Any]) -> int:
-    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-
 
 def partial_rotary_factor(cfg: dict[str, Any]) -> float:
     """Fraction of each attention head that RoPE rotates."""
@@ -45,7 +39,7 @@ def partial_rotary_factor(cfg: dict[str, Any]) -> float:
         if value:
             return float(value)
     if cfg.get("attn_rotary_emb"):
-        return int(cfg["attn_rotary_emb"]) / attention_head_dim(cfg)
+        return int(cfg["attn_rotary_emb"]) / attention_dims(cfg)[2]
     return DEFAULT_PARTIAL_ROTARY_FACTOR
 
 
@@ -55,33 +49,6 @@ def check_activation(cfg: dict[str, Any]) -> None:
         raise ValueError(f"Bamba with hidden_act={act!r} is not supported (only 'silu')")
 
 
-class BambaAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], layer_name: str) -> None:
-        super().__init__()
-        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        self.head_dim = attention_head_dim(cfg)
-        self.heads, self.kv_heads = heads, kv_heads
-        bias = bool(cfg.get("attention_bias", False))
-        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=bias)
-        scale = self.head_dim**-0.5
-        self.attn = PagedAttention(layer_name, heads, kv_heads, self.head_dim, scale)
-
-    def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, rotary: RotaryEmbedding, cos_sin: CosSin
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        # q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]
-        q = self.q_proj(x).view(t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        q, k = rotary(q, k, *cos_sin)
-        return self.o_proj(self.attn(q, k, v, batch))  # [T, hidden]
-
-
 class BambaDecoderLayer(nn.Module):
     def __init__(self, cfg: dict[str, Any], index: int, kind: str) -> None:
         super().__init__()
@@ -89,7 +56,7 @@ class BambaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps)
         self.pre_ff_layernorm = RMSNorm(hidden, eps)
         if kind == "attention":
-            self.self_attn = BambaAttention(cfg, f"layers.{index}.attention")
+            self.self_attn = SelfAttention(f"layers.{index}.attention", cfg)
         else:
             self.mamba = PagedMamba2Mixer(f"layers.{index}.mamba", **mamba2_kwargs(cfg))
         bias = bool(cfg.get("mlp_bias", False))
@@ -136,7 +103,7 @@ class BambaForCausalLM(CausalLM):
         self.rotary = None
         if "attention" in kinds:
             rope_cfg = {**config, "partial_rotary_factor": partial_rotary_factor(config)}
-            self.rotary = RotaryEmbedding(attention_head_dim(config), rope_cfg)
+            self.rotary = RotaryEmbedding(attention_dims(config)[2], rope_cfg)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]

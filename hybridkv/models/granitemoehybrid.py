@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from hybridkv.kv.specs import CacheLayer
-from hybridkv.layers.attention.layer import PagedAttention
+from hybridkv.layers.attention.self_attention import SelfAttention
 from hybridkv.layers.mlp import FusedGateUpMLP, GraniteMoE, RMSNorm
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.layers.state_layers import PagedMamba2Mixer
@@ -51,38 +51,6 @@ def mamba2_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     )  # fmt: skip
 
 
-class GraniteAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], layer_name: str) -> None:
-        super().__init__()
-        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        self.head_dim = cfg.get("head_dim") or hidden // heads
-        self.heads, self.kv_heads = heads, kv_heads
-        bias = bool(cfg.get("attention_bias", False))
-        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=bias)
-        scale = float(cfg.get("attention_multiplier", 1.0))
-        self.attn = PagedAttention(layer_name, heads, kv_heads, self.head_dim, scale)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        batch: ForwardBatch,
-        rotary: RotaryEmbedding | None,
-        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        # q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]
-        q = self.q_proj(x).view(t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        if rotary is not None and cos_sin is not None:
-            q, k = rotary(q, k, *cos_sin)
-        return self.o_proj(self.attn(q, k, v, batch))
-
-
 class GraniteDecoderLayer(nn.Module):
     def __init__(self, cfg: dict[str, Any], index: int, kind: str) -> None:
         super().__init__()
@@ -91,7 +59,8 @@ class GraniteDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.residual_multiplier = float(cfg.get("residual_multiplier", 1.0))
         if kind == "attention":
-            self.self_attn = GraniteAttention(cfg, f"layers.{index}.attention")
+            scale = float(cfg.get("attention_multiplier", 1.0))
+            self.self_attn = SelfAttention(f"layers.{index}.attention", cfg, scale=scale)
         else:
             self.mamba = PagedMamba2Mixer(f"layers.{index}.mamba", **mamba2_kwargs(cfg))
         experts = int(cfg.get("num_local_experts", 0) or 0)

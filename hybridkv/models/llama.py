@@ -18,62 +18,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.kv.specs import CacheLayer
-from hybridkv.layers.attention.layer import PagedAttention
+from hybridkv.kv.specs import CacheLayer, attention_dims
+from hybridkv.layers.attention.self_attention import CosSin, SelfAttention
 from hybridkv.layers.mlp import GatedMLP, RMSNorm
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.worker.batch import ForwardBatch
 
-CosSin = tuple[torch.Tensor, torch.Tensor]
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
-
-
-def head_dim_of(cfg: dict[str, Any]) -> int:
-    """`head_dim` if the config sets it (Qwen3, Llama 3.2 variants), else hidden / heads."""
-    return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
 
 
 def norm_eps(cfg: dict[str, Any]) -> float:
     return float(cfg.get("rms_norm_eps", 1e-6))
-
-
-class LlamaAttention(nn.Module):
-    """Projections, optional per-head q/k RMSNorm (Qwen3), RoPE, then paged attention."""
-
-    def __init__(
-        self, cfg: dict[str, Any], layer_name: str, sliding_window: int | None, qk_norm: bool
-    ) -> None:
-        super().__init__()
-        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim_of(cfg)
-        bias = bool(cfg.get("attention_bias", False))
-        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=bias)
-        if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, norm_eps(cfg))
-            self.k_norm = RMSNorm(self.head_dim, norm_eps(cfg))
-        scale = self.head_dim**-0.5
-        self.attn = PagedAttention(
-            layer_name, heads, kv_heads, self.head_dim, scale, sliding_window
-        )
-
-    def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, rotary: RotaryEmbedding, cos_sin: CosSin
-    ) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]."""
-        t = x.shape[0]
-        # q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]
-        q = self.q_proj(x).view(t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)  # per head, over head_dim, before RoPE
-        q, k = rotary(q, k, *cos_sin)
-        return self.o_proj(self.attn(q, k, v, batch))  # attn: [T, heads * head_dim]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -87,7 +43,9 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         hidden, eps = cfg["hidden_size"], norm_eps(cfg)
         window = cache_layer.spec.sliding_window
-        self.self_attn = LlamaAttention(cfg, cache_layer.name, window, qk_norm)
+        self.self_attn = SelfAttention(
+            cache_layer.name, cfg, sliding_window=window, qk_norm_eps=eps if qk_norm else None
+        )
         self.mlp = GatedMLP(hidden, cfg["intermediate_size"], bias=mlp_bias)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
@@ -128,7 +86,7 @@ class LlamaForCausalLM(CausalLM):
         layers = self._layers_in_order(config["num_hidden_layers"])
         self.model = LlamaModel(config, layers, self.qk_norm, mlp_bias)
         self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
-        self.rotary = RotaryEmbedding(head_dim_of(config), config)
+        self.rotary = RotaryEmbedding(attention_dims(config)[2], config)
 
     def _layers_in_order(self, num_layers: int) -> list[CacheLayer]:
         """The cache layer of every decoder layer (`layers.{i}.attention`), one per layer."""

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.kv.specs import CacheLayer
-from hybridkv.layers.attention.layer import PagedAttention
+from hybridkv.layers.attention.self_attention import SelfAttention
 from hybridkv.layers.mlp import RMSNorm
 from hybridkv.layers.state_layers import PagedMamba2Mixer
 from hybridkv.models.base import CausalLM
@@ -117,31 +117,6 @@ def mamba2_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
         dt_limit=(time_step_min, math.inf),
         activation=cfg.get("mamba_hidden_act", "silu"),
     )  # fmt: skip
-
-
-class NemotronHAttention(nn.Module):
-    """GQA attention without position embedding; names q/k/v/o_proj as in the checkpoint."""
-
-    def __init__(self, cfg: dict[str, Any], layer_name: str) -> None:
-        super().__init__()
-        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        # the same rule as the cache spec (hybridkv.kv.specs) so the KV view fits
-        head_dim = int(cfg.get("head_dim") or cfg.get("attention_head_dim") or hidden // heads)
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
-        self.attn = PagedAttention(layer_name, heads, kv_heads, head_dim, head_dim**-0.5)
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        t = x.shape[0]
-        # q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]
-        q = self.q_proj(x).view(t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, batch))  # [T, hidden]
 
 
 class NemotronHMLP(nn.Module):
@@ -273,7 +248,7 @@ def build_mixer(cfg: dict[str, Any], index: int, kind: str) -> nn.Module:
     if kind == "M":
         return PagedMamba2Mixer(f"layers.{index}.mamba", **mamba2_kwargs(cfg))
     if kind == "*":
-        return NemotronHAttention(cfg, f"layers.{index}.attention")
+        return SelfAttention(f"layers.{index}.attention", cfg, bias=False)
     if kind == "E":
         return NemotronHMoE(cfg)
     return NemotronHMLP(

@@ -1,0 +1,67 @@
+"""Self-attention as decoder layers use it: q/k/v/o projections named as in Hugging Face
+checkpoints, optional per-head q/k RMSNorm (Qwen3), optional RoPE, then paged attention."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridkv.kv.specs import attention_dims
+from hybridkv.layers.attention.layer import PagedAttention
+from hybridkv.layers.mlp import RMSNorm
+from hybridkv.layers.rotary import RotaryEmbedding
+from hybridkv.worker.batch import ForwardBatch
+
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+class SelfAttention(nn.Module):
+    def __init__(
+        self,
+        layer_name: str,
+        cfg: dict[str, Any],
+        scale: float | None = None,
+        bias: bool | None = None,
+        sliding_window: int | None = None,
+        qk_norm_eps: float | None = None,
+    ) -> None:
+        """`scale` defaults to 1/sqrt(head_dim), `bias` to the config's `attention_bias`;
+        `qk_norm_eps` set adds q_norm / k_norm (RMSNorm over each head, before RoPE)."""
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.heads, self.kv_heads, self.head_dim = attention_dims(cfg)
+        if bias is None:
+            bias = bool(cfg.get("attention_bias", False))
+        q_out, kv_out = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, q_out, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_out, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_out, bias=bias)
+        self.o_proj = nn.Linear(q_out, hidden, bias=bias)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(self.head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, qk_norm_eps)
+        scale = self.head_dim**-0.5 if scale is None else scale
+        self.attn = PagedAttention(
+            layer_name, self.heads, self.kv_heads, self.head_dim, scale, sliding_window
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        rotary: RotaryEmbedding | None = None,
+        cos_sin: CosSin | None = None,
+    ) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        t = x.shape[0]
+        # q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]
+        q = self.q_proj(x).view(t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rotary is not None and cos_sin is not None:
+            q, k = rotary(q, k, *cos_sin)
+        return self.o_proj(self.attn(q, k, v, batch))  # attn: [T, heads * head_dim]
