@@ -1,6 +1,7 @@
 """The engine configurations every model family must run token-for-token like transformers.
 
-A family test module builds a tiny seeded checkpoint and calls `check_case` for every case:
+A family test module defines a module-scoped `checkpoint` fixture, (folder, transformers model),
+and imports `family` and `test_greedy_matches_transformers` from here, which runs every case:
 allocation page and block; kernel-block ratios 1, 2 and 3; prefix caching on and off with
 shared prefixes (one shorter than a page); chunked prefill split at unaligned positions; a pool
 so small that requests are preempted and resumed.
@@ -12,9 +13,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from hybridkv.engine import Engine
 
-from .utils import engine_greedy, prompts, reference_greedy
+from .utils import (
+    engine_greedy,
+    engine_prefill_logits,
+    max_rel_error,
+    prompts,
+    reference_greedy,
+    reference_logits,
+)
 
 NEW_TOKENS = 32
 # The smallest top-2 logit gap along the reference tokens must dwarf float32 noise: hybridkv and
@@ -82,3 +92,24 @@ def check_case(family: Family, case: Case, **engine_kwargs: Any) -> None:
         assert got == family.plain_ref
     if case.expect_preemption:
         assert engine.scheduler.num_preemptions > 0, "the small pool never preempted"
+
+
+def check_prefill_logits(folder: Path, hf_model, length: int = 37) -> Engine:
+    """Prefill logits at every position within 1e-4 relative of transformers'; returns the
+    engine for family-specific checks."""
+    engine = Engine(str(folder), dtype="float32", kernel_block_size=4, enable_prefix_caching=False)
+    ids = prompts(hf_model.config.vocab_size, [length])[0]
+    ours, ref = engine_prefill_logits(engine, ids), reference_logits(hf_model, ids)
+    assert max_rel_error(ours, ref) <= 1e-4
+    return engine
+
+
+@pytest.fixture(scope="module")
+def family(checkpoint) -> Family:
+    folder, hf = checkpoint
+    return make_family(folder, hf, hf.config.vocab_size)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_greedy_matches_transformers(family: Family, case: Case) -> None:
+    check_case(family, case)

@@ -1,21 +1,14 @@
 """Llama (llama3 rope, biases, tied embeddings) and Qwen3 (q/k norm, head_dim != hidden/heads,
 optionally sliding-window layers) against transformers.
 
-The sliding variant has 2 full + 2 sliding layers (window 12, shorter than most prompts). With
-1 full + 3 sliding layers the plan has 4 groups and the `preempt` case's 14 pages cannot hold a
-64-token prompt prefilled in one step, so the scheduler rightly aborts it as too large.
+The sliding variant has 2 full + 2 sliding layers (window 12, shorter than most prompts), so
+the plan holds a full-attention group next to sliding ones.
 """
 
 import pytest
 
-from hybridkv.engine import Engine
-
-from .conformance import CASES, check_case, make_family
+from .conformance import check_prefill_logits, family, test_greedy_matches_transformers  # noqa: F401
 from .utils import (
-    engine_prefill_logits,
-    max_rel_error,
-    prompts,
-    reference_logits,
     save_model,
     seeded,
 )
@@ -75,15 +68,9 @@ def checkpoint(request, tmp_path_factory):
     return save_model(hf, tmp_path_factory.mktemp(request.param)), hf
 
 
-@pytest.fixture(scope="module")
-def family(checkpoint):
-    folder, hf = checkpoint
-    return make_family(folder, hf, VOCAB)
-
-
 def test_prefill_logits_match(checkpoint):
     folder, hf = checkpoint
-    engine = Engine(str(folder), dtype="float32", kernel_block_size=4, enable_prefix_caching=False)
+    engine = check_prefill_logits(folder, hf)
     ours = dict(engine.model.named_parameters(remove_duplicate=False))
     assert set(hf.state_dict()) <= set(ours), "checkpoint tensors the model does not load"
     tied = engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
@@ -93,10 +80,4 @@ def test_prefill_logits_match(checkpoint):
         hf.config.sliding_window if kind == "sliding_attention" else None
         for kind in getattr(hf.config, "layer_types", None) or ["full_attention"] * len(windows)
     ]
-    ids = prompts(VOCAB, [37])[0]  # longer than the sliding window (12)
-    assert max_rel_error(engine_prefill_logits(engine, ids), reference_logits(hf, ids)) <= 1e-4
-
-
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_greedy_matches_transformers(family, case):
-    check_case(family, case)
+    # (the 37-token prompt of check_prefill_logits is longer than the sliding window, 12)

@@ -8,12 +8,8 @@ from hybridkv.kv.specs import read_layers
 from hybridkv.models.loader import iter_weights
 from hybridkv.models.nemotron_h import NemotronHForCausalLM
 
-from .conformance import CASES, check_case, make_family
+from .conformance import check_prefill_logits, family, test_greedy_matches_transformers  # noqa: F401
 from .utils import (
-    engine_prefill_logits,
-    max_rel_error,
-    prompts,
-    reference_logits,
     save_model,
     seeded,
 )
@@ -53,29 +49,12 @@ def checkpoint(request, tmp_path_factory):
     return build(tmp_path_factory, request.param)
 
 
-@pytest.fixture(scope="module")
-def family(checkpoint):
-    folder, hf = checkpoint
-    return make_family(folder, hf, VOCAB)
-
-
 def test_prefill_logits_match(checkpoint):
-    _check_prefill(*checkpoint)
+    check_prefill_logits(*checkpoint)
 
 
 def test_prefill_logits_match_latent_moe(tmp_path_factory):
-    _check_prefill(*build(tmp_path_factory, "latent"))
-
-
-def _check_prefill(folder, hf) -> None:
-    engine = Engine(str(folder), dtype="float32", kernel_block_size=4, enable_prefix_caching=False)
-    ids = prompts(VOCAB, [37])[0]
-    assert max_rel_error(engine_prefill_logits(engine, ids), reference_logits(hf, ids)) <= 1e-4
-
-
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_greedy_matches_transformers(family, case):
-    check_case(family, case)
+    check_prefill_logits(*build(tmp_path_factory, "latent"))
 
 
 def _fresh_model(folder, dtype=torch.float32) -> NemotronHForCausalLM:
