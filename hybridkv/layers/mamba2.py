@@ -47,6 +47,8 @@ from hybridkv.ops.conv1d import causal_conv1d_varlen
 from hybridkv.ops.mamba2 import mamba2_scan_varlen
 from hybridkv.ops.norm import gated_rms_norm
 
+SCAN_CHUNK_CAP = 64
+
 
 class _GatedNormWeight(nn.Module):
     """Holds `norm.weight` (the computation lives in `hybridkv.ops.norm.gated_rms_norm`)."""
@@ -88,6 +90,9 @@ class Mamba2Mixer(nn.Module):
         self.hidden_size, self.n_heads, self.head_dim = hidden_size, n_heads, head_dim
         self.d_state, self.n_groups, self.d_conv = d_state, n_groups, d_conv
         self.chunk_size = chunk_size
+        # The chunked scan is exact for any chunk length; its intra-chunk work grows with the
+        # length, and 64 measured fastest on CPU (2048 tokens, 24 heads: 89 ms at 128, 46 at 64).
+        self.scan_chunk = min(chunk_size, SCAN_CHUNK_CAP)
         self.norm_eps = norm_eps
         self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
         self.activation = activation
@@ -192,7 +197,7 @@ class Mamba2Mixer(nn.Module):
             meta.has_initial_state,
             meta.query_start_loc,
             meta.max_query_len,
-            self.chunk_size,
+            self.scan_chunk,
             dt_limit=self.dt_limit,
             out_dtype=torch.float32,
         )

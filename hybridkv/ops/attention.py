@@ -11,8 +11,10 @@ context tokens (earlier context was written by previous steps; prefill chunks an
     queries:                         4 5 6   (query i sits at seq_len - q_len + i)
 
 Query at position p attends to key positions k with k <= p (causal) and, with a sliding window
-W, k > p - W. Positions past seq_len and masked positions are removed with `where` (never by
-multiplying by zero): a page that held a state before may contain NaN bit patterns.
+W, k > p - W. Unused slots may hold anything, NaN bit patterns included (a page that held a state
+before): they are never multiplied by zero. Positions a query must not see are *selected away*:
+their gather index points at the null block (kernel block 0, in page 0, which the pool never
+hands out and nothing ever writes, so it holds zeros), and their scores are -inf.
 """
 
 from __future__ import annotations
@@ -39,22 +41,26 @@ def write_kv_cache(
     kv_cache[blocks, 1, offsets] = v.to(kv_cache.dtype)
 
 
-def gather_context(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, max_seq_len: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of every request's first `max_seq_len` positions through its block table.
+NULL_BLOCK = 0
 
-    block_table: [num_seqs, max_blocks] -> k, v: [num_seqs, max_seq_len, kv_heads, head_dim]
-    Positions past a request's own length hold whatever the table points at (masked later).
+
+def gather_context(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, visible: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of every request's positions 0..T-1; invisible positions read the null block.
+
+    block_table: [S, max_blocks]; visible: [S, T] bool -> k, v: [S, T, kv_heads, head_dim]
+
+        position t  ->  (block_table[s, t // kbs], t % kbs)   if visible[s, t]
+                    ->  (NULL_BLOCK, 0)                        otherwise (zeros)
     """
     kbs = kv_cache.shape[2]
-    n_blocks = -(-max_seq_len // kbs)
-    table = block_table[:, :n_blocks].long()  # [num_seqs, n_blocks]
-    blocks = kv_cache[table]  # [num_seqs, n_blocks, 2, kbs, kv_heads, head_dim]
-    num_seqs = table.shape[0]
-    k = blocks[:, :, 0].reshape(num_seqs, n_blocks * kbs, *kv_cache.shape[3:])
-    v = blocks[:, :, 1].reshape(num_seqs, n_blocks * kbs, *kv_cache.shape[3:])
-    return k[:, :max_seq_len], v[:, :max_seq_len]
+    pos = torch.arange(visible.shape[1], device=visible.device)
+    block_idx = (pos // kbs).clamp(max=block_table.shape[1] - 1)
+    blocks = block_table.long()[:, block_idx]  # [S, T]
+    blocks = torch.where(visible, blocks, torch.full_like(blocks, NULL_BLOCK))
+    offsets = torch.where(visible, pos % kbs, torch.zeros_like(pos))  # [S, T]
+    return kv_cache[blocks, 0, offsets], kv_cache[blocks, 1, offsets]
 
 
 def _decode_attention(
@@ -72,21 +78,22 @@ def _decode_attention(
     """
     num_seqs, num_heads, head_dim = q.shape
     kv_heads = kv_cache.shape[3]
-    k, v = gather_context(kv_cache, block_table, max_seq_len)  # [S, T, kvh, d]
     seq_lens = seq_lens.long()
     k_pos = torch.arange(max_seq_len, device=q.device)
-    allowed = k_pos[None, :] < seq_lens[:, None]  # [S, T]
+    visible = k_pos[None, :] < seq_lens[:, None]  # [S, T]
     if sliding_window is not None:
-        allowed &= k_pos[None, :] > seq_lens[:, None] - 1 - sliding_window
-    # Garbage (possibly NaN) in unused slots must not reach the output: select, never multiply.
-    zero = torch.zeros((), dtype=k.dtype, device=k.device)
-    k = torch.where(allowed[:, :, None, None], k, zero)
-    v = torch.where(allowed[:, :, None, None], v, zero)
-    qf = q.float().view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
-    scores = torch.einsum("shgd,sthd->shgt", qf, k.float()) * scale  # [S, kvh, g, T]
-    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
-    out = torch.einsum("shgt,sthd->shgd", torch.softmax(scores, dim=-1), v.float())
-    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+        visible &= k_pos[None, :] > seq_lens[:, None] - 1 - sliding_window
+    k, v = gather_context(kv_cache, block_table, visible)  # [S, T, kvh, d]
+    # [S, heads, 1, d] x [S, kvh, T, d] (views, no copies), float32 math
+    out = F.scaled_dot_product_attention(
+        q.float()[:, :, None, :],
+        k.float().transpose(1, 2),
+        v.float().transpose(1, 2),
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+        enable_gqa=num_heads != kv_heads,
+    )
+    return out[:, :, 0, :].to(q.dtype)
 
 
 def _prefill_attention(
@@ -99,16 +106,15 @@ def _prefill_attention(
 ) -> torch.Tensor:
     """One request's chunk: q [L, heads, d] are its last L of `seq_len` positions."""
     q_len, num_heads, head_dim = q.shape
-    k, v = gather_context(kv_cache, table_row[None], seq_len)  # [1, T, kvh, d], exactly T
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
     k_pos = torch.arange(seq_len, device=q.device)[None, :]
     allowed = k_pos <= q_pos  # [L, T]
+    visible = torch.ones_like(k_pos, dtype=torch.bool)  # [1, T]
     if sliding_window is not None:
         allowed &= k_pos > q_pos - sliding_window
-        # blocks that left the window may be reused by other groups (NaN patterns): select
-        visible = (k_pos[0] > seq_len - q_len - sliding_window)[None, :, None, None]
-        zero = torch.zeros((), dtype=k.dtype, device=k.device)
-        k, v = torch.where(visible, k, zero), torch.where(visible, v, zero)
+        # blocks that left the window may have been reused by other groups: select them away
+        visible = k_pos > seq_len - q_len - sliding_window
+    k, v = gather_context(kv_cache, table_row[None], visible)  # [1, T, kvh, d]
     # [1, heads, L, d] x [1, kvh, T, d]: scaled_dot_product_attention in float32
     out = F.scaled_dot_product_attention(
         q.float().transpose(0, 1)[None],

@@ -40,6 +40,8 @@ def _initial_conv_state(
 ) -> torch.Tensor:
     """Each request's old K-1 input columns, zeros where it has none -> [S, C, K-1]."""
     old = conv_state[state_pages].to(dtype)  # [S, C, K-1]
+    if bool(has_initial_state.all()):  # the usual decode step: nothing to select away
+        return old
     zero = torch.zeros((), dtype=dtype, device=old.device)
     return torch.where(has_initial_state[:, None, None], old, zero)
 

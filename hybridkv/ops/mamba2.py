@@ -45,6 +45,8 @@ def _initial_ssm_state(
 ) -> torch.Tensor:
     """Each request's running state, zeros where it has none -> float32 [S, H, P, N]."""
     old = ssm_state[state_pages].float()
+    if bool(has_initial_state.all()):  # the usual decode step: nothing to select away
+        return old
     zero = torch.zeros((), dtype=torch.float32, device=old.device)
     return torch.where(has_initial_state[:, None, None, None], old, zero)
 
@@ -60,19 +62,26 @@ def ssd_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One recurrent step for R requests (float32, dt already processed).
 
-    x: [R, H, P]; dt: [R, H]; A, D: [H]; B, C: [R, G, N]; h0: [R, H, P, N]
-    -> y [R, H, P], h [R, H, P, N]
+    x: [R, H, P]; dt: [R, H]; A, D: [H]; B, C: [R, G, N]; h0: [R, H, P, N] (a float32 copy the
+    caller owns: it is updated in place and returned) -> y [R, H, P], h [R, H, P, N]
+
+        h = exp(dt * A) * h0 + (dt * x) outer B        y = h . C + D * x
+
+    Done as one in-place scale and two batched matmuls over [R * H] heads, so the large state
+    is read and written a minimum number of times (decode is memory bound).
     """
     num, heads, head_dim = x.shape
     groups, d_state = B.shape[1], B.shape[2]
     hpg = heads // groups  # heads per group
-    decay = torch.exp(dt * A)  # [R, H]
-    xdt = (x * dt[..., None]).view(num, groups, hpg, head_dim, 1)  # [R, G, hpg, P, 1]
-    h = h0.view(num, groups, hpg, head_dim, d_state) * decay.view(num, groups, hpg, 1, 1)
-    h = h + xdt * B[:, :, None, None, :]  # [R, G, hpg, P, N]
-    y = torch.einsum("rgjpn,rgn->rgjp", h, C).reshape(num, heads, head_dim)
-    y = y + D[:, None] * x
-    return y, h.reshape(num, heads, head_dim, d_state)
+    h = h0.view(num * heads, head_dim, d_state)
+    h.mul_(torch.exp(dt * A).reshape(num * heads, 1, 1))
+    # B, C of each head's group: [R, G, N] -> [R * H, 1, N] and [R * H, N, 1]
+    Bh = B[:, :, None, :].expand(num, groups, hpg, d_state).reshape(num * heads, 1, d_state)
+    Ch = C[:, :, None, :].expand(num, groups, hpg, d_state).reshape(num * heads, d_state, 1)
+    xdt = (x * dt[..., None]).reshape(num * heads, head_dim, 1)
+    h.baddbmm_(xdt, Bh)  # h += (dt * x) outer B
+    y = torch.bmm(h, Ch).view(num, heads, head_dim) + D[:, None] * x
+    return y, h.view(num, heads, head_dim, d_state)
 
 
 class _ChunkLayout:

@@ -28,6 +28,7 @@ def make_batch(q_lens, seq_lens, kbs, heads, kv_heads, d, num_blocks, seed=0, na
     cache = torch.randn(num_blocks, 2, kbs, kv_heads, d, generator=g)
     if nan_fill:
         cache.fill_(float("nan"))
+        cache[0] = 0  # the null block: never handed out, never written, always zeros
     perm = torch.randperm(num_blocks - 1, generator=g) + 1
     max_blocks = max(math.ceil(s / kbs) for s in seq_lens)
     table = torch.zeros(len(seq_lens), max_blocks + 2, dtype=torch.int32)

@@ -80,6 +80,7 @@ def make_case(
     buffer = torch.empty(num_pages * page_bytes, dtype=torch.uint8, device=device)
     cache = buffer.view(dtype).view(num_pages * ratio, 2, kbs, kv_heads, head_dim)
     cache.fill_(float("nan"))
+    cache[0] = 0  # the null block (page 0 is never handed out): the reference reads it
     table = page_mode_table(seq_lens, kbs, ratio, num_pages, gen).to(device)
     expected = cache.clone()
     for s, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):

@@ -11,8 +11,13 @@ from tests.models.utils import engine_greedy, reference_greedy
 
 
 def test_forward_batch_of_a_mixed_step(tiny_model_dir):
-    eng = Engine(str(tiny_model_dir), dtype="float32", kernel_block_size=4,
-                 enable_prefix_caching=False, max_num_batched_tokens=9)
+    eng = Engine(
+        str(tiny_model_dir),
+        dtype="float32",
+        kernel_block_size=4,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=9,
+    )
     a = Request("a", [1, 2, 3], SamplingParams(max_tokens=4))
     b = Request("b", list(range(10, 22)), SamplingParams(max_tokens=4))
     eng.scheduler.add_request(a)
@@ -44,8 +49,13 @@ def test_forward_batch_of_a_mixed_step(tiny_model_dir):
 def test_engine_selects_the_triton_backend_by_declaration(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    eng = Engine(str(tiny_model_dir), dtype="float32", attention_backend="triton",
-                 kernel_block_size=16, max_num_batched_tokens=24)
+    eng = Engine(
+        str(tiny_model_dir),
+        dtype="float32",
+        attention_backend="triton",
+        kernel_block_size=16,
+        max_num_batched_tokens=24,
+    )
     assert type(eng.runner.backend).__name__ == "TritonAttentionBackend"
     assert all(g.kernel_block_size % 16 == 0 for g in eng.plan.attention_groups)
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
