@@ -29,6 +29,7 @@ from hybridkv.dtypes import canonical_dtype, torch_dtype
 from hybridkv.kv.plan import MemoryPlan, plan_for_config
 from hybridkv.kv.presets import load_model_config
 from hybridkv.kv.specs import architecture_of, read_layers, resolve_cache_dtypes, text_config
+from hybridkv.layers.linear import prepack_linears
 from hybridkv.models.loader import eos_token_ids, generation_config, iter_weights
 from hybridkv.models.registry import model_class
 from hybridkv.outputs import CompletionOutput, RequestOutput
@@ -54,6 +55,7 @@ class ModelConfig:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
+    prepack: bool = True  # CPU: oneDNN pre-packed linear weights (hybridkv.layers.linear)
 
     def __post_init__(self) -> None:
         allowed = ("float32", "bfloat16", "float16")
@@ -176,6 +178,8 @@ class Engine:
         model = cls(cfg, read_layers(runtime_config, dtypes))
         model = model.to(device=self.device, dtype=torch_dtype(self.dtype))
         model.load_weights(iter_weights(folder))
+        if self.device.type == "cpu" and self.model_config.prepack:
+            prepack_linears(model)
         return model.eval()
 
     # -- requests ------------------------------------------------------------------------------
