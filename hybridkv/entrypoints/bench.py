@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from pathlib import Path
 
@@ -20,33 +21,50 @@ def run_hybridkv(
     prompts: list[list[int]],
     new_tokens: int,
     dtype: str = "float32",
+    repeat: int = 1,
     **engine_kwargs,
 ) -> float:
-    """Seconds to generate `new_tokens` greedy tokens (EOS ignored) for every prompt at once."""
+    """Median seconds (over `repeat` runs, after a warm-up) to generate `new_tokens` greedy
+    tokens (EOS ignored) for every prompt at once. Prefix caching is off unless asked for, so
+    that repeats of the same prompts do the same work (and compare with engines that have
+    none)."""
     from hybridkv import LLM, SamplingParams
 
     engine_kwargs.setdefault("max_num_seqs", len(prompts))
+    engine_kwargs.setdefault("enable_prefix_caching", False)
     llm = LLM(model, dtype=dtype, **engine_kwargs)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    assert all(len(o.token_ids) == new_tokens for o in outs)
-    return elapsed
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+        assert all(len(o.token_ids) == new_tokens for o in outs)
+    return statistics.median(times)
 
 
 @torch.inference_mode()
 def run_transformers(
-    model: str | Path, prompts: list[list[int]], new_tokens: int, batch: int = 8
+    model: str | Path,
+    prompts: list[list[int]],
+    new_tokens: int,
+    batch: int = 8,
+    repeat: int = 1,
 ) -> float:
-    """Seconds for transformers `generate`, batched as a user would: `batch` prompts at a time,
-    left padding, greedy, EOS ignored (min_new_tokens)."""
+    """Median seconds for transformers `generate`, batched as a user would: `batch` prompts at
+    a time, left padding, greedy, EOS ignored (min_new_tokens)."""
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
         raise ValueError("comparing with transformers needs `pip install transformers`") from None
     hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    return statistics.median(
+        _transformers_once(hf, prompts, new_tokens, batch) for _ in range(repeat)
+    )
+
+
+def _transformers_once(hf, prompts: list[list[int]], new_tokens: int, batch: int) -> float:
     start = time.perf_counter()
     for i in range(0, len(prompts), batch):
         group = prompts[i : i + batch]
