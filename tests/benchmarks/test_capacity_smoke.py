@@ -1,0 +1,42 @@
+"""`benchmarks/capacity.py --quick` runs, prints every row and keeps its promises."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "capacity.py"
+KEYS = {
+    "model",
+    "workload",
+    "mode",
+    "peak_concurrency",
+    "unused_pinned_tokens_per_request",
+    "hit_rate",
+    "snapshot_pages",
+    "manager_us_per_request_step",
+}
+
+
+def test_quick_capacity_run(capsys):
+    spec = importlib.util.spec_from_file_location("capacity_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while defining
+    spec.loader.exec_module(module)
+    assert module.main(["--quick", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {(r["model"], r["workload"], r["mode"]) for r in rows} == {
+        (m, w, mode) for m in module.QUICK_MODELS for w in module.WORKLOADS for mode in module.MODES
+    }
+    assert all(set(r) >= KEYS for r in rows)
+    by = {(r["model"], r["workload"], r["mode"]): r for r in rows}
+    hybrid = "ibm-granite/granite-4.0-h-small"
+    for workload in module.WORKLOADS:
+        page, block = by[(hybrid, workload, "page")], by[(hybrid, workload, "block")]
+        assert block["peak_concurrency"] >= page["peak_concurrency"]
+        # block mode pins less than one kernel block (16 tokens) per attention group
+        assert block["unused_pinned_tokens_per_request"] < 16
+    assert by[(hybrid, "multi_turn", "block")]["hit_rate"] > 0.8
+    assert by[(hybrid, "multi_turn", "page")]["hit_rate"] < 0.7
