@@ -96,15 +96,18 @@ class UnitAllocator:
 
     def _take_from(self, page: int, k: int) -> list[int]:
         slots = self.free_slots[page]
-        slots.sort(reverse=True)  # lowest offsets first: consecutive kernel blocks
-        k = min(k, len(slots))
-        taken = slots[-k:]
-        del slots[-k:]
         base = page * self.units_per_page
-        units = [base + j for j in reversed(taken)]
-        ref = self.ref
-        for unit in units:
-            ref[unit] = 1
+        if k >= len(slots) == self.units_per_page:  # a whole fresh page: slots u-1 .. 0
+            units = list(range(base, base + len(slots)))
+            slots.clear()
+        else:
+            slots.sort(reverse=True)  # lowest offsets first: consecutive kernel blocks
+            k = min(k, len(slots))
+            taken = slots[-k:]
+            del slots[-k:]
+            units = [base + j for j in reversed(taken)]
+        self.ref.update(dict.fromkeys(units, 1))
+        k = len(units)
         self.num_free_slots -= k
         self.page_occupied[page] += k
         if not slots:
