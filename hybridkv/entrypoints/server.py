@@ -269,42 +269,28 @@ async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tupl
 
 
 async def _completion_chunks(server, body, gens, rid, created, ids, echo) -> AsyncIterator[str]:
+    def chunk(k: int, text: str, finish: str | None) -> str:
+        return _sse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": body.model,
+                "choices": [{"index": k, "text": text, "logprobs": None, "finish_reason": finish}],
+            }
+        )
+
     deltas = [_Delta() for _ in gens]
     completion_tokens = 0
     if body.echo:
         for k, text in enumerate(echo):
-            yield _sse(
-                {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": body.model,
-                    "choices": [
-                        {"index": k, "text": text, "logprobs": None, "finish_reason": None}
-                    ],
-                }
-            )
+            yield chunk(k, text, None)
     async for k, out in _merge(gens):
         text = deltas[k](out)
         if out.finished:
             completion_tokens += len(out.token_ids)
         if text or out.finished:
-            yield _sse(
-                {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": body.model,
-                    "choices": [
-                        {
-                            "index": k,
-                            "text": text,
-                            "logprobs": None,
-                            "finish_reason": out.finish_reason if out.finished else None,
-                        }
-                    ],
-                }
-            )
+            yield chunk(k, text, out.finish_reason if out.finished else None)
     if (body.stream_options or {}).get("include_usage"):
         yield _sse(
             {

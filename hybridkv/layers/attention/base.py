@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Protocol
 
 import torch
@@ -49,3 +50,39 @@ class AttentionImpl(Protocol):
         scale: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
+
+
+class KernelModuleBackend:
+    """An `AttentionImpl` over a kernels module that provides `write_kv_cache(k, v, kv_cache,
+    slot_mapping)` and `paged_attention(q, kv_cache, block_table, query_start_loc, seq_lens,
+    scale, sliding_window, max_query_len, max_seq_len)` (hybridkv.ops.attention, Triton's)."""
+
+    name = ""
+
+    def kernels(self) -> ModuleType:
+        raise NotImplementedError
+
+    def write_kv_cache(
+        self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        self.kernels().write_kv_cache(k, v, kv_cache, slot_mapping)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        return self.kernels().paged_attention(
+            q,
+            kv_cache,
+            meta.block_table,
+            meta.query_start_loc,
+            meta.seq_lens,
+            scale,
+            sliding_window,
+            meta.max_query_len,
+            meta.max_seq_len,
+        )

@@ -9,41 +9,13 @@ from __future__ import annotations
 
 from types import ModuleType
 
-import torch
-
-from hybridkv.layers.attention.base import AttentionMetadata
+from hybridkv.layers.attention.base import KernelModuleBackend
 
 
-def _ops() -> ModuleType:
-    from hybridkv.ops import triton_attention
-
-    return triton_attention
-
-
-class TritonAttentionBackend:
+class TritonAttentionBackend(KernelModuleBackend):
     name = "triton"
 
-    def write_kv_cache(
-        self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
-        _ops().write_kv_cache(k, v, kv_cache, slot_mapping)
+    def kernels(self) -> ModuleType:
+        from hybridkv.ops import triton_attention
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None = None,
-    ) -> torch.Tensor:
-        return _ops().paged_attention(
-            q,
-            kv_cache,
-            meta.block_table,
-            meta.query_start_loc,
-            meta.seq_lens,
-            scale,
-            sliding_window,
-            meta.max_query_len,
-            meta.max_seq_len,
-        )
+        return triton_attention
