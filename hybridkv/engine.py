@@ -75,15 +75,6 @@ class ModelConfig:
         return Path(self.model).expanduser() if self.model else DEFAULT_MODEL
 
 
-class _Detokenizer:
-    """Output text of one request, decoded as tokens arrive (held back while a multi-byte
-    character is incomplete)."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.sent = 0  # characters already streamed
-
-
 class Engine:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         mkw, ckw, skw = split_kwargs(kwargs, ModelConfig, CacheConfig, SchedulerConfig)
@@ -121,7 +112,6 @@ class Engine:
         self.eos_token_ids = eos_token_ids(text_config(hf_config), generation_config(folder))
         self.vocab_size = int(text_config(hf_config)["vocab_size"])
         self.requests: dict[str, Request] = {}
-        self._detok: dict[str, _Detokenizer] = {}
         self._ids = itertools.count()
 
     # -- set-up --------------------------------------------------------------------------------
@@ -201,11 +191,10 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, ids, params, self.eos_token_ids, extra_keys)
-        req.prompt_text = text  # type: ignore[attr-defined]
-        req.stream = stream  # type: ignore[attr-defined]
+        req = Request(
+            request_id, ids, params, self.eos_token_ids, extra_keys, prompt_text=text, stream=stream
+        )
         self.requests[request_id] = req
-        self._detok[request_id] = _Detokenizer()
         self.scheduler.add_request(req)
         return req
 
@@ -244,7 +233,6 @@ class Engine:
             return
         self.scheduler.abort(req)
         self.runner.release([req])
-        self._detok.pop(request_id, None)
 
     @property
     def has_unfinished(self) -> bool:
@@ -269,12 +257,11 @@ class Engine:
         outputs = [
             self._output(c.request)
             for c in out.chunks
-            if c.samples and (c.request.is_finished or getattr(c.request, "stream", False))
+            if c.samples and (c.request.is_finished or c.request.stream)
         ]
         outputs += [self._output(r) for r in rejected]
         for req in finished + rejected:
             self.requests.pop(req.request_id, None)
-            self._detok.pop(req.request_id, None)
         return outputs
 
     def _record_sample(self, req: Request, sample, now: float) -> None:
@@ -285,6 +272,16 @@ class Engine:
             entry = dict(sample.top_logprobs or {})
             entry[sample.token] = sample.logprob
             req.logprobs.append(entry)
+
+    def _text(self, req: Request) -> str:
+        """The output text so far. While a request with stop strings still runs, the last
+        (longest stop - 1) characters are held back: they may be the start of a stop string
+        that the next tokens complete, and a stream must never show it."""
+        text = self.tokenizer.decode(req.output_token_ids)
+        stops = req.sampling_params.stop
+        if stops and not req.is_finished and not req.sampling_params.include_stop_str_in_output:
+            text = text[: max(0, len(text) - max(len(s) for s in stops) + 1)]
+        return text
 
     def _apply_stop_strings(self, requests: list[Request]) -> list[Request]:
         stopped = []
@@ -297,16 +294,14 @@ class Engine:
             if hits:
                 pos, stop = min(hits)
                 keep = pos + len(stop) if req.sampling_params.include_stop_str_in_output else pos
-                self._detok[req.request_id].text = text[:keep]
+                req.stop_text = text[:keep]
                 req.stop_reason = stop
                 self.scheduler.finish_requests([req], "stop")
                 stopped.append(req)
         return stopped
 
     def _output(self, req: Request) -> RequestOutput:
-        detok = self._detok.get(req.request_id) or _Detokenizer()
-        if not (req.is_finished and isinstance(req.stop_reason, str)):
-            detok.text = self.tokenizer.decode(req.output_token_ids)
+        text = req.stop_text if req.stop_text is not None else self._text(req)
         logprobs = list(req.logprobs) if req.sampling_params.logprobs is not None else None
         cumulative = (
             sum(e[t] for e, t in zip(logprobs, req.output_token_ids, strict=False))
@@ -315,7 +310,7 @@ class Engine:
         )
         completion = CompletionOutput(
             0,
-            detok.text,
+            text,
             list(req.output_token_ids),
             req.finish_reason,
             req.stop_reason,
@@ -328,7 +323,7 @@ class Engine:
             metrics["last_token_time"] = req.token_times[-1]
         return RequestOutput(
             req.request_id,
-            getattr(req, "prompt_text", None),
+            req.prompt_text,
             list(req.prompt_token_ids),
             [completion],
             req.is_finished,

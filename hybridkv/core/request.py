@@ -24,6 +24,8 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     extra_keys: tuple[Hashable, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
+    prompt_text: str | None = None  # the prompt as given, when it was text
+    stream: bool = False  # report every step it advances, not only when it finishes
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -37,6 +39,7 @@ class Request:
         self.first_token_time: float | None = None
         self.token_times: list[float] = []
         self.logprobs: list[dict] = []
+        self.stop_text: str | None = None  # the output text cut at a matched stop string
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -246,3 +246,27 @@ def test_metrics(server, client):
     assert float(lines['hybridkv_requests_total{status="error_404"}']) >= 1
     assert float(lines["hybridkv_generation_tokens_total"]) >= 3
     assert float(lines["hybridkv_requests_running"]) == 0
+
+
+def test_streaming_never_shows_a_stop_string(client):
+    kw = dict(
+        model=MODEL,
+        prompt="def fibonacci(n):",
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    full = client.completions.create(**kw).choices[0].text
+    # a stop string from the middle of the text, likely spanning a token boundary
+    cut = next(i for i in range(len(full) // 3, len(full) - 3) if full[i : i + 3] not in full[:i])
+    stop = full[cut : cut + 3]
+    whole = client.completions.create(stop=[stop], **kw).choices[0]
+    assert whole.finish_reason == "stop" and whole.text == full[:cut]
+    parts = [
+        c.choices[0].text
+        for c in client.completions.create(stop=[stop], stream=True, **kw)
+        if c.choices
+    ]
+    assert "".join(parts) == whole.text and all(
+        stop not in "".join(parts[: i + 1]) for i in range(len(parts))
+    )
