@@ -12,7 +12,6 @@ from hybridkv.config import CacheConfig
 from hybridkv.dtypes import parse_bytes
 
 EXIT_USAGE = 2
-DEFAULT_PLAN_MODEL = "ibm-granite/granite-4.0-h-small"
 
 
 class CliError(Exception):
@@ -100,8 +99,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--model",
-        default=DEFAULT_PLAN_MODEL,
-        help=f"folder, config.json or preset id (default {DEFAULT_PLAN_MODEL})",
+        default=None,
+        help="folder, config.json or preset id (default: the built-in default model)",
     )
     p.add_argument("--platform", default="cuda", help="cpu, cuda or rocm (default cuda)")
     p.add_argument("--backend", default=None, help="attention backend (default: the platform's)")
@@ -133,11 +132,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         platform=args.platform,
         attention_backend=args.backend,
     )
-    plan = plan_for_config(load_model_config(args.model), cache, args.max_model_len)
+    from hybridkv.engine import DEFAULT_MODEL
+
+    model = args.model or str(DEFAULT_MODEL)
+    name = args.model or "the built-in default model"
+    plan = plan_for_config(load_model_config(model), cache, args.max_model_len)
     if args.json:
-        print(json.dumps({"model": args.model, **plan.to_json()}, indent=2))
+        print(json.dumps({"model": name, **plan.to_json()}, indent=2))
     else:
-        print(format_plan(plan, args.model))
+        print(format_plan(plan, name))
     return 0
 
 

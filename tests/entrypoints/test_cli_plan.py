@@ -88,6 +88,8 @@ def test_plan_of_a_folder(tmp_path, capsys):
     ],
 )
 def test_plan_errors_are_one_line_exit_2(capsys, argv, message):
+    if "--model" not in argv:
+        argv = ["--model", "ibm-granite/granite-4.0-h-small", *argv]
     code, out, err = run(capsys, "plan", *argv)
     assert code == 2
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
@@ -110,3 +112,11 @@ def test_console_script_exit_code_without_traceback():
     )
     assert proc.returncode == 2
     assert proc.stderr.startswith("hybridkv plan: error:") and "Traceback" not in proc.stderr
+
+
+def test_plan_defaults_to_the_built_in_model(capsys):
+    code, out, _ = run(capsys, "plan", "--json", "--platform", "cpu")
+    j = json.loads(out)
+    assert code == 0 and j["model"] == "the built-in default model"
+    assert j["architecture"] == "GraniteMoeHybridForCausalLM"
+    assert {g["kind"] for g in j["groups"]} == {"attention", "mamba2"}
