@@ -43,6 +43,7 @@ class UnitAllocator:
         self.new_pages: list[int] = []  # pages taken from the pool since the last drain
         self.num_free_slots = 0  # free units across owned pages
         self.stranded: OrderedDict[int, None] = OrderedDict()  # cached units in in-use pages
+        self.stranded_in_page: dict[int, int] = {}  # page -> how many of its units are stranded
         pool.register(group_id, self)
 
     # -- allocation --------------------------------------------------------------------------
@@ -69,14 +70,18 @@ class UnitAllocator:
         `reclaim`, the slots of least-recently-used stranded cached units."""
         out: list[int] = []
         pages = 0
+        u = self.units_per_page
         page = hint_page if hint_page in self.partial else None
         while len(out) < n:
             if page is None or page not in self.partial:
+                may_take = page_budget is None or pages < page_budget
                 if self.partial:
                     page = next(iter(self.partial))
-                elif (page_budget is None or pages < page_budget) and (
-                    (page := self._new_page()) is not None
-                ):
+                elif may_take and n - len(out) >= u and (whole := self._take_whole_page()):
+                    out.extend(whole)  # a whole fresh page in one step (long prefills)
+                    pages += 1
+                    continue
+                elif may_take and (page := self._new_page()) is not None:
                     pages += 1
                 elif reclaim and self.stranded:
                     out.append(self._reclaim())
@@ -86,6 +91,20 @@ class UnitAllocator:
                     break
             out.extend(self._take_from(page, n - len(out)))
         return out
+
+    def _take_whole_page(self) -> list[int] | None:
+        """A fresh page from the pool with every unit in use at once, or None."""
+        page = self.pool.take(self.group_id)
+        if page is None:
+            return None
+        u = self.units_per_page
+        units = list(range(page * u, (page + 1) * u))
+        self.free_slots[page] = []
+        self.page_used[page] = u
+        self.page_occupied[page] = u
+        self.ref.update(dict.fromkeys(units, 1))
+        self.new_pages.append(page)
+        return units
 
     def alloc(
         self, hint_page: int | None = None, new_page: bool = True, reclaim: bool = False
@@ -118,10 +137,29 @@ class UnitAllocator:
     def _reclaim(self) -> int:
         """Drop the oldest stranded cached unit and hand its slot out as a new in-use unit."""
         unit, _ = self.stranded.popitem(last=False)
+        self._uncount_stranded(unit)
         del self.unit_of[self.key_of.pop(unit)]
         self.ref[unit] = 1
         self.page_used[unit // self.units_per_page] += 1
         return unit
+
+    def _strand(self, unit: int) -> None:
+        if unit not in self.stranded:
+            self.stranded[unit] = None
+            page = unit // self.units_per_page
+            self.stranded_in_page[page] = self.stranded_in_page.get(page, 0) + 1
+
+    def _unstrand(self, unit: int) -> None:
+        if self.stranded.pop(unit, 0) is None:
+            self._uncount_stranded(unit)
+
+    def _uncount_stranded(self, unit: int) -> None:
+        page = unit // self.units_per_page
+        left = self.stranded_in_page[page] - 1
+        if left:
+            self.stranded_in_page[page] = left
+        else:
+            del self.stranded_in_page[page]
 
     def _page_units(self, page: int) -> range:
         return range(page * self.units_per_page, (page + 1) * self.units_per_page)
@@ -134,14 +172,14 @@ class UnitAllocator:
             if self.page_occupied[page] > k:  # it holds cached units: they are stranded now
                 for unit in self._page_units(page):
                     if self.ref.get(unit) == 0:
-                        self.stranded[unit] = None
+                        self._strand(unit)
                         self.stranded.move_to_end(unit, last=False)
 
     def incref(self, unit: int) -> None:
         count = self.ref[unit]
         self.ref[unit] = count + 1
         if count == 0:
-            self.stranded.pop(unit, None)
+            self._unstrand(unit)
             self._use_page(unit // self.units_per_page)
 
     def decref(self, unit: int) -> None:
@@ -167,10 +205,9 @@ class UnitAllocator:
                 cached.append(unit)
             else:
                 self._free_unit(unit)
-        stranded = self.stranded
         for unit in cached:
             if page_used[unit // u]:
-                stranded[unit] = None
+                self._strand(unit)
         for page in touched:
             self._settle(page)
 
@@ -191,9 +228,9 @@ class UnitAllocator:
             self.pool.give_back(page)
         elif self.page_used[page] == 0:
             self.pool.set_evictable(page, True)
-            if self.stranded:  # the page may leave whole now: its units are not stranded
+            if self.stranded_in_page.get(page):  # the page may leave whole: not stranded
                 for unit in self._page_units(page):
-                    self.stranded.pop(unit, None)
+                    self._unstrand(unit)
 
     # -- cache -------------------------------------------------------------------------------
 
@@ -229,7 +266,7 @@ class UnitAllocator:
         if key is None:
             return
         del self.unit_of[key]
-        self.stranded.pop(unit, None)
+        self._unstrand(unit)
         if self.ref.get(unit) == 0:
             self._free_unit(unit)
             self._settle(unit // self.units_per_page)
@@ -303,6 +340,10 @@ class UnitAllocator:
         assert self.num_free_slots == sum(len(v) for v in self.free_slots.values())
         expect_stranded = {x for x, c in self.ref.items() if c == 0 and self.page_used[x // u] > 0}
         assert set(self.stranded) == expect_stranded, "stranded units differ"
+        per_page: dict[int, int] = {}
+        for x in self.stranded:
+            per_page[x // u] = per_page.get(x // u, 0) + 1
+        assert per_page == self.stranded_in_page, "stranded counts per page differ"
         for unit, count in self.ref.items():
             assert count > 0 or unit in self.key_of, f"unit {unit} neither used nor cached"
         assert len(self.key_of) == len(self.unit_of)
