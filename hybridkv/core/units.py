@@ -102,7 +102,9 @@ class UnitAllocator:
         self.free_slots[page] = []
         self.page_used[page] = u
         self.page_occupied[page] = u
-        self.ref.update(dict.fromkeys(units, 1))
+        ref = self.ref
+        for unit in units:
+            ref[unit] = 1
         self.new_pages.append(page)
         return units
 
@@ -125,7 +127,9 @@ class UnitAllocator:
             taken = slots[-k:]
             del slots[-k:]
             units = [base + j for j in reversed(taken)]
-        self.ref.update(dict.fromkeys(units, 1))
+        ref = self.ref
+        for unit in units:
+            ref[unit] = 1
         k = len(units)
         self.num_free_slots -= k
         self.page_occupied[page] += k
@@ -248,12 +252,10 @@ class UnitAllocator:
 
     def set_keys(self, units: list[int], keys: list[Hashable]) -> None:
         """`set_key` for many units at once (dictionary updates in bulk when no key repeats)."""
+        # Units come here once each (when they first fill up), so only keys can repeat:
+        # another request may have cached the same content first.
         new = dict(zip(keys, units, strict=True))
-        if (
-            len(new) == len(units)
-            and not (self.unit_of.keys() & new.keys())
-            and not (self.key_of.keys() & set(units))
-        ):
+        if len(new) == len(units) and not (self.unit_of.keys() & new.keys()):
             self.unit_of.update(new)
             self.key_of.update(zip(units, keys, strict=True))
             return
