@@ -24,6 +24,7 @@ manager calls of a step / running requests; median of 3 runs).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -191,6 +192,9 @@ def _unused_pinned(cm: CacheManager, running: list[Request]) -> float:
 
 
 def replay(model: str, workload: str, mode: str, seed: int, scale: Scale) -> dict:
+    # Earlier replays leave managers in reference cycles (the pool knows its groups and they
+    # know the pool): collect them first, so that every replay starts from the same heap.
+    gc.collect()
     cfg = CacheConfig(
         platform="cuda", attention_backend="flashinfer", memory_bytes=40 * GIB, allocation=mode
     )
