@@ -36,12 +36,6 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def token_to_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
-    def id_to_token(self, token_id: int) -> str | None:
-        return self._tok.id_to_token(token_id)
-
     @property
     def chat_template(self) -> str | None:
         template = self.config.get("chat_template")

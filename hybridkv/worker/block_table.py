@@ -68,14 +68,6 @@ class BlockTable:
     def append_pages(self, row: int, page_ids: Sequence[int]) -> None:
         self.append_blocks(row, pages_to_kernel_blocks(page_ids, self.blocks_per_page))
 
-    def set_blocks(self, row: int, start: int, kernel_block_ids: Sequence[int]) -> None:
-        """Overwrite entries from `start` (e.g. a sliding window swapping freed blocks for the
-        null block); the row's length is unchanged unless the write extends it."""
-        n = len(kernel_block_ids)
-        ids = torch.as_tensor(list(kernel_block_ids), dtype=torch.int32)
-        self.table[row, start : start + n] = ids.to(self.device)
-        self.num_blocks[row] = max(int(self.num_blocks[row]), start + n)
-
     def clear_row(self, row: int) -> None:
         self.num_blocks[row] = 0
 
@@ -112,7 +104,3 @@ class BlockTable:
         kb = self.table[safe_rows, block_idx].to(torch.int64)
         slots = kb * kbs + positions % kbs
         return torch.where(valid, slots, torch.full_like(slots, PAD_SLOT))
-
-    def tensor(self, num_rows: int | None = None) -> torch.Tensor:
-        """The first `num_rows` rows, as the kernels read them: [num_rows, max_blocks] int32."""
-        return self.table if num_rows is None else self.table[:num_rows]

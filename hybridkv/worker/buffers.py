@@ -83,7 +83,3 @@ class CacheBuffers:
         n_layers = len(self.plan.groups[group_id].layer_names)
         for buf in self.buffers[:n_layers]:
             buf.view(self.plan.num_pages, self.plan.page_bytes).index_fill_(0, ids, 0)
-
-    def page_bytes_range(self, page_id: int) -> tuple[int, int]:
-        start = page_id * self.plan.page_bytes
-        return start, start + self.plan.page_bytes

@@ -46,8 +46,6 @@ def test_append_blocks_directly_and_row_ops():
     assert bt.row(0) == [1] and bt.row(1) == [11, 4, 6, 7, 8]
     bt.move_row(1, 2)
     assert bt.row(2) == [11, 4, 6, 7, 8] and bt.row(1) == []
-    bt.set_blocks(2, 0, [0, 0])
-    assert bt.row(2) == [0, 0, 6, 7, 8]
     bt.clear_row(2)
     assert bt.row(2) == []
     with pytest.raises(ValueError, match="room for 6"):

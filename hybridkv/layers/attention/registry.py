@@ -181,32 +181,15 @@ class Platform:
 
     name: str
     defaults: dict[str, str] = field(default_factory=dict)
-    backends: tuple[str, ...] = ()  # the backends that exist on this platform
 
     def default_backend(self, kind: str) -> str:
         return self.defaults["mla" if kind == "mla" else "attention"]
 
 
 PLATFORMS: dict[str, Platform] = {
-    "cpu": Platform("cpu", {"attention": "torch", "mla": "torch"}, ("torch", "cpu_attn")),
-    "cuda": Platform(
-        "cuda",
-        {"attention": "triton", "mla": "flashmla"},
-        (
-            "triton",
-            "torch",
-            "flash_attn",
-            "flashinfer",
-            "flashmla",
-            "cutlass_mla",
-            "flashinfer_mla",
-        ),
-    ),
-    "rocm": Platform(
-        "rocm",
-        {"attention": "triton", "mla": "torch"},
-        ("triton", "torch", "rocm_attn", "rocm_aiter_fa"),
-    ),
+    "cpu": Platform("cpu", {"attention": "torch", "mla": "torch"}),
+    "cuda": Platform("cuda", {"attention": "triton", "mla": "flashmla"}),
+    "rocm": Platform("rocm", {"attention": "triton", "mla": "torch"}),
 }
 
 
