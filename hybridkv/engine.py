@@ -56,6 +56,7 @@ class ModelConfig:
     device: str = "auto"
     seed: int = 0
     prepack: bool = True  # CPU: oneDNN pre-packed linear weights (hybridkv.layers.linear)
+    compile: bool = False  # torch.compile the fused Mamba2 decode step (slow first step)
 
     def __post_init__(self) -> None:
         allowed = ("float32", "bfloat16", "float16")
@@ -73,6 +74,17 @@ class ModelConfig:
     @property
     def folder(self) -> Path:
         return Path(self.model).expanduser() if self.model else DEFAULT_MODEL
+
+
+def _compile_decode_steps(model: torch.nn.Module) -> None:
+    """Give every Mamba2 mixer one shared compiled fused decode step (compiled on first use)."""
+    from hybridkv.layers.mamba2 import Mamba2Mixer
+    from hybridkv.ops.mamba2 import decode_in_place
+
+    step = torch.compile(decode_in_place, dynamic=True)
+    for module in model.modules():
+        if isinstance(module, Mamba2Mixer):
+            module.use_compiled_decode(step)
 
 
 class Engine:
@@ -170,6 +182,8 @@ class Engine:
         model.load_weights(iter_weights(folder))
         if self.device.type == "cpu" and self.model_config.prepack:
             prepack_linears(model)
+        if self.model_config.compile:
+            _compile_decode_steps(model)
         return model.eval()
 
     # -- requests ------------------------------------------------------------------------------

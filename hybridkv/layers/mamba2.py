@@ -36,7 +36,7 @@ scan output stays float32 into the norm (what its prefill path does), so decode 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +93,7 @@ class Mamba2Mixer(nn.Module):
         # The chunked scan is exact for any chunk length; its intra-chunk work grows with the
         # length, and 64 measured fastest on CPU (2048 tokens, 24 heads: 89 ms at 128, 46 at 64).
         self.scan_chunk = min(chunk_size, SCAN_CHUNK_CAP)
+        self.decode_step: Callable[..., torch.Tensor] | None = None  # see use_compiled_decode
         self.norm_eps = norm_eps
         self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
         self.activation = activation
@@ -119,6 +120,10 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=out_bias)
         mup = None if proj_multipliers is None else self._mup_vector(proj_multipliers)
         self.register_buffer("mup_vector", mup, persistent=False)
+
+    def use_compiled_decode(self, step: Callable[..., torch.Tensor]) -> None:
+        """Serve pure decode steps with `step` (a compiled `decode_in_place`)."""
+        self.decode_step = step
 
     def _mup_vector(self, multipliers: Sequence[float]) -> torch.Tensor:
         """Per-channel scale of in_proj's output from 5 multipliers (z, x, B, C, dt)."""
@@ -200,6 +205,7 @@ class Mamba2Mixer(nn.Module):
             self.scan_chunk,
             dt_limit=self.dt_limit,
             out_dtype=torch.float32,
+            decode_step=self.decode_step,
         )
         y = self._output_gate(y.reshape(num_tokens, self.intermediate_size), gate)
         return self.out_proj(y.to(hidden_states.dtype))

@@ -135,3 +135,22 @@ def test_matches_transformers_chunk_scan():
         err_y = ((y[sl] - ref_y[0]).abs().max() / ref_y.abs().max()).item()
         err_h = ((p.ssm_state[p.pages[s]] - ref_h[0]).abs().max() / ref_h.abs().max()).item()
         assert err_y < 1e-5 and err_h < 1e-5, (err_y, err_h)
+
+
+def test_decode_in_place_matches_ssd_step_and_leaves_other_pages():
+    from hybridkv.ops.mamba2 import decode_in_place, ssd_step
+
+    g = torch.Generator().manual_seed(5)
+    R, H, P, N, G = 3, 4, 5, 6, 2
+    pages = torch.tensor([4, 0, 2])
+    state = torch.randn(6, H, P, N, generator=g)
+    x, dt = torch.randn(R, H, P, generator=g), torch.rand(R, H, generator=g)
+    A, D = -torch.rand(H, generator=g), torch.randn(H, generator=g)
+    B, C = torch.randn(R, G, N, generator=g), torch.randn(R, G, N, generator=g)
+    y_ref, h_ref = ssd_step(x, dt, A, B, C, D, state[pages].clone())
+    new = state.clone()
+    y = decode_in_place(new, pages, x, dt, A, B, C, D)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(new[pages], h_ref, rtol=1e-5, atol=1e-5)
+    untouched = torch.tensor([1, 3, 5])
+    assert torch.equal(new[untouched], state[untouched])
