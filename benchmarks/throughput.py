@@ -129,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=1, help="timed runs per engine (median)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also run hybridkv with compile=True (torch.compile'd Mamba2 decode)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -145,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
                 ),
                 "hybridkv": run_hybridkv(path, prompts, args.new_tokens, repeat=args.repeat),
             }
+            if args.compile:
+                timings["hybridkv+compile"] = run_hybridkv(
+                    path, prompts, args.new_tokens, repeat=args.repeat, compile=True
+                )
             if args.vllm:
                 try:
                     timings["vllm-cpu"] = run_vllm(
@@ -176,7 +185,7 @@ def print_rows(rows: list[dict], header: bool) -> None:
     cols = [
         ("model", 6),
         ("params", 11),
-        ("engine", 13),
+        ("engine", 17),
         ("output_tokens", 8),
         ("seconds", 9),
         ("tokens_per_s", 9),
