@@ -35,6 +35,7 @@ from hybridkv.models.registry import model_class
 from hybridkv.outputs import CompletionOutput, RequestOutput
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.tokenizer import Tokenizer
+from hybridkv.worker.host_memory import keep_freed_memory
 from hybridkv.worker.model_runner import ModelRunner
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "default_model"
@@ -49,14 +50,19 @@ class ModelConfig:
       default model).
     - `dtype`: "auto" (the checkpoint's dtype), "float32" or "bfloat16".
     - `device`: "auto" (CUDA if available, else CPU), "cpu" or "cuda".
+    - `prepack`: CPU: oneDNN pre-packed linear weights (`hybridkv.layers.linear`).
+    - `compile`: torch.compile the fused Mamba2 decode step (slow first step).
+    - `keep_freed_memory`: CPU on glibc: reuse large freed blocks instead of returning them to
+      the OS after every step (`hybridkv.worker.host_memory`; process-wide).
     """
 
     model: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
-    prepack: bool = True  # CPU: oneDNN pre-packed linear weights (hybridkv.layers.linear)
-    compile: bool = False  # torch.compile the fused Mamba2 decode step (slow first step)
+    prepack: bool = True
+    compile: bool = False
+    keep_freed_memory: bool = True
 
     def __post_init__(self) -> None:
         allowed = ("float32", "bfloat16", "float16")
@@ -101,6 +107,8 @@ class Engine:
         self.architecture = architecture_of(hf_config)
         cls = model_class(self.architecture)
         self.device = self._device()
+        if self.device.type == "cpu" and self.model_config.keep_freed_memory:
+            keep_freed_memory()
         self.dtype = self._dtype(hf_config)
         self.tokenizer = Tokenizer(folder)
         runtime_config = {**hf_config, "torch_dtype": self.dtype, "dtype": self.dtype}

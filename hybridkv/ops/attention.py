@@ -53,14 +53,36 @@ def gather_context(
 
         position t  ->  (block_table[s, t // kbs], t % kbs)   if visible[s, t]
                     ->  (NULL_BLOCK, 0)                        otherwise (zeros)
+
+    One `index_select` over the cache seen as rows of [kv_heads, head_dim] copies whole rows
+    (advanced indexing with two index tensors goes element by element: 1.7x slower here):
+
+        row of (block b, K or V, offset o) = (2 * b + kv) * kbs + o
     """
+    num_seqs, num_pos = visible.shape
     kbs = kv_cache.shape[2]
-    pos = torch.arange(visible.shape[1], device=visible.device)
+    rows = kv_cache.view(-1, *kv_cache.shape[3:])  # [num_kernel_blocks * 2 * kbs, kvh, d]
+    pos = torch.arange(num_pos, device=visible.device)
     block_idx = (pos // kbs).clamp(max=block_table.shape[1] - 1)
-    blocks = block_table.long()[:, block_idx]  # [S, T]
-    blocks = torch.where(visible, blocks, torch.full_like(blocks, NULL_BLOCK))
-    offsets = torch.where(visible, pos % kbs, torch.zeros_like(pos))  # [S, T]
-    return kv_cache[blocks, 0, offsets], kv_cache[blocks, 1, offsets]
+    k_rows = block_table.long()[:, block_idx] * (2 * kbs) + pos % kbs  # [S, T]
+    k_rows = torch.where(visible, k_rows, torch.full_like(k_rows, NULL_BLOCK * 2 * kbs))
+    both = torch.stack([k_rows, k_rows + kbs], dim=1)  # [S, 2, T]: K rows, then V rows
+    kv = rows.index_select(0, both.view(-1)).view(num_seqs, 2, num_pos, *rows.shape[1:])
+    return kv[:, 0], kv[:, 1]
+
+
+# Decodes are split into at most this many groups of similar context length, so the gathered
+# K/V of a group is padded to its own longest context instead of the batch's.
+MAX_DECODE_GROUPS = 4
+MIN_DECODE_GROUP = 8  # requests; below this a group's fixed cost outweighs the padding saved
+
+
+def _decode_groups(seq_lens: list[int]) -> list[list[int]]:
+    """Request indices in groups of similar length (longest first), each sorted."""
+    order = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
+    num = max(1, min(MAX_DECODE_GROUPS, len(order) // MIN_DECODE_GROUP))
+    size = -(-len(order) // num)
+    return [order[i : i + size] for i in range(0, len(order), size)]
 
 
 def _decode_attention(
@@ -94,6 +116,31 @@ def _decode_attention(
         enable_gqa=num_heads != kv_heads,
     )
     return out[:, :, 0, :].to(q.dtype)
+
+
+def _grouped_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """`_decode_attention` per group of similar context lengths (see `_decode_groups`)."""
+    lens = seq_lens.tolist()
+    groups = _decode_groups(lens)
+    if len(groups) == 1:
+        return _decode_attention(
+            q, kv_cache, block_table, seq_lens, scale, sliding_window, max(lens)
+        )
+    out = torch.empty_like(q)
+    for members in groups:
+        idx = torch.tensor(members, device=q.device)
+        out[idx] = _decode_attention(
+            q[idx], kv_cache, block_table[idx], seq_lens[idx], scale, sliding_window,
+            lens[members[0]],
+        )  # fmt: skip
+    return out
 
 
 def _prefill_attention(
@@ -155,15 +202,8 @@ def paged_attention(
     if bool(is_decode.any()):
         rows = torch.nonzero(is_decode).flatten()
         tokens = query_start_loc[:-1].long()[rows]
-        dec_lens = seq_lens[rows]
-        out[tokens] = _decode_attention(
-            q[tokens],
-            kv_cache,
-            block_table[rows],
-            dec_lens,
-            scale,
-            sliding_window,
-            int(dec_lens.max()),
+        out[tokens] = _grouped_decode_attention(
+            q[tokens], kv_cache, block_table[rows], seq_lens[rows], scale, sliding_window
         )
     starts, lens, ctx = query_start_loc.tolist(), q_lens.tolist(), seq_lens.tolist()
     for s, n in enumerate(lens):

@@ -39,7 +39,7 @@ def _initial_conv_state(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """Each request's old K-1 input columns, zeros where it has none -> [S, C, K-1]."""
-    old = conv_state[state_pages].to(dtype)  # [S, C, K-1]
+    old = conv_state.index_select(0, state_pages).to(dtype)  # [S, C, K-1]
     if bool(has_initial_state.all()):  # the usual decode step: nothing to select away
         return old
     zero = torch.zeros((), dtype=dtype, device=old.device)
@@ -62,7 +62,7 @@ def causal_conv1d_decode(
     y = (window * weight[None]).sum(-1)  # [S, C]
     if bias is not None:
         y = y + bias
-    conv_state[state_pages] = window[:, :, 1:].to(conv_state.dtype)
+    conv_state.index_copy_(0, state_pages, window[:, :, 1:].to(conv_state.dtype))
     return _activate(y, activation).to(x.dtype)
 
 
@@ -131,5 +131,5 @@ def causal_conv1d_varlen(
 
     # Phase 3: the last K-1 packed columns of each request are its new state.
     new_state = packed[tail_pos]  # [S, K-1, C]
-    conv_state[state_pages] = new_state.transpose(1, 2).to(conv_state.dtype)
+    conv_state.index_copy_(0, state_pages, new_state.transpose(1, 2).to(conv_state.dtype))
     return _activate(y, activation).to(x.dtype)

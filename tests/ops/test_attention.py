@@ -66,3 +66,29 @@ def test_padding_slots_are_skipped():
     write_kv_cache(k, k * 2, cache, torch.tensor([3, -1, 0]))
     assert cache[1, 0, 1].sum() == 2 and cache[0, 1, 0].sum() == 4
     assert cache.sum() == 12
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_many_decodes_in_length_groups_match_naive(window):
+    # 40 decodes (4 length groups) mixed with two prefill chunks, ragged lengths, NaN garbage
+    g = torch.Generator().manual_seed(3)
+    dec_lens = torch.randint(1, 50, (40,), generator=g).tolist()
+    q_lens, seq_lens = [1] * 20 + [5] + [1] * 20 + [3], dec_lens[:20] + [9] + dec_lens[20:] + [3]
+    cache, table, q, qsl, sl, qs, ks, vs = make_batch(q_lens, seq_lens, 4, 6, 2, 8, 600)
+    out = paged_attention(q, cache, table, qsl, sl, 0.3, sliding_window=window)
+    assert not torch.isnan(out).any()
+    ref = torch.cat([naive_attention(qs[i], ks[i], vs[i], 0.3, window) for i in range(42)])
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_groups_partition_requests_by_length():
+    from hybridkv.ops.attention import MAX_DECODE_GROUPS, _decode_groups
+
+    lens = [5, 90, 12, 40, 7, 66, 3, 21] * 5
+    groups = _decode_groups(lens)
+    assert len(groups) == MAX_DECODE_GROUPS
+    assert sorted(i for grp in groups for i in grp) == list(range(len(lens)))
+    # every request of a group is at least as long as every request of the next group
+    for a, b in zip(groups, groups[1:], strict=False):
+        assert min(lens[i] for i in a) >= max(lens[i] for i in b)
+    assert _decode_groups([4, 2, 9]) == [[2, 0, 1]]  # few requests: one group
