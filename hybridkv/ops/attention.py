@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hybridkv.ops import native
+
 
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -126,7 +128,11 @@ def _grouped_decode_attention(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """`_decode_attention` per group of similar context lengths (see `_decode_groups`)."""
+    """Native decode attention when available, else `_decode_attention` per group of similar
+    context lengths (see `_decode_groups`)."""
+    out = native.paged_decode_attention(q, kv_cache, block_table, seq_lens, scale, sliding_window)
+    if out is not None:
+        return out
     lens = seq_lens.tolist()
     groups = _decode_groups(lens)
     if len(groups) == 1:

@@ -51,7 +51,7 @@ def make_batch(q_lens, seq_lens, kbs, heads, kv_heads, d, num_blocks, seed=0, na
 
 @pytest.mark.parametrize("kbs", [1, 3, 16])
 @pytest.mark.parametrize("window", [None, 5])
-def test_matches_naive_with_nan_garbage(kbs, window):
+def test_matches_naive_with_nan_garbage(kbs, window, kernels):
     q_lens, seq_lens = [7, 1, 3, 1], [7, 20, 9, 1]
     cache, table, q, qsl, sl, qs, ks, vs = make_batch(q_lens, seq_lens, kbs, 4, 2, 8, 64)
     out = paged_attention(q, cache, table, qsl, sl, 0.3, sliding_window=window)
@@ -69,7 +69,7 @@ def test_padding_slots_are_skipped():
 
 
 @pytest.mark.parametrize("window", [None, 6])
-def test_many_decodes_in_length_groups_match_naive(window):
+def test_many_decodes_in_length_groups_match_naive(window, kernels):
     # 40 decodes (4 length groups) mixed with two prefill chunks, ragged lengths, NaN garbage
     g = torch.Generator().manual_seed(3)
     dec_lens = torch.randint(1, 50, (40,), generator=g).tolist()

@@ -72,7 +72,7 @@ class Problem:
         ([8, 4], [True, True], 4),  # exact multiples of the chunk
     ],
 )
-def test_matches_sequential_reference(q_lens, has_init, chunk_size):
+def test_matches_sequential_reference(q_lens, has_init, chunk_size, kernels):
     p = Problem(q_lens, has_init)
     ref_y, ref_h = p.reference()
     y = p.run(chunk_size)

@@ -1,0 +1,175 @@
+"""Native CPU kernels (kernels.c), compiled at first use and called through ctypes.
+
+Two decode operations are memory bound and, in PyTorch, need a gather into a temporary, the
+math, and a scatter back: the Mamba2 state update and paged decode attention. The C versions
+read the paged cache in place (`kernels.c` says how). On the development CPU (2 cores, 100M
+hybrid model, 64 decoding requests) they cut a Mamba2 layer's decode step from 4.5 to about
+0.65 ms and an attention layer's from about 10 to 3 ms (64 requests of 100..640 tokens).
+
+Build: `gcc -O3 -march=native -fopenmp -shared` into `$XDG_CACHE_HOME/hybridkv` (default
+`~/.cache/hybridkv`), keyed by the source, the compiler flags and the CPU's flags, so a cache
+shared between machines never loads a build for another CPU. Built once, about a second. No
+compiler, a failed build, a non-float32 tensor, or `HYBRIDKV_NATIVE=0` in the environment: the
+callers keep their PyTorch path (the reference the tests compare both with).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("kernels.c")
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    "hkv_mamba2_decode_f32": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64] + [_ptr] * 7,
+    "hkv_paged_decode_f32": [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64]
+    + [_f32, _ptr],
+}
+
+
+def enabled() -> bool:
+    return os.environ.get("HYBRIDKV_NATIVE", "1") != "0"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _library_path() -> Path:
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), _cpu_flags().encode()):
+        key.update(part)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybridkv"
+    return cache / f"native-{key.hexdigest()[:16]}.so"
+
+
+def _build(target: Path) -> bool:
+    compiler = shutil.which(os.environ.get("CC", "gcc"))
+    if compiler is None or not sys.platform.startswith("linux"):
+        return False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target, then rename: concurrent builders never load a partial file
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    cmd = [compiler, *CFLAGS, str(SOURCE), "-o", str(partial), "-lm"]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        partial.replace(target)
+        return True
+    except (OSError, subprocess.SubprocessError):
+        partial.unlink(missing_ok=True)
+        return False
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, building them on first use; None when unavailable."""
+    global _lib, _tried
+    if not enabled():
+        return None
+    if _tried:
+        return _lib
+    _tried = True
+    try:
+        path = _library_path()
+        if not path.is_file() and not _build(path):
+            return None
+        lib = ctypes.CDLL(str(path))
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+        _lib = lib
+    except OSError:
+        _lib = None
+    return _lib
+
+
+def _is_f32_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def mamba2_decode(
+    ssm_state: torch.Tensor,
+    state_pages: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+) -> torch.Tensor | None:
+    """`decode_in_place` natively: None when the kernels or these tensors are not supported.
+
+    ssm_state: [num_pages, H, P, N] float32 (a page-strided view; each page's [H, P, N]
+    contiguous); x: [R, H, P]; dt: [R, H] processed; A, D: [H]; B, C: [R, G, N] -> y [R, H, P].
+    """
+    lib = library()
+    num_pages, heads, head_dim, d_state = ssm_state.shape
+    inner = (head_dim * d_state, d_state, 1)
+    if lib is None or not _is_f32_cpu(ssm_state, x, dt, A, B, C, D):
+        return None
+    if ssm_state.stride()[1:] != inner:
+        return None
+    x, dt, B, C = x.contiguous(), dt.contiguous(), B.contiguous(), C.contiguous()
+    A, D = A.contiguous(), D.contiguous()
+    pages = state_pages.to(torch.int64).contiguous()
+    num, groups = x.shape[0], B.shape[1]
+    y = torch.empty_like(x)
+    lib.hkv_mamba2_decode_f32(
+        ssm_state.data_ptr(), ssm_state.stride(0), pages.data_ptr(), num, heads, head_dim,
+        d_state, groups, x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(),
+        C.data_ptr(), D.data_ptr(), y.data_ptr(),
+    )  # fmt: skip
+    return y
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor | None:
+    """Decode attention natively: None when the kernels or these tensors are not supported.
+
+    q: [S, heads, d]; kv_cache: [num_kernel_blocks, 2, kbs, kv_heads, d] contiguous;
+    block_table: [S, max_blocks] int32; seq_lens: [S] -> [S, heads, d].
+    """
+    lib = library()
+    if lib is None or not _is_f32_cpu(q, kv_cache) or not kv_cache.is_contiguous():
+        return None
+    if block_table.dtype != torch.int32 or block_table.stride(-1) != 1:
+        return None
+    num_seqs, num_heads, head_dim = q.shape
+    kbs, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    lens = seq_lens.to(torch.int64).contiguous()
+    first = torch.zeros_like(lens)
+    if sliding_window is not None:
+        first = (lens - sliding_window).clamp(min=0)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    lib.hkv_paged_decode_f32(
+        q.data_ptr(), kv_cache.data_ptr(), kbs, kv_heads, head_dim, num_heads,
+        block_table.data_ptr(), block_table.stride(0), first.data_ptr(), lens.data_ptr(),
+        num_seqs, scale, out.data_ptr(),
+    )  # fmt: skip
+    return out

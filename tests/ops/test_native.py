@@ -1,0 +1,99 @@
+import shutil
+import sys
+
+import pytest
+import torch
+
+from hybridkv.ops import native
+from hybridkv.ops.mamba2 import ssd_step
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which("gcc") is None or not sys.platform.startswith("linux"),
+    reason="the native kernels are built with gcc on Linux",
+)
+
+
+@needs_compiler
+def test_library_builds_and_is_cached():
+    lib = native.library()
+    assert lib is not None
+    assert native._library_path().is_file()
+    assert native.library() is lib
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    assert native.library() is None
+    q = torch.randn(1, 2, 4)
+    cache = torch.zeros(2, 2, 4, 1, 4)
+    table = torch.ones(1, 1, dtype=torch.int32)
+    lens = torch.tensor([3])
+    assert native.paged_decode_attention(q, cache, table, lens, 0.5, None) is None
+
+
+def _state_problem(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    R, H, P, N, G = 5, 6, 8, 16, 3
+    # page-strided view: each page has spare room after its [H, P, N] state, as in the buffers
+    flat = torch.full((9, H * P * N + 40), float("nan"))
+    state = flat[:, : H * P * N].view(9, H, P, N)
+    pages = torch.tensor([7, 1, 4, 8, 2])
+    state[pages] = torch.randn(R, H, P, N, generator=g)
+    args = (
+        torch.randn(R, H, P, generator=g),
+        torch.rand(R, H, generator=g),
+        -torch.rand(H, generator=g) * 4,
+        torch.randn(R, G, N, generator=g),
+        torch.randn(R, G, N, generator=g),
+        torch.randn(H, generator=g),
+    )
+    return flat, state.to(dtype) if dtype != torch.float32 else state, pages, args
+
+
+@needs_compiler
+def test_mamba2_decode_matches_ssd_step_in_place():
+    flat, state, pages, (x, dt, A, B, C, D) = _state_problem()
+    before = flat.clone()
+    y_ref, h_ref = ssd_step(x, dt, A, B, C, D, state[pages].clone())
+    y = native.mamba2_decode(state, pages, x, dt, A, B, C, D)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state[pages], h_ref, rtol=1e-5, atol=1e-5)
+    others = torch.tensor([0, 3, 5, 6])
+    assert torch.equal(flat[others].isnan(), before[others].isnan())  # untouched NaN pages
+    assert flat[:, -40:].isnan().all()  # nor the room after each state
+
+
+def test_mamba2_decode_declines_other_dtypes():
+    _, state, pages, (x, dt, A, B, C, D) = _state_problem()
+    assert native.mamba2_decode(state.to(torch.bfloat16), pages, x, dt, A, B, C, D) is None
+
+
+@needs_compiler
+@pytest.mark.parametrize("kbs,window", [(1, None), (3, 4), (16, None), (16, 7)])
+def test_paged_decode_matches_dense_attention(kbs, window):
+    g = torch.Generator().manual_seed(kbs)
+    heads, kv_heads, d, num_blocks = 6, 2, 16, 40
+    cache = torch.full((num_blocks, 2, kbs, kv_heads, d), float("nan"))
+    lens = [1, 9, 23, 5]
+    table = torch.zeros(len(lens), 30, dtype=torch.int32)
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1
+    ks, vs, used = [], [], 0
+    for s, n in enumerate(lens):
+        blocks = -(-n // kbs)
+        table[s, :blocks] = perm[used : used + blocks].int()
+        used += blocks
+        k, v = torch.randn(n, kv_heads, d, generator=g), torch.randn(n, kv_heads, d, generator=g)
+        pos = torch.arange(n)
+        cache[table[s, pos // kbs].long(), 0, pos % kbs] = k
+        cache[table[s, pos // kbs].long(), 1, pos % kbs] = v
+        ks.append(k)
+        vs.append(v)
+    q = torch.randn(len(lens), heads, d, generator=g)
+    out = native.paged_decode_attention(q, cache, table, torch.tensor(lens), 0.3, window)
+    assert out is not None and not out.isnan().any()
+    for s, n in enumerate(lens):
+        first = 0 if window is None else max(0, n - window)
+        k = ks[s][first:].repeat_interleave(heads // kv_heads, dim=1)  # [t, heads, d]
+        v = vs[s][first:].repeat_interleave(heads // kv_heads, dim=1)
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[s], k) * 0.3, dim=-1)
+        torch.testing.assert_close(out[s], torch.einsum("ht,thd->hd", p, v), rtol=1e-5, atol=1e-5)
