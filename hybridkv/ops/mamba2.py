@@ -309,11 +309,13 @@ def mamba2_scan_varlen(
     Af, Df = A.float(), D.float()
     dtf = _process_dt(dt, dt_bias, dt_limit)  # [T, H]
     decoding = max_query_len == 1 and x.shape[0] == state_pages.shape[0]  # token s: request s
-    if decoding and bool(has_initial_state.all()):
-        step = native.mamba2_decode if decode_step is None else decode_step
-        y = step(ssm_state, state_pages, xf, dtf, Af, Bf, Cf, Df)
-        if y is not None:  # None: the native kernels do not take these tensors
-            return y.to(out_dtype)
+    if decoding and decode_step is not None and bool(has_initial_state.all()):
+        return decode_step(ssm_state, state_pages, xf, dtf, Af, Bf, Cf, Df).to(out_dtype)
+    y = native.mamba2_scan(
+        ssm_state, state_pages, has_initial_state, query_start_loc, xf, dtf, Af, Bf, Cf, Df
+    )
+    if y is not None:  # None: no native kernels, or not for these tensors
+        return y.to(out_dtype)
     h0 = _initial_ssm_state(ssm_state, state_pages, has_initial_state)  # [S, H, P, N]
 
     if decoding:

@@ -51,11 +51,13 @@ def _state_problem(dtype=torch.float32, seed=0):
 
 
 @needs_compiler
-def test_mamba2_decode_matches_ssd_step_in_place():
+def test_mamba2_decode_step_matches_ssd_step_in_place():
     flat, state, pages, (x, dt, A, B, C, D) = _state_problem()
     before = flat.clone()
     y_ref, h_ref = ssd_step(x, dt, A, B, C, D, state[pages].clone())
-    y = native.mamba2_decode(state, pages, x, dt, A, B, C, D)
+    has = torch.ones(5, dtype=torch.bool)
+    qsl = torch.arange(6, dtype=torch.int32)  # one token per request
+    y = native.mamba2_scan(state, pages, has, qsl, x, dt, A, B, C, D)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state[pages], h_ref, rtol=1e-5, atol=1e-5)
     others = torch.tensor([0, 3, 5, 6])
@@ -63,9 +65,22 @@ def test_mamba2_decode_matches_ssd_step_in_place():
     assert flat[:, -40:].isnan().all()  # nor the room after each state
 
 
-def test_mamba2_decode_declines_other_dtypes():
+@needs_compiler
+def test_mamba2_scan_zero_length_request_keeps_its_page():
+    flat, state, pages, (x, dt, A, B, C, D) = _state_problem()
+    before = state[pages].clone()
+    has = torch.tensor([True, False, True, True, True])
+    qsl = torch.tensor([0, 1, 1, 2, 3, 5], dtype=torch.int32)  # request 1 has no tokens
+    y = native.mamba2_scan(state, pages, has, qsl, x, dt, A, B, C, D)
+    assert y.shape == x.shape and not y.isnan().any()
+    assert torch.equal(state[pages[1]], before[1])
+
+
+def test_mamba2_scan_declines_other_dtypes():
     _, state, pages, (x, dt, A, B, C, D) = _state_problem()
-    assert native.mamba2_decode(state.to(torch.bfloat16), pages, x, dt, A, B, C, D) is None
+    has, qsl = torch.ones(5, dtype=torch.bool), torch.arange(6)
+    bf16 = state.to(torch.bfloat16)
+    assert native.mamba2_scan(bf16, pages, has, qsl, x, dt, A, B, C, D) is None
 
 
 @needs_compiler

@@ -1,10 +1,11 @@
 """Native CPU kernels (kernels.c), compiled at first use and called through ctypes.
 
-Two decode operations are memory bound and, in PyTorch, need a gather into a temporary, the
-math, and a scatter back: the Mamba2 state update and paged decode attention. The C versions
-read the paged cache in place (`kernels.c` says how). On the development CPU (2 cores, 100M
-hybrid model, 64 decoding requests) they cut a Mamba2 layer's decode step from 4.5 to about
-0.65 ms and an attention layer's from about 10 to 3 ms (64 requests of 100..640 tokens).
+In PyTorch, the Mamba2 scan and paged decode attention need gathers into temporaries, the math,
+and scatters back (and the chunked prefill scan builds [chunks, heads, L, L] tensors). The C
+versions read the paged cache in place (`kernels.c` says how). On the development CPU (2 cores,
+100M hybrid model): a Mamba2 layer's decode step for 64 requests from 4.5 to 0.65 ms, an
+attention layer's from about 10 to 3 ms (64 requests of 100..640 tokens), and the prefill scan
+of 2048 tokens (8 requests) from about 40 ms (chunked, PyTorch) to 16 ms.
 
 Build: `gcc -O3 -march=native -fopenmp -shared` into `$XDG_CACHE_HOME/hybridkv` (default
 `~/.cache/hybridkv`), keyed by the source, the compiler flags and the CPU's flags, so a cache
@@ -34,7 +35,7 @@ _tried = False
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
-    "hkv_mamba2_decode_f32": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64] + [_ptr] * 7,
+    "hkv_mamba2_scan_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr] + [_i64] * 5 + [_ptr] * 7,
     "hkv_paged_decode_f32": [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64]
     + [_f32, _ptr],
 }
@@ -97,7 +98,7 @@ def library() -> ctypes.CDLL | None:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, None
         _lib = lib
-    except OSError:
+    except (OSError, AttributeError):  # unloadable, or a build without a symbol we call
         _lib = None
     return _lib
 
@@ -106,9 +107,11 @@ def _is_f32_cpu(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
 
-def mamba2_decode(
+def mamba2_scan(
     ssm_state: torch.Tensor,
     state_pages: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
@@ -116,27 +119,31 @@ def mamba2_decode(
     C: torch.Tensor,
     D: torch.Tensor,
 ) -> torch.Tensor | None:
-    """`decode_in_place` natively: None when the kernels or these tensors are not supported.
+    """The Mamba2 scan of packed requests natively (token by token, state in place); None when
+    the kernels or these tensors are not supported.
 
     ssm_state: [num_pages, H, P, N] float32 (a page-strided view; each page's [H, P, N]
-    contiguous); x: [R, H, P]; dt: [R, H] processed; A, D: [H]; B, C: [R, G, N] -> y [R, H, P].
+    contiguous); state_pages: [S]; has_initial_state: [S] bool; query_start_loc: [S + 1];
+    x: [T, H, P]; dt: [T, H] processed; A, D: [H]; B, C: [T, G, N] -> y [T, H, P] float32.
     """
     lib = library()
-    num_pages, heads, head_dim, d_state = ssm_state.shape
-    inner = (head_dim * d_state, d_state, 1)
+    heads, head_dim, d_state = ssm_state.shape[1:]
     if lib is None or not _is_f32_cpu(ssm_state, x, dt, A, B, C, D):
         return None
-    if ssm_state.stride()[1:] != inner:
+    if ssm_state.stride()[1:] != (head_dim * d_state, d_state, 1):
         return None
     x, dt, B, C = x.contiguous(), dt.contiguous(), B.contiguous(), C.contiguous()
     A, D = A.contiguous(), D.contiguous()
     pages = state_pages.to(torch.int64).contiguous()
-    num, groups = x.shape[0], B.shape[1]
+    has = has_initial_state.to(torch.uint8).contiguous()
+    bounds = query_start_loc.to(torch.int64)
+    starts, lens = bounds[:-1].contiguous(), (bounds[1:] - bounds[:-1]).contiguous()
     y = torch.empty_like(x)
-    lib.hkv_mamba2_decode_f32(
-        ssm_state.data_ptr(), ssm_state.stride(0), pages.data_ptr(), num, heads, head_dim,
-        d_state, groups, x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(),
-        C.data_ptr(), D.data_ptr(), y.data_ptr(),
+    lib.hkv_mamba2_scan_f32(
+        ssm_state.data_ptr(), ssm_state.stride(0), pages.data_ptr(), has.data_ptr(),
+        starts.data_ptr(), lens.data_ptr(), pages.shape[0], heads, head_dim, d_state,
+        B.shape[1], x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(),
+        D.data_ptr(), y.data_ptr(),
     )  # fmt: skip
     return y
 

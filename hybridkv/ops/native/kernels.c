@@ -11,41 +11,81 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* One Mamba2 decode step of R requests, in place in their state pages.
+/* Mamba2 selective scan of R packed requests, token by token, in place in their state pages.
  *
  *   state page p: state + p * page_stride, holding h[H][P][N]
- *   h = exp(dt * A) * h + (dt * x) outer B        y = h . C + D * x
+ *   for each token t of a request:
+ *       h = exp(dt_t * A) * h + (dt_t * x_t) outer B_t        y_t = h . C_t + D * x_t
  *
- * x: [R, H, P]; dt: [R, H] (softplus'd and clamped); A, D: [H]; B, C: [R, G, N]; y: [R, H, P].
- * Heads h of group h / (H / G) share B and C.
+ * Request r owns tokens starts[r] .. starts[r] + lens[r] - 1 of x: [T, H, P], dt: [T, H]
+ * (softplus'd and clamped), B, C: [T, G, N]; y: [T, H, P]; A, D: [H]. Heads h of group
+ * h / (H / G) share B and C. A request without an initial state (has_initial[r] == 0) starts
+ * from zeros: its page is overwritten, never read (it may hold NaN bit patterns). lens[r] == 0
+ * leaves the page untouched. One task per (request, head): its [P, N] state (16 KB for 64 x 64)
+ * stays in L1 for the whole sequence, so a prefill costs about as much arithmetic as the chunked
+ * matrix form and far less memory traffic; decode is the case lens[r] == 1.
  */
-void hkv_mamba2_decode_f32(float *state, int64_t page_stride, const int64_t *pages, int64_t R,
-                           int64_t H, int64_t P, int64_t N, int64_t G, const float *x,
-                           const float *dt, const float *A, const float *B, const float *C,
-                           const float *D, float *y) {
+void hkv_mamba2_scan_f32(float *state, int64_t page_stride, const int64_t *pages,
+                         const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
+                         int64_t R, int64_t H, int64_t P, int64_t N, int64_t G, const float *x,
+                         const float *dt, const float *A, const float *B, const float *C,
+                         const float *D, float *y) {
     const int64_t heads_per_group = H / G;
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t r = 0; r < R; r++) {
         for (int64_t h = 0; h < H; h++) {
-            const float step = dt[r * H + h];
-            const float decay = expf(step * A[h]);
-            const int64_t group = r * G + h / heads_per_group;
-            const float *b = B + group * N;
-            const float *c = C + group * N;
-            const float *xh = x + (r * H + h) * P;
-            float *yh = y + (r * H + h) * P;
+            if (lens[r] == 0) continue;
             float *s = state + pages[r] * page_stride + h * P * N;
-            for (int64_t p = 0; p < P; p++) {
-                const float xdt = xh[p] * step;
-                float *row = s + p * N;
-                float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                for (int64_t n = 0; n < N; n++) {
-                    const float v = row[n] * decay + xdt * b[n];
-                    row[n] = v;
-                    acc += v * c[n];
+            if (!has_initial[r])
+                for (int64_t i = 0; i < P * N; i++) s[i] = 0.0f;
+            const int64_t group = h / heads_per_group;
+            for (int64_t tok = starts[r]; tok < starts[r] + lens[r]; tok++) {
+                const float step = dt[tok * H + h];
+                const float decay = expf(step * A[h]);
+                const float *b = B + (tok * G + group) * N;
+                const float *c = C + (tok * G + group) * N;
+                const float *xh = x + (tok * H + h) * P;
+                float *yh = y + (tok * H + h) * P;
+                int64_t p = 0;
+                /* four rows at a time: four independent reductions keep the FMA units busy
+                   (one row's reduction is a chain of dependent adds) */
+                for (; p + 4 <= P; p += 4) {
+                    const float x0 = xh[p] * step, x1 = xh[p + 1] * step;
+                    const float x2 = xh[p + 2] * step, x3 = xh[p + 3] * step;
+                    float *r0 = s + p * N, *r1 = r0 + N, *r2 = r1 + N, *r3 = r2 + N;
+                    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+                    for (int64_t n = 0; n < N; n++) {
+                        const float v0 = r0[n] * decay + x0 * b[n];
+                        const float v1 = r1[n] * decay + x1 * b[n];
+                        const float v2 = r2[n] * decay + x2 * b[n];
+                        const float v3 = r3[n] * decay + x3 * b[n];
+                        r0[n] = v0;
+                        r1[n] = v1;
+                        r2[n] = v2;
+                        r3[n] = v3;
+                        a0 += v0 * c[n];
+                        a1 += v1 * c[n];
+                        a2 += v2 * c[n];
+                        a3 += v3 * c[n];
+                    }
+                    yh[p] = a0 + D[h] * xh[p];
+                    yh[p + 1] = a1 + D[h] * xh[p + 1];
+                    yh[p + 2] = a2 + D[h] * xh[p + 2];
+                    yh[p + 3] = a3 + D[h] * xh[p + 3];
                 }
-                yh[p] = acc + D[h] * xh[p];
+                for (; p < P; p++) {
+                    const float xdt = xh[p] * step;
+                    float *row = s + p * N;
+                    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                    for (int64_t n = 0; n < N; n++) {
+                        const float v = row[n] * decay + xdt * b[n];
+                        row[n] = v;
+                        acc += v * c[n];
+                    }
+                    yh[p] = acc + D[h] * xh[p];
+                }
             }
         }
     }
