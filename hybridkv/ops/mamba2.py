@@ -298,9 +298,10 @@ def mamba2_scan_varlen(
     ssm_state: [num_pages, H, P, N] (written in place at `state_pages`); state_pages: [S] int64;
     has_initial_state: [S] bool; query_start_loc: [S+1] int32; max_query_len: longest request
     (an upper bound works: it sets the chunk length and the number of state-passing steps)
-    -> y [T, H, P] in `out_dtype` (default x.dtype), computed in float32. `decode_step` (e.g. a
-    compiled `decode_in_place`) serves batches where every request decodes one token from a
-    state it already has.
+    -> y [T, H, P] in `out_dtype` (default x.dtype), computed in float32. The native CPU kernel
+    (hybridkv.ops.native) runs it when it can; otherwise `decode_step` (e.g. a compiled
+    `decode_in_place`) serves batches where every request decodes one token from a state it
+    already has, and PyTorch the rest.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if x.shape[0] == 0:
@@ -309,13 +310,13 @@ def mamba2_scan_varlen(
     Af, Df = A.float(), D.float()
     dtf = _process_dt(dt, dt_bias, dt_limit)  # [T, H]
     decoding = max_query_len == 1 and x.shape[0] == state_pages.shape[0]  # token s: request s
-    if decoding and decode_step is not None and bool(has_initial_state.all()):
-        return decode_step(ssm_state, state_pages, xf, dtf, Af, Bf, Cf, Df).to(out_dtype)
     y = native.mamba2_scan(
         ssm_state, state_pages, has_initial_state, query_start_loc, xf, dtf, Af, Bf, Cf, Df
     )
     if y is not None:  # None: no native kernels, or not for these tensors
         return y.to(out_dtype)
+    if decoding and decode_step is not None and bool(has_initial_state.all()):
+        return decode_step(ssm_state, state_pages, xf, dtf, Af, Bf, Cf, Df).to(out_dtype)
     h0 = _initial_ssm_state(ssm_state, state_pages, has_initial_state)  # [S, H, P, N]
 
     if decoding:

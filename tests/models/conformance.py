@@ -4,7 +4,8 @@ A family test module defines a module-scoped `checkpoint` fixture, (folder, tran
 and imports `family` and `test_greedy_matches_transformers` from here, which runs every case:
 allocation page and block; kernel-block ratios 1, 2 and 3; prefix caching on and off with
 shared prefixes (one shorter than a page); chunked prefill split at unaligned positions; a pool
-so small that requests are preempted and resumed.
+so small that requests are preempted and resumed. Every case runs on the native CPU kernels
+where they build (hybridkv.ops.native); one case runs on the PyTorch ops instead.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Case:
     kwargs: dict[str, Any] = field(default_factory=dict)
     shared_prefix: bool = False  # run a first round, then prompts that share its prefixes
     expect_preemption: bool = False
+    env: dict[str, str] = field(default_factory=dict)  # environment for the engine run
 
 
 CASES = [
@@ -53,6 +55,11 @@ CASES = [
     Case("no-prefix-cache", {"enable_prefix_caching": False}, shared_prefix=True),
     Case("chunked", {"max_num_batched_tokens": 13, "kernel_block_size": 8}),
     Case("preempt", {"num_pages": 14, "kernel_block_size": 8}, expect_preemption=True),
+    Case(
+        "torch-ops-chunked",
+        {"max_num_batched_tokens": 13, "kernel_block_size": 8},
+        env={"HYBRIDKV_NATIVE": "0"},
+    ),
 ]
 
 
@@ -111,5 +118,7 @@ def family(checkpoint) -> Family:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_greedy_matches_transformers(family: Family, case: Case) -> None:
+def test_greedy_matches_transformers(family: Family, case: Case, monkeypatch) -> None:
+    for name, value in case.env.items():
+        monkeypatch.setenv(name, value)
     check_case(family, case)

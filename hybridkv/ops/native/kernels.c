@@ -1,9 +1,9 @@
-/* CPU kernels for the two memory-bound decode operations of a hybrid model.
+/* CPU kernels for a hybrid model's Mamba2 scan (prefill and decode) and decode attention.
  *
  * Plain C with OpenMP, built at first use by hybridkv/ops/native/__init__.py (gcc -O3
  * -march=native -fopenmp) and called through ctypes. Each reads the paged cache in place, so
- * nothing is gathered into a temporary: the state of a Mamba2 layer is read and written once,
- * a request's K and V are read once. All tensors are float32 and contiguous unless a stride is
+ * nothing is gathered into a temporary: a Mamba2 state is read and written once per step, a
+ * request's K and V are read once. All tensors are float32 and contiguous unless a stride is
  * passed. OpenMP here is the libgomp that torch already loaded (same soname), so
  * torch.set_num_threads() sets the number of threads for these loops too.
  */
