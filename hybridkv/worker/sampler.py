@@ -51,7 +51,9 @@ class Sampler:
         n = logits.shape[0]
         tokens = torch.empty(n, dtype=torch.int64)
         greedy = [i for i, p in enumerate(params) if p.greedy]
-        if greedy:
+        if len(greedy) == n:  # all greedy: no row gather
+            tokens = logits.argmax(dim=-1).cpu()
+        elif greedy:
             tokens[greedy] = logits[greedy].argmax(dim=-1).cpu()
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:

@@ -43,11 +43,12 @@ def run_reference(x, weight, bias, conv_state, pages, has, qsl, activation):
     [
         ([7, 1, 2, 5, 1, 3], [False, True, True, False, False, True]),  # mixed, short chunks
         ([1, 1, 1, 1], [True, False, True, True]),  # decode fast path
+        ([1, 1, 1], [True, True, True]),  # decode, every request with a state (native kernel)
         ([2], [True]),  # fewer than K-1 new tokens
     ],
 )
 @pytest.mark.parametrize("activation,use_bias", [("silu", True), (None, False)])
-def test_matches_sequential_reference(q_lens, has_init, activation, use_bias):
+def test_matches_sequential_reference(q_lens, has_init, activation, use_bias, kernels):
     channels, k = 6, 4
     x, conv_state, pages, has, qsl = make_batch(q_lens, has_init, channels, k)
     g = torch.Generator().manual_seed(1)

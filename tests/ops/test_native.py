@@ -112,3 +112,24 @@ def test_paged_decode_matches_dense_attention(kbs, window):
         v = vs[s][first:].repeat_interleave(heads // kv_heads, dim=1)
         p = torch.softmax(torch.einsum("hd,thd->ht", q[s], k) * 0.3, dim=-1)
         torch.testing.assert_close(out[s], torch.einsum("ht,thd->hd", p, v), rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize("silu", [True, False])
+def test_conv1d_decode_matches_window_sum_with_strided_rows(silu):
+    g = torch.Generator().manual_seed(2)
+    S, C, K = 3, 5, 4
+    flat = torch.full((6, C * (K - 1) + 3), float("nan"))  # room after each page's state
+    state = flat[:, : C * (K - 1)].view(6, C, K - 1)
+    pages = torch.tensor([4, 1, 5])
+    state[pages] = torch.randn(S, C, K - 1, generator=g)
+    wide = torch.randn(S, C + 7, generator=g)
+    x = wide[:, 2 : 2 + C]  # rows strided, as a slice of the in_proj output
+    weight, bias = torch.randn(C, K, generator=g), torch.randn(C, generator=g)
+    window = torch.cat([state[pages], x[:, :, None]], dim=-1)  # [S, C, K]
+    ref = (window * weight).sum(-1) + bias
+    ref = torch.nn.functional.silu(ref) if silu else ref
+    y = native.conv1d_decode(x, weight, bias, state, pages, silu)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state[pages], window[:, :, 1:])
+    assert flat[:, -3:].isnan().all() and flat[[0, 2, 3]].isnan().all()

@@ -1,11 +1,12 @@
 """Native CPU kernels (kernels.c), compiled at first use and called through ctypes.
 
-In PyTorch, the Mamba2 scan and paged decode attention need gathers into temporaries, the math,
-and scatters back (and the chunked prefill scan builds [chunks, heads, L, L] tensors). The C
-versions read the paged cache in place (`kernels.c` says how). On the development CPU (2 cores,
-100M hybrid model): a Mamba2 layer's decode step for 64 requests from 4.5 to 0.65 ms, an
-attention layer's from about 10 to 3 ms (64 requests of 100..640 tokens), and the prefill scan
-of 2048 tokens (8 requests) from about 40 ms (chunked, PyTorch) to 16 ms.
+In PyTorch, the Mamba2 scan, the conv1d decode step and paged decode attention need gathers
+into temporaries, the math, and scatters back (and the chunked prefill scan builds
+[chunks, heads, L, L] tensors). The C versions read the paged cache in place (`kernels.c` says
+how). On the development CPU (2 cores, 100M hybrid model): a Mamba2 layer's decode step for 64
+requests from 4.5 to 0.65 ms, an attention layer's from about 10 to 3 ms (64 requests of
+100..640 tokens), and the prefill scan of 2048 tokens (8 requests) from about 40 ms (chunked,
+PyTorch) to 16 ms.
 
 Build: `gcc -O3 -march=native -fopenmp -shared` into `$XDG_CACHE_HOME/hybridkv` (default
 `~/.cache/hybridkv`), keyed by the source, the compiler flags and the CPU's flags, so a cache
@@ -36,6 +37,10 @@ _tried = False
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "hkv_mamba2_scan_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr] + [_i64] * 5 + [_ptr] * 7,
+    "hkv_conv1d_decode_f32": [_ptr, _i64, _ptr]
+    + [_i64] * 3
+    + [_ptr, _i64, _ptr, _ptr, _i64]
+    + [_ptr],
     "hkv_paged_decode_f32": [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64]
     + [_f32, _ptr],
 }
@@ -144,6 +149,40 @@ def mamba2_scan(
         starts.data_ptr(), lens.data_ptr(), pages.shape[0], heads, head_dim, d_state,
         B.shape[1], x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(),
         D.data_ptr(), y.data_ptr(),
+    )  # fmt: skip
+    return y
+
+
+def conv1d_decode(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    state_pages: torch.Tensor,
+    silu: bool,
+) -> torch.Tensor | None:
+    """One causal-conv1d decode step natively (every request has a state); None when the
+    kernels or these tensors are not supported.
+
+    x: [S, C] (rows may be strided); weight: [C, K]; bias: [C] or None; conv_state:
+    [num_pages, C, K - 1] float32 (a page-strided view, each page contiguous) -> y [S, C].
+    """
+    lib = library()
+    if lib is None or not _is_f32_cpu(x, weight, conv_state):
+        return None
+    if bias is not None and not _is_f32_cpu(bias):
+        return None
+    channels, width = weight.shape
+    if conv_state.stride()[1:] != (width - 1, 1) or x.stride(-1) != 1:
+        return None
+    weight = weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    pages = state_pages.to(torch.int64).contiguous()
+    y = torch.empty(x.shape, dtype=torch.float32)
+    lib.hkv_conv1d_decode_f32(
+        conv_state.data_ptr(), conv_state.stride(0), pages.data_ptr(), x.shape[0], channels,
+        width, x.data_ptr(), x.stride(0), weight.data_ptr(),
+        None if bias is None else bias.data_ptr(), int(silu), y.data_ptr(),
     )  # fmt: skip
     return y
 

@@ -162,3 +162,34 @@ void hkv_paged_decode_f32(const float *q, const float *cache, int64_t kbs, int64
         free(scores);
     }
 }
+
+/* One causal-conv1d decode step of R requests (one token each), state in place.
+ *
+ *   state page p: state + p * page_stride, holding the last K - 1 inputs s[C][K - 1]
+ *   window = [s[c][0] .. s[c][K - 2], x[r][c]]
+ *   y[r][c] = act(sum_k w[c][k] * window[k] + bias[c])        s[c] <- window[1 .. K - 1]
+ *
+ * x: row r at x + r * x_stride (C contiguous channels); w: [C, K]; bias: [C] or NULL;
+ * y: [R, C]; act: SiLU when silu != 0, identity otherwise. Every request has a state.
+ */
+void hkv_conv1d_decode_f32(float *state, int64_t page_stride, const int64_t *pages, int64_t R,
+                           int64_t C, int64_t K, const float *x, int64_t x_stride,
+                           const float *w, const float *bias, int64_t silu, float *y) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < R; r++) {
+        float *s = state + pages[r] * page_stride;
+        const float *xr = x + r * x_stride;
+        float *yr = y + r * C;
+        for (int64_t c = 0; c < C; c++) {
+            float *sc = s + c * (K - 1);
+            const float *wc = w + c * K;
+            const float xin = xr[c];
+            float acc = bias != NULL ? bias[c] : 0.0f;
+            for (int64_t k = 0; k < K - 1; k++) acc += wc[k] * sc[k];
+            acc += wc[K - 1] * xin;
+            for (int64_t k = 0; k + 1 < K - 1; k++) sc[k] = sc[k + 1];
+            if (K > 1) sc[K - 2] = xin;
+            yr[c] = silu ? acc / (1.0f + expf(-acc)) : acc;
+        }
+    }
+}
