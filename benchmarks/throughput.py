@@ -185,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run hybridkv with compile=True (torch.compile'd Mamba2 decode)",
     )
+    p.add_argument(
+        "--skip-transformers",
+        action="store_true",
+        help="leave transformers out (ratios are then relative to hybridkv)",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--one", help=argparse.SUPPRESS)  # internal: the per-engine child process
     args = p.parse_args(argv)
@@ -192,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         run_one(json.loads(args.one))
         return 0
     engines = ["transformers", "hybridkv"] + (["hybridkv+compile"] if args.compile else [])
+    if args.skip_transformers:
+        engines.remove("transformers")
+    base = engines[0]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
@@ -217,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                         "output_tokens": tokens,
                         "seconds": round(seconds, 2),
                         "tokens_per_s": round(tokens / seconds, 1),
-                        "vs_transformers": round(timings["transformers"] / seconds, 2),
+                        f"vs_{base}": round(timings[base] / seconds, 2),
                     }
                 )
             if not args.json:
@@ -235,7 +243,7 @@ def print_rows(rows: list[dict], header: bool) -> None:
         ("output_tokens", 8),
         ("seconds", 9),
         ("tokens_per_s", 9),
-        ("vs_transformers", 7),
+        (next(k for k in rows[0] if k.startswith("vs_")), 7),
     ]
     if header:
         print("  ".join(k.ljust(w) for k, w in cols))
