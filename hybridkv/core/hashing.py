@@ -32,10 +32,14 @@ def extend_hashes(
     """Append the hashes of every newly full block of `token_ids` to `hashes` (in place)."""
     parent = hashes[-1] if hashes else root_hash(extra_keys)
     start = len(hashes) * block_tokens
-    while start + block_tokens <= len(token_ids):
-        parent = hash((parent, tuple(token_ids[start : start + block_tokens])))
-        hashes.append(parent)
-        start += block_tokens
+    end = len(token_ids) // block_tokens * block_tokens
+    if end <= start:
+        return hashes
+    new = tuple(token_ids[start:end])  # one copy; slicing a tuple gives tuples directly
+    append = hashes.append
+    for i in range(0, end - start, block_tokens):
+        parent = hash((parent, new[i : i + block_tokens]))
+        append(parent)
     return hashes
 
 

@@ -79,6 +79,19 @@ class PagePool:
         self.owner[page] = group_id
         return page
 
+    def take_many(self, group_id: int, count: int) -> list[int]:
+        """Up to `count` pages for `group_id`, each chosen as `take` would (one call for the
+        whole pages of a long prefill chunk)."""
+        pages: list[int] = []
+        free, owner = self._free, self.owner
+        while free and len(pages) < count:
+            page = free.popleft()
+            owner[page] = group_id
+            pages.append(page)
+        while len(pages) < count and (page := self.take(group_id)) is not None:
+            pages.append(page)
+        return pages
+
     def give_back(self, page: int) -> None:
         """A page whose owner holds nothing in it any more returns to the free list."""
         assert page != NULL_PAGE and self.owner[page] is not None

@@ -99,6 +99,8 @@ class Scheduler:
 
     def _chunk_size(self, req: Request, start: int, budget: int, hit: PrefixHit | None) -> int:
         n = min(req.num_tokens - start, budget)
+        if n <= 1:  # one token never crosses a boundary (boundaries lie past `start`)
+            return n
         boundary = self.cache.next_boundary(req, hit)
         if boundary is not None and start + n > boundary:
             n = boundary - start

@@ -77,9 +77,19 @@ class UnitAllocator:
                 may_take = page_budget is None or pages < page_budget
                 if self.partial:
                     page = next(iter(self.partial))
-                elif may_take and n - len(out) >= u and (whole := self._take_whole_page()):
-                    out.extend(whole)  # a whole fresh page in one step (long prefills)
-                    pages += 1
+                elif (
+                    may_take
+                    and n - len(out) >= u
+                    and (
+                        whole := self._take_whole_pages(
+                            (n - len(out)) // u
+                            if page_budget is None
+                            else min((n - len(out)) // u, page_budget - pages)
+                        )
+                    )
+                ):
+                    out.extend(whole)  # whole fresh pages in one step (long prefills)
+                    pages += len(whole) // u
                     continue
                 elif may_take and (page := self._new_page()) is not None:
                     pages += 1
@@ -92,20 +102,16 @@ class UnitAllocator:
             out.extend(self._take_from(page, n - len(out)))
         return out
 
-    def _take_whole_page(self) -> list[int] | None:
-        """A fresh page from the pool with every unit in use at once, or None."""
-        page = self.pool.take(self.group_id)
-        if page is None:
-            return None
+    def _take_whole_pages(self, count: int) -> list[int]:
+        """Up to `count` fresh pages from the pool with every unit in use at once."""
         u = self.units_per_page
-        units = list(range(page * u, (page + 1) * u))
-        self.free_slots[page] = []
-        self.page_used[page] = u
-        self.page_occupied[page] = u
-        ref = self.ref
-        for unit in units:
-            ref[unit] = 1
-        self.new_pages.append(page)
+        taken = self.pool.take_many(self.group_id, count)
+        units = [unit for page in taken for unit in range(page * u, (page + 1) * u)]
+        self.free_slots.update({page: [] for page in taken})
+        self.page_used.update(dict.fromkeys(taken, u))
+        self.page_occupied.update(dict.fromkeys(taken, u))
+        self.ref.update(dict.fromkeys(units, 1))
+        self.new_pages.extend(taken)
         return units
 
     def alloc(
@@ -275,12 +281,13 @@ class UnitAllocator:
 
     def on_evict(self, page: int) -> None:
         """The pool reclaims this cached-only page: drop everything it held."""
+        ref, key_of, unit_of = self.ref, self.key_of, self.unit_of
         base = page * self.units_per_page
         for unit in range(base, base + self.units_per_page):
-            if unit in self.ref:
-                assert self.ref[unit] == 0, f"evicting unit {unit} that is in use"
-                del self.ref[unit]
-                del self.unit_of[self.key_of.pop(unit)]
+            count = ref.pop(unit, None)
+            if count is not None:
+                assert count == 0, f"evicting unit {unit} that is in use"
+                del unit_of[key_of.pop(unit)]
         self.num_free_slots -= len(self.free_slots.get(page, ()))
         for table in (self.page_used, self.page_occupied, self.free_slots, self.partial):
             table.pop(page, None)
