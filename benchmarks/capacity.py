@@ -14,7 +14,8 @@ block sub-allocation) on three seeded workloads:
 Reported per (model, workload, mode): peak concurrent requests, attention tokens pinned but
 unused per request at that peak (summed over attention groups), prefix hit rate (hit tokens /
 prompt tokens), snapshot pages held at the end, and manager CPU time per request-step (all cache
-manager calls of a step / running requests; median of 3 runs).
+manager calls of a step / running requests; median of 3 runs). Each model runs in a fresh
+process of its own (`--in-process` to run them all in one).
 
     python benchmarks/capacity.py            # full run, prints a table
     python benchmarks/capacity.py --json     # the same numbers as JSON rows
@@ -28,6 +29,7 @@ import gc
 import json
 import random
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -238,6 +240,17 @@ def replay(model: str, workload: str, mode: str, seed: int, scale: Scale) -> dic
     }
 
 
+def run_isolated(model: str, workloads: list[str], quick: bool, seed: int) -> list[dict]:
+    """`run` for one model in a fresh Python process: a model's timings then do not depend on
+    which models ran before it (in one process, the later models ran 15-35% slower)."""
+    cmd = [sys.executable, __file__, "--in-process", "--json", "--seed", str(seed)]
+    cmd += ["--models", model, "--workloads", *workloads] + (["--quick"] if quick else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{model}: " + " | ".join(proc.stderr.strip().splitlines()[-3:]))
+    return json.loads(proc.stdout)
+
+
 def run(models: list[str], workloads: list[str], scale: Scale, seed: int) -> Iterator[dict]:
     for model in models:
         for workload in workloads:
@@ -293,6 +306,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="*", default=None, help="preset ids (default: all seven)")
     p.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=WORKLOADS)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run every model in this process (default: each model in a fresh process)",
+    )
     args = p.parse_args(argv)
     scale = QUICK if args.quick else FULL
     models = args.models or (QUICK_MODELS if args.quick else MODELS)
@@ -303,7 +321,15 @@ def main(argv: list[str] | None = None) -> int:
             f"seed {args.seed}{' (quick)' if args.quick else ''}"
         )
         print_header()
-    for row in run(models, args.workloads, scale, args.seed):
+    if args.in_process:
+        produced: Iterator[dict] = run(models, args.workloads, scale, args.seed)
+    else:
+        produced = (
+            row
+            for model in models
+            for row in run_isolated(model, args.workloads, args.quick, args.seed)
+        )
+    for row in produced:
         rows.append(row)
         if not args.json:
             print_row(row)
