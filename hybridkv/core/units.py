@@ -38,7 +38,9 @@ class UnitAllocator:
         self.unit_of: dict[Hashable, int] = {}
         self.page_used: dict[int, int] = {}  # owned page -> units with refcount > 0
         self.page_occupied: dict[int, int] = {}  # owned page -> units in use or cached
-        self.free_slots: dict[int, list[int]] = {}  # owned page -> free offsets (pop = lowest)
+        # owned page with a free slot -> its free offsets (pop = lowest); full pages have no
+        # entry (fewer long-lived lists for the garbage collector to walk)
+        self.free_slots: dict[int, list[int]] = {}
         self.partial: dict[int, None] = {}  # owned pages with a free slot, oldest first
         self.new_pages: list[int] = []  # pages taken from the pool since the last drain
         self.num_free_slots = 0  # free units across owned pages
@@ -107,7 +109,6 @@ class UnitAllocator:
         u = self.units_per_page
         taken = self.pool.take_many(self.group_id, count)
         units = [unit for page in taken for unit in range(page * u, (page + 1) * u)]
-        self.free_slots.update({page: [] for page in taken})
         self.page_used.update(dict.fromkeys(taken, u))
         self.page_occupied.update(dict.fromkeys(taken, u))
         self.ref.update(dict.fromkeys(units, 1))
@@ -141,6 +142,7 @@ class UnitAllocator:
         self.page_occupied[page] += k
         if not slots:
             del self.partial[page]
+            del self.free_slots[page]
         self._use_page(page, k)
         return units
 
@@ -225,14 +227,14 @@ class UnitAllocator:
         page, j = divmod(unit, self.units_per_page)
         del self.ref[unit]
         self.page_occupied[page] -= 1
-        self.free_slots[page].append(j)
+        self.free_slots.setdefault(page, []).append(j)
         self.num_free_slots += 1
         self.partial[page] = None
 
     def _settle(self, page: int) -> None:
         """Return an empty page to the pool, or mark a cached-only page evictable."""
         if self.page_occupied[page] == 0:
-            self.num_free_slots -= len(self.free_slots[page])
+            self.num_free_slots -= len(self.free_slots.get(page, ()))
             for table in (self.page_used, self.page_occupied, self.free_slots, self.partial):
                 table.pop(page, None)
             self.pool.give_back(page)
@@ -343,10 +345,11 @@ class UnitAllocator:
             assert used == self.page_used[page], f"page {page}: used count {used}"
             assert occupied == self.page_occupied[page] > 0, f"page {page}: occupied {occupied}"
             free = {j for j in range(u) if page * u + j not in self.ref}
-            assert free == set(self.free_slots[page]), f"page {page}: free slots differ"
+            assert free == set(self.free_slots.get(page, ())), f"page {page}: free slots differ"
             assert (page in self.partial) == bool(free), f"page {page}: partial flag wrong"
             assert self.pool.is_evictable(page) == (used == 0), f"page {page}: evictable flag"
         assert self.num_free_slots == sum(len(v) for v in self.free_slots.values())
+        assert self.free_slots.keys() == self.partial.keys(), "pages with free slots differ"
         expect_stranded = {x for x, c in self.ref.items() if c == 0 and self.page_used[x // u] > 0}
         assert set(self.stranded) == expect_stranded, "stranded units differ"
         per_page: dict[int, int] = {}
