@@ -10,6 +10,26 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+
+/* e^x for x <= 0 (softmax weights) in plain arithmetic, so that loops calling it vectorize
+ * (libm's expf is a scalar call). e^x = 2^k * e^r with k = round(x / ln 2), |r| <= ln 2 / 2,
+ * e^r by its degree-6 Taylor polynomial: relative error below 3e-7. Inputs below -87 give
+ * about 1.6e-38 instead of a denormal or zero (a weight that small vanishes next to e^0 = 1).
+ */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float shift = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    const float k = (x * 1.44269504f + shift) - shift;
+    const float r = (x - k * 0.693145751953125f) - k * 1.42860677e-6f;
+    const float p =
+        1.0f + r * (1.0f + r * (0.5f + r * (1.6666667e-1f + r * (4.1666668e-2f
+                                + r * (8.3333338e-3f + r * 1.3888889e-3f)))));
+    const int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
 
 /* Mamba2 selective scan of R packed requests, token by token, in place in their state pages.
  *
@@ -139,8 +159,9 @@ void hkv_paged_decode_f32(const float *q, const float *cache, int64_t kbs, int64
             float m = sh[0];
             for (int64_t t = 1; t < len; t++) m = sh[t] > m ? sh[t] : m;
             float total = 0.0f;
+#pragma omp simd reduction(+ : total)
             for (int64_t t = 0; t < len; t++) {
-                sh[t] = expf(sh[t] - m);
+                sh[t] = exp_nonpositive(sh[t] - m);
                 total += sh[t];
             }
             const float inv = 1.0f / total;
