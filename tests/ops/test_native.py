@@ -133,3 +133,23 @@ def test_conv1d_decode_matches_window_sum_with_strided_rows(silu):
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state[pages], window[:, :, 1:])
     assert flat[:, -3:].isnan().all() and flat[[0, 2, 3]].isnan().all()
+
+
+@needs_compiler
+def test_paged_decode_softmax_over_a_wide_score_range():
+    # scale 40 spreads scores over hundreds: most weights underflow (the kernel's exp clamps
+    # below e^-87), the result must still be the exact softmax to float32 precision
+    g = torch.Generator().manual_seed(9)
+    heads, d, kbs, n = 2, 8, 4, 37
+    cache = torch.zeros(12, 2, kbs, 1, d)
+    table = torch.arange(1, 11, dtype=torch.int32)[None]
+    pos = torch.arange(n)
+    k, v = torch.randn(n, 1, d, generator=g), torch.randn(n, 1, d, generator=g)
+    cache[table[0, pos // kbs].long(), 0, pos % kbs] = k
+    cache[table[0, pos // kbs].long(), 1, pos % kbs] = v
+    q = torch.randn(1, heads, d, generator=g)
+    out = native.paged_decode_attention(q, cache, table, torch.tensor([n]), 40.0, None)
+    scores = torch.einsum("hd,td->ht", q[0].double(), k[:, 0].double()) * 40.0
+    ref = torch.softmax(scores, dim=-1) @ v[:, 0].double()
+    assert (scores.max(-1).values - scores.min(-1).values).min() > 100  # the range is wide
+    torch.testing.assert_close(out[0].double(), ref, rtol=1e-5, atol=1e-6)
