@@ -4,7 +4,7 @@ In PyTorch, the Mamba2 scan, the conv1d decode step and paged decode attention n
 into temporaries, the math, and scatters back (and the chunked prefill scan builds
 [chunks, heads, L, L] tensors). The C versions read the paged cache in place (`kernels.c` says
 how). On the development CPU (2 cores, 100M hybrid model): a Mamba2 layer's decode step for 64
-requests from 4.5 to 0.65 ms, an attention layer's from about 10 to 3 ms (64 requests of
+requests from 4.5 to 0.65 ms, an attention layer's from about 10 to 2.2 ms (64 requests of
 100..640 tokens), and the prefill scan of 2048 tokens (8 requests) from about 40 ms (chunked,
 PyTorch) to 16 ms.
 
