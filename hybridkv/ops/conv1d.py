@@ -121,6 +121,11 @@ def causal_conv1d_varlen(
         return causal_conv1d_decode(
             x, weight, bias, conv_state, state_pages, has_initial_state, activation
         )
+    y = native.conv1d_prefill(
+        x, weight, bias, conv_state, state_pages, has_initial_state, query_start_loc
+    )
+    if y is not None:  # None: no native kernels, or not for these tensors
+        return _activate(y, activation).to(x.dtype)
     dtype = weight.dtype
     num_seqs = state_pages.shape[0]
     token_pos, state_pos, tail_pos = _packed_layout(query_start_loc, num_tokens, width)

@@ -68,7 +68,7 @@ def test_matches_sequential_reference(q_lens, has_init, activation, use_bias, ke
     torch.testing.assert_close(conv_state[untouched], before, equal_nan=True)
 
 
-def test_chunked_prefill_equals_one_shot():
+def test_chunked_prefill_equals_one_shot(kernels):
     """Cutting sequences at arbitrary points and carrying the page gives the one-shot result."""
     channels, k = 5, 4
     g = torch.Generator().manual_seed(2)
@@ -97,7 +97,7 @@ def test_chunked_prefill_equals_one_shot():
     torch.testing.assert_close(state[pages], one_shot_state[pages], rtol=1e-6, atol=1e-6)
 
 
-def test_matches_torch_conv_without_state():
+def test_matches_torch_conv_without_state(kernels):
     """A fresh request equals a zero-padded causal F.conv1d (what transformers runs)."""
     channels, k, n = 8, 4, 9
     g = torch.Generator().manual_seed(3)

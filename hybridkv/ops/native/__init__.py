@@ -1,6 +1,6 @@
 """Native CPU kernels (kernels.c), compiled at first use and called through ctypes.
 
-In PyTorch, the Mamba2 scan, the conv1d decode step and paged decode attention need gathers
+In PyTorch, the Mamba2 scan, the causal conv1d and paged decode attention need gathers
 into temporaries, the math, and scatters back (and the chunked prefill scan builds
 [chunks, heads, L, L] tensors). The C versions read the paged cache in place (`kernels.c` says
 how). On the development CPU (2 cores, 100M hybrid model): a Mamba2 layer's decode step for 64
@@ -41,6 +41,7 @@ _SIGNATURES = {
     + [_i64] * 3
     + [_ptr, _i64, _ptr, _ptr, _i64]
     + [_ptr],
+    "hkv_conv1d_prefill_f32": [_ptr, _i64] + [_ptr] * 4 + [_i64] * 3 + [_ptr, _i64] + [_ptr] * 3,
     "hkv_paged_decode_f32": [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64]
     + [_f32, _ptr],
 }
@@ -183,6 +184,50 @@ def conv1d_decode(
         conv_state.data_ptr(), conv_state.stride(0), pages.data_ptr(), x.shape[0], channels,
         width, x.data_ptr(), x.stride(0), weight.data_ptr(),
         None if bias is None else bias.data_ptr(), int(silu), y.data_ptr(),
+    )  # fmt: skip
+    return y
+
+
+CONV_MAX_HISTORY = 8  # HKV_CONV_MAX_HISTORY in kernels.c
+
+
+def conv1d_prefill(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    state_pages: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> torch.Tensor | None:
+    """Causal conv1d of packed requests natively (before the activation); None when the
+    kernels or these tensors are not supported.
+
+    x: [T, C] (rows may be strided); weight: [C, K]; bias: [C] or None; conv_state:
+    [num_pages, C, K - 1] float32 (a page-strided view, each page contiguous); state_pages,
+    has_initial_state: [S]; query_start_loc: [S + 1] -> y [T, C] float32.
+    """
+    lib = library()
+    if lib is None or not _is_f32_cpu(x, weight, conv_state):
+        return None
+    if bias is not None and not _is_f32_cpu(bias):
+        return None
+    channels, width = weight.shape
+    if width - 1 > CONV_MAX_HISTORY or conv_state.stride()[1:] != (width - 1, 1):
+        return None
+    if x.stride(-1) != 1:
+        return None
+    wt = weight.t().contiguous()  # [K, C]: a tap's weights contiguous across channels
+    bias = None if bias is None else bias.contiguous()
+    pages = state_pages.to(torch.int64).contiguous()
+    has = has_initial_state.to(torch.uint8).contiguous()
+    bounds = query_start_loc.to(torch.int64)
+    starts, lens = bounds[:-1].contiguous(), (bounds[1:] - bounds[:-1]).contiguous()
+    y = torch.empty(x.shape, dtype=torch.float32)
+    lib.hkv_conv1d_prefill_f32(
+        conv_state.data_ptr(), conv_state.stride(0), pages.data_ptr(), has.data_ptr(),
+        starts.data_ptr(), lens.data_ptr(), pages.shape[0], channels, width, x.data_ptr(),
+        x.stride(0), wt.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
     )  # fmt: skip
     return y
 

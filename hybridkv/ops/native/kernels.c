@@ -214,3 +214,54 @@ void hkv_conv1d_decode_f32(float *state, int64_t page_stride, const int64_t *pag
         }
     }
 }
+
+#define HKV_CONV_MAX_HISTORY 8 /* K - 1 columns kept per channel; d_conv is 4 in practice */
+#define HKV_CONV_CHANNELS 64   /* channels per task: a vector-friendly block */
+
+/* Causal conv1d of R packed requests (any number of tokens each), state in place.
+ *
+ * Request r owns tokens starts[r] .. starts[r] + lens[r] - 1; x row t at x + t * x_stride;
+ * wt: the weight transposed, [K, C]; bias: [C] or NULL; y: [T, C] (before any activation).
+ * A request without an initial state (has_initial[r] == 0) starts from zero columns (its page is
+ * never read: it may hold NaN bit patterns). After its tokens, its page holds its last K - 1
+ * inputs (old columns shifted in when it had fewer than K - 1 tokens); lens[r] == 0 leaves the
+ * page untouched. One task per (request, block of 64 channels), vectorised across channels.
+ */
+void hkv_conv1d_prefill_f32(float *state, int64_t page_stride, const int64_t *pages,
+                            const uint8_t *has_initial, const int64_t *starts,
+                            const int64_t *lens, int64_t R, int64_t C, int64_t K,
+                            const float *x, int64_t x_stride, const float *wt,
+                            const float *bias, float *y) {
+    const int64_t hist_len = K - 1, blocks = (C + HKV_CONV_CHANNELS - 1) / HKV_CONV_CHANNELS;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+    for (int64_t r = 0; r < R; r++) {
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            if (lens[r] == 0) continue;
+            const int64_t c0 = blk * HKV_CONV_CHANNELS;
+            const int64_t nc = C - c0 < HKV_CONV_CHANNELS ? C - c0 : HKV_CONV_CHANNELS;
+            float *s = state + pages[r] * page_stride;
+            /* hist[j][c]: the input j + 1 steps before the newest column, oldest first */
+            float hist[HKV_CONV_MAX_HISTORY][HKV_CONV_CHANNELS];
+            for (int64_t j = 0; j < hist_len; j++)
+                for (int64_t c = 0; c < nc; c++)
+                    hist[j][c] = has_initial[r] ? s[(c0 + c) * hist_len + j] : 0.0f;
+            for (int64_t tok = starts[r]; tok < starts[r] + lens[r]; tok++) {
+                const float *xt = x + tok * x_stride + c0;
+                float *yt = y + tok * C + c0;
+#pragma omp simd
+                for (int64_t c = 0; c < nc; c++) {
+                    float acc = bias != NULL ? bias[c0 + c] : 0.0f;
+                    for (int64_t j = 0; j < hist_len; j++) acc += wt[j * C + c0 + c] * hist[j][c];
+                    acc += wt[hist_len * C + c0 + c] * xt[c];
+                    yt[c] = acc;
+                }
+                for (int64_t j = 0; j + 1 < hist_len; j++)
+                    for (int64_t c = 0; c < nc; c++) hist[j][c] = hist[j + 1][c];
+                if (hist_len > 0)
+                    for (int64_t c = 0; c < nc; c++) hist[hist_len - 1][c] = xt[c];
+            }
+            for (int64_t j = 0; j < hist_len; j++)
+                for (int64_t c = 0; c < nc; c++) s[(c0 + c) * hist_len + j] = hist[j][c];
+        }
+    }
+}
