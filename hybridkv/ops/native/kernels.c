@@ -1,4 +1,5 @@
-/* CPU kernels for a hybrid model's Mamba2 scan (prefill and decode) and decode attention.
+/* CPU kernels for a hybrid model's Mamba2 scan and causal conv1d (prefill and decode) and
+ * decode attention.
  *
  * Plain C with OpenMP, built at first use by hybridkv/ops/native/__init__.py (gcc -O3
  * -march=native -fopenmp) and called through ctypes. Each reads the paged cache in place, so
