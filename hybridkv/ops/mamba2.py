@@ -182,12 +182,13 @@ def _pass_states(
     """Carry the state across each request's chunks.
 
     chunk_states: [c, H, P, N]; chunk_decay: [c, H] (exp of the chunk's total log decay);
-    h0: [R, H, P, N] -> start state of every chunk [c, H, P, N], final state [R, H, P, N].
+    h0: [R, H, P, N] (a copy the caller owns: updated in place) -> start state of every chunk
+    [c, H, P, N], final state [R, H, P, N].
     Loops over the chunk index j (not over requests): iteration j advances every request that
     has a j-th chunk; the others keep their state.
     """
     start = torch.empty_like(chunk_states)
-    running = h0.clone()  # [R, H, P, N], advanced in place
+    running = h0  # [R, H, P, N]: the caller's own copy, advanced in place
     for j in range(layout.max_chunks):
         # requests with a j-th chunk; all of them while j is below the shortest request
         act = torch.nonzero(layout.n_chunks > j).squeeze(1)  # [r] (host sync: sizes)
