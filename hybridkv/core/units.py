@@ -77,19 +77,12 @@ class UnitAllocator:
         while len(out) < n:
             if page is None or page not in self.partial:
                 may_take = page_budget is None or pages < page_budget
+                whole_pages = (n - len(out)) // u  # whole fresh pages still wanted
+                if page_budget is not None:
+                    whole_pages = min(whole_pages, page_budget - pages)
                 if self.partial:
                     page = next(iter(self.partial))
-                elif (
-                    may_take
-                    and n - len(out) >= u
-                    and (
-                        whole := self._take_whole_pages(
-                            (n - len(out)) // u
-                            if page_budget is None
-                            else min((n - len(out)) // u, page_budget - pages)
-                        )
-                    )
-                ):
+                elif whole_pages > 0 and (whole := self._take_whole_pages(whole_pages)):
                     out.extend(whole)  # whole fresh pages in one step (long prefills)
                     pages += len(whole) // u
                     continue

@@ -1,4 +1,7 @@
-"""Paged attention in pure PyTorch: the reference every other backend is tested against.
+"""Paged attention in PyTorch: the reference every other backend is tested against.
+
+Decode rows run in the native CPU kernel (`hybridkv.ops.native`) when it is available;
+`HYBRIDKV_NATIVE=0` keeps every row in the PyTorch code below.
 
 The cache of one layer is `kv_cache: [num_kernel_blocks, 2, kernel_block_size, kv_heads, head_dim]`
 (K at index 0, V at index 1). A batch is ragged and packed: request s owns query tokens

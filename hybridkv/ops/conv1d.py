@@ -14,6 +14,10 @@ Prefill: requests are packed as `[state_0 | tokens_0 | state_1 | tokens_1 | ...]
 inside its own request's segment, so nothing leaks between requests and no per-request padding is
 needed. Decode (every request has exactly one token): a direct `[S, C, K]` multiply-sum.
 
+Where the native CPU kernels are available (`hybridkv.ops.native`), one C kernel does both cases,
+reading and writing the state pages in place; the PyTorch code here is the fallback and the
+reference.
+
 A request without an initial state starts from zeros; its page may hold NaN bit patterns, so
 the old state is selected with `torch.where`, never multiplied by zero.
 """
@@ -58,11 +62,6 @@ def causal_conv1d_decode(
     activation: str | None = "silu",
 ) -> torch.Tensor:
     """One token per request. x: [S, C] (token s belongs to request s) -> [S, C]."""
-    if bool(has_initial_state.all()):
-        # the kernel's own SiLU is scalar (libm expf); torch's vectorised one is ~20x faster
-        y = native.conv1d_decode(x, weight, bias, conv_state, state_pages, silu=False)
-        if y is not None:  # None: no native kernels, or not for these tensors
-            return _activate(y, activation).to(x.dtype)
     dtype = weight.dtype
     old = _initial_conv_state(conv_state, state_pages, has_initial_state, dtype)  # [S, C, K-1]
     window = torch.cat([old, x.to(dtype)[:, :, None]], dim=-1)  # [S, C, K]
@@ -117,15 +116,13 @@ def causal_conv1d_varlen(
     width = weight.shape[1] - 1
     if num_tokens == 0:
         return x.new_empty(x.shape)
+    y = native.conv1d(x, weight, bias, conv_state, state_pages, has_initial_state, query_start_loc)
+    if y is not None:  # None: no native kernels, or not for these tensors
+        return _activate(y, activation).to(x.dtype)
     if max_query_len == 1 and num_tokens == state_pages.shape[0]:  # one token per request
         return causal_conv1d_decode(
             x, weight, bias, conv_state, state_pages, has_initial_state, activation
         )
-    y = native.conv1d_prefill(
-        x, weight, bias, conv_state, state_pages, has_initial_state, query_start_loc
-    )
-    if y is not None:  # None: no native kernels, or not for these tensors
-        return _activate(y, activation).to(x.dtype)
     dtype = weight.dtype
     num_seqs = state_pages.shape[0]
     token_pos, state_pos, tail_pos = _packed_layout(query_start_loc, num_tokens, width)

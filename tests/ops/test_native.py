@@ -115,10 +115,9 @@ def test_paged_decode_matches_dense_attention(kbs, window):
 
 
 @needs_compiler
-@pytest.mark.parametrize("silu", [True, False])
-def test_conv1d_decode_matches_window_sum_with_strided_rows(silu):
+def test_conv1d_decode_step_matches_window_sum_with_strided_rows():
     g = torch.Generator().manual_seed(2)
-    S, C, K = 3, 5, 4
+    S, C, K = 3, 70, 4  # 70 channels: a full block of 64 and a ragged one
     flat = torch.full((6, C * (K - 1) + 3), float("nan"))  # room after each page's state
     state = flat[:, : C * (K - 1)].view(6, C, K - 1)
     pages = torch.tensor([4, 1, 5])
@@ -128,11 +127,19 @@ def test_conv1d_decode_matches_window_sum_with_strided_rows(silu):
     weight, bias = torch.randn(C, K, generator=g), torch.randn(C, generator=g)
     window = torch.cat([state[pages], x[:, :, None]], dim=-1)  # [S, C, K]
     ref = (window * weight).sum(-1) + bias
-    ref = torch.nn.functional.silu(ref) if silu else ref
-    y = native.conv1d_decode(x, weight, bias, state, pages, silu)
+    has, qsl = torch.ones(S, dtype=torch.bool), torch.arange(S + 1)
+    y = native.conv1d(x, weight, bias, state, pages, has, qsl)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state[pages], window[:, :, 1:])
     assert flat[:, -3:].isnan().all() and flat[[0, 2, 3]].isnan().all()
+
+
+def test_conv1d_declines_a_history_longer_than_the_kernel_keeps():
+    C, K = 4, native.CONV_MAX_HISTORY + 2
+    state = torch.zeros(3, C, K - 1)
+    x, weight = torch.randn(2, C), torch.randn(C, K)
+    has, qsl = torch.ones(2, dtype=torch.bool), torch.arange(3)
+    assert native.conv1d(x, weight, None, state, torch.tensor([1, 2]), has, qsl) is None
 
 
 @needs_compiler

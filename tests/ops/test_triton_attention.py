@@ -38,6 +38,13 @@ class Case:
     seq_lens: torch.Tensor  # [num_seqs] int32
 
 
+@pytest.fixture(autouse=True)
+def pytorch_reference(monkeypatch):
+    """Compare the Triton kernels with the PyTorch reference itself, not the native CPU kernel
+    that `ref.paged_attention` would use for decode rows."""
+    monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+
+
 def page_mode_table(
     seq_lens: list[int], kbs: int, ratio: int, num_pages: int, gen: torch.Generator
 ) -> torch.Tensor:

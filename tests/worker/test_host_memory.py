@@ -39,10 +39,3 @@ def test_keep_freed_memory_stops_page_faults_on_reused_blocks():
     default = faults("default")
     assert default > 40 * 10240  # nearly every round faults in all its pages
     assert faults("tuned") < default / 5
-
-
-def test_engine_config_exposes_the_switch():
-    from hybridkv.engine import ModelConfig
-
-    assert ModelConfig().keep_freed_memory is True
-    assert ModelConfig(keep_freed_memory=False).keep_freed_memory is False

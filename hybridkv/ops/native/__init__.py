@@ -37,11 +37,7 @@ _tried = False
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "hkv_mamba2_scan_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr] + [_i64] * 5 + [_ptr] * 7,
-    "hkv_conv1d_decode_f32": [_ptr, _i64, _ptr]
-    + [_i64] * 3
-    + [_ptr, _i64, _ptr, _ptr, _i64]
-    + [_ptr],
-    "hkv_conv1d_prefill_f32": [_ptr, _i64] + [_ptr] * 4 + [_i64] * 3 + [_ptr, _i64] + [_ptr] * 3,
+    "hkv_conv1d_f32": [_ptr, _i64] + [_ptr] * 4 + [_i64] * 3 + [_ptr, _i64] + [_ptr] * 3,
     "hkv_paged_decode_f32": [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64]
     + [_f32, _ptr],
 }
@@ -113,6 +109,20 @@ def _is_f32_cpu(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
 
+def _spans(
+    state_pages: torch.Tensor, has_initial_state: torch.Tensor, query_start_loc: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-request arrays the state kernels take: pages, has-initial flags (uint8), first
+    token and token count, all contiguous int64 except the flags."""
+    bounds = query_start_loc.to(torch.int64)
+    return (
+        state_pages.to(torch.int64).contiguous(),
+        has_initial_state.to(torch.uint8).contiguous(),
+        bounds[:-1].contiguous(),
+        (bounds[1:] - bounds[:-1]).contiguous(),
+    )
+
+
 def mamba2_scan(
     ssm_state: torch.Tensor,
     state_pages: torch.Tensor,
@@ -140,10 +150,7 @@ def mamba2_scan(
         return None
     x, dt, B, C = x.contiguous(), dt.contiguous(), B.contiguous(), C.contiguous()
     A, D = A.contiguous(), D.contiguous()
-    pages = state_pages.to(torch.int64).contiguous()
-    has = has_initial_state.to(torch.uint8).contiguous()
-    bounds = query_start_loc.to(torch.int64)
-    starts, lens = bounds[:-1].contiguous(), (bounds[1:] - bounds[:-1]).contiguous()
+    pages, has, starts, lens = _spans(state_pages, has_initial_state, query_start_loc)
     y = torch.empty_like(x)
     lib.hkv_mamba2_scan_f32(
         ssm_state.data_ptr(), ssm_state.stride(0), pages.data_ptr(), has.data_ptr(),
@@ -154,44 +161,10 @@ def mamba2_scan(
     return y
 
 
-def conv1d_decode(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_state: torch.Tensor,
-    state_pages: torch.Tensor,
-    silu: bool,
-) -> torch.Tensor | None:
-    """One causal-conv1d decode step natively (every request has a state); None when the
-    kernels or these tensors are not supported.
-
-    x: [S, C] (rows may be strided); weight: [C, K]; bias: [C] or None; conv_state:
-    [num_pages, C, K - 1] float32 (a page-strided view, each page contiguous) -> y [S, C].
-    """
-    lib = library()
-    if lib is None or not _is_f32_cpu(x, weight, conv_state):
-        return None
-    if bias is not None and not _is_f32_cpu(bias):
-        return None
-    channels, width = weight.shape
-    if conv_state.stride()[1:] != (width - 1, 1) or x.stride(-1) != 1:
-        return None
-    weight = weight.contiguous()
-    bias = None if bias is None else bias.contiguous()
-    pages = state_pages.to(torch.int64).contiguous()
-    y = torch.empty(x.shape, dtype=torch.float32)
-    lib.hkv_conv1d_decode_f32(
-        conv_state.data_ptr(), conv_state.stride(0), pages.data_ptr(), x.shape[0], channels,
-        width, x.data_ptr(), x.stride(0), weight.data_ptr(),
-        None if bias is None else bias.data_ptr(), int(silu), y.data_ptr(),
-    )  # fmt: skip
-    return y
-
-
 CONV_MAX_HISTORY = 8  # HKV_CONV_MAX_HISTORY in kernels.c
 
 
-def conv1d_prefill(
+def conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -200,31 +173,25 @@ def conv1d_prefill(
     has_initial_state: torch.Tensor,
     query_start_loc: torch.Tensor,
 ) -> torch.Tensor | None:
-    """Causal conv1d of packed requests natively (before the activation); None when the
-    kernels or these tensors are not supported.
+    """Causal conv1d of packed requests (prefill chunks and decode steps) natively, before the
+    activation; None when the kernels or these tensors are not supported.
 
     x: [T, C] (rows may be strided); weight: [C, K]; bias: [C] or None; conv_state:
     [num_pages, C, K - 1] float32 (a page-strided view, each page contiguous); state_pages,
     has_initial_state: [S]; query_start_loc: [S + 1] -> y [T, C] float32.
     """
     lib = library()
-    if lib is None or not _is_f32_cpu(x, weight, conv_state):
-        return None
-    if bias is not None and not _is_f32_cpu(bias):
+    tensors = (x, weight, conv_state) + (() if bias is None else (bias,))
+    if lib is None or not _is_f32_cpu(*tensors) or x.stride(-1) != 1:
         return None
     channels, width = weight.shape
     if width - 1 > CONV_MAX_HISTORY or conv_state.stride()[1:] != (width - 1, 1):
         return None
-    if x.stride(-1) != 1:
-        return None
     wt = weight.t().contiguous()  # [K, C]: a tap's weights contiguous across channels
     bias = None if bias is None else bias.contiguous()
-    pages = state_pages.to(torch.int64).contiguous()
-    has = has_initial_state.to(torch.uint8).contiguous()
-    bounds = query_start_loc.to(torch.int64)
-    starts, lens = bounds[:-1].contiguous(), (bounds[1:] - bounds[:-1]).contiguous()
+    pages, has, starts, lens = _spans(state_pages, has_initial_state, query_start_loc)
     y = torch.empty(x.shape, dtype=torch.float32)
-    lib.hkv_conv1d_prefill_f32(
+    lib.hkv_conv1d_f32(
         conv_state.data_ptr(), conv_state.stride(0), pages.data_ptr(), has.data_ptr(),
         starts.data_ptr(), lens.data_ptr(), pages.shape[0], channels, width, x.data_ptr(),
         x.stride(0), wt.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
