@@ -19,6 +19,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(params=["native", "torch"])
+def kernels(request, monkeypatch):
+    """Run a test with the native CPU kernels (hybridkv.ops.native) and with the PyTorch path."""
+    from hybridkv.ops import native
+
+    if request.param == "torch":
+        monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    elif native.library() is None:
+        pytest.skip("native kernels unavailable here (no C compiler)")
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny seeded GraniteMoeHybrid checkpoint (Mamba2 + attention + MoE) with a tokenizer

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.ops.norm import rms_norm
+from hybridkv.ops import native
+from hybridkv.ops.norm import add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -19,9 +20,18 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, weight_in_fp32=self.weight_in_fp32)
 
+    def add_forward(
+        self, x: torch.Tensor, h: torch.Tensor, multiplier: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream x + h * multiplier and its norm, fused where possible."""
+        return add_rms_norm(x, h, multiplier, self.weight, self.eps, self.weight_in_fp32)
+
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [..., 2 * inter] = [gate | up] -> silu(gate) * up: [..., inter]."""
+    out = native.silu_and_mul(x)  # float32 on the CPU: one pass
+    if out is not None:
+        return out
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -77,8 +77,8 @@ class BambaDecoderLayer(nn.Module):
         else:
             assert rotary is not None and cos_sin is not None
             h = self.self_attn(h, batch, rotary, cos_sin)
-        x = x + h
-        return x + self.feed_forward(self.pre_ff_layernorm(x))
+        x, h = self.pre_ff_layernorm.add_forward(x, h)
+        return x + self.feed_forward(h)
 
 
 class BambaModel(nn.Module):

@@ -76,11 +76,12 @@ class GraniteDecoderLayer(nn.Module):
             h = self.mamba(h, batch)
         else:
             h = self.self_attn(h, batch, rotary, cos_sin)
-        x = x + h * self.residual_multiplier
-        h = self.post_attention_layernorm(x)
+        x, h = self.post_attention_layernorm.add_forward(x, h, self.residual_multiplier)
         out = self.shared_mlp(h)
         if self.block_sparse_moe is not None:
             out = self.block_sparse_moe(h) + out
+        if self.residual_multiplier == 1.0:
+            return x + out
         return x + out * self.residual_multiplier
 
 

@@ -54,8 +54,9 @@ class LlamaDecoderLayer(nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, rotary: RotaryEmbedding, cos_sin: CosSin
     ) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden] (pre-norm residual blocks)."""
-        x = x + self.self_attn(self.input_layernorm(x), batch, rotary, cos_sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), batch, rotary, cos_sin)
+        x, h = self.post_attention_layernorm.add_forward(x, h)
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):

@@ -116,9 +116,12 @@ def causal_conv1d_varlen(
     width = weight.shape[1] - 1
     if num_tokens == 0:
         return x.new_empty(x.shape)
-    y = native.conv1d(x, weight, bias, conv_state, state_pages, has_initial_state, query_start_loc)
+    fused = activation in ("silu", "swish")  # the native kernel applies silu itself
+    y = native.conv1d(
+        x, weight, bias, conv_state, state_pages, has_initial_state, query_start_loc, fused
+    )
     if y is not None:  # None: no native kernels, or not for these tensors
-        return _activate(y, activation).to(x.dtype)
+        return (y if fused else _activate(y, activation)).to(x.dtype)
     if max_query_len == 1 and num_tokens == state_pages.shape[0]:  # one token per request
         return causal_conv1d_decode(
             x, weight, bias, conv_state, state_pages, has_initial_state, activation

@@ -81,6 +81,24 @@ def test_matches_sequential_reference(q_lens, has_init, chunk_size, kernels):
     torch.testing.assert_close(p.ssm_state[p.pages], ref_h, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "q_lens,has_init,shape",
+    [
+        # multiples of 16: the native kernel's register-blocked path for spans of 8+ tokens,
+        # next to short spans; 300 tokens cross its 256-token segments
+        ([300, 1, 9, 7], [True, False, False, True], dict(head_dim=32, d_state=32)),
+        ([8, 40], [False, True], dict(heads=2, head_dim=16, groups=1, d_state=48)),
+        ([20], [True], dict(head_dim=16, d_state=20)),  # d_state not a multiple: the row path
+    ],
+)
+def test_long_spans_match_sequential_reference(q_lens, has_init, shape, kernels):
+    p = Problem(q_lens, has_init, **shape)
+    ref_y, ref_h = p.reference()
+    y = p.run(chunk_size=64)
+    torch.testing.assert_close(y, ref_y, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(p.ssm_state[p.pages], ref_h, rtol=1e-4, atol=1e-4)
+
+
 def test_dt_limit_and_single_group():
     p = Problem([6, 1, 3], [False, True, False], groups=1)
     limit = (0.3, 0.9)

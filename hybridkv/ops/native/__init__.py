@@ -34,13 +34,20 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _lib: ctypes.CDLL | None = None
 _tried = False
 
-_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
-    "hkv_mamba2_scan_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr] + [_i64] * 5 + [_ptr] * 7,
-    "hkv_conv1d_f32": [_ptr, _i64] + [_ptr] * 4 + [_i64] * 3 + [_ptr, _i64] + [_ptr] * 3,
-    "hkv_paged_decode_f32": [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64]
-    + [_f32, _ptr],
-}
+    # argument types in the C order; `# fmt: skip` keeps them one list per kernel
+    "hkv_mamba2_scan_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
+                            _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
+    "hkv_conv1d_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr,
+                       _ptr, _int, _ptr],
+    "hkv_paged_decode_f32": [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64,
+                             _f32, _ptr],
+    "hkv_rms_norm_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32],
+    "hkv_add_rms_norm_f32": [_ptr, _ptr, _f32, _ptr, _ptr, _ptr, _i64, _i64, _f32],
+    "hkv_silu_mul_f32": [_ptr, _i64, _ptr, _i64, _i64],
+    "hkv_gated_rms_norm_f32": [_ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _f32, _int],
+}  # fmt: skip
 
 
 def enabled() -> bool:
@@ -172,9 +179,10 @@ def conv1d(
     state_pages: torch.Tensor,
     has_initial_state: torch.Tensor,
     query_start_loc: torch.Tensor,
+    silu: bool = False,
 ) -> torch.Tensor | None:
-    """Causal conv1d of packed requests (prefill chunks and decode steps) natively, before the
-    activation; None when the kernels or these tensors are not supported.
+    """Causal conv1d of packed requests (prefill chunks and decode steps) natively, through silu
+    when `silu` (else no activation); None when the kernels or these tensors are not supported.
 
     x: [T, C] (rows may be strided); weight: [C, K]; bias: [C] or None; conv_state:
     [num_pages, C, K - 1] float32 (a page-strided view, each page contiguous); state_pages,
@@ -194,7 +202,8 @@ def conv1d(
     lib.hkv_conv1d_f32(
         conv_state.data_ptr(), conv_state.stride(0), pages.data_ptr(), has.data_ptr(),
         starts.data_ptr(), lens.data_ptr(), pages.shape[0], channels, width, x.data_ptr(),
-        x.stride(0), wt.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+        x.stride(0), wt.data_ptr(), None if bias is None else bias.data_ptr(), int(silu),
+        y.data_ptr(),
     )  # fmt: skip
     return y
 
@@ -231,3 +240,81 @@ def paged_decode_attention(
         num_seqs, scale, out.data_ptr(),
     )  # fmt: skip
     return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor | None:
+    """x as [rows, cols] with unit column stride (a view when possible), None if not float32."""
+    if not _is_f32_cpu(x):
+        return None
+    rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dimension of float32 x, in one pass;
+    None when not supported."""
+    lib, rows = library(), _rows(x)
+    if lib is None or rows is None or not _is_f32_cpu(weight):
+        return None
+    weight = weight.contiguous()
+    out = torch.empty(rows.shape, dtype=torch.float32)
+    lib.hkv_rms_norm_f32(
+        rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), rows.shape[0],
+        rows.shape[1], eps,
+    )  # fmt: skip
+    return out.reshape(x.shape)
+
+
+def add_rms_norm(
+    x: torch.Tensor, h: torch.Tensor, multiplier: float, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x + multiplier * h, its rms_norm) for float32 x, h of one shape, in one pass; None when
+    not supported."""
+    lib = library()
+    if lib is None or not _is_f32_cpu(x, h, weight) or x.shape != h.shape:
+        return None
+    x, h, weight = x.contiguous(), h.contiguous(), weight.contiguous()
+    total, out = torch.empty_like(x), torch.empty_like(x)
+    cols = x.shape[-1]
+    lib.hkv_add_rms_norm_f32(
+        x.data_ptr(), h.data_ptr(), multiplier, weight.data_ptr(), total.data_ptr(),
+        out.data_ptr(), x.numel() // max(cols, 1), cols, eps,
+    )  # fmt: skip
+    return total, out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """[..., 2I] = [gate | up] -> silu(gate) * up: [..., I] for float32 x; None when not
+    supported."""
+    lib, rows = library(), _rows(x)
+    if lib is None or rows is None or x.shape[-1] % 2:
+        return None
+    inter = x.shape[-1] // 2
+    out = torch.empty(rows.shape[0], inter, dtype=torch.float32)
+    lib.hkv_silu_mul_f32(rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[0], inter)
+    return out.reshape(*x.shape[:-1], inter)
+
+
+def gated_rms_norm(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    group_size: int,
+    norm_before_gate: bool,
+) -> torch.Tensor | None:
+    """The Mamba2 gated, grouped RMSNorm (ops.norm.gated_rms_norm) of float32 tensors in one
+    pass; None when not supported. x, gate: [..., C] (gate rows may be strided)."""
+    lib, rows, gates = library(), _rows(x), _rows(gate)
+    if lib is None or rows is None or gates is None or not _is_f32_cpu(weight):
+        return None
+    channels = rows.shape[1]
+    if gates.shape != rows.shape or channels % group_size:
+        return None
+    rows, weight = rows.contiguous(), weight.contiguous()
+    out = torch.empty(rows.shape, dtype=torch.float32)
+    lib.hkv_gated_rms_norm_f32(
+        rows.data_ptr(), gates.data_ptr(), gates.stride(0), weight.data_ptr(), out.data_ptr(),
+        rows.shape[0], channels, group_size, eps, int(norm_before_gate),
+    )  # fmt: skip
+    return out.reshape(x.shape)

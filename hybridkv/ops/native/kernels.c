@@ -32,6 +32,148 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+/* silu(v) = v / (1 + e^-v), from e^-|v| (<= 1, so exp_nonpositive applies): relative error
+ * below 4e-7. */
+static inline float silu(float v) {
+    const float z = exp_nonpositive(v < 0.0f ? v : -v);
+    return (v < 0.0f ? v * z : v) / (1.0f + z);
+}
+
+/* Vectors of 16 floats (GCC/Clang vector extension): one zmm register with AVX-512, two ymm
+ * otherwise. hkv_v16u may sit at any 4-byte boundary (unaligned loads and stores). */
+typedef float hkv_v16 __attribute__((vector_size(64)));
+typedef float hkv_v16u __attribute__((vector_size(64), aligned(4)));
+#define HKV_LANES 16
+
+static inline hkv_v16 load16(const float *p) { return *(const hkv_v16u *)p; }
+static inline void store16(float *p, hkv_v16 v) { *(hkv_v16u *)p = v; }
+
+/* State rows per register block of the long scan: 16 vectors plus 4 temporaries fit AVX-512's
+ * 32 registers; AVX2 has 16 ymm (a vector is two), so there it is 4. */
+#ifdef __AVX512F__
+#define HKV_SCAN_ROWS 16
+#else
+#define HKV_SCAN_ROWS 4
+#endif
+#define HKV_SCAN_SEGMENT 256      /* tokens whose decays are computed at once */
+#define HKV_SCAN_MAX_STATE 16384  /* P * N floats of the transposed copy (64 KB) */
+#define HKV_SCAN_LONG 8           /* requests with this many tokens take the blocked path */
+
+/* One (request, head) of a prefill chunk: the state lives in registers while the tokens stream.
+ *
+ *   page state s[p][n]  --transpose-->  st[n][p]  (n rows, p along a vector's 16 lanes)
+ *
+ *           p0 .. p0+15
+ *   n0    [ v0  ]      for each token t:  v_j = v_j * decay_t + B_t[n0 + j] * (dt_t x_t[p0..])
+ *   ...   [ ... ]                          y_t[p0..] += sum_j C_t[n0 + j] * v_j
+ *   n0+15 [ v15 ]
+ *
+ * No horizontal sum: y's 16 lanes are 16 rows p, accumulated over the block's n. Each
+ * (p0, n0) block reads the chunk's x, B and C again (L2-resident: 256 tokens are 64 KB of B, C).
+ */
+static void scan_blocked(float *s, int init, int64_t tok0, int64_t len, int64_t h, int64_t H,
+                         int64_t P, int64_t N, int64_t G, const float *x, const float *dt,
+                         float A, const float *B, const float *C, float D, float *y) {
+    float st[HKV_SCAN_MAX_STATE] __attribute__((aligned(64)));
+    float decay[HKV_SCAN_SEGMENT], step[HKV_SCAN_SEGMENT];
+    const int64_t group = h / (H / G);
+    for (int64_t p = 0; p < P; p++)
+        for (int64_t n = 0; n < N; n++) st[n * P + p] = init ? s[p * N + n] : 0.0f;
+    for (int64_t seg = tok0; seg < tok0 + len; seg += HKV_SCAN_SEGMENT) {
+        const int64_t count = tok0 + len - seg < HKV_SCAN_SEGMENT ? tok0 + len - seg
+                                                                  : HKV_SCAN_SEGMENT;
+        for (int64_t i = 0; i < count; i++) {
+            step[i] = dt[(seg + i) * H + h];
+            decay[i] = expf(step[i] * A);
+        }
+        for (int64_t p0 = 0; p0 < P; p0 += HKV_LANES) {
+            for (int64_t n0 = 0; n0 < N; n0 += HKV_SCAN_ROWS) {
+                hkv_v16 v[HKV_SCAN_ROWS];
+                for (int j = 0; j < HKV_SCAN_ROWS; j++) v[j] = load16(st + (n0 + j) * P + p0);
+                for (int64_t i = 0; i < count; i++) {
+                    const int64_t tok = seg + i;
+                    const float *b = B + (tok * G + group) * N + n0;
+                    const float *c = C + (tok * G + group) * N + n0;
+                    const hkv_v16 xv = load16(x + (tok * H + h) * P + p0);
+                    const hkv_v16 xdt = xv * step[i];
+                    float *yt = y + (tok * H + h) * P + p0;
+                    /* two sums: halves the chain of dependent adds */
+                    hkv_v16 acc0 = n0 == 0 ? xv * D : load16(yt), acc1 = xv * 0.0f;
+#pragma GCC unroll 16
+                    for (int j = 0; j < HKV_SCAN_ROWS; j += 2) {
+                        v[j] = v[j] * decay[i] + b[j] * xdt;
+                        v[j + 1] = v[j + 1] * decay[i] + b[j + 1] * xdt;
+                        acc0 += c[j] * v[j];
+                        acc1 += c[j + 1] * v[j + 1];
+                    }
+                    store16(yt, acc0 + acc1);
+                }
+                for (int j = 0; j < HKV_SCAN_ROWS; j++) store16(st + (n0 + j) * P + p0, v[j]);
+            }
+        }
+    }
+    for (int64_t p = 0; p < P; p++)
+        for (int64_t n = 0; n < N; n++) s[p * N + n] = st[n * P + p];
+}
+
+/* The token-by-token loop for short spans (decode steps) and shapes the blocked path does
+ * not take: the state stays in its page (in L1 for the span), four rows at a time. */
+static void scan_rows(float *s, int init, int64_t tok0, int64_t len, int64_t h, int64_t H,
+                      int64_t P, int64_t N, int64_t G, const float *x, const float *dt, float A,
+                      const float *B, const float *C, float D, float *y) {
+    const int64_t group = h / (H / G);
+    if (!init)
+        for (int64_t i = 0; i < P * N; i++) s[i] = 0.0f;
+    for (int64_t tok = tok0; tok < tok0 + len; tok++) {
+        const float step = dt[tok * H + h];
+        const float decay = expf(step * A);
+        const float *b = B + (tok * G + group) * N;
+        const float *c = C + (tok * G + group) * N;
+        const float *xh = x + (tok * H + h) * P;
+        float *yh = y + (tok * H + h) * P;
+        int64_t p = 0;
+        /* four rows at a time: four independent reductions keep the FMA units busy
+           (one row's reduction is a chain of dependent adds) */
+        for (; p + 4 <= P; p += 4) {
+            const float x0 = xh[p] * step, x1 = xh[p + 1] * step;
+            const float x2 = xh[p + 2] * step, x3 = xh[p + 3] * step;
+            float *r0 = s + p * N, *r1 = r0 + N, *r2 = r1 + N, *r3 = r2 + N;
+            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+            for (int64_t n = 0; n < N; n++) {
+                const float v0 = r0[n] * decay + x0 * b[n];
+                const float v1 = r1[n] * decay + x1 * b[n];
+                const float v2 = r2[n] * decay + x2 * b[n];
+                const float v3 = r3[n] * decay + x3 * b[n];
+                r0[n] = v0;
+                r1[n] = v1;
+                r2[n] = v2;
+                r3[n] = v3;
+                a0 += v0 * c[n];
+                a1 += v1 * c[n];
+                a2 += v2 * c[n];
+                a3 += v3 * c[n];
+            }
+            yh[p] = a0 + D * xh[p];
+            yh[p + 1] = a1 + D * xh[p + 1];
+            yh[p + 2] = a2 + D * xh[p + 2];
+            yh[p + 3] = a3 + D * xh[p + 3];
+        }
+        for (; p < P; p++) {
+            const float xdt = xh[p] * step;
+            float *row = s + p * N;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t n = 0; n < N; n++) {
+                const float v = row[n] * decay + xdt * b[n];
+                row[n] = v;
+                acc += v * c[n];
+            }
+            yh[p] = acc + D * xh[p];
+        }
+    }
+}
+
 /* Mamba2 selective scan of R packed requests, token by token, in place in their state pages.
  *
  *   state page p: state + p * page_stride, holding h[H][P][N]
@@ -42,72 +184,29 @@ static inline float exp_nonpositive(float x) {
  * (softplus'd and clamped), B, C: [T, G, N]; y: [T, H, P]; A, D: [H]. Heads h of group
  * h / (H / G) share B and C. A request without an initial state (has_initial[r] == 0) starts
  * from zeros: its page is overwritten, never read (it may hold NaN bit patterns). lens[r] == 0
- * leaves the page untouched. One task per (request, head): its [P, N] state (16 KB for 64 x 64)
- * stays in L1 for the whole sequence, so a prefill costs about as much arithmetic as the chunked
- * matrix form and far less memory traffic; decode is the case lens[r] == 1.
+ * leaves the page untouched. One task per (request, head). Spans of HKV_SCAN_LONG tokens or
+ * more keep the state in registers (scan_blocked, 2x faster on a prefill chunk) when P and N
+ * are multiples of 16; shorter ones (decode) keep it in L1 (scan_rows): there the state's
+ * trip from and to memory is the cost, not the arithmetic.
  */
 void hkv_mamba2_scan_f32(float *state, int64_t page_stride, const int64_t *pages,
                          const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
                          int64_t R, int64_t H, int64_t P, int64_t N, int64_t G, const float *x,
                          const float *dt, const float *A, const float *B, const float *C,
                          const float *D, float *y) {
-    const int64_t heads_per_group = H / G;
+    const int blockable =
+        P % HKV_LANES == 0 && N % HKV_SCAN_ROWS == 0 && P * N <= HKV_SCAN_MAX_STATE;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t r = 0; r < R; r++) {
         for (int64_t h = 0; h < H; h++) {
             if (lens[r] == 0) continue;
             float *s = state + pages[r] * page_stride + h * P * N;
-            if (!has_initial[r])
-                for (int64_t i = 0; i < P * N; i++) s[i] = 0.0f;
-            const int64_t group = h / heads_per_group;
-            for (int64_t tok = starts[r]; tok < starts[r] + lens[r]; tok++) {
-                const float step = dt[tok * H + h];
-                const float decay = expf(step * A[h]);
-                const float *b = B + (tok * G + group) * N;
-                const float *c = C + (tok * G + group) * N;
-                const float *xh = x + (tok * H + h) * P;
-                float *yh = y + (tok * H + h) * P;
-                int64_t p = 0;
-                /* four rows at a time: four independent reductions keep the FMA units busy
-                   (one row's reduction is a chain of dependent adds) */
-                for (; p + 4 <= P; p += 4) {
-                    const float x0 = xh[p] * step, x1 = xh[p + 1] * step;
-                    const float x2 = xh[p + 2] * step, x3 = xh[p + 3] * step;
-                    float *r0 = s + p * N, *r1 = r0 + N, *r2 = r1 + N, *r3 = r2 + N;
-                    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-                    for (int64_t n = 0; n < N; n++) {
-                        const float v0 = r0[n] * decay + x0 * b[n];
-                        const float v1 = r1[n] * decay + x1 * b[n];
-                        const float v2 = r2[n] * decay + x2 * b[n];
-                        const float v3 = r3[n] * decay + x3 * b[n];
-                        r0[n] = v0;
-                        r1[n] = v1;
-                        r2[n] = v2;
-                        r3[n] = v3;
-                        a0 += v0 * c[n];
-                        a1 += v1 * c[n];
-                        a2 += v2 * c[n];
-                        a3 += v3 * c[n];
-                    }
-                    yh[p] = a0 + D[h] * xh[p];
-                    yh[p + 1] = a1 + D[h] * xh[p + 1];
-                    yh[p + 2] = a2 + D[h] * xh[p + 2];
-                    yh[p + 3] = a3 + D[h] * xh[p + 3];
-                }
-                for (; p < P; p++) {
-                    const float xdt = xh[p] * step;
-                    float *row = s + p * N;
-                    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                    for (int64_t n = 0; n < N; n++) {
-                        const float v = row[n] * decay + xdt * b[n];
-                        row[n] = v;
-                        acc += v * c[n];
-                    }
-                    yh[p] = acc + D[h] * xh[p];
-                }
-            }
+            if (blockable && lens[r] >= HKV_SCAN_LONG)
+                scan_blocked(s, has_initial[r], starts[r], lens[r], h, H, P, N, G, x, dt, A[h],
+                             B, C, D[h], y);
+            else
+                scan_rows(s, has_initial[r], starts[r], lens[r], h, H, P, N, G, x, dt, A[h], B,
+                          C, D[h], y);
         }
     }
 }
@@ -192,7 +291,8 @@ void hkv_paged_decode_f32(const float *q, const float *cache, int64_t kbs, int64
  * decode steps alike), state in place.
  *
  * Request r owns tokens starts[r] .. starts[r] + lens[r] - 1; x row t at x + t * x_stride;
- * wt: the weight transposed, [K, C]; bias: [C] or NULL; y: [T, C] (before any activation).
+ * wt: the weight transposed, [K, C]; bias: [C] or NULL; y: [T, C], through silu when
+ * act_silu (else no activation).
  * A request without an initial state (has_initial[r] == 0) starts from zero columns (its page is
  * never read: it may hold NaN bit patterns). After its tokens, its page holds its last K - 1
  * inputs (old columns shifted in when it had fewer than K - 1 tokens); lens[r] == 0 leaves the
@@ -202,7 +302,7 @@ void hkv_paged_decode_f32(const float *q, const float *cache, int64_t kbs, int64
 void hkv_conv1d_f32(float *state, int64_t page_stride, const int64_t *pages,
                     const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
                     int64_t R, int64_t C, int64_t K, const float *x, int64_t x_stride,
-                    const float *wt, const float *bias, float *y) {
+                    const float *wt, const float *bias, int act_silu, float *y) {
     const int64_t hist_len = K - 1, blocks = (C + HKV_CONV_CHANNELS - 1) / HKV_CONV_CHANNELS;
 #pragma omp parallel for collapse(2) schedule(guided)
     for (int64_t r = 0; r < R; r++) {
@@ -224,7 +324,7 @@ void hkv_conv1d_f32(float *state, int64_t page_stride, const int64_t *pages,
                     float acc = bias != NULL ? bias[c0 + c] : 0.0f;
                     for (int64_t j = 0; j < hist_len; j++) acc += wt[j * C + c0 + c] * hist[j][c];
                     acc += wt[hist_len * C + c0 + c] * xt[c];
-                    yt[c] = acc;
+                    yt[c] = act_silu ? silu(acc) : acc;
                 }
                 for (int64_t j = 0; j + 1 < hist_len; j++)
                     for (int64_t c = 0; c < nc; c++) hist[j][c] = hist[j + 1][c];
@@ -233,6 +333,90 @@ void hkv_conv1d_f32(float *state, int64_t page_stride, const int64_t *pages,
             }
             for (int64_t j = 0; j < hist_len; j++)
                 for (int64_t c = 0; c < nc; c++) s[(c0 + c) * hist_len + j] = hist[j][c];
+        }
+    }
+}
+
+/* ---- Row-wise element-wise kernels: one pass over memory where PyTorch makes four to six.
+ * Rows are independent tasks; within a row, plain loops the compiler vectorises. */
+
+/* RMSNorm of rows: out[r] = w * x[r] / sqrt(mean(x[r]^2) + eps). x rows at x + r * x_stride,
+ * out: [rows, cols] contiguous; w: [cols]. */
+void hkv_rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out,
+                      int64_t rows, int64_t cols, float eps) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        float *o = out + r * cols;
+        float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+        for (int64_t c = 0; c < cols; c++) sq += xr[c] * xr[c];
+        const float inv = 1.0f / sqrtf(sq / (float)cols + eps);
+#pragma omp simd
+        for (int64_t c = 0; c < cols; c++) o[c] = w[c] * (xr[c] * inv);
+    }
+}
+
+/* Residual add, then RMSNorm: sum[r] = x[r] + mult * h[r]; out[r] = rms_norm(sum[r]).
+ * x, h, sum, out: [rows, cols] contiguous (sum may be x itself). */
+void hkv_add_rms_norm_f32(const float *x, const float *h, float mult, const float *w,
+                          float *sum, float *out, int64_t rows, int64_t cols, float eps) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * cols, *hr = h + r * cols;
+        float *sr = sum + r * cols, *o = out + r * cols;
+        float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+        for (int64_t c = 0; c < cols; c++) {
+            const float v = xr[c] + hr[c] * mult;
+            sr[c] = v;
+            sq += v * v;
+        }
+        const float inv = 1.0f / sqrtf(sq / (float)cols + eps);
+#pragma omp simd
+        for (int64_t c = 0; c < cols; c++) o[c] = w[c] * (sr[c] * inv);
+    }
+}
+
+/* SwiGLU's activation: out[r][i] = silu(x[r][i]) * x[r][I + i]; x rows (gate | up) at
+ * x + r * x_stride, out: [rows, I]. */
+void hkv_silu_mul_f32(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t I) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = x + r * x_stride, *u = g + I;
+        float *o = out + r * I;
+#pragma omp simd
+        for (int64_t i = 0; i < I; i++) o[i] = silu(g[i]) * u[i];
+    }
+}
+
+/* Gated, grouped RMSNorm of a Mamba2 mixer output, per row and per group of `group` channels:
+ *   gate first (default):  out = w * normalise(x * silu(z))
+ *   norm first (Falcon-H1): out = w * normalise(x) * silu(z)
+ * x: [rows, C] contiguous; z rows at z + r * z_stride; w: [C]; out: [rows, C]. */
+void hkv_gated_rms_norm_f32(const float *x, const float *z, int64_t z_stride, const float *w,
+                            float *out, int64_t rows, int64_t C, int64_t group, float eps,
+                            int norm_before_gate) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t g0 = 0; g0 < C; g0 += group) {
+            const float *xr = x + r * C + g0, *zr = z + r * z_stride + g0, *wr = w + g0;
+            float *o = out + r * C + g0;
+            float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+            for (int64_t c = 0; c < group; c++) {
+                const float v = norm_before_gate ? xr[c] : xr[c] * silu(zr[c]);
+                o[c] = v;
+                sq += v * v;
+            }
+            const float inv = 1.0f / sqrtf(sq / (float)group + eps);
+            if (norm_before_gate) {
+#pragma omp simd
+                for (int64_t c = 0; c < group; c++) o[c] = wr[c] * (o[c] * inv) * silu(zr[c]);
+            } else {
+#pragma omp simd
+                for (int64_t c = 0; c < group; c++) o[c] = wr[c] * (o[c] * inv);
+            }
         }
     }
 }
