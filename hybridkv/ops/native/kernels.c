@@ -296,7 +296,8 @@ void hkv_paged_decode_f32(const float *q, const float *cache, int64_t kbs, int64
  * A request without an initial state (has_initial[r] == 0) starts from zero columns (its page is
  * never read: it may hold NaN bit patterns). After its tokens, its page holds its last K - 1
  * inputs (old columns shifted in when it had fewer than K - 1 tokens); lens[r] == 0 leaves the
- * page untouched. One task per (request, block of 64 channels), vectorised across channels;
+ * page untouched. One task per (request, block of 64 channels), vectorised across channels,
+ * reading each input row in place (no shifting window: 3x faster on a prefill chunk);
  * guided scheduling, as a decode step has thousands of tiny tasks (dynamic, 1 was 1.7x slower).
  */
 void hkv_conv1d_f32(float *state, int64_t page_stride, const int64_t *pages,
@@ -311,28 +312,33 @@ void hkv_conv1d_f32(float *state, int64_t page_stride, const int64_t *pages,
             const int64_t c0 = blk * HKV_CONV_CHANNELS;
             const int64_t nc = C - c0 < HKV_CONV_CHANNELS ? C - c0 : HKV_CONV_CHANNELS;
             float *s = state + pages[r] * page_stride;
-            /* hist[j][c]: the input j + 1 steps before the newest column, oldest first */
+            const int64_t first = starts[r], len = lens[r];
+            /* hist[j][c]: the input hist_len - j steps before the first token, oldest first */
             float hist[HKV_CONV_MAX_HISTORY][HKV_CONV_CHANNELS];
             for (int64_t j = 0; j < hist_len; j++)
                 for (int64_t c = 0; c < nc; c++)
                     hist[j][c] = has_initial[r] ? s[(c0 + c) * hist_len + j] : 0.0f;
-            for (int64_t tok = starts[r]; tok < starts[r] + lens[r]; tok++) {
-                const float *xt = x + tok * x_stride + c0;
-                float *yt = y + tok * C + c0;
+            /* input i of the request (i < 0: from the old state), 64 channels from c0 */
+#define HKV_CONV_INPUT(i) ((i) >= 0 ? x + (first + (i)) * x_stride + c0 : hist[hist_len + (i)])
+            for (int64_t i = 0; i < len; i++) {
+                float *yt = y + (first + i) * C + c0;
+                for (int64_t c = 0; c < nc; c++) yt[c] = bias != NULL ? bias[c0 + c] : 0.0f;
+                for (int64_t j = 0; j < K; j++) { /* tap j reads input i - (K - 1) + j */
+                    const float *in = HKV_CONV_INPUT(i - hist_len + j), *w = wt + j * C + c0;
 #pragma omp simd
-                for (int64_t c = 0; c < nc; c++) {
-                    float acc = bias != NULL ? bias[c0 + c] : 0.0f;
-                    for (int64_t j = 0; j < hist_len; j++) acc += wt[j * C + c0 + c] * hist[j][c];
-                    acc += wt[hist_len * C + c0 + c] * xt[c];
-                    yt[c] = act_silu ? silu(acc) : acc;
+                    for (int64_t c = 0; c < nc; c++) yt[c] += w[c] * in[c];
                 }
-                for (int64_t j = 0; j + 1 < hist_len; j++)
-                    for (int64_t c = 0; c < nc; c++) hist[j][c] = hist[j + 1][c];
-                if (hist_len > 0)
-                    for (int64_t c = 0; c < nc; c++) hist[hist_len - 1][c] = xt[c];
+                if (act_silu) {
+#pragma omp simd
+                    for (int64_t c = 0; c < nc; c++) yt[c] = silu(yt[c]);
+                }
             }
-            for (int64_t j = 0; j < hist_len; j++)
-                for (int64_t c = 0; c < nc; c++) s[(c0 + c) * hist_len + j] = hist[j][c];
+            /* the new state: the last K - 1 inputs (old columns when len < K - 1) */
+            for (int64_t j = 0; j < hist_len; j++) {
+                const float *in = HKV_CONV_INPUT(len - hist_len + j);
+                for (int64_t c = 0; c < nc; c++) s[(c0 + c) * hist_len + j] = in[c];
+            }
+#undef HKV_CONV_INPUT
         }
     }
 }
