@@ -39,36 +39,38 @@ static inline float silu(float v) {
     return (v < 0.0f ? v * z : v) / (1.0f + z);
 }
 
-/* Vectors of 16 floats (GCC/Clang vector extension): one zmm register with AVX-512, two ymm
- * otherwise. hkv_v16u may sit at any 4-byte boundary (unaligned loads and stores). */
-typedef float hkv_v16 __attribute__((vector_size(64)));
-typedef float hkv_v16u __attribute__((vector_size(64), aligned(4)));
-#define HKV_LANES 16
-
-static inline hkv_v16 load16(const float *p) { return *(const hkv_v16u *)p; }
-static inline void store16(float *p, hkv_v16 v) { *(hkv_v16u *)p = v; }
-
-/* State rows per register block of the long scan: 16 vectors plus 4 temporaries fit AVX-512's
- * 32 registers; AVX2 has 16 ymm (a vector is two), so there it is 4. */
+/* Vectors of HKV_LANES floats (GCC/Clang vector extension): one zmm register with AVX-512, one
+ * ymm otherwise (wider than the hardware's vectors, GCC would lower them element by element).
+ * hkv_vfu may sit at any 4-byte boundary (unaligned loads and stores). HKV_SCAN_ROWS state rows
+ * per register block of the long scan: with 2 sums and 2 temporaries, 20 of AVX-512's 32
+ * registers, 12 of AVX2's 16. */
 #ifdef __AVX512F__
+#define HKV_LANES 16
 #define HKV_SCAN_ROWS 16
 #else
-#define HKV_SCAN_ROWS 4
+#define HKV_LANES 8
+#define HKV_SCAN_ROWS 8
 #endif
+typedef float hkv_vf __attribute__((vector_size(HKV_LANES * 4)));
+typedef float hkv_vfu __attribute__((vector_size(HKV_LANES * 4), aligned(4)));
+
+static inline hkv_vf loadv(const float *p) { return *(const hkv_vfu *)p; }
+static inline void storev(float *p, hkv_vf v) { *(hkv_vfu *)p = v; }
+
 #define HKV_SCAN_SEGMENT 256      /* tokens whose decays are computed at once */
 #define HKV_SCAN_MAX_STATE 16384  /* P * N floats of the transposed copy (64 KB) */
 #define HKV_SCAN_LONG 8           /* requests with this many tokens take the blocked path */
 
 /* One (request, head) of a prefill chunk: the state lives in registers while the tokens stream.
  *
- *   page state s[p][n]  --transpose-->  st[n][p]  (n rows, p along a vector's 16 lanes)
+ *   page state s[p][n]  --transpose-->  st[n][p]  (n rows, p along a vector's lanes)
  *
- *           p0 .. p0+15
+ *           p0 .. p0+15         (HKV_LANES = 16, HKV_SCAN_ROWS = 16 with AVX-512)
  *   n0    [ v0  ]      for each token t:  v_j = v_j * decay_t + B_t[n0 + j] * (dt_t x_t[p0..])
  *   ...   [ ... ]                          y_t[p0..] += sum_j C_t[n0 + j] * v_j
  *   n0+15 [ v15 ]
  *
- * No horizontal sum: y's 16 lanes are 16 rows p, accumulated over the block's n. Each
+ * No horizontal sum: y's lanes are rows p, accumulated over the block's n. Each
  * (p0, n0) block reads the chunk's x, B and C again (L2-resident: 256 tokens are 64 KB of B, C).
  */
 static void scan_blocked(float *s, int init, int64_t tok0, int64_t len, int64_t h, int64_t H,
@@ -88,17 +90,17 @@ static void scan_blocked(float *s, int init, int64_t tok0, int64_t len, int64_t 
         }
         for (int64_t p0 = 0; p0 < P; p0 += HKV_LANES) {
             for (int64_t n0 = 0; n0 < N; n0 += HKV_SCAN_ROWS) {
-                hkv_v16 v[HKV_SCAN_ROWS];
-                for (int j = 0; j < HKV_SCAN_ROWS; j++) v[j] = load16(st + (n0 + j) * P + p0);
+                hkv_vf v[HKV_SCAN_ROWS];
+                for (int j = 0; j < HKV_SCAN_ROWS; j++) v[j] = loadv(st + (n0 + j) * P + p0);
                 for (int64_t i = 0; i < count; i++) {
                     const int64_t tok = seg + i;
                     const float *b = B + (tok * G + group) * N + n0;
                     const float *c = C + (tok * G + group) * N + n0;
-                    const hkv_v16 xv = load16(x + (tok * H + h) * P + p0);
-                    const hkv_v16 xdt = xv * step[i];
+                    const hkv_vf xv = loadv(x + (tok * H + h) * P + p0);
+                    const hkv_vf xdt = xv * step[i];
                     float *yt = y + (tok * H + h) * P + p0;
                     /* two sums: halves the chain of dependent adds */
-                    hkv_v16 acc0 = n0 == 0 ? xv * D : load16(yt), acc1 = xv * 0.0f;
+                    hkv_vf acc0 = n0 == 0 ? xv * D : loadv(yt), acc1 = xv * 0.0f;
 #pragma GCC unroll 16
                     for (int j = 0; j < HKV_SCAN_ROWS; j += 2) {
                         v[j] = v[j] * decay[i] + b[j] * xdt;
@@ -106,9 +108,9 @@ static void scan_blocked(float *s, int init, int64_t tok0, int64_t len, int64_t 
                         acc0 += c[j] * v[j];
                         acc1 += c[j + 1] * v[j + 1];
                     }
-                    store16(yt, acc0 + acc1);
+                    storev(yt, acc0 + acc1);
                 }
-                for (int j = 0; j < HKV_SCAN_ROWS; j++) store16(st + (n0 + j) * P + p0, v[j]);
+                for (int j = 0; j < HKV_SCAN_ROWS; j++) storev(st + (n0 + j) * P + p0, v[j]);
             }
         }
     }
@@ -185,9 +187,10 @@ static void scan_rows(float *s, int init, int64_t tok0, int64_t len, int64_t h, 
  * h / (H / G) share B and C. A request without an initial state (has_initial[r] == 0) starts
  * from zeros: its page is overwritten, never read (it may hold NaN bit patterns). lens[r] == 0
  * leaves the page untouched. One task per (request, head). Spans of HKV_SCAN_LONG tokens or
- * more keep the state in registers (scan_blocked, 2x faster on a prefill chunk) when P and N
- * are multiples of 16; shorter ones (decode) keep it in L1 (scan_rows): there the state's
- * trip from and to memory is the cost, not the arithmetic.
+ * more keep the state in registers (scan_blocked; 2-4x faster on a prefill chunk with AVX-512,
+ * up to 1.7x with AVX2) when P and N are multiples of 16 (8 without AVX-512); shorter ones
+ * (decode) keep it in L1 (scan_rows): there the state's trip from and to memory is the cost,
+ * not the arithmetic.
  */
 void hkv_mamba2_scan_f32(float *state, int64_t page_stride, const int64_t *pages,
                          const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
