@@ -1,12 +1,13 @@
-/* CPU kernels for a hybrid model's Mamba2 scan and causal conv1d (prefill and decode) and
- * decode attention.
+/* CPU kernels for a hybrid model's Mamba2 scan and causal conv1d (prefill and decode), decode
+ * attention, and the row-wise norms and activations between the GEMMs.
  *
  * Plain C with OpenMP, built at first use by hybridkv/ops/native/__init__.py (gcc -O3
  * -march=native -fopenmp) and called through ctypes. Each reads the paged cache in place, so
  * nothing is gathered into a temporary: a Mamba2 state is read and written once per step, a
- * request's K and V are read once. All tensors are float32 and contiguous unless a stride is
- * passed. OpenMP here is the libgomp that torch already loaded (same soname), so
- * torch.set_num_threads() sets the number of threads for these loops too.
+ * request's K and V are read once; a norm or activation reads its rows once where PyTorch's
+ * element-wise ops pass over them four to six times. All tensors are float32 and contiguous
+ * unless a stride is passed. OpenMP here is the libgomp that torch already loaded (same soname),
+ * so torch.set_num_threads() sets the number of threads for these loops too.
  */
 #include <math.h>
 #include <stdint.h>

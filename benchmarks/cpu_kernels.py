@@ -1,0 +1,145 @@
+"""CPU kernel benchmark: the native kernels (hybridkv.ops.native) vs the PyTorch path, per op.
+
+Shapes are those of the ~100M GraniteMoeHybrid in benchmarks/throughput.py (hidden 768, Mamba2
+with 24 heads of 64 x 64 state, conv width 4, SwiGLU 1536): a prefill step of 2048 tokens (8
+requests of 256) and a decode step of 64 requests. Each op runs through its public function in
+hybridkv.ops / hybridkv.layers, once with the native kernels and once with `HYBRIDKV_NATIVE=0`,
+alternating, on the same inputs; medians of `--repeat` runs. float32, `--threads` threads.
+
+    python benchmarks/cpu_kernels.py [--repeat 15] [--threads 2] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from hybridkv.layers.mlp import silu_and_mul  # noqa: E402
+from hybridkv.ops import native  # noqa: E402
+from hybridkv.ops.conv1d import causal_conv1d_varlen  # noqa: E402
+from hybridkv.ops.mamba2 import mamba2_scan_varlen  # noqa: E402
+from hybridkv.ops.norm import add_rms_norm, gated_rms_norm, rms_norm  # noqa: E402
+
+HIDDEN, HEADS, HEAD_DIM, D_STATE, CONV_WIDTH, INTER = 768, 24, 64, 64, 4, 1536
+CONV_DIM = HEADS * HEAD_DIM + 2 * D_STATE
+
+
+def state_problem(num_reqs: int, tokens_each: int, gen: torch.Generator) -> dict:
+    """Packed requests with initial states on distinct pages."""
+    lens = torch.full((num_reqs,), tokens_each)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32)
+    return dict(
+        pages=torch.randperm(num_reqs * 2, generator=gen)[:num_reqs],
+        has=torch.ones(num_reqs, dtype=torch.bool),
+        qsl=qsl,
+        max_len=tokens_each,
+        num_pages=num_reqs * 2,
+    )
+
+
+def scan_case(num_reqs: int, tokens_each: int, gen: torch.Generator) -> Callable[[], object]:
+    p = state_problem(num_reqs, tokens_each, gen)
+    t = num_reqs * tokens_each
+    x = torch.randn(t, HEADS, HEAD_DIM, generator=gen)
+    dt = torch.randn(t, HEADS, generator=gen)
+    A, D = -torch.rand(HEADS, generator=gen) - 0.1, torch.randn(HEADS, generator=gen)
+    B, C = torch.randn(t, 1, D_STATE, generator=gen), torch.randn(t, 1, D_STATE, generator=gen)
+    dt_bias = torch.zeros(HEADS)
+    state = torch.randn(p["num_pages"], HEADS, HEAD_DIM, D_STATE, generator=gen)
+    return lambda: mamba2_scan_varlen(
+        x, dt, A, B, C, D, dt_bias, state, p["pages"], p["has"], p["qsl"], p["max_len"], 128
+    )
+
+
+def conv_case(num_reqs: int, tokens_each: int, gen: torch.Generator) -> Callable[[], object]:
+    p = state_problem(num_reqs, tokens_each, gen)
+    # x: the conv's columns of in_proj's output, rows strided as in the mixer
+    projected = torch.randn(num_reqs * tokens_each, INTER + CONV_DIM + HEADS, generator=gen)
+    x = projected[:, INTER : INTER + CONV_DIM]
+    weight, bias = torch.randn(CONV_DIM, CONV_WIDTH, generator=gen), torch.randn(CONV_DIM)
+    state = torch.randn(p["num_pages"], CONV_DIM, CONV_WIDTH - 1, generator=gen)
+    return lambda: causal_conv1d_varlen(
+        x, weight, bias, state, p["pages"], p["has"], p["qsl"], p["max_len"], "silu"
+    )
+
+
+def row_cases(rows: int, gen: torch.Generator) -> dict[str, Callable[[], object]]:
+    x, h = torch.randn(rows, HIDDEN, generator=gen), torch.randn(rows, HIDDEN, generator=gen)
+    w = torch.randn(HIDDEN, generator=gen)
+    gate_up = torch.randn(rows, 2 * INTER, generator=gen)
+    y, wi = torch.randn(rows, INTER, generator=gen), torch.randn(INTER, generator=gen)
+    gate = torch.randn(rows, INTER + CONV_DIM + HEADS, generator=gen)[:, :INTER]  # strided
+    return {
+        f"rms_norm [{rows}, {HIDDEN}]": lambda: rms_norm(x, w, 1e-5),
+        f"add + rms_norm [{rows}, {HIDDEN}]": lambda: add_rms_norm(x, h, 1.0, w, 1e-5),
+        f"silu_and_mul [{rows}, {2 * INTER}]": lambda: silu_and_mul(gate_up),
+        f"gated_rms_norm [{rows}, {INTER}]": lambda: gated_rms_norm(y, gate, wi, 1e-5, INTER),
+    }
+
+
+def cases() -> dict[str, Callable[[], object]]:
+    gen = torch.Generator().manual_seed(0)
+    out = {
+        "mamba2 scan, prefill 8 x 256": scan_case(8, 256, gen),
+        "mamba2 scan, decode 64 x 1": scan_case(64, 1, gen),
+        "conv1d + silu, prefill 8 x 256": conv_case(8, 256, gen),
+        "conv1d + silu, decode 64 x 1": conv_case(64, 1, gen),
+    }
+    out.update(row_cases(2048, gen))
+    out.update(row_cases(64, gen))
+    return out
+
+
+def time_once(fn: Callable[[], object], use_native: bool) -> float:
+    os.environ["HYBRIDKV_NATIVE"] = "1" if use_native else "0"
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeat", type=int, default=15)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if native.library() is None:
+        print("native kernels unavailable here (no C compiler, or HYBRIDKV_NATIVE=0)")
+        return 2
+    rows = []
+    with torch.no_grad():
+        for name, fn in cases().items():
+            times: dict[bool, list[float]] = {True: [], False: []}
+            for use_native in (True, False):  # warm-up
+                time_once(fn, use_native)
+            for _ in range(args.repeat):
+                for use_native in (True, False):
+                    times[use_native].append(time_once(fn, use_native))
+            torch_ms = statistics.median(times[False]) * 1e3
+            native_ms = statistics.median(times[True]) * 1e3
+            rows.append(
+                dict(op=name, torch_ms=torch_ms, native_ms=native_ms, speedup=torch_ms / native_ms)
+            )
+    os.environ.pop("HYBRIDKV_NATIVE", None)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"{'op':40s} {'torch ms':>10s} {'native ms':>10s} {'speedup':>8s}")
+    for r in rows:
+        print(f"{r['op']:40s} {r['torch_ms']:10.3f} {r['native_ms']:10.3f} {r['speedup']:7.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
