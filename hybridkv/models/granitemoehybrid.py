@@ -120,4 +120,5 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float() / self.logits_scaling
+        logits = self.lm_head(hidden).float()
+        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling

