@@ -71,8 +71,8 @@ static inline void storev(float *p, hkv_vf v) { *(hkv_vfu *)p = v; }
  *   ...   [ ... ]                          y_t[p0..] += sum_j C_t[n0 + j] * v_j
  *   n0+15 [ v15 ]
  *
- * No horizontal sum: y's lanes are rows p, accumulated over the block's n. Each
- * (p0, n0) block reads the chunk's x, B and C again (L2-resident: 256 tokens are 64 KB of B, C).
+ * No horizontal sum: y's lanes are rows p, accumulated over the block's n. Each (p0, n0) block
+ * reads the segment's x, B and C again, from L2 (B and C of 256 tokens are 128 KB for N = 64).
  */
 static void scan_blocked(float *s, int init, int64_t tok0, int64_t len, int64_t h, int64_t H,
                          int64_t P, int64_t N, int64_t G, const float *x, const float *dt,
@@ -101,7 +101,7 @@ static void scan_blocked(float *s, int init, int64_t tok0, int64_t len, int64_t 
                     const hkv_vf xdt = xv * step[i];
                     float *yt = y + (tok * H + h) * P + p0;
                     /* two sums: halves the chain of dependent adds */
-                    hkv_vf acc0 = n0 == 0 ? xv * D : loadv(yt), acc1 = xv * 0.0f;
+                    hkv_vf acc0 = n0 == 0 ? xv * D : loadv(yt), acc1 = {0.0f};
 #pragma GCC unroll 16
                     for (int j = 0; j < HKV_SCAN_ROWS; j += 2) {
                         v[j] = v[j] * decay[i] + b[j] * xdt;
