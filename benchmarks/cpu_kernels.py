@@ -5,6 +5,8 @@ with 24 heads of 64 x 64 state, conv width 4, SwiGLU 1536): a prefill step of 20
 requests of 256) and a decode step of 64 requests. Each op runs through its public function in
 hybridkv.ops / hybridkv.layers, once with the native kernels and once with `HYBRIDKV_NATIVE=0`,
 alternating, on the same inputs; medians of `--repeat` runs. float32, `--threads` threads.
+Before timing, both paths run once on fresh copies of the same inputs and the largest
+difference of their outputs, relative to the largest output, is reported (`rel_diff`).
 
     python benchmarks/cpu_kernels.py [--repeat 15] [--threads 2] [--json]
 """
@@ -66,7 +68,8 @@ def conv_case(num_reqs: int, tokens_each: int, gen: torch.Generator) -> Callable
     # x: the conv's columns of in_proj's output, rows strided as in the mixer
     projected = torch.randn(num_reqs * tokens_each, INTER + CONV_DIM + HEADS, generator=gen)
     x = projected[:, INTER : INTER + CONV_DIM]
-    weight, bias = torch.randn(CONV_DIM, CONV_WIDTH, generator=gen), torch.randn(CONV_DIM)
+    weight = torch.randn(CONV_DIM, CONV_WIDTH, generator=gen)
+    bias = torch.randn(CONV_DIM, generator=gen)
     state = torch.randn(p["num_pages"], CONV_DIM, CONV_WIDTH - 1, generator=gen)
     return lambda: causal_conv1d_varlen(
         x, weight, bias, state, p["pages"], p["has"], p["qsl"], p["max_len"], "silu"
@@ -100,6 +103,24 @@ def cases() -> dict[str, Callable[[], object]]:
     return out
 
 
+def _flat(out: object) -> torch.Tensor:
+    parts = out if isinstance(out, tuple) else (out,)
+    return torch.cat([t.reshape(-1).double() for t in parts])
+
+
+def agreement() -> dict[str, float]:
+    """Per op: max |native - torch| / max |torch| over the outputs of one call each, on two
+    identical sets of inputs (the state ops update their states in place)."""
+    os.environ["HYBRIDKV_NATIVE"] = "0"
+    reference = {name: _flat(fn()) for name, fn in cases().items()}
+    os.environ["HYBRIDKV_NATIVE"] = "1"
+    diffs = {}
+    for name, fn in cases().items():
+        ref = reference[name]
+        diffs[name] = float((_flat(fn()) - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+    return diffs
+
+
 def time_once(fn: Callable[[], object], use_native: bool) -> float:
     os.environ["HYBRIDKV_NATIVE"] = "1" if use_native else "0"
     start = time.perf_counter()
@@ -119,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = []
     with torch.no_grad():
+        diffs = agreement()
         for name, fn in cases().items():
             times: dict[bool, list[float]] = {True: [], False: []}
             for use_native in (True, False):  # warm-up
@@ -129,15 +151,19 @@ def main(argv: list[str] | None = None) -> int:
             torch_ms = statistics.median(times[False]) * 1e3
             native_ms = statistics.median(times[True]) * 1e3
             rows.append(
-                dict(op=name, torch_ms=torch_ms, native_ms=native_ms, speedup=torch_ms / native_ms)
-            )
+                dict(op=name, torch_ms=torch_ms, native_ms=native_ms,
+                     speedup=torch_ms / native_ms, rel_diff=diffs[name])
+            )  # fmt: skip
     os.environ.pop("HYBRIDKV_NATIVE", None)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"{'op':40s} {'torch ms':>10s} {'native ms':>10s} {'speedup':>8s}")
+    print(f"{'op':40s} {'torch ms':>10s} {'native ms':>10s} {'speedup':>8s} {'rel_diff':>9s}")
     for r in rows:
-        print(f"{r['op']:40s} {r['torch_ms']:10.3f} {r['native_ms']:10.3f} {r['speedup']:7.2f}x")
+        print(
+            f"{r['op']:40s} {r['torch_ms']:10.3f} {r['native_ms']:10.3f} {r['speedup']:7.2f}x"
+            f" {r['rel_diff']:9.1e}"
+        )
     return 0
 
 

@@ -1,4 +1,4 @@
-"""`benchmarks/cpu_kernels.py` runs every op through both paths and reports each."""
+"""`benchmarks/cpu_kernels.py` runs every op through both paths, which agree, and reports each."""
 
 from __future__ import annotations
 
@@ -28,4 +28,5 @@ def test_cpu_kernels_run(capsys, monkeypatch):
     assert len(rows) == 12
     for r in rows:
         assert r["torch_ms"] > 0 and r["native_ms"] > 0
-        assert r["speedup"] == pytest.approx(r["torch_ms"] / r["native_ms"], rel=1e-9)
+        # the two paths computed the same thing (float32 rounding apart)
+        assert r["rel_diff"] < 1e-4, r

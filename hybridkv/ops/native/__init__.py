@@ -6,10 +6,10 @@ into temporaries, the math, and scatters back (and the chunked prefill scan buil
 how). On the development CPU (2 cores, 100M hybrid model): a Mamba2 layer's decode step for 64
 requests from 4.5 to 0.65 ms, an attention layer's from about 10 to 2.2 ms (64 requests of
 100..640 tokens), the prefill scan of 2048 tokens (8 requests) from about 40 ms (chunked,
-PyTorch) to about 7 ms, the conv1d of those tokens from 12.9 to 2.7-4.8 ms. RMSNorm (also fused
-with the residual add before it), SwiGLU's silu(gate) * up and the mixers' gated RMSNorm run
-as one pass over their rows (PyTorch makes four to six): 1.6 to 2.6x on the 100M model's
-prefill shapes (benchmarks/cpu_kernels.py).
+PyTorch) to about 7 ms, the conv1d of those tokens from 11 ms (PyTorch) to 2.7-4.6 ms.
+RMSNorm (also fused with the residual add before it), SwiGLU's silu(gate) * up and the mixers'
+gated RMSNorm run as one pass over their rows (PyTorch makes four to six): 1.6 to 2.5x on the
+100M model's prefill shapes (benchmarks/cpu_kernels.py).
 
 Build: `gcc -O3 -march=native -fopenmp -shared` into `$XDG_CACHE_HOME/hybridkv` (default
 `~/.cache/hybridkv`), keyed by the source, the compiler flags and the CPU's flags, so a cache
