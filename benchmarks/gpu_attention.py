@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_attention.py            # a table
     python benchmarks/gpu_attention.py --json     # the same numbers as JSON
+    python benchmarks/gpu_attention.py --json-out F   # the table, and the JSON written to F
 
 For kernel_block_size 16/32/64/128 and blocks_per_page 1/17/33 it times hybridkv's Triton
 kernels (bf16, batch 64, context 4k by default) on page-mode block tables: each request owns
@@ -156,6 +157,7 @@ def print_table(device: str, copy_gbps: float, rows: list[Row], t: dict[str, obj
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--json-out", metavar="FILE", help="also write the JSON report to FILE")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--prefill-chunk", type=int, default=512, help="queries per request")
@@ -185,20 +187,31 @@ def main(argv: list[str] | None = None) -> int:
         for ratio in args.blocks_per_page
     ]
     t = targets(rows)
+    names = ("batch", "context", "prefill_chunk", "heads", "kv_heads", "head_dim")
+    report = {
+        "device": device,
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "dtype": "bfloat16",
+        "shape": {k: getattr(args, k) for k in names},
+        "copy_gbps": copy_gbps,
+        "rows": [asdict(r) for r in rows],
+        "targets": t,
+    }
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(report, f, indent=2)
     if args.json:
-        names = ("batch", "context", "prefill_chunk", "heads", "kv_heads", "head_dim")
-        report = {
-            "device": device,
-            "dtype": "bfloat16",
-            "shape": {k: getattr(args, k) for k in names},
-            "copy_gbps": copy_gbps,
-            "rows": [asdict(r) for r in rows],
-            "targets": t,
-        }
         print(json.dumps(report, indent=2))
     else:
         print_table(device, copy_gbps, rows, t)
     return 0
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
 
 
 if __name__ == "__main__":

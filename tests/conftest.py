@@ -11,12 +11,23 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+HAS_GPU = torch.cuda.is_available()
+
+
 def pytest_collection_modifyitems(config, items):
-    has_gpu = torch.cuda.is_available()
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords and not has_gpu:
+        if "gpu" in item.keywords and not HAS_GPU:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def cpu_unless_marked(request, monkeypatch):
+    """Tests run on the CPU, also on a machine with a GPU: engines built with device="auto"
+    must not move there. Tests marked `gpu` (GPU only) or `triton` (Triton kernels: compiled on a
+    GPU when there is one, interpreted on the CPU otherwise) see the machine as it is."""
+    if HAS_GPU and not any(request.node.get_closest_marker(m) for m in ("gpu", "triton")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
 @pytest.fixture(params=["native", "torch"])

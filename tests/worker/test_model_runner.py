@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hybridkv.core.request import Request
@@ -46,6 +47,7 @@ def test_forward_batch_of_a_mixed_step(tiny_model_dir):
         assert smeta.state_pages.tolist() == [eng.cache.state_page(r, sid) for r in (a, b)]
 
 
+@pytest.mark.triton  # device "auto": on a GPU when there is one, else interpreted on the CPU
 def test_engine_selects_the_triton_backend_by_declaration(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 

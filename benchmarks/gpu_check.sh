@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Every GPU check of hybridkv in one command, sized for a short loan of one GPU machine
+# (about 5 minutes on an H200 with a warm pip-free image; each step has its own time limit).
+#
+#   benchmarks/gpu_check.sh [OUT_DIR]      # default: $OUT, else ./gpu-check-out
+#
+# Runs from the repository root without installing anything: PYTHONPATH points at the checkout,
+# and the machine's python3 must already hold torch (CUDA build), triton, transformers,
+# safetensors, tokenizers, numpy, pytest and pytest-xdist.
+# Writes to OUT_DIR:
+#   env.txt               GPU, driver, Python, torch and Triton versions
+#   pytest.log            tests marked gpu or triton: the Triton kernels compiled on the GPU
+#                         against the PyTorch reference, and the engine on CUDA against
+#                         transformers
+#   sm90_report.txt       registers, spills and shared memory per kernel (this Triton's ptxas)
+#   gpu_attention.txt     benchmarks/gpu_attention.py's table (and .json beside it)
+#   summary.txt           one line per step with its exit status
+# Exits 0 only if every step passed.
+set -u
+cd "$(dirname "$0")/.."
+out=${1:-${OUT:-gpu-check-out}}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export TRITON_DEFAULT_FP_FUSION=1
+unset TRITON_INTERPRET
+status=0
+: >"$out/summary.txt"
+
+step() {  # step NAME LIMIT_S LOG COMMAND...: run with a time limit, log, record the exit status
+    local name=$1 limit=$2 log=$3
+    shift 3
+    local start=$SECONDS
+    timeout "$limit" "$@" >"$out/$log" 2>&1
+    local rc=$?
+    [ "$rc" -eq 0 ] || status=1
+    echo "$name: exit $rc after $((SECONDS - start)) s (limit $limit s)" | tee -a "$out/summary.txt"
+}
+
+step env 60 env.txt bash -c "nvidia-smi -L; nvidia-smi --query-gpu=driver_version,clocks.max.sm,\
+clocks.max.mem --format=csv; $py -c 'import sys, torch, triton; print(sys.version); \
+print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name()); \
+print(\"triton\", triton.__version__)'"
+step tests 300 pytest.log "$py" -m pytest -q -p no:cacheprovider -n 4 -m "gpu or triton" \
+    tests/ops/test_triton_attention.py tests/worker/test_model_runner.py tests/test_engine.py
+step sm90_report 120 sm90_report.txt "$py" benchmarks/triton_sm90_report.py --check
+step gpu_attention 240 gpu_attention.txt "$py" benchmarks/gpu_attention.py \
+    --json-out "$out/gpu_attention.json"
+tail -n 3 "$out/pytest.log"
+cat "$out/gpu_attention.txt"
+exit $status

@@ -1,0 +1,178 @@
+"""Compile hybridkv's Triton kernels for Hopper (sm_90a) without a GPU and report their resources.
+
+    python benchmarks/triton_sm90_report.py            # a table
+    python benchmarks/triton_sm90_report.py --check    # also exit 1 if a kernel spills more
+                                                       # than a few words, or needs more shared
+                                                       # memory than an H200 has
+
+Triton lowers each kernel to PTX for a target named here (no device is asked), and the ptxas
+bundled with Triton's wheel assembles it with `-v`, which prints registers per thread and spill
+bytes. The configurations are those of benchmarks/gpu_attention.py (bf16, head dim 128, 32 query
+heads over 8 kv heads) for every kernel block size it times, plus the corner cases the tests
+use: a window, a 2096-token kernel block, a group of 8, split-K decode. Arguments are specialised
+as a launch specialises them (16-byte aligned pointers and strides, unit innermost strides), so
+the code is the one a GPU would run, not a generic variant.
+
+What it cannot tell: time. Registers, spills, shared memory and the instruction mix are static
+facts; bandwidth needs benchmarks/gpu_attention.py on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile, never interpret (read at kernel import)
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default launches use
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from hybridkv.ops import triton_attention as T  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on an H100 / H200
+# ptxas may park a few words on the stack by its own choice (Triton 3.9's ptxas 13.4 does for the
+# decode kernel, 8 to 16 bytes; Triton 3.6's does not); a spilled accumulator would be kilobytes.
+SPILL_LIMIT = 64
+UNIT_STRIDES = {"stride_qd", "stride_od", "stride_cd"}  # contiguous head dims: launched as 1
+ALIGNED = {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_ckv",
+           "stride_ct", "stride_ch", "stride_bt", "words_per_page", "stride_page"}  # fmt: skip
+POINTER_TYPES = {"block_table_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
+                 "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "slot_ptr": "*i64",
+                 "buf_ptr": "*i64", "page_ids_ptr": "*i64"}  # fmt: skip
+
+
+@dataclass
+class Report:
+    name: str
+    shared_bytes: int
+    registers: int
+    spill_bytes: int
+    instructions: dict[str, int]  # memory and matrix instructions in the PTX, by kind
+
+
+def compile_kernel(fn, constexprs: dict[str, object], num_warps: int = 4, num_stages: int = 2):
+    """Lower `fn` for TARGET with the specialisation a launch would give it."""
+    signature: dict[str, str] = {}
+    attrs: dict[tuple[int, ...], list[list[object]]] = {}
+    consts = dict(constexprs)
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name in UNIT_STRIDES:
+            signature[name], consts[name] = "constexpr", 1
+        elif name.endswith("_ptr"):
+            signature[name] = POINTER_TYPES.get(name, "*bf16")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32" if name == "qk_scale" else "i32"
+            if name in ALIGNED:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=TARGET, options={"num_warps": num_warps,
+                                                       "num_stages": num_stages})  # fmt: skip
+
+
+def ptxas() -> str:
+    """The ptxas Triton itself uses for sm_90 (its wheel carries two; which one varies)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return get_ptxas(TARGET.arch).path
+
+
+def report(name: str, kernel) -> Report:
+    ptx = kernel.asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        args = [ptxas(), "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull]
+        log = subprocess.run(args, capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    kinds = Counter(
+        m.split(".")[0] + ("." + m.split(".")[1] if m.startswith(("ld", "st", "cp")) else "")
+        for m in re.findall(r"\b(cp\.async\.\w+|ld\.global|st\.global|mma\.sync|wgmma\.\w+)", ptx)
+    )
+    return Report(
+        name,
+        kernel.metadata.shared,
+        int(regs.group(1)) if regs else -1,
+        sum(map(int, spills.groups())) if spills else -1,
+        dict(sorted(kinds.items())),
+    )
+
+
+def attention_configs() -> list[tuple[str, dict[str, object], int]]:
+    """(name, constexprs, num_stages) as paged_attention would launch them on a GPU."""
+    out = []
+
+    def cfg(name, *, kbs, decode, group=4, splits=1, window=False, stages=2):
+        consts = dict(GROUP=group, GROUP_PAD=group, BLOCK_M=max(16 if decode else 64, group),
+                      TILE_N=64, KBS=kbs, HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=splits,
+                      IS_DECODE=decode, USE_WINDOW=window, DOT_FP32=False,
+                      DOT_PRECISION="tf32")  # fmt: skip
+        out.append((name, consts, stages))
+
+    for kbs in (16, 32, 64, 128):
+        cfg(f"decode kbs {kbs}", kbs=kbs, decode=True)
+        cfg(f"prefill kbs {kbs}", kbs=kbs, decode=False)
+    cfg("decode kbs 16, 4 splits", kbs=16, decode=True, splits=4)
+    cfg("prefill kbs 48, group 8, window", kbs=48, decode=False, group=8, window=True)
+    cfg("decode kbs 2096, group 1, window", kbs=2096, decode=True, group=1, window=True)
+    return out
+
+
+def build_all() -> list[Report]:
+    reports = [
+        report(f"paged_attention {name}", compile_kernel(T._paged_attention_kernel, c, 4, s))
+        for name, c, s in attention_configs()
+    ]
+    head = dict(HEAD_DIM=128, HEAD_DIM_PAD=128)
+    others = [
+        ("merge_splits", T._merge_splits_kernel, dict(NUM_SPLITS=4, **head)),
+        ("write_kv", T._write_kv_kernel, dict(KV_HEADS=8, KV_HEADS_PAD=8, **head)),
+        ("zero_pages", T._zero_pages_kernel, dict(BLOCK=1024)),
+    ]
+    reports += [report(name, compile_kernel(fn, c)) for name, fn, c in others]
+    return reports
+
+
+def problems(reports: list[Report]) -> list[str]:
+    bad = []
+    for r in reports:
+        if not 0 <= r.spill_bytes <= SPILL_LIMIT:
+            bad.append(f"{r.name}: {r.spill_bytes} spill bytes (limit {SPILL_LIMIT})")
+        if r.shared_bytes > SHARED_LIMIT:
+            bad.append(f"{r.name}: {r.shared_bytes} B shared > {SHARED_LIMIT}")
+    return bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="exit 1 on spills or shared overflow")
+    args = p.parse_args(argv)
+    reports = build_all()
+    print(f"triton {triton.__version__}, target sm_90a (ptxas -v)")
+    head = f"{'kernel':<48} {'shared B':>9} {'regs':>5} {'spill B':>8}  PTX memory / matrix ops"
+    print(head)
+    print("-" * len(head))
+    for r in reports:
+        ops = ", ".join(f"{k} {v}" for k, v in r.instructions.items())
+        print(f"{r.name:<48} {r.shared_bytes:>9} {r.registers:>5} {r.spill_bytes:>8}  {ops}")
+    bad = problems(reports)
+    for line in bad:
+        print("PROBLEM:", line)
+    return 1 if args.check and bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
