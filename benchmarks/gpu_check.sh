@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check of hybridkv in one command, sized for a short loan of one GPU machine
-# (about 5 minutes on an H200 with a warm pip-free image; each step has its own time limit).
+# (expected 3 to 6 minutes on an H200, nothing to install). Each step has its own time limit;
+# together they stay under 10 minutes, the device tool's limit for one command.
 #
 #   benchmarks/gpu_check.sh [OUT_DIR]      # default: $OUT, else ./gpu-check-out
 #
@@ -14,6 +15,7 @@
 #                         transformers
 #   sm90_report.txt       registers, spills and shared memory per kernel (this Triton's ptxas)
 #   gpu_attention.txt     benchmarks/gpu_attention.py's table (and .json beside it)
+#   gpu_sweep.txt         its launch sweep (tile sizes, warps, stages) at kbs 16 and 128 (.json)
 #   summary.txt           one line per step with its exit status
 # Exits 0 only if every step passed.
 set -u
@@ -37,15 +39,18 @@ step() {  # step NAME LIMIT_S LOG COMMAND...: run with a time limit, log, record
     echo "$name: exit $rc after $((SECONDS - start)) s (limit $limit s)" | tee -a "$out/summary.txt"
 }
 
-step env 60 env.txt bash -c "nvidia-smi -L; nvidia-smi --query-gpu=driver_version,clocks.max.sm,\
+step env 30 env.txt bash -c "nvidia-smi -L; nvidia-smi --query-gpu=driver_version,clocks.max.sm,\
 clocks.max.mem --format=csv; $py -c 'import sys, torch, triton; print(sys.version); \
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name()); \
 print(\"triton\", triton.__version__)'"
-step tests 300 pytest.log "$py" -m pytest -q -p no:cacheprovider -n 4 -m "gpu or triton" \
-    tests/ops/test_triton_attention.py tests/worker/test_model_runner.py tests/test_engine.py
-step sm90_report 120 sm90_report.txt "$py" benchmarks/triton_sm90_report.py --check
-step gpu_attention 240 gpu_attention.txt "$py" benchmarks/gpu_attention.py \
+step tests 200 pytest.log "$py" -m pytest -q -p no:cacheprovider -n 4 -m "gpu or triton" \
+    tests/ops/test_triton_attention.py tests/worker/test_model_runner.py tests/test_engine.py \
+    tests/benchmarks/test_gpu_attention_smoke.py
+step sm90_report 40 sm90_report.txt "$py" benchmarks/triton_sm90_report.py --check
+step gpu_attention 180 gpu_attention.txt "$py" benchmarks/gpu_attention.py \
     --json-out "$out/gpu_attention.json"
+step gpu_sweep 140 gpu_sweep.txt "$py" benchmarks/gpu_attention.py --sweep \
+    --kernel-block-sizes 16 128 --blocks-per-page 1 --json-out "$out/gpu_sweep.json"
 tail -n 3 "$out/pytest.log"
-cat "$out/gpu_attention.txt"
+cat "$out/gpu_attention.txt" "$out/gpu_sweep.txt"
 exit $status

@@ -111,16 +111,17 @@ def report(name: str, kernel) -> Report:
     )
 
 
-def attention_configs() -> list[tuple[str, dict[str, object], int]]:
-    """(name, constexprs, num_stages) as paged_attention would launch them on a GPU."""
+def attention_configs() -> list[tuple[str, dict[str, object], T.LaunchConfig]]:
+    """(name, constexprs, launch) as paged_attention would launch them on a GPU."""
     out = []
 
-    def cfg(name, *, kbs, decode, group=4, splits=1, window=False, stages=2):
-        consts = dict(GROUP=group, GROUP_PAD=group, BLOCK_M=max(16 if decode else 64, group),
-                      TILE_N=64, KBS=kbs, HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=splits,
-                      IS_DECODE=decode, USE_WINDOW=window, DOT_FP32=False,
+    def cfg(name, *, kbs, decode, group=4, splits=1, window=False):
+        launch = T.default_launch(decode, group, 128, on_gpu=True)
+        consts = dict(GROUP=group, GROUP_PAD=group, BLOCK_M=launch.block_m,
+                      TILE_N=launch.tile_n, KBS=kbs, HEAD_DIM=128, HEAD_DIM_PAD=128,
+                      NUM_SPLITS=splits, IS_DECODE=decode, USE_WINDOW=window, DOT_FP32=False,
                       DOT_PRECISION="tf32")  # fmt: skip
-        out.append((name, consts, stages))
+        out.append((name, consts, launch))
 
     for kbs in (16, 32, 64, 128):
         cfg(f"decode kbs {kbs}", kbs=kbs, decode=True)
@@ -133,8 +134,11 @@ def attention_configs() -> list[tuple[str, dict[str, object], int]]:
 
 def build_all() -> list[Report]:
     reports = [
-        report(f"paged_attention {name}", compile_kernel(T._paged_attention_kernel, c, 4, s))
-        for name, c, s in attention_configs()
+        report(
+            f"paged_attention {name}",
+            compile_kernel(T._paged_attention_kernel, c, launch.num_warps, launch.num_stages),
+        )
+        for name, c, launch in attention_configs()
     ]
     head = dict(HEAD_DIM=128, HEAD_DIM_PAD=128)
     others = [

@@ -39,6 +39,7 @@ partial results.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -416,12 +417,40 @@ def _num_sms(device: torch.device) -> int:
     return 4  # interpreter: few programs keep it fast
 
 
-def _tile_config(is_decode: bool, group_pad: int, on_gpu: bool) -> tuple[int, int, int]:
-    """(BLOCK_M query rows, TILE_N context positions, pipeline stages) of one program."""
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How one paged-attention launch tiles its work (the defaults come from `default_launch`).
+
+    block_m: query rows per program (tokens x padded group heads), a power of two >= 16 that
+    the padded group divides; tile_n: context positions per tile, a power of two >= 16.
+    """
+
+    block_m: int
+    tile_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "tile_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+
+def default_launch(
+    is_decode: bool, group_pad: int, head_dim_pad: int, on_gpu: bool
+) -> LaunchConfig:
+    """The launch configuration paged_attention uses unless given one."""
     tile_n = 64 if on_gpu else 32
     if is_decode:  # one token: rows are the group's heads, padded to the 16 rows a dot needs
-        return max(16, group_pad), tile_n, 2
-    return max(64 if on_gpu else 32, group_pad), tile_n, 3
+        return LaunchConfig(max(16, group_pad), tile_n, 4, 2)
+    # two stages keep Q, K and V tiles of 128-wide heads well inside shared memory
+    stages = 2 if head_dim_pad > 64 else 3
+    return LaunchConfig(max(64 if on_gpu else 32, group_pad), tile_n, 4, stages)
 
 
 def _pick_num_splits(
@@ -447,12 +476,14 @@ def paged_attention(
     max_seq_len: int | None = None,
     *,
     num_kv_splits: int | None = None,
+    launch: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over each request's paged context.
 
     q: [num_tokens, num_heads, head_dim]; block_table: [num_seqs, max_blocks] int32;
     query_start_loc: [num_seqs + 1]; seq_lens: [num_seqs]  ->  [num_tokens, num_heads, head_dim]
-    `num_kv_splits` (decode batches only; a power of two) overrides the split-K heuristic.
+    `num_kv_splits` (decode batches only; a power of two) overrides the split-K heuristic,
+    `launch` the tiling (for tuning; see `default_launch`).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, kbs, kv_heads, cache_head_dim = kv_cache.shape
@@ -471,9 +502,14 @@ def paged_attention(
     group = num_heads // kv_heads
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    block_m, tile_n, num_stages = _tile_config(is_decode, group_pad, q.device.type == "cuda")
-    if head_dim_pad > 64:
-        num_stages = 2  # keeps Q, K and V tiles of 128-wide heads well inside shared memory
+    if launch is None:
+        launch = default_launch(is_decode, group_pad, head_dim_pad, q.device.type == "cuda")
+    elif launch.block_m % group_pad:
+        raise ValueError(
+            f"block_m={launch.block_m} must be a multiple of the padded group {group_pad} "
+            f"({num_heads} query heads / {kv_heads} kv heads)"
+        )
+    block_m, tile_n = launch.block_m, launch.tile_n
 
     num_splits = 1
     if is_decode:
@@ -514,8 +550,8 @@ def paged_attention(
         USE_WINDOW=sliding_window is not None,
         DOT_FP32=dot_fp32,
         DOT_PRECISION="ieee" if precise else "tf32",
-        num_warps=4,
-        num_stages=num_stages,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -525,4 +561,11 @@ def paged_attention(
     return out
 
 
-__all__ = ["is_interpreted", "paged_attention", "write_kv_cache", "zero_pages"]
+__all__ = [
+    "LaunchConfig",
+    "default_launch",
+    "is_interpreted",
+    "paged_attention",
+    "write_kv_cache",
+    "zero_pages",
+]

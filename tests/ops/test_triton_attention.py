@@ -171,6 +171,27 @@ def test_non_power_of_two_and_huge_kernel_blocks(kbs: int, ratio: int) -> None:
     check(make_case([3, 30, 1], seq_lens, kbs, ratio, heads=2, kv_heads=1))
 
 
+@pytest.mark.parametrize(
+    "launch",
+    [tri.LaunchConfig(16, 16), tri.LaunchConfig(32, 64, num_warps=2), tri.LaunchConfig(64, 16)],
+)
+def test_launch_config_override(launch) -> None:
+    # tiles smaller and larger than the 48-token kernel blocks, decode and prefill rows
+    case = make_case([5, 1, 19], [70, 100, 19], 48, ratio=3, heads=8, kv_heads=2)
+    check(case, launch=launch)
+    check(make_case([1, 1], [70, 100], 48, ratio=3), launch=launch, num_kv_splits=2)
+
+
+def test_launch_config_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match="tile_n must be a power of two >= 16, got 48"):
+        tri.LaunchConfig(16, 48)
+    with pytest.raises(ValueError, match="num_warps"):
+        tri.LaunchConfig(16, 16, num_warps=3)
+    case = make_case([1], [20], 16, heads=64, kv_heads=2)  # a group of 32 rows
+    with pytest.raises(ValueError, match="block_m=16 must be a multiple of the padded group 32"):
+        check(case, launch=tri.LaunchConfig(16, 16))
+
+
 def test_nan_garbage_never_leaks() -> None:
     # every slot outside the valid context is NaN: unused slots of owned pages, the pages of
     # other requests, spare table columns, and the query rows' padding lanes
