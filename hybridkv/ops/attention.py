@@ -22,6 +22,8 @@ hands out and nothing ever writes, so it holds zeros), and their scores are -inf
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -44,6 +46,13 @@ def write_kv_cache(
     offsets = slot_mapping % kbs
     kv_cache[blocks, 0, offsets] = k.to(kv_cache.dtype)
     kv_cache[blocks, 1, offsets] = v.to(kv_cache.dtype)
+
+
+def zero_pages(buffer_2d: torch.Tensor, page_ids: Sequence[int] | torch.Tensor) -> None:
+    """Zero whole pages of a byte buffer. buffer_2d: [num_pages, page_bytes] uint8."""
+    ids = torch.as_tensor(page_ids, dtype=torch.int64, device=buffer_2d.device)
+    if ids.numel():
+        buffer_2d.index_fill_(0, ids, 0)
 
 
 NULL_BLOCK = 0

@@ -15,13 +15,14 @@ State views:    one [num_pages, *shape] tensor per state tensor, page stride = p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from hybridkv.dtypes import dtype_bytes, torch_dtype
 from hybridkv.kv.plan import GroupPlan, MemoryPlan
 from hybridkv.kv.specs import AttentionSpec, MLASpec, StateSpec
+from hybridkv.ops.attention import zero_pages as reference_zero_pages
 
 LayerView = torch.Tensor | dict[str, torch.Tensor]
 
@@ -74,12 +75,17 @@ class CacheBuffers:
             )
         return views
 
-    def zero_pages(self, group_id: int, page_ids: Sequence[int] | torch.Tensor) -> None:
+    def zero_pages(
+        self,
+        group_id: int,
+        page_ids: Sequence[int],
+        zero: Callable[[torch.Tensor, Sequence[int]], None] = reference_zero_pages,
+    ) -> None:
         """Zero pages newly handed to a group in the buffers its layers use: a page that held a
-        state may hold NaN bit patterns that an attention kernel must never read."""
-        ids = torch.as_tensor(page_ids, dtype=torch.int64, device=self.device)
-        if ids.numel() == 0:
+        state may hold NaN bit patterns that an attention kernel must never read. `zero` is the
+        attention backend's (a Triton kernel on GPUs); it gets [num_pages, page_bytes] uint8."""
+        if len(page_ids) == 0:
             return
         n_layers = len(self.plan.groups[group_id].layer_names)
         for buf in self.buffers[:n_layers]:
-            buf.view(self.plan.num_pages, self.plan.page_bytes).index_fill_(0, ids, 0)
+            zero(buf.view(self.plan.num_pages, self.plan.page_bytes), page_ids)

@@ -92,7 +92,7 @@ class ModelRunner:
 
     def _apply_allocations(self, out: SchedulerOutput) -> None:
         for gid, pages in out.new_attention_pages.items():
-            self.buffers.zero_pages(gid, pages)
+            self.buffers.zero_pages(gid, pages, self.backend.zero_pages)
         for chunk in out.chunks:
             row = self._row_of(chunk.request)
             for gid, blocks in chunk.allocation.new_blocks.items():

@@ -273,6 +273,11 @@ def test_triton_backend_matches_torch_backend() -> None:
     triton_backend.write_kv_cache(kv, kv, cache_a, slots)
     torch_backend.write_kv_cache(kv, kv, cache_b, slots)
     torch.testing.assert_close(cache_a, cache_b, equal_nan=True)
+    pages_a = cache_a.view(torch.uint8).view(cache_a.shape[0] // 3, -1)  # pages of 3 blocks
+    pages_b = cache_b.view(torch.uint8).view(cache_b.shape[0] // 3, -1)
+    triton_backend.zero_pages(pages_a, [1, 2])
+    torch_backend.zero_pages(pages_b, [1, 2])
+    assert pages_a[1:3].eq(0).all() and torch.equal(pages_a, pages_b)
 
 
 # --- compiled (not interpreted) kernels, without a GPU --------------------------------------------

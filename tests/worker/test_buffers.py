@@ -115,6 +115,25 @@ def test_zero_pages_only_touches_those_pages(buffers):
     assert torch.isnan(view[3 * r : 4 * r]).all()
 
 
+def test_zero_pages_goes_through_the_given_function(buffers):
+    """The runner passes its attention backend's zero_pages (Triton's on GPUs)."""
+    plan = buffers.plan
+    g = next(g for g in plan.groups if g.kind == "attention")
+    calls = []
+
+    def zero(buffer_2d, page_ids):
+        calls.append((buffer_2d.data_ptr(), tuple(buffer_2d.shape), buffer_2d.dtype, page_ids))
+
+    buffers.zero_pages(g.group_id, [3])
+    buffers.zero_pages(g.group_id, [], zero)  # nothing to zero: no call
+    buffers.zero_pages(g.group_id, [1, 4], zero)
+    expected = [
+        (buf.data_ptr(), (plan.num_pages, plan.page_bytes), torch.uint8, [1, 4])
+        for buf in buffers.buffers[: len(g.layer_names)]
+    ]
+    assert calls == expected
+
+
 def test_fp8_kv_view():
     layers = [CacheLayer("layers.0.attention", 0, AttentionSpec(1, 8, "fp8_e4m3"))]
     plan = make_plan(layers, CacheConfig(num_pages=4, page_tokens=16, kernel_block_size=8))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol
@@ -42,6 +43,10 @@ class AttentionImpl(Protocol):
         self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None: ...
 
+    def zero_pages(self, buffer_2d: torch.Tensor, page_ids: Sequence[int]) -> None:
+        """Zero pages ([num_pages, page_bytes] uint8 rows) newly handed to an attention group."""
+        ...
+
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -54,8 +59,9 @@ class AttentionImpl(Protocol):
 
 class KernelModuleBackend:
     """An `AttentionImpl` over a kernels module that provides `write_kv_cache(k, v, kv_cache,
-    slot_mapping)` and `paged_attention(q, kv_cache, block_table, query_start_loc, seq_lens,
-    scale, sliding_window, max_query_len, max_seq_len)` (hybridkv.ops.attention, Triton's)."""
+    slot_mapping)`, `zero_pages(buffer_2d, page_ids)` and `paged_attention(q, kv_cache,
+    block_table, query_start_loc, seq_lens, scale, sliding_window, max_query_len, max_seq_len)`
+    (hybridkv.ops.attention, Triton's)."""
 
     name = ""
 
@@ -66,6 +72,9 @@ class KernelModuleBackend:
         self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
         self.kernels().write_kv_cache(k, v, kv_cache, slot_mapping)
+
+    def zero_pages(self, buffer_2d: torch.Tensor, page_ids: Sequence[int]) -> None:
+        self.kernels().zero_pages(buffer_2d, page_ids)
 
     def forward(
         self,
