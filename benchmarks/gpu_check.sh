@@ -13,7 +13,7 @@
 #   pytest.log            tests marked gpu or triton: the Triton kernels compiled on the GPU
 #                         against the PyTorch reference, and the engine on CUDA against
 #                         transformers
-#   sm90_report.txt       registers, spills and shared memory per kernel (this Triton's ptxas)
+#   compile_report.txt    sm_90a registers, spills and shared memory per kernel (this Triton's)
 #   gpu_attention.txt     benchmarks/gpu_attention.py's table (and .json beside it)
 #   gpu_sweep.txt         its launch sweep (tile sizes, warps, stages) at kbs 16 and 128 (.json)
 #   summary.txt           one line per step with its exit status
@@ -46,7 +46,8 @@ print(\"triton\", triton.__version__)'"
 step tests 200 pytest.log "$py" -m pytest -q -p no:cacheprovider -n 4 -m "gpu or triton" \
     tests/ops/test_triton_attention.py tests/worker/test_model_runner.py tests/test_engine.py \
     tests/benchmarks/test_gpu_attention_smoke.py
-step sm90_report 40 sm90_report.txt "$py" benchmarks/triton_sm90_report.py --check
+step compile_report 40 compile_report.txt "$py" benchmarks/triton_compile_report.py \
+    --target sm_90a --check
 step gpu_attention 180 gpu_attention.txt "$py" benchmarks/gpu_attention.py \
     --json-out "$out/gpu_attention.json"
 step gpu_sweep 140 gpu_sweep.txt "$py" benchmarks/gpu_attention.py --sweep \

@@ -1,17 +1,19 @@
-"""Compile hybridkv's Triton kernels for Hopper (sm_90a) without a GPU and report their resources.
+"""Compile hybridkv's Triton kernels for GPUs without one and report their resources.
 
-    python benchmarks/triton_sm90_report.py            # a table
-    python benchmarks/triton_sm90_report.py --check    # also exit 1 if a kernel spills more
-                                                       # than a few words, or needs more shared
-                                                       # memory than an H200 has
+    python benchmarks/triton_compile_report.py                   # Hopper (sm_90a) and MI300
+    python benchmarks/triton_compile_report.py --target sm_90a   # one target (or gfx942)
+    python benchmarks/triton_compile_report.py --check           # also exit 1 if a kernel
+                                                                 # spills more than a few words
+                                                                 # or overflows shared memory
 
-Triton lowers each kernel to PTX for a target named here (no device is asked), and the ptxas
-bundled with Triton's wheel assembles it with `-v`, which prints registers per thread and spill
-bytes. The configurations are those of benchmarks/gpu_attention.py (bf16, head dim 128, 32 query
-heads over 8 kv heads) for every kernel block size it times, plus the corner cases the tests
-use: a window, a 2096-token kernel block, a group of 8, split-K decode. Arguments are specialised
-as a launch specialises them (16-byte aligned pointers and strides, unit innermost strides), so
-the code is the one a GPU would run, not a generic variant.
+Triton lowers each kernel for a target named here; no device is asked. For NVIDIA sm_90a (H100,
+H200) the ptxas that Triton itself uses assembles the PTX with `-v`, which prints registers per
+thread and spill bytes. For AMD gfx942 (MI300) Triton's own LLVM emits the AMDGCN assembly, whose
+metadata holds VGPRs, scratch (spill) bytes and occupancy. The configurations are those of
+benchmarks/gpu_attention.py (bf16, head dim 128, 32 query heads over 8 kv heads) for every kernel
+block size it times, plus the corner cases the tests use: a window, a 2096-token kernel block, a
+group of 8, split-K decode. Arguments are specialised as a launch specialises them (16-byte
+aligned pointers and strides, unit innermost strides), so the code is the one a GPU would run.
 
 What it cannot tell: time. Registers, spills, shared memory and the instruction mix are static
 facts; bandwidth needs benchmarks/gpu_attention.py on a GPU.
@@ -38,8 +40,17 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from hybridkv.ops import triton_attention as T  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
-SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on an H100 / H200
+
+@dataclass(frozen=True)
+class Target:
+    gpu: GPUTarget
+    shared_limit: int  # bytes of shared memory (LDS) one block may use
+
+
+TARGETS = {
+    "sm_90a": Target(GPUTarget("cuda", 90, 32), 227 * 1024),  # H100 / H200
+    "gfx942": Target(GPUTarget("hip", "gfx942", 64), 64 * 1024),  # MI300X
+}
 # ptxas may park a few words on the stack by its own choice (Triton 3.9's ptxas 13.4 does for the
 # decode kernel, 8 to 16 bytes; Triton 3.6's does not); a spilled accumulator would be kilobytes.
 SPILL_LIMIT = 64
@@ -57,11 +68,14 @@ class Report:
     shared_bytes: int
     registers: int
     spill_bytes: int
-    instructions: dict[str, int]  # memory and matrix instructions in the PTX, by kind
+    instructions: dict[str, int]  # memory and matrix instructions, by kind
+    occupancy: int | None = None  # waves per SIMD (AMD); None where the assembler does not say
 
 
-def compile_kernel(fn, constexprs: dict[str, object], num_warps: int = 4, num_stages: int = 2):
-    """Lower `fn` for TARGET with the specialisation a launch would give it."""
+def compile_kernel(
+    fn, constexprs: dict[str, object], target: Target, num_warps: int = 4, num_stages: int = 2
+):
+    """Lower `fn` for `target` with the specialisation a launch would give it."""
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list[list[object]]] = {}
     consts = dict(constexprs)
@@ -78,18 +92,24 @@ def compile_kernel(fn, constexprs: dict[str, object], num_warps: int = 4, num_st
             if name in ALIGNED:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=TARGET, options={"num_warps": num_warps,
-                                                       "num_stages": num_stages})  # fmt: skip
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(src, target=target.gpu, options=options)
 
 
 def ptxas() -> str:
     """The ptxas Triton itself uses for sm_90 (its wheel carries two; which one varies)."""
     from triton.backends.nvidia.compiler import get_ptxas
 
-    return get_ptxas(TARGET.arch).path
+    return get_ptxas(90).path
 
 
-def report(name: str, kernel) -> Report:
+def report(name: str, kernel, target: Target) -> Report:
+    if target.gpu.backend == "cuda":
+        return _report_nvidia(name, kernel)
+    return _report_amd(name, kernel)
+
+
+def _report_nvidia(name: str, kernel) -> Report:
     ptx = kernel.asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
@@ -108,6 +128,32 @@ def report(name: str, kernel) -> Report:
         int(regs.group(1)) if regs else -1,
         sum(map(int, spills.groups())) if spills else -1,
         dict(sorted(kinds.items())),
+    )
+
+
+def _report_amd(name: str, kernel) -> Report:
+    asm = kernel.asm["amdgcn"]
+
+    def field(key: str) -> int:
+        m = re.search(rf"\.{key}:\s+(\d+)", asm)
+        return int(m.group(1)) if m else -1
+
+    occupancy = re.search(r"; Occupancy: (\d+)", asm)
+    kinds = Counter(
+        m.split("_")[0] + "_" + m.split("_")[1]
+        for m in re.findall(
+            r"\b(global_load\w*|buffer_load\w*|global_store\w*|buffer_store"
+            r"\w*|ds_read\w*|ds_write\w*|v_mfma\w*)",
+            asm,
+        )  # fmt: skip
+    )
+    return Report(
+        name,
+        kernel.metadata.shared,
+        field("vgpr_count"),
+        field("private_segment_fixed_size"),  # scratch: where VGPRs spill to
+        dict(sorted(kinds.items())),
+        int(occupancy.group(1)) if occupancy else None,
     )
 
 
@@ -132,12 +178,15 @@ def attention_configs() -> list[tuple[str, dict[str, object], T.LaunchConfig]]:
     return out
 
 
-def build_all() -> list[Report]:
+def build_all(target: Target) -> list[Report]:
     reports = [
         report(
             f"paged_attention {name}",
-            compile_kernel(T._paged_attention_kernel, c, launch.num_warps, launch.num_stages),
-        )
+            compile_kernel(
+                T._paged_attention_kernel, c, target, launch.num_warps, launch.num_stages
+            ),
+            target,
+        )  # fmt: skip
         for name, c, launch in attention_configs()
     ]
     head = dict(HEAD_DIM=128, HEAD_DIM_PAD=128)
@@ -146,35 +195,49 @@ def build_all() -> list[Report]:
         ("write_kv", T._write_kv_kernel, dict(KV_HEADS=8, KV_HEADS_PAD=8, **head)),
         ("zero_pages", T._zero_pages_kernel, dict(BLOCK=1024)),
     ]
-    reports += [report(name, compile_kernel(fn, c)) for name, fn, c in others]
+    reports += [report(name, compile_kernel(fn, c, target), target) for name, fn, c in others]
     return reports
 
 
-def problems(reports: list[Report]) -> list[str]:
+def problems(reports: list[Report], target: Target) -> list[str]:
     bad = []
     for r in reports:
         if not 0 <= r.spill_bytes <= SPILL_LIMIT:
             bad.append(f"{r.name}: {r.spill_bytes} spill bytes (limit {SPILL_LIMIT})")
-        if r.shared_bytes > SHARED_LIMIT:
-            bad.append(f"{r.name}: {r.shared_bytes} B shared > {SHARED_LIMIT}")
+        if r.shared_bytes > target.shared_limit:
+            bad.append(f"{r.name}: {r.shared_bytes} B shared > {target.shared_limit}")
     return bad
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="exit 1 on spills or shared overflow")
-    args = p.parse_args(argv)
-    reports = build_all()
-    print(f"triton {triton.__version__}, target sm_90a (ptxas -v)")
-    head = f"{'kernel':<48} {'shared B':>9} {'regs':>5} {'spill B':>8}  PTX memory / matrix ops"
+def print_table(target_name: str, reports: list[Report]) -> None:
+    amd = TARGETS[target_name].gpu.backend == "hip"
+    tool = "AMDGCN metadata; regs = VGPRs, spill = scratch" if amd else "ptxas -v"
+    print(f"triton {triton.__version__}, target {target_name} ({tool})")
+    occ = f" {'occ':>3}" if amd else ""
+    head = f"{'kernel':<48} {'shared B':>9} {'regs':>5} {'spill B':>8}{occ}  memory / matrix ops"
     print(head)
     print("-" * len(head))
     for r in reports:
         ops = ", ".join(f"{k} {v}" for k, v in r.instructions.items())
-        print(f"{r.name:<48} {r.shared_bytes:>9} {r.registers:>5} {r.spill_bytes:>8}  {ops}")
-    bad = problems(reports)
-    for line in bad:
-        print("PROBLEM:", line)
+        occ = f" {r.occupancy if r.occupancy is not None else '?':>3}" if amd else ""
+        print(f"{r.name:<48} {r.shared_bytes:>9} {r.registers:>5} {r.spill_bytes:>8}{occ}  {ops}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", choices=[*TARGETS, "all"], default="all")
+    p.add_argument("--check", action="store_true", help="exit 1 on spills or shared overflow")
+    args = p.parse_args(argv)
+    names = list(TARGETS) if args.target == "all" else [args.target]
+    bad = []
+    for name in names:
+        reports = build_all(TARGETS[name])
+        print_table(name, reports)
+        found = problems(reports, TARGETS[name])
+        for line in found:
+            print(f"PROBLEM ({name}): {line}")
+        bad += found
+        print()
     return 1 if args.check and bad else 0
 
 
