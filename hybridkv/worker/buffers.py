@@ -78,14 +78,16 @@ class CacheBuffers:
     def zero_pages(
         self,
         group_id: int,
-        page_ids: Sequence[int],
-        zero: Callable[[torch.Tensor, Sequence[int]], None] = reference_zero_pages,
+        page_ids: Sequence[int] | torch.Tensor,
+        zero: Callable[[torch.Tensor, torch.Tensor], None] = reference_zero_pages,
     ) -> None:
         """Zero pages newly handed to a group in the buffers its layers use: a page that held a
         state may hold NaN bit patterns that an attention kernel must never read. `zero` is the
-        attention backend's (a Triton kernel on GPUs); it gets [num_pages, page_bytes] uint8."""
-        if len(page_ids) == 0:
+        attention backend's (a Triton kernel on GPUs); it gets [num_pages, page_bytes] uint8 and
+        the page ids, copied to the device once for all layers."""
+        ids = torch.as_tensor(page_ids, dtype=torch.int64, device=self.device)
+        if ids.numel() == 0:
             return
         n_layers = len(self.plan.groups[group_id].layer_names)
         for buf in self.buffers[:n_layers]:
-            zero(buf.view(self.plan.num_pages, self.plan.page_bytes), page_ids)
+            zero(buf.view(self.plan.num_pages, self.plan.page_bytes), ids)

@@ -122,7 +122,8 @@ def test_zero_pages_goes_through_the_given_function(buffers):
     calls = []
 
     def zero(buffer_2d, page_ids):
-        calls.append((buffer_2d.data_ptr(), tuple(buffer_2d.shape), buffer_2d.dtype, page_ids))
+        calls.append((buffer_2d.data_ptr(), tuple(buffer_2d.shape), buffer_2d.dtype,
+                      page_ids.tolist()))  # fmt: skip
 
     buffers.zero_pages(g.group_id, [3])
     buffers.zero_pages(g.group_id, [], zero)  # nothing to zero: no call

@@ -43,7 +43,7 @@ class AttentionImpl(Protocol):
         self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None: ...
 
-    def zero_pages(self, buffer_2d: torch.Tensor, page_ids: Sequence[int]) -> None:
+    def zero_pages(self, buffer_2d: torch.Tensor, page_ids: Sequence[int] | torch.Tensor) -> None:
         """Zero pages ([num_pages, page_bytes] uint8 rows) newly handed to an attention group."""
         ...
 
@@ -73,7 +73,7 @@ class KernelModuleBackend:
     ) -> None:
         self.kernels().write_kv_cache(k, v, kv_cache, slot_mapping)
 
-    def zero_pages(self, buffer_2d: torch.Tensor, page_ids: Sequence[int]) -> None:
+    def zero_pages(self, buffer_2d: torch.Tensor, page_ids: Sequence[int] | torch.Tensor) -> None:
         self.kernels().zero_pages(buffer_2d, page_ids)
 
     def forward(
