@@ -43,7 +43,7 @@ step env 30 env.txt bash -c "nvidia-smi -L; nvidia-smi --query-gpu=driver_versio
 clocks.max.mem --format=csv; $py -c 'import sys, torch, triton; print(sys.version); \
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name()); \
 print(\"triton\", triton.__version__)'"
-step tests 200 pytest.log "$py" -m pytest -q -p no:cacheprovider -n 4 -m "gpu or triton" \
+step tests 200 pytest.log "$py" -m pytest -q -p no:cacheprovider -n 8 -m "gpu or triton" \
     tests/ops/test_triton_attention.py tests/worker/test_model_runner.py tests/test_engine.py \
     tests/benchmarks/test_gpu_attention_smoke.py
 step compile_report 40 compile_report.txt "$py" benchmarks/triton_compile_report.py \
