@@ -8,15 +8,16 @@
 # Runs from the repository root without installing anything: PYTHONPATH points at the checkout,
 # and the machine's python3 must already hold torch (CUDA build), triton, transformers,
 # safetensors, tokenizers, numpy, pytest and pytest-xdist.
-# Writes to OUT_DIR:
-#   env.txt               GPU, driver, Python, torch and Triton versions
+# Writes to OUT_DIR (eight files, the most the device tool returns):
+#   summary.txt           GPU, driver, Python, torch and Triton versions, then one line per step
+#                         with its exit status and time
 #   pytest.log            tests marked gpu or triton: the Triton kernels compiled on the GPU
 #                         against the PyTorch reference, and the engine on CUDA against
 #                         transformers
 #   compile_report.txt    sm_90a registers, spills and shared memory per kernel (this Triton's)
 #   gpu_attention.txt     benchmarks/gpu_attention.py's table (and .json beside it)
 #   gpu_sweep.txt         its launch sweep (tile sizes, warps, stages) at kbs 16 and 128 (.json)
-#   summary.txt           one line per step with its exit status
+#   gpu_mamba.txt         benchmarks/gpu_mamba.py: Mamba2 decode kernels against PyTorch
 # Exits 0 only if every step passed.
 set -u
 cd "$(dirname "$0")/.."
@@ -39,19 +40,24 @@ step() {  # step NAME LIMIT_S LOG COMMAND...: run with a time limit, log, record
     echo "$name: exit $rc after $((SECONDS - start)) s (limit $limit s)" | tee -a "$out/summary.txt"
 }
 
-step env 30 env.txt bash -c "nvidia-smi -L; nvidia-smi --query-gpu=driver_version,clocks.max.sm,\
-clocks.max.mem --format=csv; $py -c 'import sys, torch, triton; print(sys.version); \
-print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name()); \
-print(\"triton\", triton.__version__)'"
-step tests 200 pytest.log "$py" -m pytest -q -p no:cacheprovider -n 8 -m "gpu or triton" \
-    tests/ops/test_triton_attention.py tests/worker/test_model_runner.py tests/test_engine.py \
-    tests/benchmarks/test_gpu_attention_smoke.py
+{
+    nvidia-smi -L
+    nvidia-smi --query-gpu=driver_version,clocks.max.sm,clocks.max.mem --format=csv
+    timeout 30 "$py" -c 'import sys, torch, triton; print(sys.version.split()[0], "torch",
+        torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(), "triton",
+        triton.__version__)'
+} >>"$out/summary.txt" 2>&1 || status=1
+step tests 180 pytest.log "$py" -m pytest -q -p no:cacheprovider -n 8 -m "gpu or triton" \
+    tests/ops/test_triton_attention.py tests/ops/test_triton_mamba.py \
+    tests/worker/test_model_runner.py tests/test_engine.py \
+    tests/benchmarks/test_gpu_attention_smoke.py tests/benchmarks/test_gpu_mamba_smoke.py
 step compile_report 40 compile_report.txt "$py" benchmarks/triton_compile_report.py \
     --target sm_90a --check
-step gpu_attention 180 gpu_attention.txt "$py" benchmarks/gpu_attention.py \
+step gpu_attention 150 gpu_attention.txt "$py" benchmarks/gpu_attention.py \
     --json-out "$out/gpu_attention.json"
-step gpu_sweep 140 gpu_sweep.txt "$py" benchmarks/gpu_attention.py --sweep \
+step gpu_sweep 120 gpu_sweep.txt "$py" benchmarks/gpu_attention.py --sweep \
     --kernel-block-sizes 16 128 --blocks-per-page 1 --json-out "$out/gpu_sweep.json"
+step gpu_mamba 60 gpu_mamba.txt "$py" benchmarks/gpu_mamba.py
 tail -n 3 "$out/pytest.log"
-cat "$out/gpu_attention.txt" "$out/gpu_sweep.txt"
+cat "$out/gpu_attention.txt" "$out/gpu_sweep.txt" "$out/gpu_mamba.txt"
 exit $status

@@ -55,8 +55,9 @@ TARGETS = {
 # decode kernel, 8 to 16 bytes; Triton 3.6's does not); a spilled accumulator would be kilobytes.
 SPILL_LIMIT = 64
 UNIT_STRIDES = {"stride_qd", "stride_od", "stride_cd"}  # contiguous head dims: launched as 1
-ALIGNED = {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_ckv",
-           "stride_ct", "stride_ch", "stride_bt", "words_per_page", "stride_page"}  # fmt: skip
+# Integer arguments a launch at these shapes sees as multiples of 16 (Triton specialises on it):
+# every stride that is not 1, and the page length in words.
+ALIGNED_PREFIXES = ("stride_", "words_per_page")
 POINTER_TYPES = {"block_table_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
                  "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "slot_ptr": "*i64",
                  "buf_ptr": "*i64", "page_ids_ptr": "*i64"}  # fmt: skip
@@ -73,23 +74,31 @@ class Report:
 
 
 def compile_kernel(
-    fn, constexprs: dict[str, object], target: Target, num_warps: int = 4, num_stages: int = 2
+    fn,
+    constexprs: dict[str, object],
+    target: Target,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    pointers: dict[str, str] | None = None,
+    unit_strides: set[str] = UNIT_STRIDES,
 ):
-    """Lower `fn` for `target` with the specialisation a launch would give it."""
+    """Lower `fn` for `target` with the specialisation a launch would give it. `pointers`
+    overrides POINTER_TYPES (element types by argument name; others are bf16)."""
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list[list[object]]] = {}
     consts = dict(constexprs)
+    types = {**POINTER_TYPES, **(pointers or {})}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
             signature[name] = "constexpr"
-        elif name in UNIT_STRIDES:
+        elif name in unit_strides:
             signature[name], consts[name] = "constexpr", 1
         elif name.endswith("_ptr"):
-            signature[name] = POINTER_TYPES.get(name, "*bf16")
+            signature[name] = types.get(name, "*bf16")
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "fp32" if name == "qk_scale" else "i32"
-            if name in ALIGNED:
+            if name.startswith(ALIGNED_PREFIXES):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
     options = {"num_warps": num_warps, "num_stages": num_stages}
@@ -196,7 +205,30 @@ def build_all(target: Target) -> list[Report]:
         ("zero_pages", T._zero_pages_kernel, dict(BLOCK=1024)),
     ]
     reports += [report(name, compile_kernel(fn, c, target), target) for name, fn, c in others]
-    return reports
+    return reports + state_reports(target)
+
+
+def state_reports(target: Target) -> list[Report]:
+    """The Mamba2 decode kernels at Granite-4.0-H-Small's sizes: 128 heads of 64 x 128 states in
+    one group, a 4-tap conv over 8448 channels; bf16 and float32 state pages."""
+    from hybridkv.ops import triton_mamba as M
+
+    fp32 = {k: "*fp32" for k in ("y_ptr", "x_ptr", "dt_ptr", "A_ptr", "B_ptr", "C_ptr", "D_ptr")}
+    index = {"pages_ptr": "*i64", "has_init_ptr": "*u8"}
+    ssm_units = {"stride_yp", "stride_sn", "stride_xp", "stride_dth", "stride_bn", "stride_cn"}
+    conv_units = {"stride_yc", "stride_xc", "stride_wk", "stride_sk"}
+    out = []
+    for dtype in ("bf16", "fp32"):
+        consts = dict(HEADS_PER_GROUP=128, P=64, N=128, BLOCK_P=32, BLOCK_N=128)
+        kernel = compile_kernel(M._ssm_decode_kernel, consts, target,
+                                pointers={**fp32, **index, "state_ptr": f"*{dtype}"},
+                                unit_strides=ssm_units)  # fmt: skip
+        out.append(report(f"ssm_decode, {dtype} state", kernel, target))
+    consts = dict(K=4, K_PAD=4, HAS_BIAS=True, SILU=True, BLOCK_C=256)
+    kernel = compile_kernel(M._conv_decode_kernel, consts, target, pointers=index,
+                            unit_strides=conv_units)  # fmt: skip
+    out.append(report("conv1d_decode, bf16", kernel, target))
+    return out
 
 
 def problems(reports: list[Report], target: Target) -> list[str]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hybridkv import ops
 from hybridkv.ops import native
 
 
@@ -123,9 +124,9 @@ def causal_conv1d_varlen(
     if y is not None:  # None: no native kernels, or not for these tensors
         return (y if fused else _activate(y, activation)).to(x.dtype)
     if max_query_len == 1 and num_tokens == state_pages.shape[0]:  # one token per request
-        return causal_conv1d_decode(
-            x, weight, bias, conv_state, state_pages, has_initial_state, activation
-        )
+        gpu = ops.triton_state_kernels(x)  # the Triton decode kernel, on GPUs
+        decode = causal_conv1d_decode if gpu is None else gpu.conv1d_decode
+        return decode(x, weight, bias, conv_state, state_pages, has_initial_state, activation)
     dtype = weight.dtype
     num_seqs = state_pages.shape[0]
     token_pos, state_pos, tail_pos = _packed_layout(query_start_loc, num_tokens, width)

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from hybridkv import ops
 from hybridkv.ops import native
 
 
@@ -300,9 +302,10 @@ def mamba2_scan_varlen(
     has_initial_state: [S] bool; query_start_loc: [S+1] int32; max_query_len: longest request
     (an upper bound works: it sets the chunk length and the number of state-passing steps)
     -> y [T, H, P] in `out_dtype` (default x.dtype), computed in float32. The native CPU kernel
-    (hybridkv.ops.native) runs it when it can; otherwise `decode_step` (e.g. a compiled
-    `decode_in_place`) serves batches where every request decodes one token from a state it
-    already has, and PyTorch the rest.
+    (hybridkv.ops.native) runs it when it can. On GPUs the Triton kernel
+    (hybridkv.ops.triton_mamba) steps every one-token request, PyTorch the longer ones. On the
+    CPU without native kernels, `decode_step` (e.g. a compiled `decode_in_place`) serves batches
+    where every request decodes one token from a state it already has, and PyTorch the rest.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if x.shape[0] == 0:
@@ -316,14 +319,12 @@ def mamba2_scan_varlen(
     )
     if y is not None:  # None: no native kernels, or not for these tensors
         return y.to(out_dtype)
-    if decoding and decode_step is not None and bool(has_initial_state.all()):
+    gpu = ops.triton_state_kernels(x)  # the Triton decode kernel, on GPUs
+    if decoding and gpu is None and decode_step is not None and bool(has_initial_state.all()):
         return decode_step(ssm_state, state_pages, xf, dtf, Af, Bf, Cf, Df).to(out_dtype)
-    h0 = _initial_ssm_state(ssm_state, state_pages, has_initial_state)  # [S, H, P, N]
-
     if decoding:
-        y, h = ssd_step(xf, dtf, Af, Bf, Cf, Df, h0)
-        ssm_state.index_copy_(0, state_pages, h.to(ssm_state.dtype))
-        return y.to(out_dtype)
+        inputs = (xf, dtf, Af, Bf, Cf, Df)
+        return _decode_rows(ssm_state, state_pages, has_initial_state, inputs, gpu).to(out_dtype)
 
     starts = query_start_loc[:-1].long()
     lens = query_start_loc[1:].long() - starts
@@ -331,16 +332,31 @@ def mamba2_scan_varlen(
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     if dec.numel() > 0:
         tok = starts[dec]
-        h0_dec = h0.index_select(0, dec)
-        y_dec, h = ssd_step(xf[tok], dtf[tok], Af, Bf[tok], Cf[tok], Df, h0_dec)
-        y[tok] = y_dec
-        ssm_state.index_copy_(0, state_pages[dec], h.to(ssm_state.dtype))
+        inputs = (xf[tok], dtf[tok], Af, Bf[tok], Cf[tok], Df)
+        y[tok] = _decode_rows(ssm_state, state_pages[dec], has_initial_state[dec], inputs, gpu)
     if pre.numel() > 0:
         chunk_len = min(chunk_size, max_query_len)
         n_tok = x.shape[0] - dec.numel()
         layout = _ChunkLayout(starts[pre], lens[pre], chunk_len, n_tok, max_query_len)
-        h0_pre = h0.index_select(0, pre)
+        h0_pre = _initial_ssm_state(ssm_state, state_pages[pre], has_initial_state[pre])
         y_pre, h = _ssd_chunked(xf, dtf, Af, Bf, Cf, Df, h0_pre, layout)
         y[layout.tok] = y_pre
         ssm_state.index_copy_(0, state_pages[pre], h.to(ssm_state.dtype))
     return y.to(out_dtype)
+
+
+def _decode_rows(
+    ssm_state: torch.Tensor,
+    state_pages: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    inputs: tuple[torch.Tensor, ...],
+    gpu: ModuleType | None,
+) -> torch.Tensor:
+    """One step for R requests of one token each, states read and written in their pages.
+    inputs: x [R, H, P], dt [R, H], A [H], B, C [R, G, N], D [H] -> y [R, H, P] float32."""
+    if gpu is not None:  # one fused pass over each state, in place
+        return gpu.ssm_decode(ssm_state, state_pages, has_initial_state, *inputs)
+    h0 = _initial_ssm_state(ssm_state, state_pages, has_initial_state)  # [R, H, P, N]
+    y, h = ssd_step(*inputs, h0)
+    ssm_state.index_copy_(0, state_pages, h.to(ssm_state.dtype))
+    return y

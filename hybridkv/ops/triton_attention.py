@@ -53,7 +53,8 @@ def is_interpreted() -> bool:
     return not isinstance(_paged_attention_kernel, triton.runtime.JITFunction)
 
 
-def _check_device(*tensors: torch.Tensor) -> None:
+def check_device(*tensors: torch.Tensor) -> None:
+    """Refuse CPU tensors unless the kernels are interpreted (they would be read as GPU memory)."""
     if any(t.device.type == "cpu" for t in tensors) and not is_interpreted():
         raise RuntimeError(
             "hybridkv's Triton kernels got CPU tensors: run them on a GPU, or set "
@@ -108,7 +109,7 @@ def write_kv_cache(
     num_tokens, kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    _check_device(k, v, kv_cache, slot_mapping)
+    check_device(k, v, kv_cache, slot_mapping)
     _write_kv_kernel[(num_tokens,)](
         k, v, kv_cache, slot_mapping,
         *k.stride(), *v.stride(), *kv_cache.stride(),
@@ -170,7 +171,7 @@ def zero_pages(buffer_2d: torch.Tensor, page_ids: Sequence[int] | torch.Tensor) 
     ids = ids.to(buffer_2d.device)
     if ids.numel() == 0:
         return
-    _check_device(buffer_2d)
+    check_device(buffer_2d)
     words = _as_words(buffer_2d)
     block = 1024
     grid = (ids.numel(), triton.cdiv(words.shape[1], block))
@@ -494,7 +495,7 @@ def paged_attention(
             f"{num_heads} query heads / {kv_heads} kv heads, head dims {head_dim} / "
             f"{cache_head_dim}: query heads must be a multiple of kv heads, head dims equal"
         )
-    _check_device(q, kv_cache, block_table, query_start_loc, seq_lens)
+    check_device(q, kv_cache, block_table, query_start_loc, seq_lens)
     num_seqs = seq_lens.shape[0]
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
@@ -563,6 +564,7 @@ def paged_attention(
 
 __all__ = [
     "LaunchConfig",
+    "check_device",
     "default_launch",
     "is_interpreted",
     "paged_attention",

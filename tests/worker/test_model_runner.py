@@ -48,9 +48,17 @@ def test_forward_batch_of_a_mixed_step(tiny_model_dir):
 
 
 @pytest.mark.triton  # device "auto": on a GPU when there is one, else interpreted on the CPU
-def test_engine_selects_the_triton_backend_by_declaration(tiny_model_dir):
+def test_engine_selects_the_triton_backend_by_declaration(tiny_model_dir, monkeypatch):
+    """The engine on every Triton kernel: attention (chosen by declaration) and the Mamba2
+    decode steps (the ops' GPU route, forced here so that the CPU takes it too)."""
     from transformers import AutoModelForCausalLM
 
+    from hybridkv import ops
+    from hybridkv.ops import triton_mamba
+
+    monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    calls = []
+    monkeypatch.setattr(ops, "triton_state_kernels", lambda t: calls.append(1) or triton_mamba)
     eng = Engine(
         str(tiny_model_dir),
         dtype="float32",
@@ -64,6 +72,7 @@ def test_engine_selects_the_triton_backend_by_declaration(tiny_model_dir):
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * 5, [2, 7, 1, 8]]
     ref, _ = reference_greedy(hf, prompts, 6)
     assert engine_greedy(eng, prompts, 6) == ref
+    assert calls  # the Mamba2 layers took the Triton route
 
 
 def test_compiled_decode_matches_transformers(tiny_model_dir):
