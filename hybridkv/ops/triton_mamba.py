@@ -104,7 +104,9 @@ def ssm_decode(
     if num_seqs == 0:
         return y
     check_device(ssm_state, x)
-    block_p = min(triton.next_power_of_2(head_dim), max(1, 4096 // triton.next_power_of_2(d_state)))
+    # about 4096 state elements per program: 32 float32 registers a thread at 4 warps
+    block_n = triton.next_power_of_2(d_state)
+    block_p = min(triton.next_power_of_2(head_dim), max(1, 4096 // block_n))
     grid = (num_seqs, heads, triton.cdiv(head_dim, block_p))
     _ssm_decode_kernel[grid](
         y, ssm_state, state_pages, has_initial_state.view(torch.uint8),
@@ -114,7 +116,7 @@ def ssm_decode(
         P=head_dim,
         N=d_state,
         BLOCK_P=block_p,
-        BLOCK_N=triton.next_power_of_2(d_state),
+        BLOCK_N=block_n,
     )  # fmt: skip
     return y
 
