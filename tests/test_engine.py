@@ -26,6 +26,18 @@ pytestmark = pytest.mark.gpu
 VOCAB = 96  # the tiny_model_dir checkpoint's
 
 
+@pytest.fixture(autouse=True)
+def full_fp32(monkeypatch):
+    """float32 means float32 here: PyTorch lets cuDNN convolutions (the Mamba2 prefill conv) use
+    TF32 by default, whose 10-bit mantissa could flip a greedy token against the CPU reference."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_tf32
+    matmul.allow_tf32 = False  # not a plain attribute: monkeypatch could not restore it
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    yield
+    matmul.allow_tf32 = before
+
+
 @pytest.fixture(scope="module")
 def hf_model(tiny_model_dir):
     from transformers import AutoModelForCausalLM
