@@ -219,12 +219,13 @@ def state_reports(target: Target) -> list[Report]:
     conv_units = {"stride_yc", "stride_xc", "stride_wk", "stride_sk"}
     out = []
     for dtype in ("bf16", "fp32"):
-        consts = dict(HEADS_PER_GROUP=128, P=64, N=128, BLOCK_P=32, BLOCK_N=128)
+        block_p, block_n = M.ssm_decode_blocks(64, 128)
+        consts = dict(HEADS_PER_GROUP=128, P=64, N=128, BLOCK_P=block_p, BLOCK_N=block_n)
         kernel = compile_kernel(M._ssm_decode_kernel, consts, target,
                                 pointers={**fp32, **index, "state_ptr": f"*{dtype}"},
                                 unit_strides=ssm_units)  # fmt: skip
         out.append(report(f"ssm_decode, {dtype} state", kernel, target))
-    consts = dict(K=4, K_PAD=4, HAS_BIAS=True, SILU=True, BLOCK_C=256)
+    consts = dict(K=4, K_PAD=4, HAS_BIAS=True, SILU=True, BLOCK_C=M.CONV_BLOCK_C)
     kernel = compile_kernel(M._conv_decode_kernel, consts, target, pointers=index,
                             unit_strides=conv_units)  # fmt: skip
     out.append(report("conv1d_decode, bf16", kernel, target))

@@ -83,11 +83,6 @@ class PagePool:
         """Up to `count` pages for `group_id`, each chosen as `take` would (one call for the
         whole pages of a long prefill chunk)."""
         pages: list[int] = []
-        free, owner = self._free, self.owner
-        while free and len(pages) < count:
-            page = free.popleft()
-            owner[page] = group_id
-            pages.append(page)
         while len(pages) < count and (page := self.take(group_id)) is not None:
             pages.append(page)
         return pages

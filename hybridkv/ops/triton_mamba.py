@@ -81,6 +81,13 @@ def _ssm_decode_kernel(
     tl.store(y_ptr + s * stride_yt + head * stride_yh + p * stride_yp, y, mask=p < P)
 
 
+def ssm_decode_blocks(head_dim: int, d_state: int) -> tuple[int, int]:
+    """(BLOCK_P, BLOCK_N) of `ssm_decode`: whole state rows, and about 4096 state elements per
+    program (32 float32 registers a thread at 4 warps)."""
+    block_n = triton.next_power_of_2(d_state)
+    return min(triton.next_power_of_2(head_dim), max(1, 4096 // block_n)), block_n
+
+
 def ssm_decode(
     ssm_state: torch.Tensor,
     state_pages: torch.Tensor,
@@ -104,9 +111,7 @@ def ssm_decode(
     if num_seqs == 0:
         return y
     check_device(ssm_state, x)
-    # about 4096 state elements per program: 32 float32 registers a thread at 4 warps
-    block_n = triton.next_power_of_2(d_state)
-    block_p = min(triton.next_power_of_2(head_dim), max(1, 4096 // block_n))
+    block_p, block_n = ssm_decode_blocks(head_dim, d_state)
     grid = (num_seqs, heads, triton.cdiv(head_dim, block_p))
     _ssm_decode_kernel[grid](
         y, ssm_state, state_pages, has_initial_state.view(torch.uint8),
@@ -119,6 +124,9 @@ def ssm_decode(
         BLOCK_N=block_n,
     )  # fmt: skip
     return y
+
+
+CONV_BLOCK_C = 256  # channels per program of `conv1d_decode`
 
 
 @triton.jit
@@ -191,8 +199,7 @@ def conv1d_decode(
     if num_seqs == 0:
         return y
     check_device(x, conv_state)
-    block_c = 256
-    grid = (num_seqs, triton.cdiv(channels, block_c))
+    grid = (num_seqs, triton.cdiv(channels, CONV_BLOCK_C))
     _conv_decode_kernel[grid](
         y, x, weight, weight if bias is None else bias, conv_state, state_pages,
         has_initial_state.view(torch.uint8), channels,
@@ -201,9 +208,9 @@ def conv1d_decode(
         K_PAD=triton.next_power_of_2(max(width - 1, 1)),
         HAS_BIAS=bias is not None,
         SILU=activation is not None,
-        BLOCK_C=block_c,
+        BLOCK_C=CONV_BLOCK_C,
     )  # fmt: skip
     return y
 
 
-__all__ = ["conv1d_decode", "ssm_decode"]
+__all__ = ["CONV_BLOCK_C", "conv1d_decode", "ssm_decode", "ssm_decode_blocks"]

@@ -17,7 +17,6 @@ pytestmark = pytest.mark.triton
 
 
 def test_gpu_mamba_runs(capsys, monkeypatch):
-    monkeypatch.setenv("HYBRIDKV_NATIVE", "0")  # the PyTorch route is the one compared
     spec = importlib.util.spec_from_file_location("gpu_mamba_bench", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)

@@ -233,8 +233,9 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     kbs, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     lens = seq_lens.to(torch.int64).contiguous()
-    first = torch.zeros_like(lens)
-    if sliding_window is not None:
+    if sliding_window is None:
+        first = torch.zeros_like(lens)
+    else:
         first = (lens - sliding_window).clamp(min=0)
     q = q.contiguous()
     out = torch.empty_like(q)
