@@ -34,7 +34,7 @@ from hybridkv.models.loader import eos_token_ids, generation_config, iter_weight
 from hybridkv.models.registry import model_class
 from hybridkv.outputs import CompletionOutput, RequestOutput
 from hybridkv.sampling_params import SamplingParams
-from hybridkv.tokenizer import Tokenizer
+from hybridkv.tokenizer import load_tokenizer
 from hybridkv.worker.host_memory import keep_freed_memory
 from hybridkv.worker.model_runner import ModelRunner
 
@@ -47,7 +47,8 @@ class ModelConfig:
     """Which checkpoint to run and how.
 
     - `model`: a folder with config.json, safetensors and tokenizer.json (None: the built-in
-      default model).
+      default model). Without tokenizer.json it runs in token-id mode: prompts are lists of
+      token ids, outputs have token ids and empty text, and stop strings are refused.
     - `dtype`: "auto" (the checkpoint's dtype), "float32" or "bfloat16".
     - `device`: "auto" (CUDA if available, else CPU), "cpu" or "cuda".
     - `prepack`: CPU: oneDNN pre-packed linear weights (`hybridkv.layers.linear`).
@@ -101,8 +102,8 @@ class Engine:
         folder = self.model_config.folder
         if not (folder / "config.json").is_file():
             raise ValueError(
-                f"model {str(folder)!r} is not a folder with config.json, "
-                "safetensors weights and tokenizer.json"
+                f"model {str(folder)!r} is not a folder with config.json and "
+                "safetensors weights (and tokenizer.json for text prompts)"
             )
         hf_config = load_model_config(folder)
         self.architecture = architecture_of(hf_config)
@@ -111,7 +112,7 @@ class Engine:
         if self.device.type == "cpu" and self.model_config.keep_freed_memory:
             keep_freed_memory()
         self.dtype = self._dtype(hf_config)
-        self.tokenizer = Tokenizer(folder)
+        self.tokenizer = load_tokenizer(folder)  # None: token-id mode (no tokenizer.json)
         runtime_config = {**hf_config, "torch_dtype": self.dtype, "dtype": self.dtype}
         self.max_model_len = int(
             skw.get("max_model_len") or text_config(hf_config).get("max_position_embeddings", 4096)
@@ -211,6 +212,7 @@ class Engine:
                 f"sampling params must be a SamplingParams, got {type(params).__name__}"
             )
         ids, text = self._prompt_ids(prompt)
+        self._check_stop_strings(params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -221,8 +223,20 @@ class Engine:
         self.scheduler.add_request(req)
         return req
 
+    def _no_tokenizer(self) -> str:
+        return f"this model has no tokenizer (no tokenizer.json in {self.model_config.folder})"
+
+    def _check_stop_strings(self, params: SamplingParams) -> None:
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"{self._no_tokenizer()}, so stop strings cannot be matched: "
+                "use stop_token_ids instead"
+            )
+
     def _prompt_ids(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self._no_tokenizer()}: give prompts as lists of token ids")
             if not prompt:
                 raise ValueError("prompt is empty; give at least one character")
             ids, text = self.tokenizer.encode(prompt), prompt
@@ -299,7 +313,10 @@ class Engine:
     def _text(self, req: Request) -> str:
         """The output text so far. While a request with stop strings still runs, the last
         (longest stop - 1) characters are held back: they may be the start of a stop string
-        that the next tokens complete, and a stream must never show it."""
+        that the next tokens complete, and a stream must never show it. Without a tokenizer
+        (token-id mode) the text is empty."""
+        if self.tokenizer is None:
+            return ""
         text = self.tokenizer.decode(req.output_token_ids)
         stops = req.sampling_params.stop
         if stops and not req.is_finished and not req.sampling_params.include_stop_str_in_output:
@@ -310,7 +327,7 @@ class Engine:
         stopped = []
         for req in requests:
             stops = req.sampling_params.stop
-            if req.is_finished or not stops:
+            if req.is_finished or not stops or self.tokenizer is None:
                 continue
             text = self.tokenizer.decode(req.output_token_ids)
             hits = [(text.find(s), s) for s in stops if s in text]

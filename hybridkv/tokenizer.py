@@ -1,4 +1,8 @@
-"""A thin wrapper over a `tokenizers` tokenizer.json (plus tokenizer_config.json if present)."""
+"""A thin wrapper over a `tokenizers` tokenizer.json (plus tokenizer_config.json if present).
+
+A checkpoint without tokenizer.json runs in token-id mode (`load_tokenizer` gives None):
+prompts are lists of token ids and outputs carry token ids with empty text.
+"""
 
 from __future__ import annotations
 
@@ -40,3 +44,12 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         template = self.config.get("chat_template")
         return template if isinstance(template, str) else None
+
+
+def load_tokenizer(folder: Path) -> Tokenizer | None:
+    """The folder's tokenizer, or None when it has no tokenizer.json (token-id mode). A
+    tokenizer.json that is there but cannot be read is a ValueError, as in `Tokenizer`."""
+    path = folder / "tokenizer.json"
+    if not path.exists() and not path.is_symlink():
+        return None
+    return Tokenizer(folder)

@@ -155,8 +155,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="checkpoint folder (config.json, safetensors, tokenizer.json); "
-        "default: the built-in default model",
+        help="checkpoint folder (config.json, safetensors, tokenizer.json; without "
+        "tokenizer.json prompts must be token ids); default: the built-in default model",
     )
     p.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
     p.add_argument("--max-num-seqs", type=int, default=None)
@@ -197,12 +197,22 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         "generate",
         help="generate completions for prompts",
         description="Generate completions with a model (default: the built-in "
-        "one). Prompts come from --prompt (repeatable) or --prompts-file (one "
-        "per line).",
+        "one). Prompts come from --prompt (repeatable), --prompts-file (one "
+        "per line) and --prompt-ids (repeatable), in that order. A model without "
+        "tokenizer.json takes --prompt-ids only.",
     )
     _add_model_args(p)
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     p.add_argument("--prompts-file", default=None, help="a file with one prompt per line")
+    p.add_argument(
+        "--prompt-ids",
+        action="append",
+        default=None,
+        metavar="IDS",
+        help="a prompt as comma-separated token ids, e.g. 1,2,3 (repeatable); it prints "
+        "'PROMPT_IDS -> GENERATED_IDS' and then the text, if the model has a tokenizer "
+        "(with --json: the prompt is the id list)",
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -212,8 +222,22 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_generate)
 
 
-def _read_prompts(args: argparse.Namespace) -> list[str]:
-    prompts = list(args.prompt or [])
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",")]
+    except ValueError:
+        ids = []
+    if not ids or any(t < 0 for t in ids):
+        raise CliError(f"--prompt-ids takes comma-separated token ids, e.g. 1,2,3; got {text!r}")
+    return ids
+
+
+def _ids_text(ids: list[int]) -> str:
+    return ",".join(str(t) for t in ids)
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
+    prompts: list[str | list[int]] = list(args.prompt or [])
     if args.prompts_file:
         try:
             with open(args.prompts_file, encoding="utf-8") as f:
@@ -222,6 +246,7 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
             raise CliError(
                 f"cannot read --prompts-file {args.prompts_file!r}: {exc.strerror}"
             ) from None
+    prompts += [_parse_ids(text) for text in args.prompt_ids or []]
     return prompts or [DEFAULT_PROMPT]
 
 
@@ -239,6 +264,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     llm = LLM.__new__(LLM)
     llm.engine = _load_engine(args)
+    if llm.engine.tokenizer is None and any(isinstance(p, str) for p in prompts):
+        raise CliError(
+            f"{llm.engine._no_tokenizer()}: give prompts as token ids with --prompt-ids, "
+            "e.g. --prompt-ids 1,2,3"
+        )
     outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
     for prompt, out in zip(prompts, outs, strict=True):
         if args.json:
@@ -253,7 +283,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 )
             )
         else:
-            print(f"{prompt}{out.text}")
+            if isinstance(prompt, list):
+                print(f"{_ids_text(prompt)} -> {_ids_text(out.token_ids)}")
+                if out.text:
+                    print(out.text)
+            else:
+                print(f"{prompt}{out.text}")
             print(
                 f"--- {len(out.token_ids)} tokens, finish_reason={out.finish_reason}",
                 file=sys.stderr,

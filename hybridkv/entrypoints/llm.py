@@ -21,7 +21,10 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine = Engine(model, **kwargs)
 
-    def get_tokenizer(self) -> Tokenizer:
+    def get_tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer, or None for a checkpoint without tokenizer.json (token-id
+        mode, like vLLM's `skip_tokenizer_init`: prompts must be lists of token ids, outputs
+        have `token_ids` and empty `text`, and `SamplingParams.stop` strings are refused)."""
         return self.engine.tokenizer
 
     def generate(
@@ -34,8 +37,9 @@ class LLM:
         any request starts, so a bad one raises a ValueError and nothing runs."""
         prompt_list = self._prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompt_list))
-        for prompt in prompt_list:
+        for prompt, sp in zip(prompt_list, params, strict=True):
             self.engine._prompt_ids(prompt)  # validate everything first
+            self.engine._check_stop_strings(sp)
         ids = [
             self.engine.add_request(p, sp).request_id
             for p, sp in zip(prompt_list, params, strict=True)

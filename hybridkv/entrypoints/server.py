@@ -9,6 +9,11 @@ with a 4xx and an OpenAI-style error body; nothing about it reaches the engine.
 
 Chat prompts use the tokenizer's `chat_template` (tokenizer_config.json) when there is one,
 else DEFAULT_CHAT_TEMPLATE: every message as "<|role|>\\n{content}\\n", then "<|assistant|>\\n".
+
+A model without tokenizer.json (token-id mode) takes completion prompts as token ids only;
+text prompts, stop strings and chat completions get a 400. Its choices and stream chunks carry
+the generated `token_ids` (an extension) next to an empty `text`; log-prob tokens are written
+"token_id:<id>".
 """
 
 from __future__ import annotations
@@ -89,6 +94,12 @@ class Server:
                 kwargs[name] = getattr(body, name)
         if body.stop is not None:
             kwargs["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+            if kwargs["stop"] and self.engine.tokenizer is None:
+                raise OpenAIError(
+                    "this model has no tokenizer, so stop strings cannot be matched: "
+                    "use stop_token_ids instead",
+                    param="stop",
+                )
         if body.stop_token_ids:
             kwargs["stop_token_ids"] = body.stop_token_ids
         try:
@@ -97,6 +108,12 @@ class Server:
             raise OpenAIError(str(exc)) from None
 
     def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        if isinstance(prompt, str) and self.engine.tokenizer is None:
+            raise OpenAIError(
+                "this model has no tokenizer, so it takes token-id prompts only: give prompt "
+                "as a list of token ids or a list of such lists",
+                param=param,
+            )
         try:
             ids, _ = self.engine._prompt_ids(prompt)
         except ValueError as exc:
@@ -106,6 +123,12 @@ class Server:
     def chat_prompt(self, body: ChatCompletionRequest) -> str:
         import jinja2.sandbox
 
+        if self.engine.tokenizer is None:
+            raise OpenAIError(
+                "this model has no tokenizer, so chat completions (which need one for the chat "
+                "template) are not available: use /v1/completions with token-id prompts",
+                param="messages",
+            )
         if self._template is None:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=False)
             source = self.engine.tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
@@ -160,20 +183,24 @@ class _Delta:
 # ---------------------------------------------------------------------------------------------
 
 
+def _token_str(tok, token_id: int) -> str:
+    """One token as text; "token_id:<id>" without a tokenizer (as vLLM writes them)."""
+    if tok is None:
+        return f"token_id:{token_id}"
+    return tok.decode([token_id], skip_special_tokens=False)
+
+
 def _completion_logprobs(server: Server, out: RequestOutput) -> dict[str, Any] | None:
     if out.logprobs is None:
         return None
     tok = server.engine.tokenizer
-    tokens = [tok.decode([t], skip_special_tokens=False) for t in out.token_ids]
+    tokens = [_token_str(tok, t) for t in out.token_ids]
     chosen = [entry.get(t) for t, entry in zip(out.token_ids, out.logprobs, strict=False)]
-    tops = [
-        {tok.decode([k], skip_special_tokens=False): v for k, v in entry.items()}
-        for entry in out.logprobs
-    ]
+    tops = [{_token_str(tok, k): v for k, v in entry.items()} for entry in out.logprobs]
     offsets, pos = [], 0
     for t in tokens:
         offsets.append(pos)
-        pos += len(t)
+        pos += len(t) if tok is not None else 0  # offsets into the (empty) text
     return {
         "tokens": tokens,
         "token_logprobs": chosen,
@@ -199,7 +226,8 @@ async def completions(server: Server, body: CompletionRequest):
     ids = [server.prompt_ids(p) for p in prompts]
     params = [server.sampling_params(body, len(i), body.max_tokens, body.logprobs) for i in ids]
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    echo = [p if isinstance(p, str) else server.engine.tokenizer.decode(p) for p in prompts]
+    tok = server.engine.tokenizer
+    echo = [p if isinstance(p, str) else tok.decode(p) if tok is not None else "" for p in prompts]
     if body.stream:
         gens = [server.async_engine.generate(i, sp) for i, sp in zip(ids, params, strict=True)]
         return _stream(_completion_chunks(server, body, gens, rid, created, ids, echo))
@@ -216,6 +244,9 @@ async def completions(server: Server, body: CompletionRequest):
         }
         for k, o in enumerate(outs)
     ]
+    if tok is None:  # token-id mode: the text is empty, so say which tokens came out
+        for choice, i, o in zip(choices, ids, outs, strict=True):
+            choice["prompt_token_ids"], choice["token_ids"] = i, o.token_ids
     done = sum(len(o.token_ids) for o in outs)
     return {
         "id": rid,
@@ -269,28 +300,36 @@ async def _merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tupl
 
 
 async def _completion_chunks(server, body, gens, rid, created, ids, echo) -> AsyncIterator[str]:
-    def chunk(k: int, text: str, finish: str | None) -> str:
+    def chunk(k: int, text: str, finish: str | None, **extra: list[int]) -> str:
+        choice = {"index": k, "text": text, "logprobs": None, "finish_reason": finish}
         return _sse(
             {
                 "id": rid,
                 "object": "text_completion",
                 "created": created,
                 "model": body.model,
-                "choices": [{"index": k, "text": text, "logprobs": None, "finish_reason": finish}],
+                "choices": [{**choice, **extra}],
             }
         )
 
+    token_ids = server.engine.tokenizer is None  # token-id mode: chunks carry new token ids
     deltas = [_Delta() for _ in gens]
+    sent = [0] * len(gens)
     completion_tokens = 0
     if body.echo:
         for k, text in enumerate(echo):
-            yield chunk(k, text, None)
+            yield chunk(k, text, None, **({"prompt_token_ids": ids[k]} if token_ids else {}))
     async for k, out in _merge(gens):
         text = deltas[k](out)
         if out.finished:
             completion_tokens += len(out.token_ids)
-        if text or out.finished:
-            yield chunk(k, text, out.finish_reason if out.finished else None)
+        finish = out.finish_reason if out.finished else None
+        if token_ids:
+            new, sent[k] = out.token_ids[sent[k] :], len(out.token_ids)
+            if new or out.finished:
+                yield chunk(k, text, finish, token_ids=new)
+        elif text or out.finished:
+            yield chunk(k, text, finish)
     if (body.stream_options or {}).get("include_usage"):
         yield _sse(
             {

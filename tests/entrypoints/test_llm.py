@@ -190,11 +190,11 @@ def test_bad_model_folders(tiny_model_dir, tmp_path):
     (no_weights / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="holds no model weights"):
         Engine(str(no_weights))
-    no_tok = tmp_path / "no-tokenizer"
-    shutil.copytree(tiny_model_dir, no_tok)
-    (no_tok / "tokenizer.json").unlink()
-    with pytest.raises(ValueError, match="has no tokenizer.json"):
-        Engine(str(no_tok))
+    bad_tok = tmp_path / "bad-tokenizer"  # no tokenizer.json is token-id mode (test_token_ids)
+    shutil.copytree(tiny_model_dir, bad_tok)
+    (bad_tok / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read .*tokenizer.json"):
+        Engine(str(bad_tok))
     other = tmp_path / "other-arch"
     shutil.copytree(tiny_model_dir, other)
     cfg = json.loads((other / "config.json").read_text())
