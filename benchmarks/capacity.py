@@ -40,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridkv.config import CacheConfig, SchedulerConfig  # noqa: E402
 from hybridkv.core.coordinator import CacheManager  # noqa: E402
-from hybridkv.core.managers import FullAttentionManager, SlidingWindowManager  # noqa: E402
 from hybridkv.core.request import Request  # noqa: E402
 from hybridkv.core.scheduler import Scheduler  # noqa: E402
 from hybridkv.kv.plan import plan_for_config  # noqa: E402
@@ -188,8 +187,8 @@ def _unused_pinned(cm: CacheManager, running: list[Request]) -> float:
         if rs is None:
             continue
         for m, gr in zip(cm.groups, rs.groups, strict=True):
-            if isinstance(m, FullAttentionManager) and not isinstance(m, SlidingWindowManager):
-                unused += m.capacity(gr) - req.num_computed_tokens  # type: ignore[arg-type]
+            if m.caches_tokens and m.prefix_closed:  # full attention (and MLA)
+                unused += m.events(gr).capacity - req.num_computed_tokens
     return unused / max(1, len(running))
 
 
@@ -212,7 +211,7 @@ def replay(model: str, workload: str, mode: str, seed: int, scale: Scale) -> dic
     unused_at_peak = 0.0
     while sched.has_unfinished:
         out = sched.schedule()
-        sampled = {c.request.request_id: rng.randrange(VOCAB) for c in out.chunks if c.samples}
+        sampled = {c.request_id: rng.randrange(VOCAB) for c in out.chunks if c.samples}
         finished = sched.update(out, sampled)
         request_steps += len(out.chunks)
         if len(sched.running) > peak:

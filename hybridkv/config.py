@@ -25,6 +25,9 @@ class CacheConfig:
     - `memory_bytes` or `num_pages`: the budget (at most one; default 4 GiB).
     - `allocation`: "page" (reference behaviour, whole pages) or "block" (kernel-block
       sub-allocation, the default).
+    - `attention_backend`: the attention backend of every attention group (None: the platform's
+      default); `state_backend`: the ops of every state group, by the name its layer kind
+      declares ("native", "triton", "compiled", "torch"; None: the first that runs here).
     """
 
     page_tokens: int | None = None
@@ -38,6 +41,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     platform: str = "cpu"
     attention_backend: str | None = None
+    state_backend: str | None = None
     # State snapshot policy (which token counts get a state snapshot for prefix caching):
     snapshot_prompt_end: bool = True  # the last hit boundary inside the prompt
     snapshot_request_end: bool = True  # the last boundary a request reached (rolling tail)
@@ -84,6 +88,13 @@ class CacheConfig:
         get_platform(self.platform)
         if self.attention_backend is not None:
             get_backend(self.attention_backend)
+        if self.state_backend is not None and (
+            not isinstance(self.state_backend, str) or not self.state_backend.isidentifier()
+        ):
+            raise ValueError(
+                f"state_backend must be a name such as 'torch' or 'native', got "
+                f"{self.state_backend!r}"
+            )
 
     @property
     def budget_bytes(self) -> int:

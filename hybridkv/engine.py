@@ -7,13 +7,22 @@
 
 Requests are validated before they enter the engine (a ValueError names the bad value);
 nothing about a rejected request touches the cache or the other requests.
+
+Set-up, in order (`Engine.__init__`):
+
+    1. read config.json once into the family's typed config (transformers' defaults)
+    2. resolve the device, dtype, platform, max_model_len, cache dtypes and what the machine
+       has (native kernels, Triton) in one place: `resolve_runtime`
+    3. build the model on the meta device and collect the cache layers it declares
+    4. make the memory plan, once
+    5. materialise the model on the device and load its weights
+    6. cache manager, scheduler, runner (which allocates the cache and binds it to the model)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +35,18 @@ from hybridkv.core.coordinator import CacheManager
 from hybridkv.core.request import Request
 from hybridkv.core.scheduler import Scheduler
 from hybridkv.dtypes import canonical_dtype, torch_dtype
-from hybridkv.kv.plan import MemoryPlan, plan_for_config
+from hybridkv.kv.plan import PlanTarget, make_plan
 from hybridkv.kv.presets import load_model_config
-from hybridkv.kv.specs import architecture_of, read_layers, resolve_cache_dtypes, text_config
+from hybridkv.kv.specs import (
+    CacheDtypes,
+    architecture_of,
+    model_dtype,
+    resolve_cache_dtypes,
+    text_config,
+)
 from hybridkv.layers.linear import prepack_linears
+from hybridkv.models.base import CausalLM
+from hybridkv.models.hf_config import HFConfig
 from hybridkv.models.loader import eos_token_ids, generation_config, iter_weights
 from hybridkv.models.registry import model_class
 from hybridkv.outputs import CompletionOutput, RequestOutput
@@ -39,7 +56,6 @@ from hybridkv.worker.host_memory import keep_freed_memory
 from hybridkv.worker.model_runner import ModelRunner
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "default_model"
-AUTO_BUDGET_BYTES = 4 * 2**30
 
 
 @dataclass(frozen=True)
@@ -52,8 +68,9 @@ class ModelConfig:
     - `dtype`: "auto" (the checkpoint's dtype), "float32" or "bfloat16".
     - `device`: "auto" (CUDA if available, else CPU), "cpu" or "cuda".
     - `prepack`: CPU: oneDNN pre-packed linear weights (`hybridkv.layers.linear`).
-    - `compile`: torch.compile the fused Mamba2 decode step (slow first step); used where the
-      native CPU kernels (`hybridkv.ops.native`) are not: no C compiler, or a bf16 state.
+    - `compile`: let state layers run a torch.compile'd decode step (the "compiled" ops, slow
+      first step) where the native CPU kernels (`hybridkv.ops.native`) cannot: no C compiler,
+      or a bf16 state.
     - `keep_freed_memory`: CPU on glibc: reuse large freed blocks instead of returning them to
       the OS after every step (`hybridkv.worker.host_memory`; process-wide).
     """
@@ -84,15 +101,76 @@ class ModelConfig:
         return Path(self.model).expanduser() if self.model else DEFAULT_MODEL
 
 
-def _compile_decode_steps(model: torch.nn.Module) -> None:
-    """Give every Mamba2 mixer one shared compiled fused decode step (compiled on first use)."""
-    from hybridkv.layers.mamba2 import Mamba2Mixer
-    from hybridkv.ops.mamba2 import decode_in_place
+@dataclass(frozen=True)
+class Runtime:
+    """Everything about where and how the model runs, resolved once before anything is built."""
 
-    step = torch.compile(decode_in_place, dynamic=True)
-    for module in model.modules():
-        if isinstance(module, Mamba2Mixer):
-            module.use_compiled_decode(step)
+    device: torch.device
+    dtype: str  # the model's compute dtype
+    max_model_len: int
+    cache: CacheConfig  # platform set from the device
+    scheduler: SchedulerConfig  # max_model_len resolved
+    cache_dtypes: CacheDtypes
+    capabilities: frozenset[str]  # what the machine has: "native", "triton", "compile"
+
+    def plan_target(self) -> PlanTarget:
+        sized_by_user = self.cache.memory_bytes is not None or self.cache.num_pages is not None
+        return PlanTarget(
+            self.max_model_len,
+            None if sized_by_user else self.scheduler.max_num_seqs,
+            self.dtype,
+            self.capabilities,
+        )
+
+
+def resolve_runtime(
+    model_config: ModelConfig,
+    cache: CacheConfig,
+    scheduler_kwargs: dict[str, Any],
+    hf_config: dict[str, Any],
+    family: HFConfig,
+) -> Runtime:
+    """Device (auto: CUDA if available), dtype (auto: the checkpoint's), platform (from the
+    device), max_model_len (the model's max_position_embeddings unless given), cache dtypes and
+    the machine's capabilities, for the plan and the runner to share."""
+    want = model_config.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but no CUDA device is available")
+    device = torch.device(want)
+    dtype = model_config.dtype
+    dtype = model_dtype(hf_config) if dtype == "auto" else canonical_dtype(dtype)
+    if cache.platform == "cpu" and device.type == "cuda":
+        cache = dataclasses.replace(cache, platform="cuda")
+    max_model_len = int(scheduler_kwargs.get("max_model_len") or family.max_position_embeddings)
+    scheduler = SchedulerConfig(**{**scheduler_kwargs, "max_model_len": max_model_len})
+    runtime_config = {**hf_config, "torch_dtype": dtype, "dtype": dtype}
+    dtypes = resolve_cache_dtypes(
+        runtime_config, cache.kv_cache_dtype, cache.state_dtype, cache.ssm_state_dtype
+    )
+    return Runtime(
+        device, dtype, max_model_len, cache, scheduler, dtypes, _capabilities(device, model_config)
+    )
+
+
+def _capabilities(device: torch.device, model_config: ModelConfig) -> frozenset[str]:
+    found = set()
+    if device.type == "cpu":
+        from hybridkv.ops import native
+
+        if native.library() is not None:  # builds the kernels once (about a second)
+            found.add("native")
+    elif device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            found.add("triton")
+    if model_config.compile:
+        found.add("compile")
+    return frozenset(found)
 
 
 class Engine:
@@ -108,92 +186,42 @@ class Engine:
         hf_config = load_model_config(folder)
         self.architecture = architecture_of(hf_config)
         cls = model_class(self.architecture)
-        self.device = self._device()
+        family = cls.config_class.from_hf(text_config(hf_config))  # the one reading
+        rt = resolve_runtime(self.model_config, CacheConfig(**ckw), skw, hf_config, family)
+        self.runtime = rt
+        self.device, self.dtype, self.max_model_len = rt.device, rt.dtype, rt.max_model_len
+        self.cache_config, self.scheduler_config = rt.cache, rt.scheduler
         if self.device.type == "cpu" and self.model_config.keep_freed_memory:
             keep_freed_memory()
-        self.dtype = self._dtype(hf_config)
         self.tokenizer = load_tokenizer(folder)  # None: token-id mode (no tokenizer.json)
-        runtime_config = {**hf_config, "torch_dtype": self.dtype, "dtype": self.dtype}
-        self.max_model_len = int(
-            skw.get("max_model_len") or text_config(hf_config).get("max_position_embeddings", 4096)
-        )
-        self.scheduler_config = SchedulerConfig(**{**skw, "max_model_len": self.max_model_len})
-        self.cache_config = CacheConfig(**ckw)
-        self.plan = self._plan(runtime_config)
-        self.model = self._load_model(cls, folder, hf_config, runtime_config)
+
+        with torch.device("meta"):
+            meta_model = cls(family)
+        layers = meta_model.cache_layers(rt.cache_dtypes)
+        self.plan = make_plan(layers, self.cache_config, self.architecture, rt.plan_target())
+        self.model = self._load_weights(meta_model, folder)
+
         self.cache = CacheManager(self.plan, self.cache_config)
         self.scheduler = Scheduler(self.cache, self.scheduler_config)
         self.runner = ModelRunner(
             self.model,
             self.plan,
-            self.cache,
             self.scheduler_config.max_num_seqs,
             self.device,
             self.model_config.seed,
         )
         self.eos_token_ids = eos_token_ids(text_config(hf_config), generation_config(folder))
-        self.vocab_size = int(text_config(hf_config)["vocab_size"])
+        self.vocab_size = family.vocab_size
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
     # -- set-up --------------------------------------------------------------------------------
 
-    def _device(self) -> torch.device:
-        want = self.model_config.device
-        if want == "auto":
-            want = "cuda" if torch.cuda.is_available() else "cpu"
-        if want == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' requested but no CUDA device is available")
-        return torch.device(want)
-
-    def _dtype(self, hf_config: dict[str, Any]) -> str:
-        if self.model_config.dtype != "auto":
-            return canonical_dtype(self.model_config.dtype)
-        from hybridkv.kv.specs import model_dtype
-
-        return model_dtype(hf_config)
-
-    def _plan(self, runtime_config: dict[str, Any]) -> MemoryPlan:
-        """Plan the cache. Without a budget, size it for max_num_seqs requests of
-        max_model_len tokens, capped at 4 GiB."""
-        cache = self.cache_config
-        if cache.platform == "cpu" and self.device.type == "cuda":
-            cache = dataclasses.replace(cache, platform="cuda")
-            self.cache_config = cache
-        if cache.memory_bytes is not None or cache.num_pages is not None:
-            return plan_for_config(runtime_config, cache, self.max_model_len)
-        probe = plan_for_config(
-            runtime_config, dataclasses.replace(cache, num_pages=10**6), self.max_model_len
-        )
-        per_request = len(probe.state_groups) * 2 + sum(
-            math.ceil(self.max_model_len / g.page_tokens) for g in probe.attention_groups
-        )  # running + snapshot state pages, attention pages for max_model_len
-        cap = AUTO_BUDGET_BYTES // (probe.page_bytes * probe.layers_per_group)
-        wanted = per_request * self.scheduler_config.max_num_seqs + 1
-        if cap < per_request + 1:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} needs {per_request + 1} pages "
-                f"but 4 GiB hold {cap}; lower max_model_len or give memory_bytes"
-            )
-        return plan_for_config(
-            runtime_config,
-            dataclasses.replace(cache, num_pages=min(wanted, cap)),
-            self.max_model_len,
-        )
-
-    def _load_model(self, cls, folder: Path, hf_config, runtime_config) -> torch.nn.Module:
-        cfg = text_config(hf_config)
-        dtypes = resolve_cache_dtypes(runtime_config)
-        with torch.device("meta"):
-            probe = cls(cfg, read_layers(runtime_config, dtypes))
-        del probe  # constructing on meta first catches config errors before allocating memory
-        model = cls(cfg, read_layers(runtime_config, dtypes))
-        model = model.to(device=self.device, dtype=torch_dtype(self.dtype))
+    def _load_weights(self, model: CausalLM, folder: Path) -> CausalLM:
+        model.materialise(self.device, torch_dtype(self.dtype))
         model.load_weights(iter_weights(folder))
         if self.device.type == "cpu" and self.model_config.prepack:
             prepack_linears(model)
-        if self.model_config.compile:
-            _compile_decode_steps(model)
         return model.eval()
 
     # -- requests ------------------------------------------------------------------------------
@@ -269,7 +297,7 @@ class Engine:
         if req is None:
             return
         self.scheduler.abort(req)
-        self.runner.release([req])
+        self.runner.release([request_id])
 
     @property
     def has_unfinished(self) -> bool:
@@ -283,18 +311,20 @@ class Engine:
         out = self.scheduler.schedule()
         samples = self.runner.execute(out)
         now = time.monotonic()
-        for chunk in out.chunks:
-            sample = samples.get(chunk.request.request_id)
+        # the step's live requests (one aborted while the step ran is gone)
+        stepped = [r for c in out.chunks if (r := self.requests.get(c.request_id)) is not None]
+        for req in stepped:
+            sample = samples.get(req.request_id)
             if sample is not None:
-                self._record_sample(chunk.request, sample, now)
+                self._record_sample(req, sample, now)
         finished = self.scheduler.update(out, {rid: s.token for rid, s in samples.items()})
-        finished += self._apply_stop_strings([c.request for c in out.chunks if c.samples])
+        finished += self._apply_stop_strings([r for r in stepped if r.request_id in samples])
         rejected = self.scheduler.drain_rejected()
-        self.runner.release(finished + rejected)
+        self.runner.release([r.request_id for r in finished + rejected])
         outputs = [
-            self._output(c.request)
-            for c in out.chunks
-            if c.samples and (c.request.is_finished or c.request.stream)
+            self._output(r)
+            for r in stepped
+            if r.request_id in samples and (r.is_finished or r.stream)
         ]
         outputs += [self._output(r) for r in rejected]
         for req in finished + rejected:

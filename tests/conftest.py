@@ -42,6 +42,20 @@ def kernels(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture
+def mamba2_ops(kernels):
+    """The Mamba2 ops a state group would run: the native kernels or the PyTorch reference."""
+    from hybridkv.ops.mamba2_ops import NativeMamba2Ops, TorchMamba2Ops
+
+    return NativeMamba2Ops() if kernels == "native" else TorchMamba2Ops()
+
+
+def state_meta(pages, has_initial_state, query_start_loc, max_query_len):
+    from hybridkv.layers.state_base import StateMetadata
+
+    return StateMetadata(pages, has_initial_state, query_start_loc, max_query_len)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny seeded GraniteMoeHybrid checkpoint (Mamba2 + attention + MoE) with a tokenizer

@@ -36,26 +36,35 @@ its copy has run: snapshots never lower the number of requests the pool can hold
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from hybridkv.config import CacheConfig
 from hybridkv.core.hashing import PrefixKeys
 from hybridkv.core.managers import (
-    MANAGERS,
-    AttentionReq,
-    FullAttentionManager,
-    SlidingWindowManager,
-    StateManager,
-    StateReq,
+    EMPTY_ALLOCATION,
+    INF,
+    GroupManager,
+    StateCopy,
+    StepAllocation,
+    StepNeed,
+    StepOps,
+    manager_for,
 )
 from hybridkv.core.page_pool import PagePool
 from hybridkv.kv.plan import MemoryPlan
 
-INF = math.inf
+__all__ = [
+    "EMPTY_ALLOCATION",
+    "CacheManager",
+    "CacheRequest",
+    "PrefixHit",
+    "SimpleRequest",
+    "StateCopy",
+    "StepAllocation",
+]
 
 
 class CacheRequest(Protocol):
@@ -88,27 +97,14 @@ class PrefixHit:
 NO_HIT = PrefixHit(0, 0)
 
 
-@dataclass(frozen=True)
-class StepAllocation:
-    """What the runner needs from one allocation (ids are kernel-block ids and page ids)."""
-
-    new_blocks: dict[int, list[int]]  # attention group -> kernel-block ids to append to its row
-    copies_in: tuple[tuple[int, int, int], ...] = ()  # (group, snapshot page, running page)
-    snapshots: tuple[tuple[int, int, int], ...] = ()  # (group, running page, snapshot page)
-
-
-EMPTY_ALLOCATION = StepAllocation({})
-
-
 @dataclass
 class _ReqState:
     request: CacheRequest
-    groups: list[AttentionReq | StateReq]
+    groups: list[Any]  # what the request holds in each group (the manager's own type)
     hashes: list[int]
     num_computed: int = 0
     boundaries: list[int] = field(default_factory=list)  # prompt-time snapshot lengths, sorted
     has_pending: bool = False  # snapshot / copy-in ops waiting for commit
-    state_ready: bool = False  # every state group holds the running page
     cap: float = 0  # tokens every attention group can hold
     next_snap: float = INF  # total at which the next snapshot is due
     next_drop: float = INF  # first-query position at which a sliding group drops a unit
@@ -134,18 +130,18 @@ class CacheManager:
         self.config = cache
         self.caching = cache.enable_prefix_caching
         self.pool = PagePool(plan.num_pages)
-        self.groups = [MANAGERS[g.kind](g, self.pool, cache.allocation) for g in plan.groups]
-        attention = [m for m in self.groups if isinstance(m, FullAttentionManager)]
-        units = [m.unit_tokens for m in attention]
-        self.hash_block_tokens = math.gcd(*units)
-        self.hit_tokens = math.lcm(*units)
-        self.full_groups = [m for m in attention if not isinstance(m, SlidingWindowManager)]
-        self.sliding_groups = [m for m in attention if isinstance(m, SlidingWindowManager)]
-        self.state_groups = [m for m in self.groups if isinstance(m, StateManager)]
-        self._attn_ids = [
-            i for i, m in enumerate(self.groups) if isinstance(m, FullAttentionManager)
-        ]
-        self._state_ids = [i for i, m in enumerate(self.groups) if isinstance(m, StateManager)]
+        self.groups: list[GroupManager[Any]] = [manager_for(g, self.pool) for g in plan.groups]
+        self.hash_block_tokens = plan.hash_block_tokens
+        self.hit_tokens = plan.hit_tokens
+        ids = range(len(self.groups))
+        # Which groups do what, from the managers' declared traits (GroupManager's docstring).
+        self._token_ids = [i for i in ids if self.groups[i].caches_tokens]
+        self._state_ids = [i for i in ids if not self.groups[i].caches_tokens]
+        self._closed = [m for m in self.groups if m.prefix_closed]
+        self._open_token = [m for m in self.groups if m.caches_tokens and not m.prefix_closed]
+        self._open = [m for m in self.groups if not m.prefix_closed]
+        self._alloc_order = sorted(ids, key=lambda i: not self.groups[i].allocates_first)
+        self.has_state = bool(self._state_ids)
         self._reqs: dict[str, _ReqState] = {}
         self._lookup_hashes: dict[str, list[int]] = {}
         self.stats = CacheStats()
@@ -167,16 +163,21 @@ class CacheManager:
 
         gran = self.hit_tokens
         limit = (len(req.all_token_ids) - 1) // gran * gran  # one token must be computed
-        for m in self.full_groups:
-            limit = min(limit, m.cached_prefix_tokens(key_at, limit) // gran * gran)
-        attention = self._longest(limit, self.sliding_groups, key_at)
-        length = self._longest(attention, self.state_groups + self.sliding_groups, key_at)
+        for m in self._closed:  # serving L implies serving less: one check each
+            limit = m.longest_hit(key_at, limit, gran)
+        attention = self._common_hit(limit, self._open_token, key_at)
+        length = self._common_hit(attention, self._open, key_at)
         return PrefixHit(length, attention)
 
-    def _longest(self, length: int, groups: list, key_at) -> int:
-        while length > 0 and not all(m.can_serve(length, key_at) for m in groups):
-            length -= self.hit_tokens
-        return length
+    def _common_hit(self, length: int, groups: list[GroupManager[Any]], key_at) -> int:
+        """The longest hit <= `length` that every group of `groups` serves: each group's own
+        longest hit, repeated until no group lowers it (each lowers it or keeps it)."""
+        while True:
+            start = length
+            for m in groups:
+                length = m.longest_hit(key_at, length, self.hit_tokens)
+            if length == start:
+                return length
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -186,9 +187,9 @@ class CacheManager:
         key_at = self._keys(req, rs.hashes)
 
         for m, gr in zip(self.groups, rs.groups, strict=True):
-            m.take_hit(gr, hit.num_tokens, key_at)  # type: ignore[arg-type]
+            m.take_hit(gr, hit.num_tokens, key_at)
         rs.num_computed = hit.num_tokens
-        rs.boundaries = self._prompt_boundaries(req, hit) if self.state_groups else []
+        rs.boundaries = self._prompt_boundaries(req, hit) if self.has_state else []
         self._update_events(rs, rs.num_computed)
         return rs
 
@@ -217,7 +218,7 @@ class CacheManager:
         rs = self._reqs.get(req.request_id)
         if rs is None:
             hit = hit or NO_HIT
-            boundaries = self._prompt_boundaries(req, hit) if self.state_groups else []
+            boundaries = self._prompt_boundaries(req, hit) if self.has_state else []
             start = hit.num_tokens
         else:
             boundaries, start = rs.boundaries, rs.num_computed
@@ -237,13 +238,13 @@ class CacheManager:
         total = rs.num_computed + num_new_tokens
         if total <= rs.cap and total < rs.next_snap and rs.num_computed < rs.next_drop:
             return EMPTY_ALLOCATION  # fast path: nothing to do in any group
-        snapshot_at, is_tail = self._snapshot_for(rs, total)
-        ok = self._allocate_groups(rs, total, snapshot_at, is_tail)
-        if not ok and snapshot_at is not None:
+        need = self._need(rs, total)
+        active = self._allocate_groups(rs, need)
+        if active is None and need.snapshot_at is not None:
             # A snapshot is an optimisation: without room for it, the step runs without one.
-            snapshot_at, is_tail = None, False
-            ok = self._allocate_groups(rs, total, None, False)
-        if not ok:
+            need = StepNeed(rs.num_computed, total)
+            active = self._allocate_groups(rs, need)
+        if active is None:
             if new:
                 self._release(rs)
                 self._lookup_hashes[req.request_id] = rs.hashes
@@ -251,61 +252,53 @@ class CacheManager:
         if new:
             self._reqs[req.request_id] = rs
             self._count_admission(req, rs.num_computed)
-        return self._finish_allocation(rs, total, snapshot_at)
+        return self._finish_allocation(rs, need, active)
 
-    def _allocate_groups(
-        self, rs: _ReqState, total: int, snapshot_at: int | None, is_tail: bool
-    ) -> bool:
-        """All or nothing. The pages needed are counted first, so a request the pool cannot
-        serve changes nothing (not even cached content an eviction would have dropped). Then:
+    def _allocate_groups(self, rs: _ReqState, need: StepNeed) -> list[int] | None:
+        """All or nothing; returns the groups that took part, or None. The pages needed are
+        counted first, so a request the pool cannot serve changes nothing (not even cached
+        content an eviction would have dropped). Then:
 
-            phase 1  attention groups fill free units of pages they already own
-            phase 2  state groups take their pages
-            phase 3  attention groups take new pages, within a per-group budget when the pool
-                     is short, reclaiming their own stranded cached units beyond it
+            phase 1  every group fills free units of pages it already owns
+            phase 2  groups that allocate first (fixed-size state pages) take their pages
+            phase 3  the others take new pages, within a per-group budget when the pool is
+                     short, reclaiming their own stranded cached units beyond it
 
         Phase 1 runs before any page changes hands, so no eviction takes a page whose free
         units were counted; the budgets make phase 3 unable to starve another group."""
         groups, reqs = self.groups, rs.groups
-        attn = [(groups[i], reqs[i]) for i in self._attn_ids]
-        state = (
-            [(groups[i], reqs[i]) for i in self._state_ids]
-            if self._state_involved(rs, snapshot_at)
-            else []
-        )
-        needs = [m.pages_needed(gr, total) for m, gr in attn]  # type: ignore[arg-type]
-        state_pages = sum(m.pages_needed(gr, snapshot_at)[0] for m, gr in state)  # type: ignore[arg-type]
-        available = self.pool.num_available - sum(n[2] for n in needs) - state_pages
-        if sum(n[0] for n in needs) <= available:
-            budgets: list[int | None] = [None] * len(attn)
-        elif sum(n[1] for n in needs) <= available:
-            budgets = [n[1] for n in needs]
+        active = [i for i in self._alloc_order if groups[i].involved(reqs[i], need)]
+        needs = [groups[i].pages_needed(reqs[i], need) for i in active]
+        available = self.pool.num_available - sum(n.evictable_used for n in needs)
+        budgets: list[int | None]
+        if sum(n.pages for n in needs) <= available:
+            budgets = [None] * len(active)
+        elif sum(n.pages_if_reclaimed for n in needs) <= available:
+            budgets = [n.pages_if_reclaimed for n in needs]
         else:
-            return False
-        for m, gr in attn:
-            m.fill_from_slots(gr, rs.num_computed, total)  # type: ignore[arg-type]
-        ok = all(m.allocate(gr, snapshot_at, is_tail) for m, gr in state) and all(  # type: ignore[arg-type]
-            m.allocate(gr, rs.num_computed, total, b)  # type: ignore[arg-type]
-            for (m, gr), b in zip(attn, budgets, strict=True)
+            return None
+        for i in active:
+            groups[i].fill_free_units(reqs[i], need)
+        ok = all(
+            groups[i].allocate(reqs[i], need, budget)
+            for i, budget in zip(active, budgets, strict=True)
         )
         if not ok:  # cannot happen after the count above; kept as a safety net
-            for m, gr in attn + state:
-                m.undo(gr)  # type: ignore[arg-type]
-        return ok
+            for i in active:
+                groups[i].undo(reqs[i])
+            return None
+        return active
 
-    def _state_involved(self, rs: _ReqState, snapshot_at: int | None) -> bool:
-        """State groups act at admission (running pages) and at snapshot boundaries only."""
-        return snapshot_at is not None or not rs.state_ready
-
-    def _snapshot_for(self, rs: _ReqState, total: int) -> tuple[int | None, bool]:
-        if not self.caching or not self.state_groups or total < rs.next_snap:
-            return None, False
+    def _need(self, rs: _ReqState, total: int) -> StepNeed:
+        """What this step asks: `total` tokens held, and a state snapshot if one is due."""
+        if not self.caching or not self.has_state or total < rs.next_snap:
+            return StepNeed(rs.num_computed, total)
         for b in rs.boundaries:
             if b == total:
-                return total, False
+                return StepNeed(rs.num_computed, total, total, False)
         if self.config.snapshot_request_end and total == self._next_tail(rs, total - 1):
-            return total, True
-        return None, False
+            return StepNeed(rs.num_computed, total, total, True)
+        return StepNeed(rs.num_computed, total)
 
     def _next_tail(self, rs: _ReqState, after: int) -> float:
         """The first rolling-tail boundary past `after` tokens: on the interval grid past the
@@ -322,46 +315,32 @@ class CacheManager:
         return INF if grid > limit else grid
 
     def _finish_allocation(
-        self, rs: _ReqState, total: int, snapshot_at: int | None
+        self, rs: _ReqState, need: StepNeed, active: list[int]
     ) -> StepAllocation:
-        new_blocks: dict[int, list[int]] = {}
-        copies_in, snapshots = [], []
-        for i in self._attn_ids:
-            m, gr = self.groups[i], rs.groups[i]
-            if gr.new_entries:  # type: ignore[union-attr]
-                new_blocks[i] = gr.new_entries  # type: ignore[union-attr]
-                gr.new_entries = []  # type: ignore[union-attr]
-            m.end_step(gr)  # type: ignore[arg-type]
-        if self._state_involved(rs, snapshot_at):
-            for i in self._state_ids:
-                m, gr = self.groups[i], rs.groups[i]
-                if gr.copy_in is not None:  # type: ignore[union-attr]
-                    copies_in.append((i, *gr.copy_in))  # type: ignore[union-attr]
-                snapshots.extend((i, *op) for op in gr.snapshots)  # type: ignore[union-attr]
-                m.end_step(gr)  # type: ignore[arg-type]
-            rs.state_ready = True
-        if snapshots:
+        ops = StepOps()
+        for i in active:
+            self.groups[i].end_step(rs.groups[i], ops)
+        if ops.snapshots:
             self.stats.snapshots_taken += 1
         if rs.boundaries:
-            rs.boundaries = [b for b in rs.boundaries if b > total]
-        rs.has_pending = rs.has_pending or bool(copies_in or snapshots)
-        self._update_events(rs, total)
-        return StepAllocation(new_blocks, tuple(copies_in), tuple(snapshots))
+            rs.boundaries = [b for b in rs.boundaries if b > need.total]
+        rs.has_pending = rs.has_pending or bool(ops.copies_in or ops.snapshots)
+        self._update_events(rs, need.total)
+        return ops.freeze()
 
     def _update_events(self, rs: _ReqState, total: int) -> None:
         cap: float = INF
         drop: float = INF
         commit: float = INF
-        for i in self._attn_ids:
-            m, gr = self.groups[i], rs.groups[i]
-            cap = min(cap, m.capacity(gr))  # type: ignore[union-attr,arg-type]
-            if self.caching:
-                commit = min(commit, m.next_commit(gr))  # type: ignore[union-attr,arg-type]
-            if isinstance(m, SlidingWindowManager):
-                drop = min(drop, m.next_drop(gr))  # type: ignore[arg-type]
-        rs.cap, rs.next_drop, rs.next_commit = cap, drop, commit
+        for i in self._token_ids:
+            events = self.groups[i].events(rs.groups[i])
+            cap = min(cap, events.capacity)
+            commit = min(commit, events.next_commit)
+            drop = min(drop, events.next_drop)
+        rs.cap, rs.next_drop = cap, drop
+        rs.next_commit = commit if self.caching else INF
         rs.next_snap = INF
-        if self.caching and self.state_groups:
+        if self.caching and self.has_state:
             if rs.boundaries:
                 rs.next_snap = rs.boundaries[0]
             elif self.config.snapshot_request_end:
@@ -387,15 +366,15 @@ class CacheManager:
 
         key_at = self._keys(rs.request, rs.hashes)
         groups, reqs = self.groups, rs.groups
-        if num_computed_tokens >= rs.next_commit:
+        if num_computed_tokens >= rs.next_commit:  # a unit became full in a token group
             commit: float = INF
-            for i in self._attn_ids:
-                groups[i].commit(reqs[i], num_computed_tokens, key_at, self.caching)  # type: ignore[call-arg,arg-type]
-                commit = min(commit, groups[i].next_commit(reqs[i]))  # type: ignore[union-attr,arg-type]
+            for i in self._token_ids:
+                groups[i].commit(reqs[i], num_computed_tokens, key_at, self.caching)
+                commit = min(commit, groups[i].events(reqs[i]).next_commit)
             rs.next_commit = commit if self.caching else INF
-        if rs.has_pending:
+        if rs.has_pending:  # snapshots and copy-ins of the state groups
             for i in self._state_ids:
-                groups[i].commit(reqs[i], key_at)  # type: ignore[call-arg,arg-type]
+                groups[i].commit(reqs[i], num_computed_tokens, key_at, self.caching)
             rs.has_pending = False
 
     def free(self, req: CacheRequest) -> None:
@@ -407,9 +386,9 @@ class CacheManager:
 
     def _release(self, rs: _ReqState) -> None:
         for m, gr in reversed(list(zip(self.groups, rs.groups, strict=True))):
-            m.free(gr)  # type: ignore[arg-type]
+            m.free(gr)
 
-    # -- queries for the runner ------------------------------------------------------------
+    # -- queries (tests, metrics) ----------------------------------------------------------------
 
     def is_admitted(self, req: CacheRequest) -> bool:
         return req.request_id in self._reqs
@@ -418,22 +397,16 @@ class CacheManager:
         return self._reqs[req.request_id].num_computed
 
     def table_row(self, req: CacheRequest, group_id: int) -> list[int]:
-        m, gr = self.groups[group_id], self._reqs[req.request_id].groups[group_id]
-        assert isinstance(m, FullAttentionManager) and isinstance(gr, AttentionReq)
-        return m.table_row(gr)
-
-    def state_page(self, req: CacheRequest, group_id: int) -> int:
-        gr = self._reqs[req.request_id].groups[group_id]
-        assert isinstance(gr, StateReq) and gr.running is not None
-        return gr.running
+        """The request's row in a group: kernel-block ids, or its running-state page."""
+        return self.groups[group_id].table_row(self._reqs[req.request_id].groups[group_id])
 
     def drain_new_pages(self) -> dict[int, list[int]]:
-        """Pages newly handed to each attention group since the last call (to be zeroed)."""
+        """Pages newly handed to each group since the last call that must be zeroed."""
         out = {}
         for m in self.groups:
-            pages = m.units.drain_new_pages()
-            if pages and isinstance(m, FullAttentionManager):
-                out[m.group.group_id] = pages
+            pages = m.drain_new_pages()
+            if pages:
+                out[m.group_id] = pages
         return out
 
     # -- accounting --------------------------------------------------------------------------
@@ -442,13 +415,12 @@ class CacheManager:
         """Pages free, cached only (evictable) and in use, plus snapshot pages held."""
         cached = self.pool.num_evictable
         free = self.pool.num_free
-        snapshot_pages = sum(m.units.num_cached_units for m in self.state_groups)
         return {
             "total": self.pool.num_usable,
             "free": free,
             "cached": cached,
             "in_use": self.pool.num_usable - free - cached,
-            "snapshot_pages": snapshot_pages,
+            "snapshot_pages": sum(m.num_snapshot_pages for m in self.groups),
         }
 
     def group_usage(self) -> list[dict[str, int | str]]:
@@ -458,7 +430,7 @@ class CacheManager:
             in_use = m.units.pages_in_use()
             rows.append(
                 {
-                    "group": m.group.group_id,
+                    "group": m.group_id,
                     "kind": m.group.kind,
                     "in_use": in_use,
                     "cached": owned - in_use,
@@ -473,11 +445,8 @@ class CacheManager:
         for m in self.groups:
             m.units.check()
         for gid, m in enumerate(self.groups):
-            expected = Counter(
-                u
-                for rs in self._reqs.values()
-                for u in m.references(rs.groups[gid])  # type: ignore[arg-type]
-            )
+            refs = (u for rs in self._reqs.values() for u in m.references(rs.groups[gid]))
+            expected = Counter(refs)
             held = {u: c for u, c in m.units.ref.items() if c > 0}
             assert held == dict(expected), f"group {gid}: refcounts differ from references"
         usage = self.usage()

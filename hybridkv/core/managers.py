@@ -1,8 +1,13 @@
 """Group managers, one per layer kind (kind -> manager map at the bottom).
 
-Managers take a `GroupPlan` (built from specs), never a model config. Each keeps, per request,
-what the request holds in its group, and works in *units* (see `units.py`): kernel blocks of
-an attention group in block mode, whole pages in page mode and for state groups.
+Every manager implements `GroupManager`: the same methods with the same signatures and typed
+results, so the coordinator (`coordinator.CacheManager`) drives every group alike. Managers take
+a `GroupPlan` (built from specs), never a model config. Each keeps, per request, what the request
+holds in its group, and works in *units* (see `units.py`): kernel blocks of an attention group in
+block mode, whole pages in page mode and for state groups.
+
+Adding a manager family (chunked local attention, a state kind that caches every block): one
+subclass here and its entry in `MANAGERS`.
 
 Prefix keys: `key_at(L)` returns the chained hash of the request's first L tokens (L a multiple
 of the hash block size), or None if those tokens are not known yet. An attention unit covering
@@ -12,16 +17,213 @@ tokens under key_at(L).
 
 from __future__ import annotations
 
+import math
+from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Generic, NamedTuple, TypeVar
 
 from hybridkv.core.hashing import PrefixKeys
 from hybridkv.core.page_pool import NULL_PAGE, PagePool
 from hybridkv.core.units import UnitAllocator
-from hybridkv.kv.plan import GroupPlan
+from hybridkv.kv.plan import pages_to_kernel_blocks
+
+if TYPE_CHECKING:
+    from hybridkv.kv.plan import GroupPlan
 
 KeyAt = PrefixKeys
 NULL_UNIT = NULL_PAGE  # unit 0 lies in the null page in both modes
+INF = math.inf
+
+
+# ---------------------------------------------------------------------------------------------
+# What managers exchange with the coordinator (typed, no bare tuples)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepNeed:
+    """What one allocation asks of every group of one request."""
+
+    num_computed: int  # tokens in the cache before this step
+    total: int  # tokens the cache must hold after it
+    snapshot_at: int | None = None  # a state snapshot is due after exactly this many tokens
+    is_tail: bool = False  # that snapshot replaces the request's rolling end-of-request one
+
+
+class PagesNeeded(NamedTuple):
+    """New pool pages an allocation would take from the pool."""
+
+    pages: int  # taking new pages only
+    pages_if_reclaimed: int  # if the group first reclaims its own stranded cached units
+    evictable_used: int  # evictable pages whose free units phase 1 would put in use
+
+
+NO_PAGES = PagesNeeded(0, 0, 0)
+
+
+class GroupEvents(NamedTuple):
+    """When a request next needs this group (the coordinator's fast path skips every step
+    before the first event of any group)."""
+
+    capacity: float  # tokens the group holds for it: growing past this needs an allocation
+    next_commit: float  # computed tokens at which a unit becomes full (to offer to the cache)
+    next_drop: float  # first-query position at which a unit leaves a sliding window
+
+
+NO_EVENTS = GroupEvents(INF, INF, INF)
+
+
+class StateCopy(NamedTuple):
+    """Copy every state tensor of every layer of `group_id` from page `src` to page `dst`."""
+
+    group_id: int
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class StepAllocation:
+    """What the runner needs from one allocation of one request: plain ids, nothing live.
+
+    - `new_blocks`: attention group -> kernel-block ids to append to the request's table row;
+    - `state_pages`: state group -> the request's running-state page, when it got a new one
+      (at admission, or again after a preemption); the runner keeps it per row;
+    - `copies_in`: prefix-hit snapshots to copy into running pages before the forward;
+    - `snapshots`: running states to copy into snapshot pages after the forward.
+    """
+
+    new_blocks: dict[int, list[int]] = field(default_factory=dict)
+    state_pages: dict[int, int] = field(default_factory=dict)
+    copies_in: tuple[StateCopy, ...] = ()
+    snapshots: tuple[StateCopy, ...] = ()
+
+
+EMPTY_ALLOCATION = StepAllocation()
+
+
+@dataclass
+class StepOps:
+    """Collects the groups' contributions to one `StepAllocation` (`GroupManager.end_step`)."""
+
+    new_blocks: dict[int, list[int]] = field(default_factory=dict)
+    state_pages: dict[int, int] = field(default_factory=dict)
+    copies_in: list[StateCopy] = field(default_factory=list)
+    snapshots: list[StateCopy] = field(default_factory=list)
+
+    def freeze(self) -> StepAllocation:
+        return StepAllocation(
+            self.new_blocks, self.state_pages, tuple(self.copies_in), tuple(self.snapshots)
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The protocol
+# ---------------------------------------------------------------------------------------------
+
+R = TypeVar("R")
+
+
+class GroupManager(ABC, Generic[R]):
+    """What every group manager implements. `R` is what one request holds in the group.
+
+    Class traits the coordinator reads:
+
+    - `caches_tokens`: the group keeps per-token cache (attention of any kind). Such groups set
+      the "attention hit" (a snapshot is taken where it outruns the state hit), have token events
+      and take part in every allocation; the others keep a fixed-size state per request and
+      take part only when they act (`involved`).
+    - `prefix_closed`: serving a prefix of L tokens implies serving every shorter one (full
+      attention), so a hit search checks the group once instead of at every candidate length.
+    - `allocates_first`: takes its pages before the groups that budget theirs (phase 2 of
+      `CacheManager._allocate_groups`): fixed-size pages are placed before growing ones.
+    """
+
+    caches_tokens: ClassVar[bool] = True
+    prefix_closed: ClassVar[bool] = False
+    allocates_first: ClassVar[bool] = False
+
+    def __init__(self, group: GroupPlan, pool: PagePool) -> None:
+        self.group = group
+        self.group_id = group.group_id
+        self.units = UnitAllocator(pool, group.group_id, group.units_per_page)
+
+    # -- per request ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def new_request(self) -> R: ...
+
+    # -- prefix hits ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def can_serve(self, length: int, key_at: KeyAt) -> bool:
+        """Whether the group holds what a hit of exactly `length` tokens needs."""
+
+    def longest_hit(self, key_at: KeyAt, limit: int, gran: int) -> int:
+        """The longest multiple of `gran`, at most `limit`, that the group can serve."""
+        length = limit // gran * gran
+        while length > 0 and not self.can_serve(length, key_at):
+            length -= gran
+        return length
+
+    @abstractmethod
+    def take_hit(self, gr: R, length: int, key_at: KeyAt) -> None:
+        """Hold the cached content of a hit of `length` tokens for a newly admitted request."""
+
+    # -- per step ------------------------------------------------------------------------------
+
+    def events(self, gr: R) -> GroupEvents:
+        return NO_EVENTS
+
+    def involved(self, gr: R, need: StepNeed) -> bool:
+        """Whether this step needs anything of the group (else the coordinator skips it)."""
+        return True
+
+    @abstractmethod
+    def pages_needed(self, gr: R, need: StepNeed) -> PagesNeeded: ...
+
+    def fill_free_units(self, gr: R, need: StepNeed) -> None:
+        """Phase 1 of an allocation: use free units of pages the group already owns."""
+
+    @abstractmethod
+    def allocate(self, gr: R, need: StepNeed, page_budget: int | None) -> bool:
+        """Hold what `need` asks, taking at most `page_budget` new pages (None: any); False if
+        impossible (the coordinator then undoes every group)."""
+
+    @abstractmethod
+    def end_step(self, gr: R, ops: StepOps) -> None:
+        """Report what the runner must do for this allocation into `ops`; forget undo data."""
+
+    @abstractmethod
+    def undo(self, gr: R) -> None:
+        """Release what the current allocation took (allocation is all or nothing)."""
+
+    @abstractmethod
+    def commit(self, gr: R, num_computed: int, key_at: KeyAt, caching: bool) -> None:
+        """The step ran: offer finished content (full units, snapshots) to the prefix cache."""
+
+    @abstractmethod
+    def free(self, gr: R) -> None:
+        """Release everything the request holds (cached content stays cached)."""
+
+    # -- queries -------------------------------------------------------------------------------
+
+    @abstractmethod
+    def references(self, gr: R) -> list[int]:
+        """Every unit reference the request holds (the integrity check counts them)."""
+
+    @abstractmethod
+    def table_row(self, gr: R) -> list[int]:
+        """The request's row: kernel-block ids (attention) or its running-state page."""
+
+    def drain_new_pages(self) -> list[int]:
+        """Pages newly handed to the group since the last call that must be zeroed before use
+        (a page that held a state may hold NaN bit patterns an attention kernel must not read)."""
+        return self.units.drain_new_pages()
+
+    @property
+    def num_snapshot_pages(self) -> int:
+        return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -40,28 +242,22 @@ class AttentionReq:
     new_entries: list[int] = field(default_factory=list)  # kernel-block ids for the table
 
 
-class FullAttentionManager:
+class FullAttentionManager(GroupManager[AttentionReq]):
     """Full attention: a request holds every unit of its context."""
 
-    def __init__(self, group: GroupPlan, pool: PagePool, allocation: str) -> None:
-        assert group.page_tokens is not None and group.kernel_block_size is not None
-        self.group = group
-        r = group.blocks_per_page
-        if allocation == "page":
-            self.unit_tokens, units_per_page, self.blocks_per_unit = group.page_tokens, 1, r
-        else:
-            self.unit_tokens, units_per_page, self.blocks_per_unit = group.kernel_block_size, r, 1
-        self.units = UnitAllocator(pool, group.group_id, units_per_page)
+    prefix_closed = True
+
+    def __init__(self, group: GroupPlan, pool: PagePool) -> None:
+        assert group.unit_tokens is not None, "an attention group needs a kernel block size"
+        super().__init__(group, pool)
+        self.unit_tokens = group.unit_tokens
+        self.blocks_per_unit = group.blocks_per_unit
 
     def new_request(self) -> AttentionReq:
         return AttentionReq()
 
-    def kernel_blocks(self, unit: int) -> range:
-        """Kernel-block ids of a unit: p -> p*r .. p*r+r-1 in page mode, itself in block mode."""
-        return range(unit * self.blocks_per_unit, (unit + 1) * self.blocks_per_unit)
-
-    def table_row(self, ar: AttentionReq) -> list[int]:
-        return [kb for unit in ar.units for kb in self.kernel_blocks(unit)]
+    def table_row(self, gr: AttentionReq) -> list[int]:
+        return pages_to_kernel_blocks(gr.units, self.blocks_per_unit)
 
     # -- prefix hits -----------------------------------------------------------------------
 
@@ -78,105 +274,101 @@ class FullAttentionManager:
     def can_serve(self, length: int, key_at: KeyAt) -> bool:
         return self.cached_prefix_tokens(key_at, length) == length
 
-    def take_hit(self, ar: AttentionReq, length: int, key_at: KeyAt) -> None:
-        n = length // self.unit_tokens
-        self._take_cached(ar, key_at.unit_keys(self.unit_tokens, 0, n))
-        ar.registered = n
+    def longest_hit(self, key_at: KeyAt, limit: int, gran: int) -> int:
+        return self.cached_prefix_tokens(key_at, limit) // gran * gran
 
-    def _take_cached(self, ar: AttentionReq, keys: list[int]) -> None:
+    def take_hit(self, gr: AttentionReq, length: int, key_at: KeyAt) -> None:
+        n = length // self.unit_tokens
+        self._take_cached(gr, key_at.unit_keys(self.unit_tokens, 0, n))
+        gr.registered = n
+
+    def _take_cached(self, gr: AttentionReq, keys: list[int]) -> None:
+        units = []
         for key in keys:
             unit = self.units.lookup(key)
             assert unit is not None, "a prefix hit vanished before it was taken"
             self.units.incref(unit)
-            ar.units.append(unit)
-            ar.new_entries.extend(self.kernel_blocks(unit))
+            units.append(unit)
+        gr.units.extend(units)
+        gr.new_entries.extend(pages_to_kernel_blocks(units, self.blocks_per_unit))
 
     # -- per step ----------------------------------------------------------------------------
 
-    def capacity(self, ar: AttentionReq) -> int:
-        return len(ar.units) * self.unit_tokens
+    def events(self, gr: AttentionReq) -> GroupEvents:
+        capacity = len(gr.units) * self.unit_tokens
+        return GroupEvents(capacity, (gr.registered + 1) * self.unit_tokens, INF)
 
-    def units_needed(self, ar: AttentionReq, total: int) -> int:
-        return max(0, -(-total // self.unit_tokens) - len(ar.units))
+    def _units_needed(self, gr: AttentionReq, total: int) -> int:
+        return max(0, -(-total // self.unit_tokens) - len(gr.units))
 
-    def pages_needed(self, ar: AttentionReq, total: int) -> tuple[int, int, int]:
-        """(new pages needed, new pages needed if stranded cached units are reclaimed, evictable
-        pages whose free slots phase 1 would use)."""
-        need = self.units_needed(ar, total)
-        if need == 0:
-            return 0, 0, 0
-        found, touched = self.units.plan_slots(need, self._hint_page(ar))
+    def pages_needed(self, gr: AttentionReq, need: StepNeed) -> PagesNeeded:
+        missing = self._units_needed(gr, need.total)
+        if missing == 0:
+            return NO_PAGES
+        found, touched = self.units.count_free_units(missing, self._hint_page(gr))
         per_page = self.units.units_per_page
-        short = need - found
+        short = missing - found
         reclaimed = max(0, short - self.units.num_stranded)
-        return -(-short // per_page), -(-reclaimed // per_page), touched
+        return PagesNeeded(-(-short // per_page), -(-reclaimed // per_page), touched)
 
-    def fill_from_slots(self, ar: AttentionReq, num_computed: int, total: int) -> None:
-        """Phase 1 of an allocation: use free units of pages the group already owns."""
-        self._take_units(ar, total, page_budget=0, reclaim=False)
+    def fill_free_units(self, gr: AttentionReq, need: StepNeed) -> None:
+        self._take_units(gr, need.total, page_budget=0, reclaim=False)
 
-    def allocate(
-        self, ar: AttentionReq, num_computed: int, total: int, page_budget: int | None = None
-    ) -> bool:
-        """Phase 3: hold units for the first `total` tokens, taking at most `page_budget` new
-        pages (None: any) and reclaiming stranded cached units beyond. False if impossible."""
-        return self._take_units(ar, total, page_budget, reclaim=True)
+    def allocate(self, gr: AttentionReq, need: StepNeed, page_budget: int | None) -> bool:
+        """Hold units for the first `need.total` tokens, taking at most `page_budget` new pages
+        and reclaiming stranded cached units beyond."""
+        return self._take_units(gr, need.total, page_budget, reclaim=True)
 
     def _take_units(
-        self, ar: AttentionReq, total: int, page_budget: int | None, reclaim: bool
+        self, gr: AttentionReq, total: int, page_budget: int | None, reclaim: bool
     ) -> bool:
-        need = self.units_needed(ar, total)
-        if need == 0:
+        missing = self._units_needed(gr, total)
+        if missing == 0:
             return True
-        units = self.units.take(need, self._hint_page(ar), page_budget, reclaim)
-        ar.units.extend(units)
-        ar.new_units.extend(units)
-        if self.blocks_per_unit == 1:
-            ar.new_entries.extend(units)
-        else:
-            for unit in units:
-                ar.new_entries.extend(self.kernel_blocks(unit))
-        return len(units) == need
+        units = self.units.take(missing, self._hint_page(gr), page_budget, reclaim)
+        gr.units.extend(units)
+        gr.new_units.extend(units)
+        gr.new_entries.extend(pages_to_kernel_blocks(units, self.blocks_per_unit))
+        return len(units) == missing
 
-    def _hint_page(self, ar: AttentionReq) -> int | None:
-        last = ar.units[-1] if ar.units else NULL_UNIT
+    def _hint_page(self, gr: AttentionReq) -> int | None:
+        last = gr.units[-1] if gr.units else NULL_UNIT
         return None if last == NULL_UNIT else last // self.units.units_per_page
 
-    def next_commit(self, ar: AttentionReq) -> int:
-        """Computed-token count at which the next unit becomes full."""
-        return (ar.registered + 1) * self.unit_tokens
+    def end_step(self, gr: AttentionReq, ops: StepOps) -> None:
+        if gr.new_entries:
+            ops.new_blocks[self.group_id] = gr.new_entries
+            gr.new_entries = []
+        gr.new_units.clear()
 
-    def commit(self, ar: AttentionReq, num_computed: int, key_at: KeyAt, caching: bool) -> None:
+    def commit(self, gr: AttentionReq, num_computed: int, key_at: KeyAt, caching: bool) -> None:
         """Offer every unit that is now full to the prefix cache."""
-        full = min(num_computed // self.unit_tokens, len(ar.units))
-        if caching and full > ar.registered:
-            keys = key_at.unit_keys(self.unit_tokens, ar.registered, full)
-            units = ar.units[ar.registered : ar.registered + len(keys)]
+        full = min(num_computed // self.unit_tokens, len(gr.units))
+        if caching and full > gr.registered:
+            keys = key_at.unit_keys(self.unit_tokens, gr.registered, full)
+            units = gr.units[gr.registered : gr.registered + len(keys)]
             if NULL_UNIT in units:  # sliding windows may hold dropped units
                 keys = [k for x, k in zip(units, keys, strict=True) if x != NULL_UNIT]
                 units = [x for x in units if x != NULL_UNIT]
             self.units.set_keys(units, keys)
-        ar.registered = max(ar.registered, full)
+        gr.registered = max(gr.registered, full)
 
-    def end_step(self, ar: AttentionReq) -> None:
-        ar.new_units.clear()
-        ar.new_entries = []
+    def undo(self, gr: AttentionReq) -> None:
+        if gr.new_units:
+            del gr.units[len(gr.units) - len(gr.new_units) :]
+            self.units.release(reversed(gr.new_units))
+        gr.new_units.clear()
+        gr.new_entries = []
 
-    def undo(self, ar: AttentionReq) -> None:
-        """Release what the current call allocated (allocation is all or nothing)."""
-        if ar.new_units:
-            del ar.units[len(ar.units) - len(ar.new_units) :]
-            self.units.release(reversed(ar.new_units))
-        self.end_step(ar)
-
-    def free(self, ar: AttentionReq) -> None:
+    def free(self, gr: AttentionReq) -> None:
         """Release every unit, last first: tail pages become evictable before head pages."""
-        self.units.release(u for u in reversed(ar.units) if u != NULL_UNIT)
-        ar.units.clear()
-        self.end_step(ar)
+        self.units.release(u for u in reversed(gr.units) if u != NULL_UNIT)
+        gr.units.clear()
+        gr.new_units.clear()
+        gr.new_entries = []
 
-    def references(self, ar: AttentionReq) -> list[int]:
-        return [u for u in ar.units if u != NULL_UNIT]
+    def references(self, gr: AttentionReq) -> list[int]:
+        return [u for u in gr.units if u != NULL_UNIT]
 
 
 class SlidingWindowManager(FullAttentionManager):
@@ -186,6 +378,8 @@ class SlidingWindowManager(FullAttentionManager):
     position c, every unit that ends at or before c - W + 1 is dropped. Block-table entries of
     dropped units are left as they were: kernels mask keys outside the window with `where`.
     """
+
+    prefix_closed = False
 
     @property
     def window(self) -> int:
@@ -201,37 +395,33 @@ class SlidingWindowManager(FullAttentionManager):
         keys = key_at.unit_keys(t, first, n)
         return len(keys) == n - first and all(k in self.units.unit_of for k in keys)
 
-    def cached_prefix_tokens(self, key_at: KeyAt, limit: int) -> int:
-        """The longest servable length <= limit (the window needs only its own units)."""
-        t = self.unit_tokens
-        length = limit // t * t
-        while length > 0 and not self.can_serve(length, key_at):
-            length -= t
-        return length
+    def longest_hit(self, key_at: KeyAt, limit: int, gran: int) -> int:
+        return GroupManager.longest_hit(self, key_at, limit, gran)
 
-    def take_hit(self, ar: AttentionReq, length: int, key_at: KeyAt) -> None:
+    def take_hit(self, gr: AttentionReq, length: int, key_at: KeyAt) -> None:
         n = length // self.unit_tokens
         first = min(self._first_needed_unit(length), n)
-        for _ in range(first):
-            ar.units.append(NULL_UNIT)
-            ar.new_entries.extend(self.kernel_blocks(NULL_UNIT))
-        self._take_cached(ar, key_at.unit_keys(self.unit_tokens, first, n))
-        ar.first_live = first
-        ar.registered = length // self.unit_tokens
+        gr.units.extend([NULL_UNIT] * first)
+        gr.new_entries.extend(pages_to_kernel_blocks([NULL_UNIT] * first, self.blocks_per_unit))
+        self._take_cached(gr, key_at.unit_keys(self.unit_tokens, first, n))
+        gr.first_live = first
+        gr.registered = n
 
-    def fill_from_slots(self, ar: AttentionReq, num_computed: int, total: int) -> None:
-        """Drop the units that left the window first: their slots may serve this request."""
-        first = min(self._first_needed_unit(num_computed), len(ar.units))
-        for i in range(ar.first_live, first):
-            if ar.units[i] != NULL_UNIT:
-                self.units.decref(ar.units[i])
-                ar.units[i] = NULL_UNIT
-        ar.first_live = max(ar.first_live, first)
-        super().fill_from_slots(ar, num_computed, total)
+    def events(self, gr: AttentionReq) -> GroupEvents:
+        capacity, commit, _ = super().events(gr)
+        # the first-query position at which the oldest live unit leaves the window
+        drop = (gr.first_live + 1) * self.unit_tokens + self.window - 1
+        return GroupEvents(capacity, commit, drop)
 
-    def next_drop(self, ar: AttentionReq) -> int:
-        """First-query position at which the oldest live unit leaves the window."""
-        return (ar.first_live + 1) * self.unit_tokens + self.window - 1
+    def fill_free_units(self, gr: AttentionReq, need: StepNeed) -> None:
+        """Drop the units that left the window first: their places may serve this request."""
+        first = min(self._first_needed_unit(need.num_computed), len(gr.units))
+        for i in range(gr.first_live, first):
+            if gr.units[i] != NULL_UNIT:
+                self.units.decref(gr.units[i])
+                gr.units[i] = NULL_UNIT
+        gr.first_live = max(gr.first_live, first)
+        super().fill_free_units(gr, need)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,24 +434,33 @@ class StateReq:
     """What one request holds in one state group."""
 
     running: int | None = None  # page of the running state
+    new_running: bool = False  # the running page was taken in the current call
     copy_from: int | None = None  # snapshot page to copy into the running page (pinned)
     copy_scheduled: bool = False  # the copy-in is part of a step; unpin at its commit
     tail: tuple[int, Hashable] | None = None  # the rolling end-of-request snapshot (page, key)
     pending: list[tuple[int, int, bool]] = field(default_factory=list)  # (page, length, is_tail)
     new_pages: list[int] = field(default_factory=list)  # allocated in the current call (undo)
-    copy_in: tuple[int, int] | None = None  # (src, dst) to run before this step's forward
-    snapshots: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) after forward
+    copy_in: StateCopy | None = None  # to run before this step's forward
+    snapshots: list[StateCopy] = field(default_factory=list)  # to run after the forward
 
 
-class StateManager:
+class StateManager(GroupManager[StateReq]):
     """A running-state page per request plus snapshot pages (states after exactly L tokens)."""
 
-    def __init__(self, group: GroupPlan, pool: PagePool, allocation: str) -> None:
-        self.group = group
-        self.units = UnitAllocator(pool, group.group_id, 1)
+    caches_tokens = False
+    allocates_first = True
 
     def new_request(self) -> StateReq:
         return StateReq()
+
+    def table_row(self, gr: StateReq) -> list[int]:
+        return [] if gr.running is None else [gr.running]
+
+    @property
+    def num_snapshot_pages(self) -> int:
+        return self.units.num_cached_units
+
+    # -- prefix hits -------------------------------------------------------------------------
 
     def can_serve(self, length: int, key_at: KeyAt) -> bool:
         if length == 0:
@@ -269,99 +468,118 @@ class StateManager:
         key = key_at(length)
         return key is not None and self.units.lookup(key) is not None
 
-    def take_hit(self, sr: StateReq, length: int, key_at: KeyAt) -> None:
+    def take_hit(self, gr: StateReq, length: int, key_at: KeyAt) -> None:
         if length == 0:
             return
         page = self.units.lookup(key_at(length))
         assert page is not None, "a state snapshot vanished before it was taken"
         self.units.incref(page)  # pinned until the copy into the running page has run
-        sr.copy_from = page
+        gr.copy_from = page
 
-    def pages_needed(self, sr: StateReq, snapshot_at: int | None) -> tuple[int, int, int]:
-        pages = int(sr.running is None) + int(snapshot_at is not None)
-        return pages, pages, 0
+    # -- per step ----------------------------------------------------------------------------
 
-    def allocate(self, sr: StateReq, snapshot_at: int | None, is_tail: bool) -> bool:
-        if sr.running is None:
+    def involved(self, gr: StateReq, need: StepNeed) -> bool:
+        """A state group acts at admission (running page) and at snapshot boundaries only."""
+        return gr.running is None or need.snapshot_at is not None
+
+    def pages_needed(self, gr: StateReq, need: StepNeed) -> PagesNeeded:
+        pages = int(gr.running is None) + int(need.snapshot_at is not None)
+        return PagesNeeded(pages, pages, 0)
+
+    def allocate(self, gr: StateReq, need: StepNeed, page_budget: int | None) -> bool:
+        if gr.running is None:
             page = self.units.alloc()
             if page is None:
                 return False
-            sr.running = page
-            sr.new_pages.append(page)
-            if sr.copy_from is not None:
-                sr.copy_in = (sr.copy_from, page)
-                sr.copy_scheduled = True
-        if snapshot_at is not None:
+            gr.running, gr.new_running = page, True
+            gr.new_pages.append(page)
+            if gr.copy_from is not None:
+                gr.copy_in = StateCopy(self.group_id, gr.copy_from, page)
+                gr.copy_scheduled = True
+        if need.snapshot_at is not None:
             page = self.units.alloc()
             if page is None:
                 return False
-            sr.new_pages.append(page)
-            sr.pending.append((page, snapshot_at, is_tail))
-            sr.snapshots.append((sr.running, page))
+            gr.new_pages.append(page)
+            gr.pending.append((page, need.snapshot_at, need.is_tail))
+            gr.snapshots.append(StateCopy(self.group_id, gr.running, page))
         return True
 
-    def commit(self, sr: StateReq, key_at: KeyAt) -> None:
-        """After the forward: snapshots taken become cached; copy-in sources are unpinned."""
-        for page, length, is_tail in sr.pending:
+    def end_step(self, gr: StateReq, ops: StepOps) -> None:
+        if gr.new_running and gr.running is not None:
+            ops.state_pages[self.group_id] = gr.running
+        if gr.copy_in is not None:
+            ops.copies_in.append(gr.copy_in)
+        ops.snapshots.extend(gr.snapshots)
+        self._forget_step(gr)
+
+    def _forget_step(self, gr: StateReq) -> None:
+        gr.new_pages.clear()
+        gr.new_running = False
+        gr.copy_in = None
+        gr.snapshots.clear()
+
+    def commit(self, gr: StateReq, num_computed: int, key_at: KeyAt, caching: bool) -> None:
+        """Snapshots taken become cached; copy-in sources are unpinned."""
+        for page, length, is_tail in gr.pending:
             key = key_at(length)
             if key is not None and self.units.set_key(page, key) and is_tail:
-                self._drop_tail(sr)
-                sr.tail = (page, key)
+                self._drop_tail(gr)
+                gr.tail = (page, key)
             self.units.decref(page)
-        sr.pending.clear()
-        if sr.copy_scheduled and sr.copy_from is not None:
-            self.units.decref(sr.copy_from)
-            sr.copy_from = None
-            sr.copy_scheduled = False
+        gr.pending.clear()
+        if gr.copy_scheduled and gr.copy_from is not None:
+            self.units.decref(gr.copy_from)
+            gr.copy_from = None
+            gr.copy_scheduled = False
 
-    def _drop_tail(self, sr: StateReq) -> None:
+    def _drop_tail(self, gr: StateReq) -> None:
         """The previous rolling snapshot is superseded: free it (if still the one we made)."""
-        if sr.tail is not None:
-            page, key = sr.tail
+        if gr.tail is not None:
+            page, key = gr.tail
             if self.units.key_of.get(page) == key:
                 self.units.uncache(page)
-        sr.tail = None
+        gr.tail = None
 
-    def end_step(self, sr: StateReq) -> None:
-        sr.new_pages.clear()
-        sr.copy_in = None
-        sr.snapshots.clear()
-
-    def undo(self, sr: StateReq) -> None:
-        for page in reversed(sr.new_pages):
+    def undo(self, gr: StateReq) -> None:
+        for page in reversed(gr.new_pages):
             self.units.decref(page)
-            if page == sr.running:
-                sr.running = None
-                sr.copy_scheduled = False
-            sr.pending = [p for p in sr.pending if p[0] != page]
-        self.end_step(sr)
+            if page == gr.running:
+                gr.running = None
+                gr.copy_scheduled = False
+            gr.pending = [p for p in gr.pending if p[0] != page]
+        self._forget_step(gr)
 
-    def free(self, sr: StateReq) -> None:
-        for page, _, _ in sr.pending:
+    def free(self, gr: StateReq) -> None:
+        for page, _, _ in gr.pending:
             self.units.decref(page)
-        sr.pending.clear()
-        if sr.copy_from is not None:
-            self.units.decref(sr.copy_from)
-            sr.copy_from = None
-            sr.copy_scheduled = False
-        if sr.running is not None:
-            self.units.decref(sr.running)
-            sr.running = None
-        self.end_step(sr)
+        gr.pending.clear()
+        if gr.copy_from is not None:
+            self.units.decref(gr.copy_from)
+            gr.copy_from = None
+            gr.copy_scheduled = False
+        if gr.running is not None:
+            self.units.decref(gr.running)
+            gr.running = None
+        self._forget_step(gr)
 
-    def references(self, sr: StateReq) -> list[int]:
-        refs = [p for p, _, _ in sr.pending]
-        if sr.running is not None:
-            refs.append(sr.running)
-        if sr.copy_from is not None:
-            refs.append(sr.copy_from)
+    def references(self, gr: StateReq) -> list[int]:
+        refs = [p for p, _, _ in gr.pending]
+        if gr.running is not None:
+            refs.append(gr.running)
+        if gr.copy_from is not None:
+            refs.append(gr.copy_from)
         return refs
 
+    def drain_new_pages(self) -> list[int]:
+        """State pages need no zeroing: a request without a state ignores its page's bytes."""
+        self.units.drain_new_pages()
+        return []
 
-GroupManager = FullAttentionManager | SlidingWindowManager | StateManager
 
-# Layer kind -> manager. Adding a layer kind = one spec, one manager, one entry here.
-MANAGERS: dict[str, type[FullAttentionManager] | type[StateManager]] = {
+# Layer kind -> manager. Adding a layer kind = one spec, one manager (or an existing one), one
+# entry here.
+MANAGERS: dict[str, type[GroupManager]] = {
     "attention": FullAttentionManager,
     "sliding_window": SlidingWindowManager,
     "mla": FullAttentionManager,  # attention with its own bytes per token (its page_tokens)
@@ -371,3 +589,13 @@ MANAGERS: dict[str, type[FullAttentionManager] | type[StateManager]] = {
     "short_conv": StateManager,
     "kda": StateManager,
 }
+
+
+def manager_for(group: GroupPlan, pool: PagePool) -> GroupManager:
+    """The manager of a planned group, or a one-line error naming the kinds that have one."""
+    cls = MANAGERS.get(group.kind)
+    if cls is None:
+        raise ValueError(
+            f"no cache manager for layer kind {group.kind!r}; known: {', '.join(MANAGERS)}"
+        )
+    return cls(group, pool)

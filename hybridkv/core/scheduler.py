@@ -12,6 +12,9 @@ One step:
 
 Prefill chunks never run past a state-snapshot boundary (the cache manager's `next_boundary`),
 so the running state is exactly at the boundary when the runner copies it into a snapshot.
+
+The step description (`SchedulerOutput`) holds plain values only (ids, token ids, sampling
+parameters, the allocation's page and kernel-block ids), so it could be sent to another process.
 """
 
 from __future__ import annotations
@@ -23,26 +26,38 @@ from dataclasses import dataclass
 from hybridkv.config import SchedulerConfig
 from hybridkv.core.coordinator import CacheManager, PrefixHit, StepAllocation
 from hybridkv.core.request import Request, RequestStatus
+from hybridkv.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    request: Request
+    """One request's part of a step."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # the tokens this step computes for it
     start: int  # tokens computed before this step (= position of the first token)
-    num_tokens: int
     allocation: StepAllocation
-    samples: bool  # after this chunk every known token is computed: the step samples one
+    sampling: SamplingParams | None  # set when the step samples a token for it (its prompt and
+    # output so far are all computed after this chunk)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
     @property
     def end(self) -> int:
-        return self.start + self.num_tokens
+        return self.start + len(self.token_ids)
+
+    @property
+    def samples(self) -> bool:
+        return self.sampling is not None
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
-    preempted: tuple[Request, ...]  # their cache is gone; the runner drops their rows
-    new_attention_pages: dict[int, list[int]]  # group -> pages to zero before the step
+    preempted: tuple[str, ...]  # request ids; their cache is gone, the runner drops their rows
+    pages_to_zero: dict[int, list[int]]  # group -> pages newly handed to it, zeroed before use
 
     @property
     def num_tokens(self) -> int:
@@ -61,11 +76,15 @@ class Scheduler:
         self.running: list[Request] = []
         self.rejected: list[Request] = []  # finished by the scheduler itself (do not fit)
         self.num_preemptions = 0
+        self._by_id: dict[str, Request] = {}  # every unfinished request
 
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        if request.request_id in self._by_id:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
         request.status = RequestStatus.WAITING
+        self._by_id[request.request_id] = request
         self.waiting.append(request)
 
     def abort(self, request: Request, reason: str = "abort") -> None:
@@ -95,7 +114,19 @@ class Scheduler:
         budget = self._schedule_running(budget, chunks, preempted)
         if not preempted:
             self._schedule_waiting(budget, chunks)
-        return SchedulerOutput(tuple(chunks), tuple(preempted), self.cache.drain_new_pages())
+        preempted_ids = tuple(r.request_id for r in preempted)
+        return SchedulerOutput(tuple(chunks), preempted_ids, self.cache.drain_new_pages())
+
+    def _chunk(self, req: Request, start: int, n: int, alloc: StepAllocation) -> ScheduledChunk:
+        samples = start + n == req.num_tokens
+        tokens = tuple(req.all_token_ids[start : start + n])
+        return ScheduledChunk(
+            req.request_id, tokens, start, alloc, req.sampling_params if samples else None
+        )
+
+    def request(self, request_id: str) -> Request:
+        """The live request of a chunk (the scheduler's own; the step carries ids only)."""
+        return self._by_id[request_id]
 
     def _chunk_size(self, req: Request, start: int, budget: int, hit: PrefixHit | None) -> int:
         n = min(req.num_tokens - start, budget)
@@ -121,8 +152,7 @@ class Scheduler:
             if fitted is None:
                 continue
             alloc, n = fitted
-            start = req.num_computed_tokens
-            chunks.append(ScheduledChunk(req, start, n, alloc, start + n == req.num_tokens))
+            chunks.append(self._chunk(req, req.num_computed_tokens, n, alloc))
             budget -= n
         return budget
 
@@ -191,8 +221,7 @@ class Scheduler:
             req.num_computed_tokens = hit.num_tokens
             req.num_cached_tokens = hit.num_tokens
             self.running.append(req)
-            start = hit.num_tokens
-            chunks.append(ScheduledChunk(req, start, n, alloc, start + n == req.num_tokens))
+            chunks.append(self._chunk(req, hit.num_tokens, n, alloc))
             budget -= n
 
     # -- update --------------------------------------------------------------------------------
@@ -202,8 +231,8 @@ class Scheduler:
         `samples`. Returns the requests that finished in this step."""
         finished = []
         for chunk in output.chunks:
-            req = chunk.request
-            if req.status is not RequestStatus.RUNNING:
+            req = self._by_id.get(chunk.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens = chunk.end
             self.cache.commit(req, chunk.end)
@@ -250,6 +279,7 @@ class Scheduler:
         self.rejected.append(req)
 
     def _finish(self, req: Request, reason: str) -> None:
+        self._by_id.pop(req.request_id, None)
         self.cache.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

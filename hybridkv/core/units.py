@@ -1,10 +1,15 @@
 """Units: what a group allocates, refcounts and caches, carved out of pool pages.
 
-A *unit* is the allocation granule of one group:
+A *unit* is the allocation granule of one group, in DESIGN.md's words either a kernel block or
+a page (`GroupPlan.unit_tokens` / `blocks_per_unit` say which; `hybridkv plan` shows them):
 
     block mode, attention group:  unit = one kernel block   (units_per_page = blocks_per_page)
     page mode, attention group:   unit = one whole page     (units_per_page = 1)
     state group (both modes):     unit = one whole page     (a running state or a snapshot)
+
+So a unit id is a kernel-block id in block mode and a page id otherwise. The position of a unit
+inside its page is its *offset* (0 .. units_per_page - 1); "slot" is kept for the KV slot of a
+token (DESIGN.md section 2).
 
     page p of a block-mode group (units_per_page = 4):
         | unit 4p+0 | unit 4p+1 | unit 4p+2 | unit 4p+3 |
@@ -17,7 +22,8 @@ pages least-recently-used first (whole pages).
 
 A cached unit inside a page that live requests still use cannot leave with its page; it would
 strand memory. Such *stranded* units are kept in their own LRU order, and the group that owns
-them may reclaim one (drop its cached content, reuse its slot) when the pool has no free page.
+them may reclaim one (drop its cached content, reuse its place in the page) when the pool has
+no free page.
 """
 
 from __future__ import annotations
@@ -38,12 +44,12 @@ class UnitAllocator:
         self.unit_of: dict[Hashable, int] = {}
         self.page_used: dict[int, int] = {}  # owned page -> units with refcount > 0
         self.page_occupied: dict[int, int] = {}  # owned page -> units in use or cached
-        # owned page with a free slot -> its free offsets (pop = lowest); full pages have no
+        # owned page with a free unit -> its free offsets (pop = lowest); full pages have no
         # entry (fewer long-lived lists for the garbage collector to walk)
-        self.free_slots: dict[int, list[int]] = {}
-        self.partial: dict[int, None] = {}  # owned pages with a free slot, oldest first
+        self.free_offsets: dict[int, list[int]] = {}
+        self.partial: dict[int, None] = {}  # owned pages with a free unit, oldest first
         self.new_pages: list[int] = []  # pages taken from the pool since the last drain
-        self.num_free_slots = 0  # free units across owned pages
+        self.num_free_units = 0  # free units across owned pages
         self.stranded: OrderedDict[int, None] = OrderedDict()  # cached units in in-use pages
         self.stranded_in_page: dict[int, int] = {}  # page -> how many of its units are stranded
         pool.register(group_id, self)
@@ -55,21 +61,21 @@ class UnitAllocator:
         if page is None:
             return None
         u = self.units_per_page
-        self.free_slots[page] = list(range(u - 1, -1, -1))
+        self.free_offsets[page] = list(range(u - 1, -1, -1))
         self.partial[page] = None
         self.page_used[page] = 0
         self.page_occupied[page] = 0
-        self.num_free_slots += u
+        self.num_free_units += u
         self.new_pages.append(page)
         return page
 
     def take(
         self, n: int, hint_page: int | None, page_budget: int | None = None, reclaim: bool = False
     ) -> list[int]:
-        """Up to `n` new in-use units (fewer if the pool is dry): first free slots of
+        """Up to `n` new in-use units (fewer if the pool is dry): first free offsets of
         `hint_page` (keeps a request's units contiguous), then of other owned pages (oldest
         first), then new pages from the pool (at most `page_budget`; None: any), then, with
-        `reclaim`, the slots of least-recently-used stranded cached units."""
+        `reclaim`, the offsets of least-recently-used stranded cached units."""
         out: list[int] = []
         pages = 0
         u = self.units_per_page
@@ -116,31 +122,31 @@ class UnitAllocator:
         return units[0] if units else None
 
     def _take_from(self, page: int, k: int) -> list[int]:
-        slots = self.free_slots[page]
+        offsets = self.free_offsets[page]
         base = page * self.units_per_page
-        if k >= len(slots) == self.units_per_page:  # a whole fresh page: slots u-1 .. 0
-            units = list(range(base, base + len(slots)))
-            slots.clear()
+        if k >= len(offsets) == self.units_per_page:  # a whole fresh page: offsets u-1 .. 0
+            units = list(range(base, base + len(offsets)))
+            offsets.clear()
         else:
-            slots.sort(reverse=True)  # lowest offsets first: consecutive kernel blocks
-            k = min(k, len(slots))
-            taken = slots[-k:]
-            del slots[-k:]
+            offsets.sort(reverse=True)  # lowest offsets first: consecutive kernel blocks
+            k = min(k, len(offsets))
+            taken = offsets[-k:]
+            del offsets[-k:]
             units = [base + j for j in reversed(taken)]
         ref = self.ref
         for unit in units:
             ref[unit] = 1
         k = len(units)
-        self.num_free_slots -= k
+        self.num_free_units -= k
         self.page_occupied[page] += k
-        if not slots:
+        if not offsets:
             del self.partial[page]
-            del self.free_slots[page]
+            del self.free_offsets[page]
         self._use_page(page, k)
         return units
 
     def _reclaim(self) -> int:
-        """Drop the oldest stranded cached unit and hand its slot out as a new in-use unit."""
+        """Drop the oldest stranded cached unit and hand its place out as a new in-use unit."""
         unit, _ = self.stranded.popitem(last=False)
         self._uncount_stranded(unit)
         del self.unit_of[self.key_of.pop(unit)]
@@ -220,15 +226,15 @@ class UnitAllocator:
         page, j = divmod(unit, self.units_per_page)
         del self.ref[unit]
         self.page_occupied[page] -= 1
-        self.free_slots.setdefault(page, []).append(j)
-        self.num_free_slots += 1
+        self.free_offsets.setdefault(page, []).append(j)
+        self.num_free_units += 1
         self.partial[page] = None
 
     def _settle(self, page: int) -> None:
         """Return an empty page to the pool, or mark a cached-only page evictable."""
         if self.page_occupied[page] == 0:
-            self.num_free_slots -= len(self.free_slots.get(page, ()))
-            for table in (self.page_used, self.page_occupied, self.free_slots, self.partial):
+            self.num_free_units -= len(self.free_offsets.get(page, ()))
+            for table in (self.page_used, self.page_occupied, self.free_offsets, self.partial):
                 table.pop(page, None)
             self.pool.give_back(page)
         elif self.page_used[page] == 0:
@@ -283,8 +289,8 @@ class UnitAllocator:
             if count is not None:
                 assert count == 0, f"evicting unit {unit} that is in use"
                 del unit_of[key_of.pop(unit)]
-        self.num_free_slots -= len(self.free_slots.get(page, ()))
-        for table in (self.page_used, self.page_occupied, self.free_slots, self.partial):
+        self.num_free_units -= len(self.free_offsets.get(page, ()))
+        for table in (self.page_used, self.page_occupied, self.free_offsets, self.partial):
             table.pop(page, None)
 
     def drain_new_pages(self) -> list[int]:
@@ -305,18 +311,18 @@ class UnitAllocator:
     def num_stranded(self) -> int:
         return len(self.stranded)
 
-    def plan_slots(self, n: int, hint_page: int | None) -> tuple[int, int]:
+    def count_free_units(self, n: int, hint_page: int | None) -> tuple[int, int]:
         """If `n` units were taken with no new page: (units found, evictable pages they would
         turn in-use). Follows `take`'s order: the hint page, then the oldest first."""
         found = touched = 0
         if hint_page in self.partial:
-            found = len(self.free_slots[hint_page])
+            found = len(self.free_offsets[hint_page])
             touched = self.page_used[hint_page] == 0
-        if found < n and self.num_free_slots > found:
+        if found < n and self.num_free_units > found:
             for page in self.partial:
                 if page == hint_page:
                     continue
-                found += len(self.free_slots[page])
+                found += len(self.free_offsets[page])
                 touched += self.page_used[page] == 0
                 if found >= n:
                     break
@@ -338,11 +344,11 @@ class UnitAllocator:
             assert used == self.page_used[page], f"page {page}: used count {used}"
             assert occupied == self.page_occupied[page] > 0, f"page {page}: occupied {occupied}"
             free = {j for j in range(u) if page * u + j not in self.ref}
-            assert free == set(self.free_slots.get(page, ())), f"page {page}: free slots differ"
+            assert free == set(self.free_offsets.get(page, ())), f"page {page}: free offsets differ"
             assert (page in self.partial) == bool(free), f"page {page}: partial flag wrong"
             assert self.pool.is_evictable(page) == (used == 0), f"page {page}: evictable flag"
-        assert self.num_free_slots == sum(len(v) for v in self.free_slots.values())
-        assert self.free_slots.keys() == self.partial.keys(), "pages with free slots differ"
+        assert self.num_free_units == sum(len(v) for v in self.free_offsets.values())
+        assert self.free_offsets.keys() == self.partial.keys(), "pages with free offsets differ"
         expect_stranded = {x for x, c in self.ref.items() if c == 0 and self.page_used[x // u] > 0}
         assert set(self.stranded) == expect_stranded, "stranded units differ"
         per_page: dict[int, int] = {}

@@ -12,6 +12,16 @@ An attention page of `page_tokens` tokens is split into `blocks_per_page` kernel
 
     page p:  | kb p*r+0 | kb p*r+1 | ... | kb p*r+r-1 |      r = blocks_per_page
                kernel_block_size tokens each
+
+What a group allocates, its *unit*, follows from the allocation mode (DESIGN.md section 5):
+
+    mode    attention group                          state group
+    block   a kernel block (unit_tokens = kbs)       a page (one state)
+    page    a page (unit_tokens = page_tokens)       a page (one state)
+
+Prefix keys hash blocks of `hash_block_tokens` (the gcd of the attention groups' unit_tokens);
+prefix hits are multiples of `hit_tokens` (their lcm), the length every attention group can hold
+in whole units.
 """
 
 from __future__ import annotations
@@ -19,17 +29,19 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from hybridkv.config import CacheConfig
 from hybridkv.dtypes import dtype_bytes
 from hybridkv.kv.specs import (
     AttentionSpec,
+    CacheDtypes,
     CacheLayer,
     LayerSpec,
     MLASpec,
     StateSpec,
     architecture_of,
+    model_dtype,
     read_layers,
     resolve_cache_dtypes,
     text_config,
@@ -44,6 +56,11 @@ from hybridkv.layers.attention.registry import (
 DEFAULT_PAGE_TOKENS = 16
 DEFAULT_CONTEXT = PlanContext()
 NULL_PAGES = 1  # page 0 is reserved as the null page (DESIGN.md 5: skipped positions)
+# What a machine of the plan's platform normally has, for plans made without one at hand
+# (`hybridkv plan`): the engine passes what its machine really has.
+DEFAULT_CAPABILITIES = frozenset({"native", "triton"})
+AUTO_BUDGET_BYTES = 4 * 2**30  # the cap of an automatically sized pool
+T = TypeVar("T")
 
 
 class PlanError(ValueError):
@@ -51,8 +68,13 @@ class PlanError(ValueError):
 
 
 def pages_to_kernel_blocks(page_ids: Sequence[int], blocks_per_page: int) -> list[int]:
-    """Expand page ids to kernel-block ids: p -> p*r .. p*r+r-1 (r = blocks_per_page)."""
+    """Expand page ids to kernel-block ids: p -> p*r .. p*r+r-1 (r = blocks_per_page).
+
+    The one page -> kernel-block expansion: the cache managers call it with their units (pages
+    in page mode; kernel blocks, r = 1, in block mode) and the block tables with pages."""
     r = blocks_per_page
+    if r == 1:
+        return list(page_ids)
     return [p * r + j for p in page_ids for j in range(r)]
 
 
@@ -65,8 +87,10 @@ class GroupPlan:
     layer_names: tuple[str, ...]
     page_tokens: int | None  # tokens per page for attention-like groups; None for state
     kernel_block_size: int | None  # None for state groups (never split)
-    backend: str | None
+    backend: str | None  # attention backend, or the state ops chosen (None: plan only)
     padding_bytes: int  # state groups: page bytes the state does not use
+    layer_ids: tuple[int, ...] = ()  # decoder layer index of each cache layer
+    allocation: str = "block"  # "block" or "page" (CacheConfig.allocation)
 
     @property
     def kind(self) -> str:
@@ -81,6 +105,22 @@ class GroupPlan:
         if self.kernel_block_size is None or self.page_tokens is None:
             return 1
         return self.page_tokens // self.kernel_block_size
+
+    @property
+    def blocks_per_unit(self) -> int:
+        """Kernel blocks in one unit: 1 in block mode, blocks_per_page in page mode."""
+        return 1 if self.allocation == "block" else self.blocks_per_page
+
+    @property
+    def units_per_page(self) -> int:
+        return self.blocks_per_page // self.blocks_per_unit
+
+    @property
+    def unit_tokens(self) -> int | None:
+        """Tokens one unit holds (attention groups); None for state groups."""
+        if self.kernel_block_size is None:
+            return None
+        return self.kernel_block_size * self.blocks_per_unit
 
     @property
     def window(self) -> int | None:
@@ -101,6 +141,7 @@ class MemoryPlan:
     align: int
     max_model_len: int
     context: PlanContext = DEFAULT_CONTEXT
+    allocation: str = "block"
 
     @property
     def is_hybrid(self) -> bool:
@@ -113,6 +154,16 @@ class MemoryPlan:
     @property
     def state_groups(self) -> tuple[GroupPlan, ...]:
         return tuple(g for g in self.groups if g.is_state)
+
+    @property
+    def hash_block_tokens(self) -> int:
+        """Tokens per prefix-hash block: the gcd of the attention groups' unit_tokens."""
+        return math.gcd(*(g.unit_tokens or 0 for g in self.attention_groups))
+
+    @property
+    def hit_tokens(self) -> int:
+        """Prefix hits are multiples of this: the lcm of the attention groups' unit_tokens."""
+        return math.lcm(*(g.unit_tokens or 1 for g in self.attention_groups))
 
     @property
     def state_padding_bytes(self) -> int:
@@ -158,16 +209,23 @@ class MemoryPlan:
             "state_padding_pct": round(self.state_padding_pct, 3),
             "attention_token_capacity": self.attention_token_capacity,
             "max_model_len": self.max_model_len,
+            "allocation": self.allocation,
+            "hash_block_tokens": self.hash_block_tokens,
+            "hit_tokens": self.hit_tokens,
             "groups": [
                 {
                     "group_id": g.group_id,
                     "kind": g.kind,
                     "layers": list(g.layer_names),
+                    "layer_ids": list(g.layer_ids),
                     "page_tokens": g.page_tokens,
                     "kernel_block_size": g.kernel_block_size,
                     "blocks_per_page": g.blocks_per_page,
+                    "unit_tokens": g.unit_tokens,
+                    "blocks_per_unit": g.blocks_per_unit,
                     "backend": g.backend,
                     "padding_bytes": g.padding_bytes,
+                    "spec": spec_json(g.spec),
                 }
                 for g in self.groups
             ],
@@ -227,10 +285,10 @@ def layers_per_group_for(bucket_sizes: Sequence[int]) -> int:
     return largest if largest < 1.5 * smallest else smallest
 
 
-def split_bucket(layer_names: Sequence[str], layers_per_group: int) -> list[tuple[str, ...]]:
+def split_bucket(layers: Sequence[T], layers_per_group: int) -> list[tuple[T, ...]]:
     """A bucket of n layers becomes ceil(n / layers_per_group) groups taking layers strided."""
-    n_groups = math.ceil(len(layer_names) / layers_per_group)
-    return [tuple(layer_names[i::n_groups]) for i in range(n_groups)]
+    n_groups = math.ceil(len(layers) / layers_per_group)
+    return [tuple(layers[i::n_groups]) for i in range(n_groups)]
 
 
 def hybrid_page_tokens(state_bytes: int, attention_bytes_per_token: int, align: int) -> int:
@@ -238,11 +296,37 @@ def hybrid_page_tokens(state_bytes: int, attention_bytes_per_token: int, align: 
     return align * math.ceil(state_bytes / (align * attention_bytes_per_token))
 
 
-def _bucket(layers: Sequence[CacheLayer]) -> dict[LayerSpec, list[str]]:
-    buckets: dict[LayerSpec, list[str]] = {}
+def _bucket(layers: Sequence[CacheLayer]) -> dict[LayerSpec, list[CacheLayer]]:
+    buckets: dict[LayerSpec, list[CacheLayer]] = {}
     for layer in layers:
-        buckets.setdefault(layer.spec, []).append(layer.name)
+        buckets.setdefault(layer.spec, []).append(layer)
     return buckets
+
+
+def spec_json(spec: LayerSpec) -> dict[str, Any]:
+    """A layer spec as plain JSON values (what `hybridkv plan --json` shows per group)."""
+    if isinstance(spec, StateSpec):
+        return {
+            "kind": spec.kind,
+            "tensors": [
+                {"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in spec.tensors
+            ],
+            "ops": [o.name for o in spec.ops],
+        }
+    if isinstance(spec, MLASpec):
+        return {
+            "kind": spec.kind,
+            "kv_lora_rank": spec.kv_lora_rank,
+            "qk_rope_head_dim": spec.qk_rope_head_dim,
+            "dtype": spec.dtype,
+        }
+    return {
+        "kind": spec.kind,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "dtype": spec.dtype,
+        "sliding_window": spec.sliding_window,
+    }
 
 
 def _group_backends(
@@ -271,6 +355,43 @@ def _check_state_fits(spec: StateSpec, page_bytes: int, page_tokens: int, a: int
                 f"page_bytes={page_bytes} is not a multiple of {t.dtype} for state "
                 f"tensor {t.name!r}; choose a page_tokens that is a multiple of 16"
             )
+
+
+def select_state_ops(
+    spec: StateSpec,
+    platform: str,
+    compute_dtype: str,
+    capabilities: frozenset[str] = DEFAULT_CAPABILITIES,
+    requested: str | None = None,
+) -> str | None:
+    """The ops a state group runs on: `requested` if given (validated), else the first entry
+    of the spec's declaration that runs on `platform` with the state dtypes and
+    `compute_dtype` and whose needs the machine has. None for plan-only kinds (no declaration).
+    """
+    if not spec.ops:
+        return None
+    dtypes = (*spec.dtypes, compute_dtype)
+    declared = ", ".join(o.name for o in spec.ops)
+    if requested is not None:
+        chosen = [o for o in spec.ops if o.name == requested]
+        if not chosen:
+            raise PlanError(
+                f"state_backend={requested!r} is not declared for {spec.kind} layers; "
+                f"declared: {declared}"
+            )
+        reason = chosen[0].why_not(platform, dtypes, capabilities)
+        if reason is not None:
+            raise PlanError(
+                f"state_backend={requested!r} cannot run the {spec.kind} layers here: it {reason}"
+            )
+        return requested
+    reasons = []
+    for ops in spec.ops:
+        reason = ops.why_not(platform, dtypes, capabilities)
+        if reason is None:
+            return ops.name
+        reasons.append(f"{ops.name} {reason}")
+    raise PlanError(f"no declared ops can run the {spec.kind} layers here: {'; '.join(reasons)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,7 +423,7 @@ def _page_size(
 def _attention_group(
     gid: int,
     spec: AttentionSpec | MLASpec,
-    names: tuple[str, ...],
+    members: Sequence[CacheLayer],
     page_bytes: int,
     cache: CacheConfig,
     ctx: PlanContext,
@@ -315,11 +436,65 @@ def _attention_group(
     tokens = page_bytes // spec.bytes_per_token
     backends = _group_backends(spec, cache)
     size = select_kernel_block_size(tokens, backends, spec.head_dim, ctx, cache.kernel_block_size)
-    return GroupPlan(gid, spec, names, tokens, size, backends[0].name, 0)
+    return GroupPlan(
+        gid,
+        spec,
+        tuple(m.name for m in members),
+        tokens,
+        size,
+        backends[0].name,
+        0,
+        tuple(m.layer_index for m in members),
+        cache.allocation,
+    )
 
 
-def _num_pages(cache: CacheConfig, page_bytes: int, layers_per_group: int, n_groups: int) -> int:
-    needed = n_groups + NULL_PAGES
+def _state_group(
+    gid: int,
+    spec: StateSpec,
+    members: Sequence[CacheLayer],
+    page_bytes: int,
+    cache: CacheConfig,
+    target: PlanTarget,
+) -> GroupPlan:
+    ops = select_state_ops(
+        spec, cache.platform, target.compute_dtype, target.capabilities, cache.state_backend
+    )
+    return GroupPlan(
+        gid,
+        spec,
+        tuple(m.name for m in members),
+        None,
+        None,
+        ops,
+        page_bytes - spec.state_bytes,
+        tuple(m.layer_index for m in members),
+        cache.allocation,
+    )
+
+
+def _auto_num_pages(
+    groups: Sequence[GroupPlan], per_page: int, max_model_len: int, max_num_seqs: int
+) -> int:
+    """Pages for `max_num_seqs` requests of `max_model_len` tokens (a running and a snapshot
+    page per state group, whole pages per attention group), capped at AUTO_BUDGET_BYTES."""
+    per_request = sum(
+        2 if g.page_tokens is None else math.ceil(max_model_len / g.page_tokens) for g in groups
+    )
+    cap = AUTO_BUDGET_BYTES // per_page
+    if cap < per_request + NULL_PAGES:
+        raise PlanError(
+            f"max_model_len={max_model_len} needs {per_request + NULL_PAGES} pages but "
+            f"{AUTO_BUDGET_BYTES // 2**30} GiB hold {cap}; lower max_model_len or give "
+            "memory_bytes"
+        )
+    return min(per_request * max_num_seqs + NULL_PAGES, cap)
+
+
+def _num_pages(
+    cache: CacheConfig, groups: Sequence[GroupPlan], per_page: int, target: PlanTarget
+) -> int:
+    needed = len(groups) + NULL_PAGES
     if cache.num_pages is not None:
         if cache.num_pages < needed:
             raise PlanError(
@@ -327,7 +502,8 @@ def _num_pages(cache: CacheConfig, page_bytes: int, layers_per_group: int, n_gro
                 f"{needed} (one page per group plus the null page)"
             )
         return cache.num_pages
-    per_page = page_bytes * layers_per_group
+    if cache.memory_bytes is None and target.max_num_seqs is not None:
+        return _auto_num_pages(groups, per_page, target.max_model_len, target.max_num_seqs)
     num_pages = cache.budget_bytes // per_page
     if num_pages < needed:
         raise PlanError(
@@ -337,13 +513,30 @@ def _num_pages(cache: CacheConfig, page_bytes: int, layers_per_group: int, n_gro
     return num_pages
 
 
+@dataclass(frozen=True)
+class PlanTarget:
+    """What the plan needs to know besides the specs and the cache config.
+
+    - `max_model_len`: sizes the block tables (and the automatic budget);
+    - `max_num_seqs`: with no `memory_bytes` / `num_pages`, size the pool for this many requests
+      of max_model_len tokens (at most AUTO_BUDGET_BYTES); None: `CacheConfig.budget_bytes`;
+    - `compute_dtype`, `capabilities`: choose each state group's ops from its declaration.
+    """
+
+    max_model_len: int = 4096
+    max_num_seqs: int | None = None
+    compute_dtype: str = "float32"
+    capabilities: frozenset[str] = DEFAULT_CAPABILITIES
+
+
 def make_plan(
     layers: Sequence[CacheLayer],
     cache: CacheConfig,
     architecture: str = "",
-    max_model_len: int = 4096,
+    target: PlanTarget | None = None,
 ) -> MemoryPlan:
     """The memory plan of a model's cache layers under a cache config (DESIGN.md section 3)."""
+    target = target or PlanTarget()
     buckets = _bucket(layers)
     attn = [s for s in buckets if not isinstance(s, StateSpec)]
     states = [s for s in buckets if isinstance(s, StateSpec)]
@@ -360,13 +553,11 @@ def make_plan(
 
     lpg = layers_per_group_for([len(v) for v in buckets.values()])
     groups: list[GroupPlan] = []
-    for spec, names in buckets.items():
-        for chunk in split_bucket(names, lpg):
+    for spec, members in buckets.items():
+        for chunk in split_bucket(members, lpg):
             gid = len(groups)
             if isinstance(spec, StateSpec):
-                groups.append(
-                    GroupPlan(gid, spec, chunk, None, None, None, page_bytes - spec.state_bytes)
-                )
+                groups.append(_state_group(gid, spec, chunk, page_bytes, cache, target))
             else:
                 groups.append(_attention_group(gid, spec, chunk, page_bytes, cache, ctx))
     return MemoryPlan(
@@ -374,25 +565,42 @@ def make_plan(
         platform=cache.platform,
         page_tokens=page_tokens,
         page_bytes=page_bytes,
-        num_pages=_num_pages(cache, page_bytes, lpg, len(groups)),
+        num_pages=_num_pages(cache, groups, page_bytes * lpg, target),
         layers_per_group=lpg,
         groups=tuple(groups),
         attention_bytes_per_token=a,
         state_bytes=m,
         align=align,
-        max_model_len=max_model_len,
+        max_model_len=target.max_model_len,
         context=ctx,
+        allocation=cache.allocation,
     )
+
+
+def cache_layers_for_config(config: dict[str, Any], dtypes: CacheDtypes) -> list[CacheLayer]:
+    """A model's cache layers: declared by the model itself (built on the meta device) for the
+    families hybridkv runs, read from the config for the plan-only ones."""
+    from hybridkv.models.registry import MODELS
+
+    if architecture_of(config) in MODELS:
+        from hybridkv.models.registry import declared_cache_layers
+
+        return declared_cache_layers(config, dtypes)
+    return read_layers(config, dtypes)
 
 
 def plan_for_config(
-    config: dict[str, Any], cache: CacheConfig, max_model_len: int | None = None
+    config: dict[str, Any],
+    cache: CacheConfig,
+    max_model_len: int | None = None,
+    compute_dtype: str | None = None,
 ) -> MemoryPlan:
-    """Read a Hugging Face config dict and plan its cache."""
+    """Plan the cache of a Hugging Face config dict (`hybridkv plan`, benchmarks)."""
     dtypes = resolve_cache_dtypes(
         config, cache.kv_cache_dtype, cache.state_dtype, cache.ssm_state_dtype
     )
-    layers = read_layers(config, dtypes)
+    layers = cache_layers_for_config(config, dtypes)
     if max_model_len is None:
         max_model_len = int(text_config(config).get("max_position_embeddings") or 4096)
-    return make_plan(layers, cache, architecture_of(config), max_model_len)
+    target = PlanTarget(max_model_len, compute_dtype=compute_dtype or model_dtype(config))
+    return make_plan(layers, cache, architecture_of(config), target)

@@ -1,15 +1,20 @@
-"""Layer specs: what one layer keeps per request, read from a Hugging Face config.json.
+"""Layer specs: what one layer keeps per request.
 
 A *layer spec* describes the cache of one cache layer (DESIGN.md section 2):
 
 - `AttentionSpec`: K and V per token (optionally only inside a sliding window),
 - `MLASpec`: one compressed latent + rope key per token (DeepSeek-style MLA),
 - `StateSpec`: a fixed set of state tensors per request (Mamba1, Mamba2, gated delta net, short
-  conv, KDA) that does not grow with the sequence.
+  conv, KDA) that does not grow with the sequence, and the op backends that can run its layers.
+
+Who makes the specs: for a family hybridkv can run, the model does. Each module that owns cache
+builds its spec from the dimensions it was constructed with (`hybridkv.layers.cache`), and the
+engine (and `hybridkv plan`) collects them from the model built on the meta device
+(`hybridkv.models.registry.declared_cache_layers`). The readers at the bottom of this file only
+serve the families that can be planned but not run yet (the presets of `hybridkv plan`).
 
 A decoder layer may own more than one cache layer (Falcon-H1 runs attention and Mamba2 side by
-side; a Zamba2 hybrid layer calls the shared attention block next to its Mamba2 mixer), so cache
-layers carry their own names (`layers.5.attention`, `layers.5.mamba`).
+side), so cache layers carry their own names and the index of the decoder layer they sit in.
 
 Nothing here imports torch: the memory plan is pure arithmetic.
 """
@@ -22,10 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridkv.dtypes import STATE_DTYPES, canonical_dtype, dtype_bytes, resolve_dtype
-
-STATE_KINDS = ("mamba1", "mamba2", "gated_delta_net", "short_conv", "kda")
-ATTENTION_KINDS = ("attention", "sliding_window", "mla")
-ALL_KINDS = ATTENTION_KINDS + STATE_KINDS
 
 
 class ConfigError(ValueError):
@@ -101,21 +102,66 @@ class StateTensor:
 
 
 @dataclass(frozen=True)
+class StateOps:
+    """Where the ops of one state kind can run, declared by its layer module the way attention
+    backends declare kernel block sizes (`hybridkv.layers.attention.registry`).
+
+    The plan picks, per state group, the first declared entry that runs on its platform with its
+    dtypes and whose `needs` the machine has (`hybridkv.kv.plan.select_state_ops`); the runner
+    imports `impl` and hands the instance to the group's layers.
+    """
+
+    name: str  # "native", "triton", "compiled", "torch", ...
+    impl: str  # "module:Class", imported on first use
+    platforms: frozenset[str] = frozenset({"cpu", "cuda", "rocm"})
+    dtypes: frozenset[str] = frozenset({"float32", "bfloat16", "float16"})  # state and compute
+    needs: str | None = None  # a capability the machine must have ("native", "triton", ...)
+    description: str = ""
+
+    def why_not(self, platform: str, dtypes: Sequence[str], capabilities: frozenset[str]):
+        """Why these ops cannot run here (None: they can)."""
+        if platform not in self.platforms:
+            return f"runs on {', '.join(sorted(self.platforms))}, not {platform}"
+        bad = sorted({d for d in dtypes if d not in self.dtypes})
+        if bad:
+            return f"runs dtypes {', '.join(sorted(self.dtypes))}, not {', '.join(bad)}"
+        if self.needs is not None and self.needs not in capabilities:
+            return f"needs {self.needs}, which this machine does not have"
+        return None
+
+
+@dataclass(frozen=True)
 class StateSpec:
-    """A fixed-size recurrent state: the tensors a state kernel keeps for one request."""
+    """A fixed-size recurrent state: the tensors a state kernel keeps for one request.
+
+    `kind` names the cache manager (`hybridkv.core.managers.MANAGERS`); `ops` lists where the
+    layers' ops can run, in order of preference (empty for families that are planned only).
+    """
 
     kind: str
     tensors: tuple[StateTensor, ...]
+    ops: tuple[StateOps, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.kind not in STATE_KINDS:
-            raise ValueError(f"unknown state kind {self.kind!r}; allowed: {', '.join(STATE_KINDS)}")
+        if not self.kind or not self.kind.isidentifier():
+            raise ValueError(f"a state kind is a name such as 'mamba2', got {self.kind!r}")
         if not self.tensors:
             raise ValueError("a state spec needs at least one tensor")
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            raise ValueError(f"state tensor names must be unique, got {names}")
 
     @property
     def state_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tensors)
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return tuple(t.dtype for t in self.tensors)
 
     @property
     def layout(self) -> tuple[tuple[StateTensor, int], ...]:
@@ -429,7 +475,7 @@ def _roles_to_layers(
 
 
 def _parse_dense(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
-    """Llama / Qwen3 / gpt-oss / Gemma3: attention everywhere, some layers maybe sliding."""
+    """gpt-oss / Gemma3: attention everywhere, some layers sliding."""
     n = cfg.num_layers
     window = cfg.get("sliding_window")
     if isinstance(cfg.get("layer_types"), list):
@@ -454,27 +500,6 @@ def _parse_dense(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
     return _roles_to_layers(
         roles, lambda r: _attention(cfg, dt, int(window) if r == "sliding" else None), None
     )
-
-
-def _parse_mamba2_hybrid(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
-    """Bamba and GraniteMoeHybrid: attention or Mamba2 per layer."""
-    state = _mamba2(cfg, dt)
-    return _roles_to_layers(layer_roles(cfg), lambda r: _attention(cfg, dt), lambda i: state)
-
-
-def _parse_nemotron_h(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
-    n_heads = cfg.int("mamba_num_heads")
-    head_dim = cfg.int("mamba_head_dim")
-    state = mamba2_state(
-        n_heads,
-        head_dim,
-        cfg.int("ssm_state_size"),
-        cfg.int("n_groups", default=1),
-        cfg.int("conv_kernel", default=4),
-        dt.conv,
-        dt.ssm,
-    )
-    return _roles_to_layers(layer_roles(cfg), lambda r: _attention(cfg, dt), lambda i: state)
 
 
 def _parse_falcon_h1(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
@@ -589,16 +614,13 @@ def _parse_kimi_linear(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
 
 _Parser = Callable[[_Config, CacheDtypes], list[CacheLayer]]
 
-# Architecture name (config.json "architectures"[0]) -> reader.
+# Architecture name (config.json "architectures") -> reader, for the families that hybridkv can
+# plan but not run yet. Runnable families declare their cache from the model itself
+# (hybridkv.models.registry); a family moves from here to there when it becomes runnable.
 ARCHITECTURES: dict[str, _Parser] = {
-    "LlamaForCausalLM": _parse_dense,
-    "Qwen3ForCausalLM": _parse_dense,
     "GptOssForCausalLM": _parse_dense,
     "Gemma3ForCausalLM": _parse_dense,
     "Gemma3ForConditionalGeneration": _parse_dense,
-    "BambaForCausalLM": _parse_mamba2_hybrid,
-    "GraniteMoeHybridForCausalLM": _parse_mamba2_hybrid,
-    "NemotronHForCausalLM": _parse_nemotron_h,
     "Qwen3NextForCausalLM": _parse_gated_delta_net,
     "Qwen3_5ForCausalLM": _parse_gated_delta_net,
     "Qwen3_5ForConditionalGeneration": _parse_gated_delta_net,
@@ -638,21 +660,29 @@ MODEL_TYPES: dict[str, str] = {
 }
 
 
+def supported_architectures() -> tuple[str, ...]:
+    """Every architecture hybridkv can plan: the runnable ones and the plan-only ones."""
+    from hybridkv.models.registry import MODELS  # a plain name map; no torch import
+
+    return tuple(MODELS) + tuple(a for a in ARCHITECTURES if a not in MODELS)
+
+
 def architecture_of(config: dict[str, Any]) -> str:
     """The supported architecture a config.json describes, or a one-line error."""
     if not isinstance(config, dict):
         raise ConfigError(f"config.json must hold a JSON object, got {type(config).__name__}")
+    supported = supported_architectures()
     archs = config.get("architectures")
     if isinstance(archs, list) and archs:
         for arch in archs:
-            if arch in ARCHITECTURES:
+            if arch in supported:
                 return arch
         name = archs[0]
     elif config.get("model_type") in MODEL_TYPES:
         return MODEL_TYPES[config["model_type"]]
     else:
         name = config.get("model_type") or "<no architectures or model_type>"
-    raise ConfigError(f"unsupported architecture {name!r}; supported: {', '.join(ARCHITECTURES)}")
+    raise ConfigError(f"unsupported architecture {name!r}; supported: {', '.join(supported)}")
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -698,8 +728,11 @@ def resolve_cache_dtypes(
 
 
 def read_layers(config: dict[str, Any], dtypes: CacheDtypes | None = None) -> list[CacheLayer]:
-    """Read a Hugging Face config dict into the model's cache layers, in layer order."""
+    """Read the config of a plan-only family into its cache layers, in layer order (runnable
+    families: `hybridkv.models.registry.declared_cache_layers`)."""
     arch = architecture_of(config)
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"{arch} declares its cache from the model; it has no config reader")
     dtypes = dtypes or resolve_cache_dtypes(config)
     cfg = _Config(dict(text_config(config)), arch)
     try:

@@ -28,6 +28,11 @@ option that covers each:
   `ssm_out_multiplier` is applied by the decoder layer, outside the mixer. `mamba_d_ssm` sets
   I, which must equal n_heads * head_dim here.
 
+The mixer owns its cache (`CacheOwner`): it declares a `mamba2` state spec with the tensors
+`conv` [conv_dim, d_conv - 1] and `ssm` [n_heads, head_dim, d_state], and where its ops can run
+(`MAMBA2_OPS`: native C kernels, Triton, a compiled decode step, PyTorch); the plan picks one
+per group and the runner binds it with the views.
+
 Where transformers itself is inconsistent: its one-token decode path ignores dt_limit and rounds
 the scan output to the model dtype before the norm; here dt_limit applies to every token and the
 scan output stays float32 into the norm (what its prefill path does), so decode equals prefill.
@@ -36,18 +41,54 @@ scan output stays float32 into the norm (what its prefill path does), so decode 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
+from hybridkv.layers.cache import CacheOwner, StateCache
 from hybridkv.layers.state_base import StateMetadata
-from hybridkv.ops.conv1d import causal_conv1d_varlen
-from hybridkv.ops.mamba2 import mamba2_scan_varlen
+from hybridkv.ops import native
+from hybridkv.ops.mamba2_ops import ScanParams, TorchMamba2Ops
 from hybridkv.ops.norm import gated_rms_norm
+from hybridkv.worker.batch import ForwardBatch
 
 SCAN_CHUNK_CAP = 64
+CONV, SSM = "conv", "ssm"  # the state tensors a Mamba2 layer declares and reads
+_OPS = "hybridkv.ops.mamba2_ops:"
+_FLOATS = frozenset({"float32", "bfloat16", "float16"})
+
+# Where Mamba2 ops can run, in order of preference (the plan takes the first that runs here).
+MAMBA2_OPS = (
+    StateOps(
+        "native",
+        _OPS + "NativeMamba2Ops",
+        frozenset({"cpu"}),
+        frozenset({"float32"}),
+        needs="native",
+        description="C kernels (hybridkv.ops.native), state in place",
+    ),
+    StateOps(
+        "triton",
+        _OPS + "TritonMamba2Ops",
+        frozenset({"cuda", "rocm"}),
+        _FLOATS,
+        needs="triton",
+        description="Triton decode steps, PyTorch prefill",
+    ),
+    StateOps(
+        "compiled",
+        _OPS + "CompiledMamba2Ops",
+        frozenset({"cpu"}),
+        _FLOATS,
+        needs="compile",
+        description="torch.compile'd decode step, PyTorch prefill",
+    ),
+    StateOps("torch", _OPS + "TorchMamba2Ops", description="PyTorch reference"),
+)
+TORCH_OPS = TorchMamba2Ops()
 
 
 class _GatedNormWeight(nn.Module):
@@ -58,7 +99,7 @@ class _GatedNormWeight(nn.Module):
         self.weight = nn.Parameter(torch.ones(channels))
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(CacheOwner):
     """A Mamba2 mixer whose conv and SSM states live in pages of the state cache."""
 
     def __init__(
@@ -76,6 +117,7 @@ class Mamba2Mixer(nn.Module):
         dt_limit: tuple[float, float] = (0.0, math.inf),
         activation: str | None = "silu",
         *,
+        layer_index: int = 0,
         out_proj_bias: bool | None = None,
         norm_group_size: int | None = None,
         gated_norm: bool = True,
@@ -84,16 +126,17 @@ class Mamba2Mixer(nn.Module):
         in_multiplier: float = 1.0,
         proj_multipliers: Sequence[float] | None = None,
     ):
-        super().__init__()
+        super().__init__(layer_index)
         if n_heads % n_groups != 0:
             raise ValueError(f"n_heads {n_heads} must be a multiple of n_groups {n_groups}")
+        if d_conv < 2:
+            raise ValueError(f"d_conv must be at least 2 (one state column), got {d_conv}")
         self.hidden_size, self.n_heads, self.head_dim = hidden_size, n_heads, head_dim
         self.d_state, self.n_groups, self.d_conv = d_state, n_groups, d_conv
         self.chunk_size = chunk_size
         # The chunked scan is exact for any chunk length; its intra-chunk work grows with the
         # length, and 64 measured fastest on CPU (2048 tokens, 24 heads: 89 ms at 128, 46 at 64).
         self.scan_chunk = min(chunk_size, SCAN_CHUNK_CAP)
-        self.decode_step: Callable[..., torch.Tensor] | None = None  # see use_compiled_decode
         self.norm_eps = norm_eps
         self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
         self.activation = activation
@@ -118,12 +161,25 @@ class Mamba2Mixer(nn.Module):
             self.norm = _GatedNormWeight(self.intermediate_size)
         out_bias = proj_bias if out_proj_bias is None else out_proj_bias
         self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=out_bias)
-        mup = None if proj_multipliers is None else self._mup_vector(proj_multipliers)
-        self.register_buffer("mup_vector", mup, persistent=False)
+        # A constant, not a buffer: built on the CPU even when the model is built on the meta
+        # device (a meta buffer would come back uninitialised when the model is materialised).
+        self.mup_vector = None if proj_multipliers is None else self._mup_vector(proj_multipliers)
 
-    def use_compiled_decode(self, step: Callable[..., torch.Tensor]) -> None:
-        """Serve pure decode steps with `step` (a compiled `decode_in_place`)."""
-        self.decode_step = step
+    # -- the cache it owns -------------------------------------------------------------------
+
+    def cache_spec(self, dtypes: CacheDtypes) -> StateSpec:
+        """conv: the last d_conv - 1 inputs of every conv channel; ssm: the SSM state."""
+        ops = MAMBA2_OPS
+        if self.d_conv - 1 > native.CONV_MAX_HISTORY:  # the C conv keeps at most this many
+            ops = tuple(o for o in ops if o.name != "native")
+        return StateSpec(
+            "mamba2",
+            (
+                StateTensor(CONV, (self.conv_dim, self.d_conv - 1), dtypes.conv),
+                StateTensor(SSM, (self.n_heads, self.head_dim, self.d_state), dtypes.ssm),
+            ),
+            ops,
+        )
 
     def _mup_vector(self, multipliers: Sequence[float]) -> torch.Tensor:
         """Per-channel scale of in_proj's output from 5 multipliers (z, x, B, C, dt)."""
@@ -131,7 +187,10 @@ class Mamba2Mixer(nn.Module):
             raise ValueError("proj_multipliers needs 5 values: z, x, B, C, dt")
         gn = self.n_groups * self.d_state
         sizes = [self.intermediate_size, self.intermediate_size, gn, gn, self.n_heads]
-        parts = [torch.full((n,), float(m)) for n, m in zip(sizes, multipliers, strict=True)]
+        parts = [
+            torch.full((n,), float(m), device="cpu")
+            for n, m in zip(sizes, multipliers, strict=True)
+        ]
         return torch.cat(parts)  # [projection_size]
 
     def _project_in(
@@ -142,6 +201,8 @@ class Mamba2Mixer(nn.Module):
             hidden_states = hidden_states * self.in_multiplier
         zxbcdt = self.in_proj(hidden_states)  # [T, I + conv_dim + H]
         if self.mup_vector is not None:
+            if self.mup_vector.device != zxbcdt.device:
+                self.mup_vector = self.mup_vector.to(zxbcdt.device)
             zxbcdt = zxbcdt * self.mup_vector.to(zxbcdt.dtype)
         gate, xbc, dt = zxbcdt.split([self.intermediate_size, self.conv_dim, self.n_heads], -1)
         return gate, xbc, dt
@@ -160,12 +221,22 @@ class Mamba2Mixer(nn.Module):
             weight_in_fp32=self.norm_weight_in_fp32,
         )
 
-    def forward(
+    def forward(self, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """hidden_states: [T, hidden] -> [T, hidden], states updated in this layer's pages."""
+        cache = self.cache
+        assert isinstance(cache, StateCache)
+        meta: StateMetadata = self.step_metadata(batch)
+        return self.mix(
+            hidden_states, cache.tensors[CONV], cache.tensors[SSM], meta, cache.ops
+        )
+
+    def mix(
         self,
         hidden_states: torch.Tensor,
         conv_state: torch.Tensor,
         ssm_state: torch.Tensor,
         meta: StateMetadata,
+        ops: TorchMamba2Ops = TORCH_OPS,
     ) -> torch.Tensor:
         """hidden_states: [T, hidden]; conv_state: [num_pages, conv_dim, d_conv - 1];
         ssm_state: [num_pages, n_heads, head_dim, d_state] (both updated in place) -> [T, hidden].
@@ -175,37 +246,24 @@ class Mamba2Mixer(nn.Module):
         gate, xbc, dt = self._project_in(hidden_states)
 
         # xbc: [T, conv_dim] after the causal conv and activation
-        xbc = causal_conv1d_varlen(
-            xbc,
-            self.conv1d.weight[:, 0, :],
-            self.conv1d.bias,
-            conv_state,
-            meta.state_pages,
-            meta.has_initial_state,
-            meta.query_start_loc,
-            meta.max_query_len,
-            activation=self.activation,
+        xbc = ops.conv1d(
+            xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_state, meta, self.activation
         )
         x, B, C = xbc.split([self.intermediate_size, gn, gn], dim=-1)
 
         # y: [T, n_heads, head_dim] in float32 (kept for the norm, as transformers' prefill does)
-        y = mamba2_scan_varlen(
+        params = ScanParams(
+            -torch.exp(self.A_log.float()), self.D, self.dt_bias, self.scan_chunk, self.dt_limit
+        )
+        y = ops.scan(
             x.reshape(num_tokens, self.n_heads, self.head_dim),
             dt,
-            -torch.exp(self.A_log.float()),
             B.reshape(num_tokens, self.n_groups, self.d_state),
             C.reshape(num_tokens, self.n_groups, self.d_state),
-            self.D,
-            self.dt_bias,
             ssm_state,
-            meta.state_pages,
-            meta.has_initial_state,
-            meta.query_start_loc,
-            meta.max_query_len,
-            self.scan_chunk,
-            dt_limit=self.dt_limit,
-            out_dtype=torch.float32,
-            decode_step=self.decode_step,
+            meta,
+            params,
+            torch.float32,
         )
         y = self._output_gate(y.reshape(num_tokens, self.intermediate_size), gate)
         return self.out_proj(y.to(hidden_states.dtype))

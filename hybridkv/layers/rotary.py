@@ -8,6 +8,7 @@ in float32, as transformers does.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -16,8 +17,9 @@ from torch import nn
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
-    """rope_theta and scaling from `rope_parameters` (transformers 5) or the older keys."""
+def rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
+    """rope_theta and scaling from `rope_parameters` (transformers 5) or the older keys
+    (`rope_theta`, `rope_scaling`); theta defaults to 10000 as transformers' `default_theta`."""
     params = dict(config.get("rope_parameters") or {})
     scaling = config.get("rope_scaling") or {}
     for key, value in scaling.items():
@@ -32,9 +34,10 @@ def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
+def _inv_freq(rotary_dim: int, params: Mapping[str, Any]) -> torch.Tensor:
     base = float(params["rope_theta"])
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    steps = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu")
+    exponents = steps.float() / rotary_dim
     inv_freq = 1.0 / (base**exponents)
     rope_type = params["rope_type"]
     if rope_type == "linear":
@@ -44,7 +47,7 @@ def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
     return inv_freq
 
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: Mapping[str, Any]) -> torch.Tensor:
     """Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth blend between."""
     factor = float(params["factor"])
     low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
@@ -58,14 +61,16 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, config: dict[str, Any]) -> None:
+    def __init__(
+        self, head_dim: int, rope: Mapping[str, Any], partial_rotary_factor: float = 1.0
+    ) -> None:
+        """`rope`: what `rope_parameters` returns (rope_theta, rope_type and its scaling keys)."""
         super().__init__()
-        factor = float(config.get("partial_rotary_factor", 1.0) or 1.0)
-        self.rotary_dim = int(head_dim * factor)
-        # A plain attribute, not a buffer: `model.to(torch.bfloat16)` must not round the
-        # frequencies (transformers keeps them in float32; bf16 ones drift by whole radians
-        # at long positions).
-        self.inv_freq = _inv_freq(self.rotary_dim, rope_parameters(config))
+        self.rotary_dim = int(head_dim * partial_rotary_factor)
+        # A plain attribute on the CPU, not a buffer: `model.to(torch.bfloat16)` must not round
+        # the frequencies (transformers keeps them in float32; bf16 ones drift by whole radians
+        # at long positions), and a model built on the meta device still gets real ones.
+        self.inv_freq = _inv_freq(self.rotary_dim, rope)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """positions: [num_tokens] -> cos, sin: [num_tokens, rotary_dim] in `dtype`."""

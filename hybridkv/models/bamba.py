@@ -12,56 +12,78 @@ or `attn_rotary_emb` channels in older checkpoints (Bamba-9B: 64 of 128), else h
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
 
 import torch
 from torch import nn
 
-from hybridkv.kv.specs import CacheLayer, attention_dims
-from hybridkv.layers.attention.self_attention import CosSin, SelfAttention
+from hybridkv.layers.attention.self_attention import CosSin
 from hybridkv.layers.mlp import GatedMLP, RMSNorm
 from hybridkv.layers.rotary import RotaryEmbedding
-from hybridkv.layers.state_layers import PagedMamba2Mixer
 from hybridkv.models.base import CausalLM
-from hybridkv.models.granitemoehybrid import mamba2_kwargs
+from hybridkv.models.granitemoehybrid import Mamba2HybridConfig
 from hybridkv.worker.batch import ForwardBatch
 
 # transformers' BambaConfig forces a partial rotary factor of 0.5 when none is given
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5
-# BambaConfig's default, used by transformers when config.json has no intermediate_size
-DEFAULT_INTERMEDIATE_SIZE = 14336
 
 
-def partial_rotary_factor(cfg: dict[str, Any]) -> float:
-    """Fraction of each attention head that RoPE rotates."""
-    rope = cfg.get("rope_parameters") or {}
-    for value in (rope.get("partial_rotary_factor"), cfg.get("partial_rotary_factor")):
-        if value:
-            return float(value)
-    if cfg.get("attn_rotary_emb"):
-        return int(cfg["attn_rotary_emb"]) / attention_dims(cfg)[2]
-    return DEFAULT_PARTIAL_ROTARY_FACTOR
+@dataclasses.dataclass(frozen=True)
+class BambaConfig(Mamba2HybridConfig):
+    """Defaults: transformers 5.24 `BambaConfig` (where it differs from GraniteMoeHybrid's)."""
 
+    ARCHITECTURE = "BambaForCausalLM"
 
-def check_activation(cfg: dict[str, Any]) -> None:
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"Bamba with hidden_act={act!r} is not supported (only 'silu')")
+    vocab_size: int = 128000
+    intermediate_size: int = 14336
+    num_key_value_heads: int | None = 8
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 262144
+    mlp_bias: bool = False
+    attn_layer_indices: tuple | None = None  # None: every layer Mamba2
+    partial_rotary_factor: float | None = None
+    attn_rotary_emb: int | None = None  # older checkpoints: rotated channels per head
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for i in self.attn_layer_indices or ():
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_hidden_layers:
+                raise ValueError(
+                    f"attn_layer_indices holds {i!r}; layers are 0..{self.num_hidden_layers - 1}"
+                )
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        attention = set(self.attn_layer_indices or ())
+        return tuple(
+            "attention" if i in attention else "mamba" for i in range(self.num_hidden_layers)
+        )
+
+    @property
+    def rotary_factor(self) -> float:
+        """Fraction of each attention head that RoPE rotates: `partial_rotary_factor`
+        (transformers 5 stores 0.5 in `rope_parameters`), `attn_rotary_emb` channels in older
+        checkpoints (Bamba-9B: 64 of 128), else half the head."""
+        for value in ((self.rope_parameters or {}).get("partial_rotary_factor"),
+                      self.partial_rotary_factor):  # fmt: skip
+            if value:
+                return float(value)
+        if self.attn_rotary_emb:
+            return self.attn_rotary_emb / self.head_dim
+        return DEFAULT_PARTIAL_ROTARY_FACTOR
 
 
 class BambaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], index: int, kind: str) -> None:
+    def __init__(self, cfg: BambaConfig, index: int, kind: str) -> None:
         super().__init__()
-        hidden, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-5)
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps)
         self.pre_ff_layernorm = RMSNorm(hidden, eps)
         if kind == "attention":
-            self.self_attn = SelfAttention(f"layers.{index}.attention", cfg)
+            self.self_attn = cfg.attention(index)
         else:
-            self.mamba = PagedMamba2Mixer(f"layers.{index}.mamba", **mamba2_kwargs(cfg))
-        bias = bool(cfg.get("mlp_bias", False))
-        inter = cfg.get("intermediate_size", DEFAULT_INTERMEDIATE_SIZE)
-        self.feed_forward = GatedMLP(hidden, inter, bias=bias)
+            self.mamba = cfg.mamba2(index)
+        self.feed_forward = GatedMLP(hidden, cfg.intermediate_size, bias=cfg.mlp_bias)
 
     def forward(
         self,
@@ -82,28 +104,26 @@ class BambaDecoderLayer(nn.Module):
 
 
 class BambaModel(nn.Module):
-    def __init__(self, cfg: dict[str, Any], kinds: list[str]) -> None:
+    def __init__(self, cfg: BambaConfig) -> None:
         super().__init__()
-        hidden = cfg["hidden_size"]
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], hidden)
-        self.layers = nn.ModuleList(BambaDecoderLayer(cfg, i, k) for i, k in enumerate(kinds))
-        self.final_layernorm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-5))
+        hidden = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, hidden)
+        self.layers = nn.ModuleList(
+            BambaDecoderLayer(cfg, i, kind) for i, kind in enumerate(cfg.layers)
+        )
+        self.final_layernorm = RMSNorm(hidden, cfg.rms_norm_eps)
 
 
 class BambaForCausalLM(CausalLM):
-    def __init__(self, config: dict[str, Any], cache_layers: list[CacheLayer]) -> None:
-        super().__init__(config, cache_layers)
-        check_activation(config)
-        kinds = [
-            "attention" if f"layers.{i}.attention" in self.cache_layers else "mamba"
-            for i in range(config["num_hidden_layers"])
-        ]
-        self.model = BambaModel(config, kinds)
-        self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+    config_class = BambaConfig
+
+    def __init__(self, config: BambaConfig) -> None:
+        super().__init__(config)
+        self.model = BambaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = None
-        if "attention" in kinds:
-            rope_cfg = {**config, "partial_rotary_factor": partial_rotary_factor(config)}
-            self.rotary = RotaryEmbedding(attention_dims(config)[2], rope_cfg)
+        if "attention" in config.layers:
+            self.rotary = RotaryEmbedding(config.head_dim, config.rope, config.rotary_factor)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]

@@ -1,42 +1,68 @@
-"""What every model shares: cache binding, weight loading by checkpoint name, logits."""
+"""What every model shares: its typed config, the cache it declares, weight loading, logits.
+
+    cfg = Family.config_class.from_hf(config_dict)     # the one reading of config.json
+    with torch.device("meta"):
+        model = Family(cfg)                              # no memory for weights yet
+    layers = model.cache_layers(dtypes)                  # every CacheOwner's spec -> the plan
+    model.materialise(device, dtype)                     # real (uninitialised) tensors
+    model.load_weights(iter_weights(folder))             # every weight, by checkpoint name
+    model.bind_cache(caches)                             # views + kernels, per cache layer
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from hybridkv.kv.specs import CacheLayer
+from hybridkv.kv.specs import CacheDtypes, CacheLayer
+from hybridkv.layers.cache import CacheOwner, LayerCache
+from hybridkv.models.hf_config import HFConfig
 from hybridkv.worker.batch import ForwardBatch
 
 
 class CausalLM(nn.Module):
     """A decoder-only model whose module names mirror the Hugging Face checkpoint's, so weights
-    load by name. Subclasses build the modules, `forward` and, if needed, `map_weight_name`."""
+    load by name. Subclasses set `config_class`, build the modules from the typed config,
+    implement `forward` and, if needed, `map_weight_name`."""
 
-    def __init__(self, config: dict[str, Any], cache_layers: list[CacheLayer]) -> None:
+    config_class: ClassVar[type[HFConfig]] = HFConfig
+
+    def __init__(self, config: HFConfig) -> None:
         super().__init__()
         self.config = config
-        self.cache_layers = {layer.name: layer for layer in cache_layers}
-        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
 
     # -- cache -------------------------------------------------------------------------------
 
-    def bind_cache(self, views: Mapping[str, Any], backend: object) -> None:
-        """Give every cache-owning module its view (done once, when the cache is allocated)."""
-        bound = set()
-        for module in self.modules():
-            name = getattr(module, "layer_name", None)
-            if name is not None and hasattr(module, "bind"):
-                module.bind(views[name], backend)
-                bound.add(name)
-        missing = set(self.cache_layers) - bound
-        if missing:
-            raise RuntimeError(f"model has no module for cache layers {sorted(missing)}")
+    def cache_owners(self) -> list[tuple[str, CacheOwner]]:
+        """Every module that owns cache, with its module path, in layer order."""
+        return [(n, m) for n, m in self.named_modules() if isinstance(m, CacheOwner)]
+
+    def cache_layers(self, dtypes: CacheDtypes) -> list[CacheLayer]:
+        """The cache layers this model declares (each owner's spec, named by its path)."""
+        return [CacheLayer(n, m.layer_index, m.declare(dtypes)) for n, m in self.cache_owners()]
+
+    def bind_cache(self, caches: Mapping[str, LayerCache]) -> None:
+        """Give every cache owner its views and its group's kernels (once)."""
+        owners = dict(self.cache_owners())
+        if set(owners) != set(caches):
+            missing, extra = sorted(set(owners) - set(caches)), sorted(set(caches) - set(owners))
+            raise RuntimeError(f"cache layers differ from the model's: missing {missing}, {extra}")
+        for name, module in owners.items():
+            module.bind_cache(caches[name])
 
     # -- weights -----------------------------------------------------------------------------
+
+    def materialise(self, device: torch.device, dtype: torch.dtype) -> CausalLM:
+        """Turn a model built on the meta device into real tensors of `dtype` on `device`,
+        uninitialised: `load_weights` fills every one of them. Constants that are not weights
+        are plain CPU tensors built at construction (rotary frequencies), never buffers that
+        a checkpoint would not fill (`check_no_unloaded_buffers`)."""
+        check_no_unloaded_buffers(self)
+        return self.to(dtype=dtype).to_empty(device=device)
 
     def map_weight_name(self, name: str) -> str | None:
         """Checkpoint tensor name -> parameter name (None: skip the tensor)."""
@@ -62,8 +88,7 @@ class CausalLM(nn.Module):
         if self.tie_word_embeddings and "lm_head.weight" in params:
             self.tie_weights()
             loaded.add("lm_head.weight")
-        persistent = {n for n, _ in self.named_parameters()}
-        missing = sorted(persistent - loaded)
+        missing = sorted(set(params) - loaded)
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} weights: {shown}")
@@ -82,3 +107,12 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] -> logits: [n, vocab] float32."""
         return self.lm_head(hidden).float()
+
+
+def check_no_unloaded_buffers(model: nn.Module) -> None:
+    """Every buffer must be persistent (a checkpoint fills it): a model materialised from the
+    meta device keeps nothing of what its constructor computed into a buffer."""
+    persistent = set(model.state_dict(keep_vars=True))
+    loose = [n for n, _ in model.named_buffers() if n not in persistent]
+    if loose:
+        raise RuntimeError(f"non-persistent buffers would be lost when materialising: {loose}")

@@ -30,29 +30,24 @@ NemotronH declares no tied weights).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.kv.specs import CacheLayer
 from hybridkv.layers.attention.self_attention import SelfAttention
+from hybridkv.layers.mamba2 import Mamba2Mixer
 from hybridkv.layers.mlp import RMSNorm
-from hybridkv.layers.state_layers import PagedMamba2Mixer
 from hybridkv.models.base import CausalLM
+from hybridkv.models.hf_config import HFConfig, layer_types
 from hybridkv.worker.batch import ForwardBatch
 
-# block-type spellings -> one pattern character
-BLOCK_KINDS = {
-    "m": "M", "mamba": "M", "linear_attention": "M",
-    "*": "*", "attention": "*", "full_attention": "*",
-    "-": "-", "mlp": "-",
-    "e": "E", "moe": "E",
-}  # fmt: skip
+# default layout of transformers' NemotronHConfig when config.json gives none
+DEFAULT_LAYOUT = ("mamba", "moe", "attention", "mlp")
 
 # checkpoint form of one expert's weight: prefix, expert index, projection
 EXPERT_WEIGHT = re.compile(
@@ -79,44 +74,106 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return ACTIVATIONS[name]
 
 
-def block_kinds(cfg: dict[str, Any]) -> list[str]:
-    """Per layer 'M', '*', '-' or 'E' from `layers_block_type` / `layer_types` (lists) or
-    `hybrid_override_pattern` (a string)."""
-    tokens = cfg.get("layers_block_type") or cfg.get("layer_types")
-    if not isinstance(tokens, list):
-        tokens = cfg.get("hybrid_override_pattern")
-    if not isinstance(tokens, list | str) or not tokens:
-        raise ValueError("NemotronH config.json needs layers_block_type or hybrid_override_pattern")
-    kinds = [BLOCK_KINDS.get(str(t).strip().lower()) for t in tokens]
-    if None in kinds:
-        bad = sorted({str(t) for t, k in zip(tokens, kinds, strict=True) if k is None})
-        raise ValueError(f"unknown NemotronH block types {bad}; known: {sorted(BLOCK_KINDS)}")
-    return kinds  # type: ignore[return-value]
+@dataclasses.dataclass(frozen=True)
+class NemotronHConfig(HFConfig):
+    """Defaults: transformers 5.24 `NemotronHConfig`; older key names are `ALIASES`.
+
+    The layout is `layers_block_type` / `layer_types` (lists) or `hybrid_override_pattern` (a
+    string of M / * / - / E), else transformers' 4-layer default; `num_hidden_layers` is derived
+    from it, as transformers does. `mamba_ssm_cache_dtype` is not read here: it chooses a cache
+    dtype, not a dimension (`hybridkv.kv.specs.resolve_cache_dtypes`)."""
+
+    ARCHITECTURE = "NemotronHForCausalLM"
+    # transformers pops the old `mamba_*` spellings over the new ones when both are given
+    ALIASES = {
+        "layers_block_type": ("layer_types",),
+        "n_groups": ("mamba_n_groups", "n_groups"),
+        "conv_kernel": ("mamba_d_conv", "conv_kernel"),
+        "time_step_min": ("mamba_dt_min", "time_step_min"),
+        "use_conv_bias": ("mamba_conv_bias", "use_conv_bias"),
+        "chunk_size": ("mamba_chunk_size", "chunk_size"),
+        "n_routed_experts": ("num_local_experts",),
+    }
+
+    vocab_size: int = 131072
+    hidden_size: int = 4096
+    layers_block_type: tuple | None = None
+    hybrid_override_pattern: str | None = None
+    tie_word_embeddings: bool = False  # transformers' NemotronH never ties them (see below)
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    max_position_embeddings: int = 4096
+    intermediate_size: int = 21504
+    mlp_hidden_act: str = "relu2"
+    mlp_bias: bool = False
+    ssm_state_size: int = 128
+    mamba_num_heads: int = 128
+    mamba_head_dim: int = 64
+    mamba_hidden_act: str = "silu"
+    n_groups: int = 8
+    conv_kernel: int = 4
+    time_step_min: float = 0.001
+    use_conv_bias: bool = True
+    chunk_size: int = 128
+    use_bias: bool = False
+    n_routed_experts: int = 8
+    moe_intermediate_size: int = 7688
+    moe_shared_expert_intermediate_size: int = 7688
+    moe_latent_size: int | None = None
+    num_experts_per_tok: int = 2
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    layer_norm_epsilon: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.layers_block_type is not None:
+            kinds = layer_types(
+                self.layers_block_type, "layers_block_type", _ROLES, self.ARCHITECTURE
+            )
+        elif self.hybrid_override_pattern is not None:
+            pattern = self.hybrid_override_pattern
+            kinds = layer_types(pattern, "hybrid_override_pattern", _ROLES, self.ARCHITECTURE)
+        else:
+            kinds = DEFAULT_LAYOUT
+        if not kinds:
+            raise ValueError("the layout (layers_block_type) describes no layer")
+        self._set("layers_block_type", kinds)
+        self._require_positive(
+            "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "ssm_state_size", "mamba_num_heads", "mamba_head_dim", "n_groups", "conv_kernel",
+            "chunk_size", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
+        )  # fmt: skip
+        activation(self.mlp_hidden_act)  # a one-line error for an unsupported one
+        if self.n_routed_experts % self.n_group:
+            raise ValueError(
+                f"n_routed_experts {self.n_routed_experts} is not a multiple of n_group "
+                f"{self.n_group}"
+            )
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        """'mamba', 'attention', 'mlp' or 'moe' per block."""
+        assert self.layers_block_type is not None
+        return self.layers_block_type
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.layers)
+
+    def mamba2(self, index: int) -> Mamba2Mixer:
+        """intermediate = mamba_num_heads * mamba_head_dim; dt_limit = (time_step_min, inf)."""
+        return Mamba2Mixer(
+            self.hidden_size, self.mamba_num_heads, self.mamba_head_dim, self.ssm_state_size,
+            self.n_groups, self.conv_kernel, self.chunk_size, self.use_conv_bias, self.use_bias,
+            self.layer_norm_epsilon, (float(self.time_step_min), math.inf),
+            self.mamba_hidden_act, layer_index=index,
+        )  # fmt: skip
 
 
-def _first(cfg: dict[str, Any], keys: tuple[str, ...], default: Any) -> Any:
-    """The first key present (current name first, then the names older configs used)."""
-    for key in keys:
-        if cfg.get(key) is not None:
-            return cfg[key]
-    return default
-
-
-def mamba2_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Mamba2 mixer arguments of NemotronH (defaults: transformers' NemotronHConfig)."""
-    time_step_min = float(_first(cfg, ("time_step_min", "mamba_dt_min"), 0.001))
-    return dict(
-        hidden_size=cfg["hidden_size"], n_heads=cfg["mamba_num_heads"],
-        head_dim=cfg["mamba_head_dim"], d_state=cfg["ssm_state_size"],
-        n_groups=_first(cfg, ("n_groups", "mamba_n_groups"), 8),
-        d_conv=_first(cfg, ("conv_kernel", "mamba_d_conv"), 4),
-        chunk_size=_first(cfg, ("chunk_size", "mamba_chunk_size"), 128),
-        conv_bias=bool(_first(cfg, ("use_conv_bias", "mamba_conv_bias"), True)),
-        proj_bias=bool(cfg.get("use_bias", False)),
-        norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
-        dt_limit=(time_step_min, math.inf),
-        activation=cfg.get("mamba_hidden_act", "silu"),
-    )  # fmt: skip
+_ROLES = ("mamba", "attention", "mlp", "moe")
 
 
 class NemotronHMLP(nn.Module):
@@ -135,16 +192,14 @@ class NemotronHMLP(nn.Module):
 class NemotronHRouter(nn.Module):
     """Sigmoid top-k router with grouped selection and a selection-only score bias (float32)."""
 
-    def __init__(self, cfg: dict[str, Any], hidden: int, num_experts: int) -> None:
+    def __init__(self, cfg: NemotronHConfig, hidden: int, num_experts: int) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.top_k = int(cfg.get("num_experts_per_tok", 2))
-        self.n_group = int(cfg.get("n_group", 1) or 1)
-        self.topk_group = int(cfg.get("topk_group", 1) or 1)
-        self.norm_topk_prob = bool(cfg.get("norm_topk_prob", True))
-        self.scaling = float(cfg.get("routed_scaling_factor", 1.0))
-        if num_experts % self.n_group:
-            raise ValueError(f"n_routed_experts {num_experts} is not a multiple of n_group")
+        self.top_k = cfg.num_experts_per_tok
+        self.n_group = cfg.n_group
+        self.topk_group = cfg.topk_group
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.scaling = float(cfg.routed_scaling_factor)
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden, dtype=torch.float32))
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
 
@@ -219,17 +274,16 @@ class NemotronHExperts(nn.Module):
 
 
 class NemotronHMoE(nn.Module):
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, cfg: NemotronHConfig) -> None:
         super().__init__()
-        hidden, act = cfg["hidden_size"], cfg.get("mlp_hidden_act", "relu2")
-        bias = bool(cfg.get("mlp_bias", False))
-        num_experts = int(_first(cfg, ("n_routed_experts", "num_local_experts"), 8))
-        latent = cfg.get("moe_latent_size")
-        dim = int(latent) if latent else hidden
+        hidden, act, bias = cfg.hidden_size, cfg.mlp_hidden_act, cfg.mlp_bias
+        num_experts = cfg.n_routed_experts
+        latent = cfg.moe_latent_size
+        dim = latent if latent else hidden
         self.gate = NemotronHRouter(cfg, hidden, num_experts)
-        self.experts = NemotronHExperts(num_experts, dim, cfg["moe_intermediate_size"], act)
+        self.experts = NemotronHExperts(num_experts, dim, cfg.moe_intermediate_size, act)
         self.shared_experts = NemotronHMLP(
-            hidden, cfg["moe_shared_expert_intermediate_size"], act, bias
+            hidden, cfg.moe_shared_expert_intermediate_size, act, bias
         )
         self.fc1_latent_proj = nn.Linear(hidden, dim, bias=bias) if latent else None
         self.fc2_latent_proj = nn.Linear(dim, hidden, bias=bias) if latent else None
@@ -244,63 +298,50 @@ class NemotronHMoE(nn.Module):
         return h + self.shared_experts(x)
 
 
-def build_mixer(cfg: dict[str, Any], index: int, kind: str) -> nn.Module:
-    if kind == "M":
-        return PagedMamba2Mixer(f"layers.{index}.mamba", **mamba2_kwargs(cfg))
-    if kind == "*":
-        return SelfAttention(f"layers.{index}.attention", cfg, bias=False)
-    if kind == "E":
+def build_mixer(cfg: NemotronHConfig, index: int, kind: str) -> nn.Module:
+    if kind == "mamba":
+        return cfg.mamba2(index)
+    if kind == "attention":  # no bias, whatever attention_bias says (as transformers)
+        return SelfAttention(
+            index, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.head_dim,
+        )  # fmt: skip
+    if kind == "moe":
         return NemotronHMoE(cfg)
-    return NemotronHMLP(
-        cfg["hidden_size"],
-        cfg["intermediate_size"],
-        cfg.get("mlp_hidden_act", "relu2"),
-        bool(cfg.get("mlp_bias", False)),
-    )
+    return NemotronHMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_hidden_act, cfg.mlp_bias)
 
 
 class NemotronHBlock(nn.Module):
-    def __init__(self, cfg: dict[str, Any], index: int, kind: str) -> None:
+    def __init__(self, cfg: NemotronHConfig, index: int, kind: str) -> None:
         super().__init__()
-        self.kind = kind
-        eps = float(cfg.get("layer_norm_epsilon", 1e-5))
-        self.norm = RMSNorm(cfg["hidden_size"], eps, weight_in_fp32=True)
+        self.takes_batch = kind in ("mamba", "attention")
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon, weight_in_fp32=True)
         self.mixer = build_mixer(cfg, index, kind)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         h = self.norm(x)  # [T, hidden]
-        h = self.mixer(h, batch) if self.kind in ("M", "*") else self.mixer(h)
+        h = self.mixer(h, batch) if self.takes_batch else self.mixer(h)
         return x + h
 
 
 class NemotronHBackbone(nn.Module):
-    def __init__(self, cfg: dict[str, Any], kinds: list[str]) -> None:
+    def __init__(self, cfg: NemotronHConfig) -> None:
         super().__init__()
-        hidden = cfg["hidden_size"]
-        self.embeddings = nn.Embedding(cfg["vocab_size"], hidden)
-        self.layers = nn.ModuleList(NemotronHBlock(cfg, i, k) for i, k in enumerate(kinds))
-        self.norm_f = RMSNorm(hidden, float(cfg.get("layer_norm_epsilon", 1e-5)), True)
+        hidden = cfg.hidden_size
+        self.embeddings = nn.Embedding(cfg.vocab_size, hidden)
+        self.layers = nn.ModuleList(NemotronHBlock(cfg, i, k) for i, k in enumerate(cfg.layers))
+        self.norm_f = RMSNorm(hidden, cfg.layer_norm_epsilon, True)
 
 
 class NemotronHForCausalLM(CausalLM):
-    def __init__(self, config: dict[str, Any], cache_layers: list[CacheLayer]) -> None:
-        super().__init__(config, cache_layers)
-        self.tie_word_embeddings = False  # transformers' NemotronH never ties them
-        kinds = block_kinds(config)
-        self._check_cache_layers(kinds)
-        self.num_experts = int(_first(config, ("n_routed_experts", "num_local_experts"), 8))
-        self.backbone = NemotronHBackbone(config, kinds)
-        self.lm_head = nn.Linear(config["hidden_size"], config["vocab_size"], bias=False)
+    config_class = NemotronHConfig
 
-    def _check_cache_layers(self, kinds: list[str]) -> None:
-        """The cache layers must be exactly the Mamba2 and attention blocks of the layout."""
-        own = {f"layers.{i}.mamba" for i, k in enumerate(kinds) if k == "M"}
-        own |= {f"layers.{i}.attention" for i, k in enumerate(kinds) if k == "*"}
-        if own != set(self.cache_layers):
-            raise ValueError(
-                f"NemotronH layout {''.join(kinds)!r} does not match the cache layers "
-                f"{sorted(self.cache_layers)}"
-            )
+    def __init__(self, config: NemotronHConfig) -> None:
+        super().__init__(config)
+        self.tie_word_embeddings = False  # transformers' NemotronH never ties them
+        self.num_experts = config.n_routed_experts
+        self.backbone = NemotronHBackbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.backbone.embeddings

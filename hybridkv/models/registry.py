@@ -1,8 +1,13 @@
-"""Architecture name -> model class, imported on first use."""
+"""Architecture name -> model class, imported on first use (this module imports no torch)."""
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hybridkv.kv.specs import CacheDtypes, CacheLayer
+    from hybridkv.models.base import CausalLM
 
 MODELS: dict[str, str] = {
     "GraniteMoeHybridForCausalLM": "hybridkv.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
@@ -13,7 +18,7 @@ MODELS: dict[str, str] = {
 }
 
 
-def model_class(architecture: str) -> type:
+def model_class(architecture: str) -> type[CausalLM]:
     if architecture not in MODELS:
         raise ValueError(
             f"hybridkv cannot run architecture {architecture!r} yet; runnable: "
@@ -21,3 +26,21 @@ def model_class(architecture: str) -> type:
         )
     module, _, name = MODELS[architecture].partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def build_on_meta(config: dict[str, Any]) -> CausalLM:
+    """The model a Hugging Face config dict describes, built on the meta device (no memory for
+    weights): its typed config is read once, here, with transformers' defaults."""
+    import torch
+
+    from hybridkv.kv.specs import architecture_of, text_config
+
+    cls = model_class(architecture_of(config))
+    typed = cls.config_class.from_hf(text_config(config))
+    with torch.device("meta"):
+        return cls(typed)
+
+
+def declared_cache_layers(config: dict[str, Any], dtypes: CacheDtypes) -> list[CacheLayer]:
+    """The cache layers a runnable model declares (what `hybridkv plan` plans for it)."""
+    return build_on_meta(config).cache_layers(dtypes)

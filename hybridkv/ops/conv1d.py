@@ -14,9 +14,9 @@ Prefill: requests are packed as `[state_0 | tokens_0 | state_1 | tokens_1 | ...]
 inside its own request's segment, so nothing leaks between requests and no per-request padding is
 needed. Decode (every request has exactly one token): a direct `[S, C, K]` multiply-sum.
 
-Where the native CPU kernels are available (`hybridkv.ops.native`), one C kernel does both cases,
-reading and writing the state pages in place; the PyTorch code here is the fallback and the
-reference.
+This is the PyTorch reference. The native CPU kernel (`hybridkv.ops.native.conv1d`) and the
+Triton decode kernel (`hybridkv.ops.triton_mamba.conv1d_decode`) are tested against it; which one
+a model runs is the plan's choice (`hybridkv.ops.mamba2_ops`), never tried in turn here.
 
 A request without an initial state starts from zeros; its page may hold NaN bit patterns, so
 the old state is selected with `torch.where`, never multiplied by zero.
@@ -26,9 +26,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from hybridkv import ops
-from hybridkv.ops import native
 
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -71,6 +68,16 @@ def causal_conv1d_decode(
         y = y + bias
     conv_state.index_copy_(0, state_pages, window[:, :, 1:].to(conv_state.dtype))
     return _activate(y, activation).to(x.dtype)
+
+
+def is_decode(max_query_len: int, num_tokens: int, state_pages: torch.Tensor) -> bool:
+    """One token per request (token s belongs to request s): the decode kernels' case."""
+    return max_query_len == 1 and num_tokens == state_pages.shape[0]
+
+
+def activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """The activation after the conv (None or silu), as the decoders apply it."""
+    return _activate(y, activation)
 
 
 def _packed_layout(
@@ -117,16 +124,10 @@ def causal_conv1d_varlen(
     width = weight.shape[1] - 1
     if num_tokens == 0:
         return x.new_empty(x.shape)
-    fused = activation in ("silu", "swish")  # the native kernel applies silu itself
-    y = native.conv1d(
-        x, weight, bias, conv_state, state_pages, has_initial_state, query_start_loc, fused
-    )
-    if y is not None:  # None: no native kernels, or not for these tensors
-        return (y if fused else _activate(y, activation)).to(x.dtype)
-    if max_query_len == 1 and num_tokens == state_pages.shape[0]:  # one token per request
-        gpu = ops.triton_state_kernels(x)  # the Triton decode kernel, on GPUs
-        decode = causal_conv1d_decode if gpu is None else gpu.conv1d_decode
-        return decode(x, weight, bias, conv_state, state_pages, has_initial_state, activation)
+    if is_decode(max_query_len, num_tokens, state_pages):
+        return causal_conv1d_decode(
+            x, weight, bias, conv_state, state_pages, has_initial_state, activation
+        )
     dtype = weight.dtype
     num_seqs = state_pages.shape[0]
     token_pos, state_pos, tail_pos = _packed_layout(query_start_loc, num_tokens, width)

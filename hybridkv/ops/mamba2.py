@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from types import ModuleType
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from hybridkv import ops
-from hybridkv.ops import native
+# A kernel for one-token requests: (ssm_state, state_pages, has_initial_state, x, dt, A, B, C,
+# D) -> y, with the signature of `hybridkv.ops.triton_mamba.ssm_decode`.
+DecodeRows = Callable[..., torch.Tensor]
 
 
 def _process_dt(
@@ -277,6 +278,34 @@ def decode_in_place(
     return y
 
 
+class ScanInputs(NamedTuple):
+    """The scan's inputs in float32, dt processed: x [T, H, P], dt [T, H], A, D [H], B, C
+    [T, G, N]."""
+
+    x: torch.Tensor
+    dt: torch.Tensor
+    A: torch.Tensor
+    B: torch.Tensor
+    C: torch.Tensor
+    D: torch.Tensor
+
+
+def scan_inputs(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    dt_limit: tuple[float, float],
+) -> ScanInputs:
+    """Every scan implementation computes in float32 from the same processed inputs."""
+    return ScanInputs(
+        x.float(), _process_dt(dt, dt_bias, dt_limit), A.float(), B.float(), C.float(), D.float()
+    )
+
+
 def mamba2_scan_varlen(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -293,47 +322,37 @@ def mamba2_scan_varlen(
     chunk_size: int,
     dt_limit: tuple[float, float] = (0.0, math.inf),
     out_dtype: torch.dtype | None = None,
-    decode_step: Callable[..., torch.Tensor] | None = None,
+    decode_rows: DecodeRows | None = None,
 ) -> torch.Tensor:
-    """Mamba2 scan of packed requests, reading and updating their paged state.
+    """Mamba2 scan of packed requests, reading and updating their paged state (PyTorch).
 
     x: [T, H, P]; dt: [T, H] raw; A: [H] (negative); B, C: [T, G, N]; D, dt_bias: [H];
     ssm_state: [num_pages, H, P, N] (written in place at `state_pages`); state_pages: [S] int64;
     has_initial_state: [S] bool; query_start_loc: [S+1] int32; max_query_len: longest request
     (an upper bound works: it sets the chunk length and the number of state-passing steps)
-    -> y [T, H, P] in `out_dtype` (default x.dtype), computed in float32. The native CPU kernel
-    (hybridkv.ops.native) runs it when it can. On GPUs the Triton kernel
-    (hybridkv.ops.triton_mamba) steps every one-token request, PyTorch the longer ones. On the
-    CPU without native kernels, `decode_step` (e.g. a compiled `decode_in_place`) serves batches
-    where every request decodes one token from a state it already has, and PyTorch the rest.
+    -> y [T, H, P] in `out_dtype` (default x.dtype), computed in float32. `decode_rows` steps
+    the one-token requests instead of the PyTorch recurrence (the Triton kernel on GPUs).
+    This is the reference the native and Triton kernels are tested against.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if x.shape[0] == 0:
         return x.new_empty(x.shape, dtype=out_dtype)
-    xf, Bf, Cf = x.float(), B.float(), C.float()
-    Af, Df = A.float(), D.float()
-    dtf = _process_dt(dt, dt_bias, dt_limit)  # [T, H]
-    decoding = max_query_len == 1 and x.shape[0] == state_pages.shape[0]  # token s: request s
-    y = native.mamba2_scan(
-        ssm_state, state_pages, has_initial_state, query_start_loc, xf, dtf, Af, Bf, Cf, Df
-    )
-    if y is not None:  # None: no native kernels, or not for these tensors
-        return y.to(out_dtype)
-    gpu = ops.triton_state_kernels(x)  # the Triton decode kernel, on GPUs
-    if decoding and gpu is None and decode_step is not None and bool(has_initial_state.all()):
-        return decode_step(ssm_state, state_pages, xf, dtf, Af, Bf, Cf, Df).to(out_dtype)
-    if decoding:
-        inputs = (xf, dtf, Af, Bf, Cf, Df)
-        return _decode_rows(ssm_state, state_pages, has_initial_state, inputs, gpu).to(out_dtype)
-
+    inputs = scan_inputs(x, dt, A, B, C, D, dt_bias, dt_limit)
+    if max_query_len == 1 and x.shape[0] == state_pages.shape[0]:  # token s: request s
+        return _decode_rows(ssm_state, state_pages, has_initial_state, inputs, decode_rows).to(
+            out_dtype
+        )
+    xf, dtf, Af, Bf, Cf, Df = inputs
     starts = query_start_loc[:-1].long()
     lens = query_start_loc[1:].long() - starts
     dec, pre = _split_by_length(lens)
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     if dec.numel() > 0:
         tok = starts[dec]
-        inputs = (xf[tok], dtf[tok], Af, Bf[tok], Cf[tok], Df)
-        y[tok] = _decode_rows(ssm_state, state_pages[dec], has_initial_state[dec], inputs, gpu)
+        rows = ScanInputs(xf[tok], dtf[tok], Af, Bf[tok], Cf[tok], Df)
+        y[tok] = _decode_rows(
+            ssm_state, state_pages[dec], has_initial_state[dec], rows, decode_rows
+        )
     if pre.numel() > 0:
         chunk_len = min(chunk_size, max_query_len)
         n_tok = x.shape[0] - dec.numel()
@@ -349,13 +368,13 @@ def _decode_rows(
     ssm_state: torch.Tensor,
     state_pages: torch.Tensor,
     has_initial_state: torch.Tensor,
-    inputs: tuple[torch.Tensor, ...],
-    gpu: ModuleType | None,
+    inputs: ScanInputs,
+    kernel: DecodeRows | None,
 ) -> torch.Tensor:
     """One step for R requests of one token each, states read and written in their pages.
     inputs: x [R, H, P], dt [R, H], A [H], B, C [R, G, N], D [H] -> y [R, H, P] float32."""
-    if gpu is not None:  # one fused pass over each state, in place
-        return gpu.ssm_decode(ssm_state, state_pages, has_initial_state, *inputs)
+    if kernel is not None:  # e.g. Triton: one fused pass over each state, in place
+        return kernel(ssm_state, state_pages, has_initial_state, *inputs)
     h0 = _initial_ssm_state(ssm_state, state_pages, has_initial_state)  # [R, H, P, N]
     y, h = ssd_step(*inputs, h0)
     ssm_state.index_copy_(0, state_pages, h.to(ssm_state.dtype))

@@ -31,7 +31,6 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [num_sampled] int64, last token of each sampling request
     attention: Mapping[int, AttentionMetadata]  # attention group id -> metadata
     state: Mapping[int, StateMetadata]  # state group id -> metadata
-    group_of_layer: Mapping[str, int]  # cache layer name -> group id (static)
 
     @property
     def num_tokens(self) -> int:
@@ -41,8 +40,7 @@ class ForwardBatch:
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
 
-    def attention_for(self, layer_name: str) -> AttentionMetadata:
-        return self.attention[self.group_of_layer[layer_name]]
-
-    def state_for(self, layer_name: str) -> StateMetadata:
-        return self.state[self.group_of_layer[layer_name]]
+    def metadata_for(self, group_id: int) -> AttentionMetadata | StateMetadata:
+        """A group's metadata (modules find theirs through `CacheOwner.step_metadata`)."""
+        meta = self.attention.get(group_id)
+        return meta if meta is not None else self.state[group_id]

@@ -2,26 +2,34 @@
 
 One step, in order:
 
-    1. drop the rows of preempted requests; give new requests a block-table row
+    1. drop the rows of preempted requests; give new requests a row in every table
     2. zero pages newly handed to attention groups (they may hold a state's NaN bit patterns)
-    3. append new kernel-block ids to each attention group's table row
+    3. append new kernel-block ids to each attention group's table row; record new
+       running-state pages in each state group's page table
     4. copy prefix-hit snapshots into running-state pages        (before the forward)
     5. build the immutable ForwardBatch, run the model, compute logits, sample
     6. copy running states into new snapshot pages               (after the forward)
+
+Everything it needs comes in the step description (`SchedulerOutput`: plain ids and values);
+it never calls back into the cache manager. Each group runs on the kernels its plan names: an
+attention backend per attention group, the ops of its layer kind per state group.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
-from hybridkv.core.coordinator import CacheManager
-from hybridkv.core.request import Request
+from hybridkv.core.managers import StateCopy
 from hybridkv.core.scheduler import ScheduledChunk, SchedulerOutput
-from hybridkv.kv.plan import MemoryPlan
-from hybridkv.layers.attention.base import AttentionMetadata
+from hybridkv.kv.plan import GroupPlan, MemoryPlan
+from hybridkv.kv.specs import StateSpec
+from hybridkv.layers.attention.base import AttentionImpl, AttentionMetadata
 from hybridkv.layers.attention.registry import get_backend
+from hybridkv.layers.cache import AttentionCache, LayerCache, StateCache
 from hybridkv.layers.state_base import StateMetadata
 from hybridkv.models.base import CausalLM
 from hybridkv.worker.batch import ForwardBatch
@@ -30,19 +38,31 @@ from hybridkv.worker.buffers import CacheBuffers
 from hybridkv.worker.sampler import Sample, Sampler
 
 
+def load_state_ops(group: GroupPlan) -> Any:
+    """The ops implementation the plan chose for a state group (declared by its layer kind)."""
+    assert isinstance(group.spec, StateSpec)
+    for ops in group.spec.ops:
+        if ops.name == group.backend:
+            module, _, name = ops.impl.partition(":")
+            return getattr(importlib.import_module(module), name)()
+    declared = ", ".join(o.name for o in group.spec.ops) or "none"
+    raise ValueError(
+        f"group {group.group_id} ({group.kind}) has no runnable ops {group.backend!r}; "
+        f"declared: {declared}"
+    )
+
+
 class ModelRunner:
     def __init__(
         self,
         model: CausalLM,
         plan: MemoryPlan,
-        cache: CacheManager,
         max_num_seqs: int,
         device: torch.device,
         seed: int = 0,
     ) -> None:
         self.model = model
         self.plan = plan
-        self.cache = cache
         self.device = device
         self.buffers = CacheBuffers(plan, device)
         self.tables = {
@@ -55,35 +75,51 @@ class ModelRunner:
             )
             for g in plan.attention_groups
         }
-        self.state_group_ids = [g.group_id for g in plan.state_groups]
-        backends = {g.backend for g in plan.attention_groups}
-        assert len(backends) == 1, "one attention backend per model"
-        self.backend = get_backend(backends.pop()).load()()
-        model.bind_cache(self.buffers.views, self.backend)
-        self.group_of_layer = dict(self.buffers.group_of_layer)
+        # state group -> running-state page of each row (the state groups' "block table")
+        self.state_pages = {
+            g.group_id: torch.zeros(max_num_seqs, dtype=torch.int64) for g in plan.state_groups
+        }
+        self.attention_backends: dict[int, AttentionImpl] = {
+            g.group_id: _load_attention_backend(g) for g in plan.attention_groups
+        }
+        self.state_ops = {g.group_id: load_state_ops(g) for g in plan.state_groups}
+        model.bind_cache(self._layer_caches())
         self.rows: dict[str, int] = {}
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.generators: dict[str, torch.Generator] = {}
         self.sampler = Sampler(seed)
 
+    def _layer_caches(self) -> dict[str, LayerCache]:
+        caches: dict[str, LayerCache] = {}
+        for group in self.plan.groups:
+            gid = group.group_id
+            for name in group.layer_names:
+                view = self.buffers.views[name]
+                if isinstance(view, dict):
+                    caches[name] = StateCache(gid, view, self.state_ops[gid])
+                else:
+                    caches[name] = AttentionCache(gid, view, self.attention_backends[gid])
+        return caches
+
     # -- rows ----------------------------------------------------------------------------------
 
-    def release(self, requests: Iterable[Request]) -> None:
-        """Forget finished or preempted requests (their cache was freed by the scheduler)."""
-        for req in requests:
-            row = self.rows.pop(req.request_id, None)
+    def release(self, request_ids: Iterable[str], finished: bool = True) -> None:
+        """Forget requests whose cache the scheduler freed: finished ones entirely, preempted
+        ones (`finished=False`) keep their sampling generator for when they resume."""
+        for rid in request_ids:
+            row = self.rows.pop(rid, None)
             if row is not None:
                 for table in self.tables.values():
                     table.clear_row(row)
                 self.free_rows.append(row)
-            if req.is_finished:
-                self.generators.pop(req.request_id, None)
+            if finished:
+                self.generators.pop(rid, None)
 
-    def _row_of(self, req: Request) -> int:
-        row = self.rows.get(req.request_id)
+    def _row_of(self, request_id: str) -> int:
+        row = self.rows.get(request_id)
         if row is None:
             row = self.free_rows.pop()
-            self.rows[req.request_id] = row
+            self.rows[request_id] = row
             for table in self.tables.values():
                 table.clear_row(row)
         return row
@@ -91,16 +127,20 @@ class ModelRunner:
     # -- cache edits ---------------------------------------------------------------------------
 
     def _apply_allocations(self, out: SchedulerOutput) -> None:
-        for gid, pages in out.new_attention_pages.items():
-            self.buffers.zero_pages(gid, pages, self.backend.zero_pages)
+        for gid, pages in out.pages_to_zero.items():
+            if gid in self.attention_backends:
+                self.buffers.zero_pages(gid, pages, self.attention_backends[gid].zero_pages)
         for chunk in out.chunks:
-            row = self._row_of(chunk.request)
-            for gid, blocks in chunk.allocation.new_blocks.items():
+            row = self._row_of(chunk.request_id)
+            alloc = chunk.allocation
+            for gid, blocks in alloc.new_blocks.items():
                 self.tables[gid].append_blocks(row, blocks)
+            for gid, page in alloc.state_pages.items():
+                self.state_pages[gid][row] = page
         self._copy_states([op for c in out.chunks for op in c.allocation.copies_in])
 
-    def _copy_states(self, ops: Sequence[tuple[int, int, int]]) -> None:
-        """(group, src page, dst page): copy every state tensor of every layer of the group."""
+    def _copy_states(self, ops: Sequence[StateCopy]) -> None:
+        """Copy every state tensor of every layer of a group from one page to another."""
         by_group: dict[int, tuple[list[int], list[int]]] = {}
         for gid, src, dst in ops:
             srcs, dsts = by_group.setdefault(gid, ([], []))
@@ -110,8 +150,10 @@ class ModelRunner:
             src_t = torch.tensor(srcs, device=self.device)
             dst_t = torch.tensor(dsts, device=self.device)
             for name in self.plan.groups[gid].layer_names:
-                for view in self.buffers.views[name].values():  # type: ignore[union-attr]
-                    view[dst_t] = view[src_t]
+                view = self.buffers.views[name]
+                assert isinstance(view, dict)
+                for tensor in view.values():
+                    tensor[dst_t] = tensor[src_t]
 
     # -- batch ---------------------------------------------------------------------------------
 
@@ -119,10 +161,10 @@ class ModelRunner:
         dev = self.device
         starts = torch.tensor([c.start for c in chunks], dtype=torch.int64)
         q_lens = torch.tensor([c.num_tokens for c in chunks], dtype=torch.int64)
-        rows = torch.tensor([self.rows[c.request.request_id] for c in chunks], dtype=torch.int64)
+        rows = torch.tensor([self.rows[c.request_id] for c in chunks], dtype=torch.int64)
         qsl = torch.zeros(len(chunks) + 1, dtype=torch.int64)
         torch.cumsum(q_lens, 0, out=qsl[1:])
-        ids = [t for c in chunks for t in c.request.all_token_ids[c.start : c.end]]
+        ids = [t for c in chunks for t in c.token_ids]
         num_tokens = int(qsl[-1])
         # position of every token: its request's start + its index inside the chunk
         seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), q_lens)
@@ -130,41 +172,38 @@ class ModelRunner:
         seq_lens = (starts + q_lens).to(torch.int32)
         max_q = int(q_lens.max())
         token_rows = rows[seq_of_token]
+        qsl_dev = qsl.to(dev, torch.int32)
         attention = {
             gid: AttentionMetadata(
                 block_table=table.table.index_select(0, rows.to(dev)),
                 slot_mapping=table.slot_mapping(token_rows, positions),
-                query_start_loc=qsl.to(dev, torch.int32),
+                query_start_loc=qsl_dev,
                 seq_lens=seq_lens.to(dev),
                 max_query_len=max_q,
                 max_seq_len=int(seq_lens.max()),
             )
             for gid, table in self.tables.items()
         }
+        has_initial_state = (starts > 0).to(dev)
         state = {
             gid: StateMetadata(
-                state_pages=torch.tensor(
-                    [self.cache.state_page(c.request, gid) for c in chunks],
-                    dtype=torch.int64,
-                    device=dev,
-                ),
-                has_initial_state=(starts > 0).to(dev),
-                query_start_loc=qsl.to(dev, torch.int32),
+                state_pages=pages.index_select(0, rows).to(dev),
+                has_initial_state=has_initial_state,
+                query_start_loc=qsl_dev,
                 max_query_len=max_q,
             )
-            for gid in self.state_group_ids
+            for gid, pages in self.state_pages.items()
         }
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=positions.to(dev),
-            query_start_loc=qsl.to(dev, torch.int32),
+            query_start_loc=qsl_dev,
             seq_lens=seq_lens.to(dev),
             max_query_len=max_q,
             logits_indices=(qsl[1:] - 1)[sampling].to(dev),
             attention=attention,
             state=state,
-            group_of_layer=self.group_of_layer,
         )
 
     # -- step ----------------------------------------------------------------------------------
@@ -172,27 +211,32 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, Sample]:
         """Run one scheduled step; returns the sampled token of every request that samples."""
-        self.release(out.preempted)
+        self.release(out.preempted, finished=False)
         if out.is_empty:
             return {}
         self._apply_allocations(out)
         batch = self.build_batch(out.chunks)
         hidden = self.model(batch)
-        samplers = [c.request for c in out.chunks if c.samples]
+        samplers = [(c.request_id, c.sampling) for c in out.chunks if c.sampling is not None]
         samples: list[Sample] = []
         if samplers:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
-            gens = [self._generator(r) for r in samplers]
-            samples = self.sampler(logits, [r.sampling_params for r in samplers], gens)
+            params = [p for _, p in samplers]
+            gens = [self._generator(rid, p.seed) for rid, p in samplers]
+            samples = self.sampler(logits, params, gens)
         self._copy_states([op for c in out.chunks for op in c.allocation.snapshots])
-        return {r.request_id: s for r, s in zip(samplers, samples, strict=True)}
+        return {rid: s for (rid, _), s in zip(samplers, samples, strict=True)}
 
-    def _generator(self, req: Request) -> torch.Generator | None:
-        seed = req.sampling_params.seed
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
             return None
-        gen = self.generators.get(req.request_id)
+        gen = self.generators.get(request_id)
         if gen is None:
             gen = torch.Generator().manual_seed(seed)
-            self.generators[req.request_id] = gen
+            self.generators[request_id] = gen
         return gen
+
+
+def _load_attention_backend(group: GroupPlan) -> AttentionImpl:
+    assert group.backend is not None
+    return get_backend(group.backend).load()()

@@ -25,7 +25,7 @@ def drive(sched: Scheduler, max_steps: int = 10_000) -> list:
     while sched.has_unfinished and len(steps) < max_steps:
         out = sched.schedule()
         steps.append(out)
-        sched.update(out, {c.request.request_id: 7 for c in out.chunks if c.samples})
+        sched.update(out, {c.request_id: 7 for c in out.chunks if c.samples})
         sched.cache.check_integrity()
     assert not sched.has_unfinished
     return steps

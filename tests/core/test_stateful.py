@@ -93,7 +93,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert self.state_shadow[(gid, src)] == tuple(req.all_token_ids[:before])
         for gid, m in enumerate(self.cm.groups):
             if isinstance(m, StateManager):
-                page = self.cm.state_page(req, gid)
+                (page,) = self.cm.table_row(req, gid)
                 self.state_shadow[(gid, page)] = tuple(req.all_token_ids[:after])
         for gid, _src, dst in alloc.snapshots:
             self.state_shadow[(gid, dst)] = tuple(req.all_token_ids[:after])

@@ -96,9 +96,22 @@ def test_plan_errors_are_one_line_exit_2(capsys, argv, message):
 
 
 def test_malformed_config(tmp_path, capsys):
+    # a runnable family takes transformers' defaults for what its config leaves out ...
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    code, out, _ = run(capsys, "plan", "--model", str(tmp_path), "--json")
+    groups = json.loads(out)["groups"]
+    assert code == 0 and sum(len(g["layers"]) for g in groups) == 32  # LlamaConfig's default
+    assert groups[0]["spec"]["num_kv_heads"] == 32 and groups[0]["spec"]["head_dim"] == 128
+    # ... but a value of the wrong type is a one-line error
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["LlamaForCausalLM"], "num_hidden_layers": "many"}'
+    )
     code, _, err = run(capsys, "plan", "--model", str(tmp_path))
-    assert code == 2 and "missing 'num_hidden_layers'" in err
+    assert code == 2 and "'num_hidden_layers' must be int" in err and err.count("\n") == 1
+    # a plan-only family's reader still needs its keys
+    (tmp_path / "config.json").write_text('{"architectures": ["Qwen3NextForCausalLM"]}')
+    code, _, err = run(capsys, "plan", "--model", str(tmp_path))
+    assert code == 2 and "missing" in err
     (tmp_path / "config.json").write_text("[1, 2")
     code, _, err = run(capsys, "plan", "--model", str(tmp_path))
     assert code == 2 and "cannot read" in err

@@ -1,5 +1,6 @@
 import pytest
 
+from hybridkv.kv.plan import cache_layers_for_config
 from hybridkv.kv.presets import load_model_config, load_preset, preset_ids
 from hybridkv.kv.specs import (
     ARCHITECTURES,
@@ -7,15 +8,22 @@ from hybridkv.kv.specs import (
     ConfigError,
     MLASpec,
     StateSpec,
+    StateTensor,
     architecture_of,
     read_layers,
     resolve_cache_dtypes,
+    supported_architectures,
 )
 
 
+def read(cfg, **dtypes):
+    """Cache layers of any config: declared by the model (runnable families, built on the meta
+    device) or read by the plan-only parsers."""
+    return cache_layers_for_config(cfg, resolve_cache_dtypes(cfg, **dtypes))
+
+
 def layers_of(model_id, **dtypes):
-    cfg = load_preset(model_id)
-    return read_layers(cfg, resolve_cache_dtypes(cfg, **dtypes))
+    return read(load_preset(model_id), **dtypes)
 
 
 def kinds(layers):
@@ -146,7 +154,7 @@ def test_transformers5_layer_type_names():
         "mamba_d_conv": 4,
         "mamba_expand": 2,
     }
-    k = kinds(read_layers(cfg))
+    k = kinds(read(cfg))
     assert k == {"mamba2": [0, 2], "attention": [1]}
 
 
@@ -164,7 +172,7 @@ def test_nemotron_layers_block_type_spelling():
         "ssm_state_size": 8,
         "n_groups": 2,
     }
-    assert kinds(read_layers(cfg)) == {"mamba2": [0], "attention": [1]}
+    assert kinds(read(cfg)) == {"mamba2": [0], "attention": [1]}
 
 
 def test_unknown_architecture_lists_supported():
@@ -173,29 +181,45 @@ def test_unknown_architecture_lists_supported():
     assert "LlamaForCausalLM" in str(err.value) and "\n" not in str(err.value)
 
 
-def test_missing_field_is_one_line():
-    cfg = load_preset("ibm-granite/granite-4.0-h-small")
-    del cfg["mamba_n_heads"]
-    with pytest.raises(ConfigError, match="missing 'mamba_n_heads'"):
+def test_plan_only_family_missing_field_is_one_line():
+    cfg = load_preset("Qwen/Qwen3-Next-80B-A3B-Instruct")
+    del cfg["linear_num_key_heads"]
+    with pytest.raises(ConfigError, match="missing 'linear_num_key_heads'"):
         read_layers(cfg)
+
+
+def test_runnable_family_missing_field_takes_the_transformers_default():
+    cfg = load_preset("ibm-granite/granite-4.0-h-small")
+    del cfg["mamba_n_heads"]  # GraniteMoeHybridConfig: 128; mamba_d_head "auto" follows it
+    state = next(x.spec for x in read(cfg) if isinstance(x.spec, StateSpec))
+    assert {t.name: t.shape for t in state.tensors}["ssm"] == (128, 2 * 4096 // 128, 128)
+
+
+def test_plan_only_reader_refuses_runnable_families():
+    with pytest.raises(ConfigError, match="declares its cache from the model"):
+        read_layers(load_preset("ibm-granite/granite-4.0-h-small"))
 
 
 def test_wrong_layer_count_and_bad_token():
     cfg = load_preset("ibm-granite/granite-4.0-h-small")
     cfg["num_hidden_layers"] = 12
-    with pytest.raises(ConfigError, match="describes 40 layers but num_hidden_layers is 12"):
-        read_layers(cfg)
+    with pytest.raises(ConfigError, match="layer_types has 40 entries but num_hidden_layers is 12"):
+        read(cfg)
     cfg = load_preset("ibm-granite/granite-4.0-h-small")
     cfg["layer_types"][0] = "banana"
     with pytest.raises(ConfigError, match="unknown layer type 'banana'"):
-        read_layers(cfg)
+        read(cfg)
 
 
 def test_non_integer_field():
     cfg = load_preset("meta-llama/Llama-3.1-8B")
     cfg["num_key_value_heads"] = "eight"
+    with pytest.raises(ConfigError, match="'num_key_value_heads' must be int"):
+        read(cfg)
+    cfg = load_preset("Qwen/Qwen3-Next-80B-A3B-Instruct")
+    cfg["linear_num_key_heads"] = "eight"
     with pytest.raises(ConfigError, match="must be an integer"):
-        read_layers(cfg)
+        read(cfg)
 
 
 def test_load_model_config_paths(tmp_path):
@@ -219,7 +243,8 @@ def test_load_model_config_paths(tmp_path):
 def test_every_architecture_has_a_model_type_or_preset():
     from hybridkv.kv.specs import MODEL_TYPES
 
-    assert set(MODEL_TYPES.values()) <= set(ARCHITECTURES)
+    assert set(MODEL_TYPES.values()) <= set(supported_architectures())
+    assert set(ARCHITECTURES) <= set(supported_architectures())
 
 
 def test_specs_validate():
@@ -227,5 +252,9 @@ def test_specs_validate():
         AttentionSpec(0, 64, "bfloat16")
     with pytest.raises(ValueError, match="unknown dtype"):
         AttentionSpec(2, 64, "int3")
-    with pytest.raises(ValueError, match="unknown state kind"):
+    with pytest.raises(ValueError, match="at least one tensor"):
         StateSpec("lstm", ())
+    with pytest.raises(ValueError, match="a state kind is a name"):
+        StateSpec("", (StateTensor("h", (2,), "float32"),))
+    with pytest.raises(ValueError, match="unique"):
+        StateSpec("x", (StateTensor("h", (2,), "float32"), StateTensor("h", (3,), "float32")))

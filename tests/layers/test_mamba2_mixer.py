@@ -171,14 +171,18 @@ def rel_err(out, ref):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_prefill_matches_transformers(family):
+def test_prefill_matches_transformers(family, mamba2_ops):
     hf, ours = build(family)
     seqs = [torch.randn(n, HIDDEN) for n in (13, 5, 20)]  # one, partial and several chunks
     refs = hf_outputs(hf, seqs)
     pages = Pages(ours)
     with torch.no_grad():
-        out = ours(
-            torch.cat(seqs), pages.conv, pages.ssm, meta_for([13, 5, 20], [6, 1, 3], [False] * 3)
+        out = ours.mix(
+            torch.cat(seqs),
+            pages.conv,
+            pages.ssm,
+            meta_for([13, 5, 20], [6, 1, 3], [False] * 3),
+            mamba2_ops,
         )
     assert not torch.isnan(out).any()
     assert rel_err(out, torch.cat(refs)) <= 1e-5  # measured 1e-7..6e-7
@@ -186,7 +190,7 @@ def test_prefill_matches_transformers(family):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_chunked_prefill_and_decode_match_transformers(family):
+def test_chunked_prefill_and_decode_match_transformers(family, mamba2_ops):
     """Ragged steps (prefill chunks, mixed prefill+decode, pure decode) vs one full-length run."""
     hf, ours = build(family, seed=1)
     totals = {"a": 16, "b": 9, "c": 7}
@@ -211,7 +215,7 @@ def test_chunked_prefill_and_decode_match_transformers(family):
         meta = meta_for([step[k] for k in names], [page_of[k] for k in names],
                         [done[k] > 0 for k in names])  # fmt: skip
         with torch.no_grad():
-            y = ours(x, pages.conv, pages.ssm, meta)
+            y = ours.mix(x, pages.conv, pages.ssm, meta, mamba2_ops)
         for k, part in zip(names, y.split([step[k] for k in names]), strict=True):
             outs[k].append(part)
             done[k] += step[k]
@@ -227,11 +231,11 @@ def test_bf16_weights_with_bf16_conv_and_fp32_ssm_pages():
     meta = meta_for([7, 4], [1, 0], [False, False])
     pages = Pages(ours)
     with torch.no_grad():
-        ref = ours(x, pages.conv, pages.ssm, meta)
+        ref = ours.mix(x, pages.conv, pages.ssm, meta)
         ours_bf16 = ours.to(torch.bfloat16)
         conv = torch.full(pages.conv.shape, float("nan"), dtype=torch.bfloat16)
         ssm = torch.full(pages.ssm.shape, float("nan"))
-        out = ours_bf16(x.to(torch.bfloat16), conv, ssm, meta)
+        out = ours_bf16.mix(x.to(torch.bfloat16), conv, ssm, meta)
     assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
     assert rel_err(out.float(), ref) < 5e-2
     torch.testing.assert_close(ssm[[1, 0]], pages.ssm[[1, 0]], rtol=5e-2, atol=5e-2)

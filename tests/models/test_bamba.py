@@ -1,6 +1,6 @@
 import pytest
 
-from hybridkv.models.bamba import partial_rotary_factor
+from hybridkv.models.bamba import BambaConfig
 
 from .conformance import check_prefill_logits, family, test_greedy_matches_transformers  # noqa: F401
 from .utils import (
@@ -49,8 +49,10 @@ def test_prefill_logits_match(checkpoint):
 
 
 def test_partial_rotary_factor_sources():
-    base = {"hidden_size": 4096, "num_attention_heads": 32}
-    assert partial_rotary_factor(base) == 0.5  # transformers' BambaConfig default
-    assert partial_rotary_factor({**base, "attn_rotary_emb": 32}) == 0.25  # pre-5 checkpoints
+    def factor(**keys):
+        return BambaConfig.from_hf({"hidden_size": 4096, "num_attention_heads": 32, **keys})
+
+    assert factor().rotary_factor == 0.5  # transformers' BambaConfig default
+    assert factor(attn_rotary_emb=32).rotary_factor == 0.25  # pre-5 checkpoints (head dim 128)
     rope = {"rope_theta": 1e4, "partial_rotary_factor": 1.0}
-    assert partial_rotary_factor({**base, "attn_rotary_emb": 32, "rope_parameters": rope}) == 1.0
+    assert factor(attn_rotary_emb=32, rope_parameters=rope).rotary_factor == 1.0

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from hybridkv.engine import Engine
-from hybridkv.kv.specs import read_layers
 from hybridkv.models.loader import iter_weights
 from hybridkv.models.nemotron_h import NemotronHForCausalLM
 
@@ -59,7 +58,7 @@ def test_prefill_logits_match_latent_moe(tmp_path_factory):
 
 def _fresh_model(folder, dtype=torch.float32) -> NemotronHForCausalLM:
     config = json.loads((folder / "config.json").read_text())
-    return NemotronHForCausalLM(config, read_layers(config)).to(dtype)
+    return NemotronHForCausalLM(NemotronHForCausalLM.config_class.from_hf(config)).to(dtype)
 
 
 def test_loads_transformers_in_memory_names(checkpoint):

@@ -83,7 +83,7 @@ def engine_prefill_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
     rows = []
     while True:
         out = engine.scheduler.schedule()
-        (chunk,) = [c for c in out.chunks if c.request is req]
+        (chunk,) = [c for c in out.chunks if c.request_id == req.request_id]
         assert len(out.chunks) == 1, "the engine must be idle for a prefill probe"
         engine.runner._apply_allocations(out)
         batch = engine.runner.build_batch(out.chunks)
@@ -93,7 +93,7 @@ def engine_prefill_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
             break
         engine.scheduler.update(out, {})
     engine.scheduler.abort(req)
-    engine.runner.release([req])
+    engine.runner.release([req.request_id])
     return torch.cat(rows)
 
 

@@ -2,7 +2,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridkv.ops.conv1d import causal_conv1d_varlen
+from tests.conftest import state_meta
+
+
+def run_conv(ops, x, weight, bias, conv_state, pages, has, qsl, max_query_len, activation="silu"):
+    """The conv of a Mamba2 ops backend (native or PyTorch, from the `mamba2_ops` fixture)."""
+    return ops.conv1d(x, weight, bias, conv_state, state_meta(pages, has, qsl, max_query_len),
+                      activation)  # fmt: skip
 
 
 def naive_conv(x, weight, bias, state, activation):
@@ -48,7 +54,7 @@ def run_reference(x, weight, bias, conv_state, pages, has, qsl, activation):
     ],
 )
 @pytest.mark.parametrize("activation,use_bias", [("silu", True), (None, False)])
-def test_matches_sequential_reference(q_lens, has_init, activation, use_bias, kernels):
+def test_matches_sequential_reference(q_lens, has_init, activation, use_bias, mamba2_ops):
     channels, k = 6, 4
     x, conv_state, pages, has, qsl = make_batch(q_lens, has_init, channels, k)
     g = torch.Generator().manual_seed(1)
@@ -59,8 +65,8 @@ def test_matches_sequential_reference(q_lens, has_init, activation, use_bias, ke
     untouched = torch.ones(conv_state.shape[0], dtype=torch.bool)
     untouched[pages] = False
     before = conv_state[untouched].clone()
-    y = causal_conv1d_varlen(
-        x, weight, bias, conv_state, pages, has, qsl, max(q_lens), activation=activation
+    y = run_conv(
+        mamba2_ops, x, weight, bias, conv_state, pages, has, qsl, max(q_lens), activation=activation
     )
     assert not torch.isnan(y).any()
     torch.testing.assert_close(y, ref_y, rtol=1e-5, atol=1e-5)
@@ -68,7 +74,7 @@ def test_matches_sequential_reference(q_lens, has_init, activation, use_bias, ke
     torch.testing.assert_close(conv_state[untouched], before, equal_nan=True)
 
 
-def test_chunked_prefill_equals_one_shot(kernels):
+def test_chunked_prefill_equals_one_shot(mamba2_ops):
     """Cutting sequences at arbitrary points and carrying the page gives the one-shot result."""
     channels, k = 5, 4
     g = torch.Generator().manual_seed(2)
@@ -81,7 +87,7 @@ def test_chunked_prefill_equals_one_shot(kernels):
     x = torch.cat(seqs)
     qsl = torch.tensor([0, 11, 17], dtype=torch.int32)
     no_init = torch.tensor([False, False])
-    y_full = causal_conv1d_varlen(x, weight, bias, one_shot_state, pages, no_init, qsl, 11)
+    y_full = run_conv(mamba2_ops, x, weight, bias, one_shot_state, pages, no_init, qsl, 11)
 
     state = torch.full((4, channels, k - 1), float("nan"))
     outs = [[], []]
@@ -90,14 +96,14 @@ def test_chunked_prefill_equals_one_shot(kernels):
         lens = [p.shape[0] for p in parts]
         qsl = torch.tensor([0, lens[0], lens[0] + lens[1]], dtype=torch.int32)
         has = torch.tensor([step > 0, step > 0])
-        y = causal_conv1d_varlen(torch.cat(parts), weight, bias, state, pages, has, qsl, max(lens))
+        y = run_conv(mamba2_ops, torch.cat(parts), weight, bias, state, pages, has, qsl, max(lens))
         outs[0].append(y[: lens[0]])
         outs[1].append(y[lens[0] :])
     torch.testing.assert_close(torch.cat(outs[0] + outs[1]), y_full, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(state[pages], one_shot_state[pages], rtol=1e-6, atol=1e-6)
 
 
-def test_matches_torch_conv_without_state(kernels):
+def test_matches_torch_conv_without_state(mamba2_ops):
     """A fresh request equals a zero-padded causal F.conv1d (what transformers runs)."""
     channels, k, n = 8, 4, 9
     g = torch.Generator().manual_seed(3)
@@ -105,8 +111,8 @@ def test_matches_torch_conv_without_state(kernels):
     weight, bias = torch.randn(channels, k, generator=g), torch.randn(channels, generator=g)
     state = torch.zeros(1, channels, k - 1)
     qsl = torch.tensor([0, n], dtype=torch.int32)
-    y = causal_conv1d_varlen(
-        x, weight, bias, state, torch.tensor([0]), torch.tensor([False]), qsl, n
+    y = run_conv(
+        mamba2_ops, x, weight, bias, state, torch.tensor([0]), torch.tensor([False]), qsl, n
     )
     ref = F.conv1d(x.t()[None], weight[:, None], bias, padding=k - 1, groups=channels)
     torch.testing.assert_close(y, F.silu(ref[0, :, :n].t()), rtol=1e-6, atol=1e-6)

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridkv.ops.mamba2 import mamba2_scan_varlen
+from hybridkv.ops.mamba2_ops import ScanParams, TorchMamba2Ops
+from tests.conftest import state_meta
 
 
 def naive_scan(x, dt, A, B, C, D, dt_bias, h0, dt_limit):
@@ -43,11 +44,14 @@ class Problem:
         self.q_lens = q_lens
         self.qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
 
-    def run(self, chunk_size, dt_limit=(0.0, math.inf)):
-        return mamba2_scan_varlen(
-            self.x, self.dt, self.A, self.B, self.C, self.D, self.dt_bias, self.ssm_state,
-            self.pages, self.has, self.qsl, max(self.q_lens), chunk_size, dt_limit=dt_limit,
-        )  # fmt: skip
+    def run(self, chunk_size, dt_limit=(0.0, math.inf), ops=None):
+        """The scan of a Mamba2 ops backend (default: the PyTorch reference)."""
+        ops = ops or TorchMamba2Ops()
+        meta = state_meta(self.pages, self.has, self.qsl, max(self.q_lens))
+        params = ScanParams(self.A, self.D, self.dt_bias, chunk_size, dt_limit)
+        return ops.scan(
+            self.x, self.dt, self.B, self.C, self.ssm_state, meta, params, self.x.dtype
+        )
 
     def reference(self, dt_limit=(0.0, math.inf)):
         ys, hs = [], []
@@ -72,10 +76,10 @@ class Problem:
         ([8, 4], [True, True], 4),  # exact multiples of the chunk
     ],
 )
-def test_matches_sequential_reference(q_lens, has_init, chunk_size, kernels):
+def test_matches_sequential_reference(q_lens, has_init, chunk_size, mamba2_ops):
     p = Problem(q_lens, has_init)
     ref_y, ref_h = p.reference()
-    y = p.run(chunk_size)
+    y = p.run(chunk_size, ops=mamba2_ops)
     assert not torch.isnan(y).any()
     torch.testing.assert_close(y, ref_y, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(p.ssm_state[p.pages], ref_h, rtol=1e-4, atol=1e-5)
@@ -91,10 +95,10 @@ def test_matches_sequential_reference(q_lens, has_init, chunk_size, kernels):
         ([20], [True], dict(head_dim=16, d_state=20)),  # d_state not a multiple: the row path
     ],
 )
-def test_long_spans_match_sequential_reference(q_lens, has_init, shape, kernels):
+def test_long_spans_match_sequential_reference(q_lens, has_init, shape, mamba2_ops):
     p = Problem(q_lens, has_init, **shape)
     ref_y, ref_h = p.reference()
-    y = p.run(chunk_size=64)
+    y = p.run(chunk_size=64, ops=mamba2_ops)
     torch.testing.assert_close(y, ref_y, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(p.ssm_state[p.pages], ref_h, rtol=1e-4, atol=1e-4)
 
@@ -108,7 +112,7 @@ def test_dt_limit_and_single_group():
     torch.testing.assert_close(p.ssm_state[p.pages], ref_h, rtol=1e-4, atol=1e-5)
 
 
-def test_chunked_prefill_equals_one_shot():
+def test_chunked_prefill_equals_one_shot(mamba2_ops):
     """Cuts at non-aligned positions, carrying the state through the page, give one-shot."""
     full = Problem([13, 10], [False, False], seed=3)
     y_full = full.run(chunk_size=4)
@@ -125,10 +129,11 @@ def test_chunked_prefill_equals_one_shot():
         lens = [len(i) for i in idx]
         tok = torch.cat(idx)
         qsl = torch.tensor([0, lens[0], lens[0] + lens[1]], dtype=torch.int32)
-        y = mamba2_scan_varlen(
-            full.x[tok], full.dt[tok], full.A, full.B[tok], full.C[tok], full.D, full.dt_bias,
-            state, full.pages, torch.tensor([step > 0] * 2), qsl, max(lens), 4,
-        )  # fmt: skip
+        meta = state_meta(full.pages, torch.tensor([step > 0] * 2), qsl, max(lens))
+        params = ScanParams(full.A, full.D, full.dt_bias, 4, (0.0, math.inf))
+        y = mamba2_ops.scan(
+            full.x[tok], full.dt[tok], full.B[tok], full.C[tok], state, meta, params, torch.float32
+        )
         outs[0].append(y[: lens[0]])
         outs[1].append(y[lens[0] :])
     torch.testing.assert_close(torch.cat(outs[0] + outs[1]), y_full, rtol=1e-5, atol=1e-5)

@@ -15,7 +15,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hybridkv import ops  # noqa: E402
 from hybridkv.ops import conv1d as ref_conv  # noqa: E402
 from hybridkv.ops import mamba2 as ref_ssm  # noqa: E402
 from hybridkv.ops import triton_mamba as tri  # noqa: E402
@@ -139,14 +138,16 @@ def test_empty_batches_and_bad_activation() -> None:
         tri.conv1d_decode(x[:, 0], torch.zeros(8, 4), None, conv_state, none, flags, "gelu")
 
 
-# --- dispatch: the ops use these kernels on GPUs ---------------------------------------------
+# --- the "triton" Mamba2 ops (hybridkv.ops.mamba2_ops) route decode steps here -----------------
 
 
 @pytest.fixture
-def triton_dispatch(monkeypatch):
-    """The ops take their GPU route (hybridkv.ops.triton_state_kernels) for any tensor: on the
-    CPU that runs these kernels through the interpreter."""
-    monkeypatch.setattr(ops, "triton_state_kernels", lambda t: tri)
+def triton_ops():
+    """The ops a state group runs when its plan says "triton" (on the CPU the kernels run
+    through the interpreter)."""
+    from hybridkv.ops.mamba2_ops import TritonMamba2Ops
+
+    return TritonMamba2Ops()
 
 
 @pytest.mark.parametrize(
@@ -156,7 +157,7 @@ def triton_dispatch(monkeypatch):
         ([1, 1, 1], [True, False, True]),  # a decode batch
     ],
 )
-def test_scan_routes_one_token_requests_to_the_kernel(triton_dispatch, q_lens, has_init) -> None:
+def test_scan_routes_one_token_requests_to_the_kernel(triton_ops, q_lens, has_init) -> None:
     from tests.ops.test_mamba2 import Problem
 
     p = Problem(q_lens, has_init, heads=4, head_dim=8, groups=2, d_state=16)
@@ -167,13 +168,15 @@ def test_scan_routes_one_token_requests_to_the_kernel(triton_dispatch, q_lens, h
     real = tri.ssm_decode
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tri, "ssm_decode", lambda *a: calls.append(a[1].numel()) or real(*a))
-        y = p.run(chunk_size=4)
+        y = p.run(chunk_size=4, ops=triton_ops)
     assert calls == [q_lens.count(1)]  # every one-token request, in one launch
     torch.testing.assert_close(y.cpu(), ref_y, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(p.ssm_state[p.pages].cpu(), ref_h, rtol=1e-4, atol=1e-5)
 
 
-def test_conv1d_routes_decode_batches_to_the_kernel(triton_dispatch) -> None:
+def test_conv1d_routes_decode_batches_to_the_kernel(triton_ops) -> None:
+    from tests.conftest import state_meta
+
     gen = torch.Generator().manual_seed(3)
     state = nan_pages((8, 24, 3), torch.float32, gen)
     pages, has_state = pages_and_flags(4, 8, gen)
@@ -186,7 +189,7 @@ def test_conv1d_routes_decode_batches_to_the_kernel(triton_dispatch) -> None:
     real = tri.conv1d_decode
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tri, "conv1d_decode", lambda *a: calls.append(1) or real(*a))
-        y = ref_conv.causal_conv1d_varlen(x, weight, None, state, pages, has_state, qsl, 1)
+        y = triton_ops.conv1d(x, weight, None, state, state_meta(pages, has_state, qsl, 1), "silu")
     assert calls == [1]
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, expected_state, rtol=0, atol=0, equal_nan=True)

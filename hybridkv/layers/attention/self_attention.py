@@ -3,12 +3,9 @@ checkpoints, optional per-head q/k RMSNorm (Qwen3), optional RoPE, then paged at
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
-from hybridkv.kv.specs import attention_dims
 from hybridkv.layers.attention.layer import PagedAttention
 from hybridkv.layers.mlp import RMSNorm
 from hybridkv.layers.rotary import RotaryEmbedding
@@ -20,31 +17,31 @@ CosSin = tuple[torch.Tensor, torch.Tensor]
 class SelfAttention(nn.Module):
     def __init__(
         self,
-        layer_name: str,
-        cfg: dict[str, Any],
+        layer_index: int,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        bias: bool = False,
         scale: float | None = None,
-        bias: bool | None = None,
         sliding_window: int | None = None,
         qk_norm_eps: float | None = None,
     ) -> None:
-        """`scale` defaults to 1/sqrt(head_dim), `bias` to the config's `attention_bias`;
-        `qk_norm_eps` set adds q_norm / k_norm (RMSNorm over each head, before RoPE)."""
+        """`scale` defaults to 1/sqrt(head_dim); `qk_norm_eps` set adds q_norm / k_norm
+        (RMSNorm over each head, before RoPE)."""
         super().__init__()
-        hidden = cfg["hidden_size"]
-        self.heads, self.kv_heads, self.head_dim = attention_dims(cfg)
-        if bias is None:
-            bias = bool(cfg.get("attention_bias", False))
-        q_out, kv_out = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, q_out, bias=bias)
-        self.k_proj = nn.Linear(hidden, kv_out, bias=bias)
-        self.v_proj = nn.Linear(hidden, kv_out, bias=bias)
-        self.o_proj = nn.Linear(q_out, hidden, bias=bias)
+        self.heads, self.kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
+        self.q_proj = nn.Linear(hidden_size, q_out, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, kv_out, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, kv_out, bias=bias)
+        self.o_proj = nn.Linear(q_out, hidden_size, bias=bias)
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(self.head_dim, qk_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, qk_norm_eps)
-        scale = self.head_dim**-0.5 if scale is None else scale
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+        scale = head_dim**-0.5 if scale is None else scale
         self.attn = PagedAttention(
-            layer_name, self.heads, self.kv_heads, self.head_dim, scale, sliding_window
+            layer_index, num_heads, num_kv_heads, head_dim, scale, sliding_window
         )
 
     def forward(

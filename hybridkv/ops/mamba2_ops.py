@@ -1,0 +1,198 @@
+"""Where a Mamba2 layer's ops run: one class per declared backend (`layers.mamba2.MAMBA2_OPS`).
+
+The plan chooses one per state group from the declaration (platform, dtypes, what the machine
+has); the runner instantiates it and binds it to the group's layers. Each class is one fixed
+route, never a chain of attempts:
+
+    backend    causal conv1d                       scan
+    torch      PyTorch (ops.conv1d)                PyTorch chunked SSD + one-step (ops.mamba2)
+    native     C kernel, state in place            C kernel, state in place (ops.native)
+    triton     Triton for decode steps, else torch  Triton for one-token requests, else torch
+    compiled   PyTorch                             torch.compile'd decode step when every
+                                                   request decodes from a state, else torch
+
+Every method takes a `StateMetadata` (pages, has-initial flags, packed query bounds) and updates
+the paged state in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from hybridkv.layers.state_base import StateMetadata
+from hybridkv.ops import native
+from hybridkv.ops.conv1d import activate, causal_conv1d_varlen, is_decode
+from hybridkv.ops.mamba2 import decode_in_place, mamba2_scan_varlen, scan_inputs
+
+
+class ScanParams(NamedTuple):
+    """A Mamba2 layer's constants for the scan."""
+
+    A: torch.Tensor  # [H] negative
+    D: torch.Tensor  # [H]
+    dt_bias: torch.Tensor  # [H]
+    chunk_size: int  # tokens per chunk of the PyTorch chunked scan
+    dt_limit: tuple[float, float]
+
+
+class TorchMamba2Ops:
+    """The PyTorch reference ops (any platform, any dtype)."""
+
+    name = "torch"
+
+    def conv1d(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        conv_state: torch.Tensor,
+        meta: StateMetadata,
+        activation: str | None,
+    ) -> torch.Tensor:
+        """x: [T, C]; weight: [C, K]; conv_state: [num_pages, C, K-1] -> [T, C] in x.dtype."""
+        return causal_conv1d_varlen(
+            x, weight, bias, conv_state, meta.state_pages, meta.has_initial_state,
+            meta.query_start_loc, meta.max_query_len, activation,
+        )  # fmt: skip
+
+    def scan(
+        self,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        B: torch.Tensor,
+        C: torch.Tensor,
+        ssm_state: torch.Tensor,
+        meta: StateMetadata,
+        p: ScanParams,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """x: [T, H, P]; dt: [T, H] raw; B, C: [T, G, N]; ssm_state: [num_pages, H, P, N]
+        -> y: [T, H, P] in out_dtype (see `ops.mamba2.mamba2_scan_varlen`)."""
+        return mamba2_scan_varlen(
+            x, dt, p.A, B, C, p.D, p.dt_bias, ssm_state, meta.state_pages,
+            meta.has_initial_state, meta.query_start_loc, meta.max_query_len, p.chunk_size,
+            p.dt_limit, out_dtype, self.decode_rows(),
+        )  # fmt: skip
+
+    def decode_rows(self) -> Callable[..., torch.Tensor] | None:
+        """A kernel for the one-token requests of a scan (None: the PyTorch recurrence)."""
+        return None
+
+
+class NativeMamba2Ops(TorchMamba2Ops):
+    """The C kernels of `hybridkv.ops.native` (CPU, float32 states and activations; conv
+    history up to `native.CONV_MAX_HISTORY` columns, which the layer's declaration checks)."""
+
+    name = "native"
+
+    def conv1d(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        conv_state: torch.Tensor,
+        meta: StateMetadata,
+        activation: str | None,
+    ) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return x.new_empty(x.shape)
+        fused = activation in ("silu", "swish")  # the kernel applies silu itself
+        y = native.conv1d(
+            x, weight, bias, conv_state, meta.state_pages, meta.has_initial_state,
+            meta.query_start_loc, fused,
+        )  # fmt: skip
+        if y is None:
+            raise RuntimeError(_declined("conv1d", x, conv_state))
+        return (y if fused else activate(y, activation)).to(x.dtype)
+
+    def scan(
+        self,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        B: torch.Tensor,
+        C: torch.Tensor,
+        ssm_state: torch.Tensor,
+        meta: StateMetadata,
+        p: ScanParams,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return x.new_empty(x.shape, dtype=out_dtype)
+        f = scan_inputs(x, dt, p.A, B, C, p.D, p.dt_bias, p.dt_limit)
+        y = native.mamba2_scan(
+            ssm_state, meta.state_pages, meta.has_initial_state, meta.query_start_loc, *f
+        )
+        if y is None:
+            raise RuntimeError(_declined("mamba2 scan", x, ssm_state))
+        return y.to(out_dtype)
+
+
+def _declined(op: str, x: torch.Tensor, state: torch.Tensor) -> str:
+    return (
+        f"the native {op} kernel declined {x.dtype} input with a {state.dtype} state on "
+        f"{x.device}: the plan should not have chosen native ops for this layer"
+    )
+
+
+class TritonMamba2Ops(TorchMamba2Ops):
+    """GPUs: the decode steps in Triton (each state read and written once, in its page);
+    prefill chunks in PyTorch."""
+
+    name = "triton"
+
+    def conv1d(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        conv_state: torch.Tensor,
+        meta: StateMetadata,
+        activation: str | None,
+    ) -> torch.Tensor:
+        if is_decode(meta.max_query_len, x.shape[0], meta.state_pages):
+            from hybridkv.ops import triton_mamba
+
+            return triton_mamba.conv1d_decode(
+                x, weight, bias, conv_state, meta.state_pages, meta.has_initial_state, activation
+            )
+        return super().conv1d(x, weight, bias, conv_state, meta, activation)
+
+    def decode_rows(self) -> Callable[..., torch.Tensor]:
+        from hybridkv.ops import triton_mamba
+
+        return triton_mamba.ssm_decode
+
+
+class CompiledMamba2Ops(TorchMamba2Ops):
+    """PyTorch with a torch.compile'd decode step (`ModelConfig.compile`, where the native
+    kernels are not chosen: no C compiler, or bf16 states). Compiled once per process, on the
+    first decode step."""
+
+    name = "compiled"
+    _step: Callable[..., torch.Tensor] | None = None
+
+    @classmethod
+    def _compiled(cls) -> Callable[..., torch.Tensor]:
+        if cls._step is None:
+            cls._step = torch.compile(decode_in_place, dynamic=True)
+        return cls._step
+
+    def scan(
+        self,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        B: torch.Tensor,
+        C: torch.Tensor,
+        ssm_state: torch.Tensor,
+        meta: StateMetadata,
+        p: ScanParams,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        decoding = is_decode(meta.max_query_len, x.shape[0], meta.state_pages)
+        if decoding and x.shape[0] > 0 and bool(meta.has_initial_state.all()):
+            f = scan_inputs(x, dt, p.A, B, C, p.D, p.dt_bias, p.dt_limit)
+            return self._compiled()(ssm_state, meta.state_pages, *f).to(out_dtype)
+        return super().scan(x, dt, B, C, ssm_state, meta, p, out_dtype)
