@@ -1,0 +1,206 @@
+"""The model declares its cache: for every runnable family, the specs its modules declare
+(built on the meta device) are the ones transformers' config class implies, for every real
+config bundled as a preset and for a config that leaves every optional key out, and they are
+what `hybridkv plan` shows. The typed configs keep transformers' defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from hybridkv.entrypoints.cli import main as cli_main
+from hybridkv.kv.plan import PlanError, plan_for_config
+from hybridkv.kv.presets import load_preset, preset_ids
+from hybridkv.kv.specs import CacheDtypes, architecture_of, resolve_cache_dtypes
+from hybridkv.models.base import CausalLM
+from hybridkv.models.hf_config import LAYER_TYPES
+from hybridkv.models.registry import MODELS, build_on_meta, model_class
+
+RUNNABLE = sorted(MODELS)
+RUNNABLE_PRESETS = [p for p in preset_ids() if architecture_of(load_preset(p)) in MODELS]
+MODEL_TYPES = {
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    "BambaForCausalLM": "bamba",
+    "NemotronHForCausalLM": "nemotron_h",
+    "LlamaForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def hf_config(config: dict):
+    """transformers' own config object for a config dict (the source of truth)."""
+    from transformers import AutoConfig
+
+    keys = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+    return AutoConfig.for_model(MODEL_TYPES[architecture_of(config)], **keys)
+
+
+def _role(name: str) -> str:
+    return LAYER_TYPES[str(name).lower()]
+
+
+def expected_specs(config: dict, dtypes: CacheDtypes) -> list[tuple]:
+    """(layer index, kind, dims) of every cache layer, worked out from transformers' config
+    object independently of hybridkv's modules."""
+    hf = hf_config(config)
+    arch = architecture_of(config)
+    out = []
+    if arch in ("GraniteMoeHybridForCausalLM", "BambaForCausalLM"):
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        conv = hf.mamba_n_heads * hf.mamba_d_head + 2 * hf.mamba_n_groups * hf.mamba_d_state
+        for i, kind in enumerate(hf.layers_block_type):
+            if _role(kind) == "mamba":
+                ssm = (hf.mamba_n_heads, hf.mamba_d_head, hf.mamba_d_state)
+                out.append((i, "mamba2", (conv, hf.mamba_d_conv - 1), ssm))
+            else:
+                out.append((i, "attention", hf.num_key_value_heads, head_dim, None))
+    elif arch == "NemotronHForCausalLM":
+        conv = hf.mamba_num_heads * hf.mamba_head_dim + 2 * hf.n_groups * hf.ssm_state_size
+        for i, kind in enumerate(hf.layers_block_type):
+            if _role(kind) == "mamba":
+                ssm = (hf.mamba_num_heads, hf.mamba_head_dim, hf.ssm_state_size)
+                out.append((i, "mamba2", (conv, hf.conv_kernel - 1), ssm))
+            elif _role(kind) == "attention":
+                out.append((i, "attention", hf.num_key_value_heads, hf.head_dim, None))
+    else:  # Llama, Qwen3
+        kinds = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
+        for i, kind in enumerate(kinds):
+            window = hf.sliding_window if kind == "sliding_attention" else None
+            if window is not None and not getattr(hf, "use_sliding_window", True):
+                window = None
+            kind_name = "attention" if window is None else "sliding_window"
+            out.append((i, kind_name, hf.num_key_value_heads, hf.head_dim, window))
+    return out
+
+
+def _summary(layer_index: int, spec) -> tuple:
+    if spec.kind == "mamba2":
+        shapes = {t.name: t.shape for t in spec.tensors}
+        return (layer_index, "mamba2", shapes["conv"], shapes["ssm"])
+    return (layer_index, spec.kind, spec.num_kv_heads, spec.head_dim, spec.sliding_window)
+
+
+def declared(config: dict, dtypes: CacheDtypes) -> list[tuple]:
+    model = build_on_meta(config)
+    assert all(p.is_meta for p in model.parameters())  # no memory was spent on weights
+    return sorted(_summary(c.layer_index, c.spec) for c in model.cache_layers(dtypes))
+
+
+def planned(config: dict, capsys, tmp_path) -> list[tuple]:
+    """What `hybridkv plan --json` shows: (layer id, spec) for every cache layer."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert cli_main(["plan", "--model", str(tmp_path), "--json", "--platform", "cpu"]) == 0
+    rows = []
+    for group in json.loads(capsys.readouterr().out)["groups"]:
+        spec = group["spec"]
+        for layer_id in group["layer_ids"]:
+            if spec["kind"] == "mamba2":
+                shapes = {t["name"]: tuple(t["shape"]) for t in spec["tensors"]}
+                rows.append((layer_id, "mamba2", shapes["conv"], shapes["ssm"]))
+            else:
+                rows.append(
+                    (layer_id, spec["kind"], spec["num_kv_heads"], spec["head_dim"],
+                     spec["sliding_window"])
+                )  # fmt: skip
+    return sorted(rows)
+
+
+@pytest.mark.parametrize("preset", RUNNABLE_PRESETS)
+def test_real_configs_declare_what_transformers_implies_and_plan_shows(preset, capsys, tmp_path):
+    config = load_preset(preset)
+    dtypes = resolve_cache_dtypes(config)
+    ours = declared(config, dtypes)
+    assert ours == sorted(expected_specs(config, dtypes))
+    assert planned(config, capsys, tmp_path) == ours
+
+
+@pytest.mark.parametrize("arch", RUNNABLE)
+def test_a_config_without_optional_keys_takes_transformers_defaults(arch, capsys, tmp_path):
+    config = {"architectures": [arch]}
+    dtypes = resolve_cache_dtypes(config)
+    ours = declared(config, dtypes)
+    assert ours == sorted(expected_specs(config, dtypes))
+    if any(row[1] != "mamba2" for row in ours):
+        assert planned(config, capsys, tmp_path) == ours
+    else:  # Bamba and Granite default to every layer Mamba2: no attention to page by
+        with pytest.raises(PlanError, match="pure state models are not supported"):
+            plan_for_config(config, _cpu())
+
+
+def _cpu():
+    from hybridkv.config import CacheConfig
+
+    return CacheConfig(platform="cpu", memory_bytes=2**30)
+
+
+def _normalise(value):
+    if isinstance(value, list | tuple):
+        return tuple(_normalise(v) for v in value)
+    if isinstance(value, str) and value.lower() in LAYER_TYPES:
+        return LAYER_TYPES[value.lower()]
+    if isinstance(value, dict) and "__float__" in value:
+        return float(value["__float__"])
+    return value
+
+
+@pytest.mark.parametrize("arch", RUNNABLE)
+def test_typed_config_defaults_are_transformers_defaults(arch):
+    """Every field of the typed config, at its default, equals transformers' config object's
+    value of the same name (after each derives what it derives)."""
+    ours = model_class(arch).config_class.from_hf({})
+    theirs = hf_config({"architectures": [arch]})
+    skip = {"rope_parameters", "rope_theta", "rope_scaling", "hybrid_override_pattern"}
+    compared = 0
+    for field in dataclasses.fields(ours):
+        if field.name in skip or not hasattr(theirs, field.name):
+            continue
+        mine, want = _normalise(getattr(ours, field.name)), _normalise(getattr(theirs, field.name))
+        if isinstance(want, float) and math.isinf(want):
+            assert mine == want, field.name
+        else:
+            assert mine == want, (field.name, mine, want)
+        compared += 1
+    assert compared >= 10
+    if hasattr(ours, "rope"):  # NemotronH has no position embedding
+        assert ours.rope["rope_theta"] == theirs.rope_parameters["rope_theta"]
+
+
+def test_cache_owners_are_found_by_module_path_not_by_name_strings():
+    model = build_on_meta(load_preset("ibm-granite/granite-4.0-h-small"))
+    names = [name for name, _ in model.cache_owners()]
+    assert names[0] == "model.layers.0.mamba" and "model.layers.5.self_attn.attn" in names
+    assert [m.layer_index for _, m in model.cache_owners()] == list(range(40))
+
+
+def test_bind_refuses_views_that_differ_from_the_declared_spec():
+    from hybridkv.layers.cache import StateCache
+    from hybridkv.layers.mamba2 import Mamba2Mixer
+    from hybridkv.ops.mamba2_ops import TorchMamba2Ops
+
+    mixer = Mamba2Mixer(16, 2, 8, 4, layer_index=3)
+    dtypes = CacheDtypes("float32", "float32", "float32")
+    spec = mixer.declare(dtypes)
+    good = {t.name: torch.zeros(2, *t.shape) for t in spec.tensors}
+    mixer.bind_cache(StateCache(0, good, TorchMamba2Ops()))
+    renamed = {("state" if n == "ssm" else n): v for n, v in good.items()}
+    with pytest.raises(ValueError, match="differ from the declared"):
+        mixer.bind_cache(StateCache(0, renamed, TorchMamba2Ops()))
+    wrong_dtype = {n: v.to(torch.bfloat16) for n, v in good.items()}
+    with pytest.raises(ValueError, match="differ from the declared"):
+        mixer.bind_cache(StateCache(0, wrong_dtype, TorchMamba2Ops()))
+
+
+@pytest.mark.parametrize("arch", RUNNABLE)
+def test_materialised_models_have_no_buffer_a_checkpoint_would_not_fill(arch):
+    """A model built on the meta device keeps nothing its constructor computed into a
+    buffer, so every buffer must be persistent (loaded) and constants live on the CPU."""
+    model: CausalLM = build_on_meta({"architectures": [arch], "num_hidden_layers": 2})
+    persistent = set(model.state_dict())
+    assert all(name in persistent for name, _ in model.named_buffers())
+    rotary = getattr(model, "rotary", None)
+    if rotary is not None:
+        assert rotary.inv_freq.device.type == "cpu"
