@@ -25,9 +25,8 @@ def _human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _layer_list(names: Sequence[str]) -> str:
-    indices = [n.split(".")[1] for n in names]
-    text = ",".join(indices)
+def _layer_list(layer_ids: Sequence[int]) -> str:
+    text = ",".join(map(str, layer_ids))
     return text if len(text) <= 28 else text[:25] + "..."
 
 
@@ -52,6 +51,14 @@ def format_plan(plan, model: str) -> str:  # plan: MemoryPlan
         if cap is not None
         else "  attention capacity  unbounded (no layer grows with length)"
     )
+    lines.append(
+        f"  allocation          {plan.allocation} (attention groups allocate "
+        f"{'kernel blocks' if plan.allocation == 'block' else 'pages'}; state groups pages)"
+    )
+    lines.append(
+        f"  prefix caching      hash blocks of {plan.hash_block_tokens} tokens, hits in "
+        f"multiples of {plan.hit_tokens}"
+    )
     header = (
         "group",
         "kind",
@@ -60,6 +67,7 @@ def format_plan(plan, model: str) -> str:  # plan: MemoryPlan
         "page_tokens",
         "kernel_block",
         "blocks/page",
+        "unit_tokens",
         "padding_B",
         "layer ids",
     )
@@ -72,8 +80,9 @@ def format_plan(plan, model: str) -> str:  # plan: MemoryPlan
             str(g.page_tokens or "-"),
             str(g.kernel_block_size or "-"),
             str(g.blocks_per_page),
+            str(g.unit_tokens or "-"),
             f"{g.padding_bytes:,}",
-            _layer_list(g.layer_names),
+            _layer_list(g.layer_ids),
         )
         for g in plan.groups
     ]
@@ -104,6 +113,19 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--platform", default="cuda", help="cpu, cuda or rocm (default cuda)")
     p.add_argument("--backend", default=None, help="attention backend (default: the platform's)")
+    p.add_argument(
+        "--state-backend",
+        default=None,
+        help="ops of the state groups, by the name their layer kind declares (default: the "
+        "first that runs on the platform)",
+    )
+    p.add_argument("--allocation", default="block", choices=["block", "page"])
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="the model's compute dtype (default: the checkpoint's); it decides which state "
+        "ops can run",
+    )
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--memory", default="40GiB", help="cache budget, e.g. 40GiB (default)")
     budget.add_argument("--num-pages", type=int, default=None, help="number of pages instead")
@@ -131,12 +153,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         num_pages=args.num_pages,
         platform=args.platform,
         attention_backend=args.backend,
+        state_backend=args.state_backend,
+        allocation=args.allocation,
     )
+    from hybridkv.dtypes import canonical_dtype
     from hybridkv.engine import DEFAULT_MODEL
 
     model = args.model or str(DEFAULT_MODEL)
     name = args.model or "the built-in default model"
-    plan = plan_for_config(load_model_config(model), cache, args.max_model_len)
+    dtype = None if args.dtype is None else canonical_dtype(args.dtype)
+    plan = plan_for_config(load_model_config(model), cache, args.max_model_len, dtype)
     if args.json:
         print(json.dumps({"model": name, **plan.to_json()}, indent=2))
     else:

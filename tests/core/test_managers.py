@@ -1,8 +1,11 @@
 """Per-manager behaviour, driven through the coordinator with tiny specs."""
 
+import pytest
+
+from hybridkv.core import managers
 from hybridkv.core.managers import NULL_UNIT, FullAttentionManager, StateManager
 from hybridkv.kv.plan import pages_to_kernel_blocks
-from hybridkv.kv.specs import AttentionSpec
+from hybridkv.kv.specs import AttentionSpec, StateSpec, StateTensor
 
 from .helpers import ATTN, decode, manager, prefill, request
 
@@ -143,3 +146,36 @@ def test_tail_snapshot_at_the_last_boundary_max_tokens_allows():
     decode(cm, b, 23)
     cm.free(b)
     assert cm.lookup(request("g", list(b.all_token_ids) + [5])).num_tokens == 8
+
+
+def test_a_new_state_kind_is_one_map_entry(monkeypatch):
+    """A layer kind the core has never seen runs once MANAGERS maps it to a manager: the
+    coordinator drives it through the GroupManager protocol like any other group."""
+
+    toy = StateSpec("toy_state", (StateTensor("h", (2, 4), "float32"),))
+    with pytest.raises(ValueError, match="no cache manager for layer kind 'toy_state'; known: "):
+        manager([toy, ATTN, toy])
+    monkeypatch.setitem(managers.MANAGERS, "toy_state", managers.StateManager)
+    cm = manager([toy, ATTN, toy])
+    a = request("a", range(40))
+    prefill(cm, a)
+    decode(cm, a, 5)
+    cm.free(a)
+    b = request("b", list(range(40)) + [1, 2])
+    assert prefill(cm, b) == 40  # the snapshot of both toy groups and the attention blocks
+    cm.check_integrity()
+
+
+def test_step_allocation_carries_running_pages_and_copies_as_plain_ids():
+    """What the runner needs comes inside the allocation: no call back into the manager."""
+    cm = manager()
+    a = request("a", range(24))
+    hit = cm.lookup(a)
+    alloc = cm.allocate(a, 24, hit)
+    state_gids = [i for i, m in enumerate(cm.groups) if not m.caches_tokens]
+    assert sorted(alloc.state_pages) == state_gids
+    assert all(cm.table_row(a, g) == [alloc.state_pages[g]] for g in state_gids)
+    assert all(isinstance(v, int) for v in alloc.state_pages.values())
+    cm.commit(a, 24)
+    again = cm.allocate(a, 1)
+    assert again.state_pages == {} and again.copies_in == ()  # only at admission

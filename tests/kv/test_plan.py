@@ -5,16 +5,25 @@ import pytest
 from hybridkv.config import CacheConfig
 from hybridkv.kv.plan import (
     PlanError,
+    PlanTarget,
     hybrid_page_tokens,
     layers_per_group_for,
     make_plan,
     pages_to_kernel_blocks,
     plan_for_config,
     select_kernel_block_size,
+    select_state_ops,
     split_bucket,
 )
 from hybridkv.kv.presets import load_preset, preset_ids
-from hybridkv.kv.specs import AttentionSpec, CacheLayer, StateSpec, mamba2_state
+from hybridkv.kv.specs import (
+    AttentionSpec,
+    CacheLayer,
+    StateOps,
+    StateSpec,
+    StateTensor,
+    mamba2_state,
+)
 from hybridkv.layers.attention.registry import (
     BACKENDS,
     AttentionBackendInfo,
@@ -23,6 +32,7 @@ from hybridkv.layers.attention.registry import (
 )
 
 GIB = 2**30
+ATTN_SPEC = AttentionSpec(1, 8, "float32")  # 64 bytes per token per layer
 
 
 def plan(model_id, **cache):
@@ -265,3 +275,67 @@ def test_state_spec_layout_is_aligned_and_packed():
     layout = s.layout
     assert [t.name for t, _ in layout] == ["ssm", "conv"]
     assert layout[0][1] == 0 and layout[1][1] == 3 * 4 * 5 * 4
+
+
+# -- state ops chosen from the layer kind's declaration ------------------------------------------
+
+NATIVE = StateOps("native", "m:N", frozenset({"cpu"}), frozenset({"float32"}), needs="native")
+TRITON = StateOps("triton", "m:T", frozenset({"cuda", "rocm"}), needs="triton")
+TORCH = StateOps("torch", "m:P")
+
+
+def _state(dtype="float32", ops=(NATIVE, TRITON, TORCH)):
+    return StateSpec("mamba2", (StateTensor("h", (4, 4), dtype),), ops)
+
+
+@pytest.mark.parametrize(
+    ("platform", "state_dtype", "compute", "caps", "chosen"),
+    [
+        ("cpu", "float32", "float32", {"native"}, "native"),
+        ("cpu", "float32", "float32", set(), "torch"),  # no C compiler here
+        ("cpu", "bfloat16", "float32", {"native"}, "torch"),  # a bf16 state
+        ("cpu", "float32", "bfloat16", {"native"}, "torch"),  # a bf16 model
+        ("cuda", "float32", "bfloat16", {"triton"}, "triton"),
+        ("cuda", "float32", "float32", set(), "torch"),  # no Triton installed
+    ],
+)
+def test_state_ops_follow_the_declaration(platform, state_dtype, compute, caps, chosen):
+    assert select_state_ops(_state(state_dtype), platform, compute, frozenset(caps)) == chosen
+
+
+def test_requested_state_ops_are_validated():
+    spec = _state()
+    assert select_state_ops(spec, "cpu", "float32", frozenset(), "torch") == "torch"
+    with pytest.raises(PlanError, match="state_backend='fast' is not declared .* native, triton"):
+        select_state_ops(spec, "cpu", "float32", frozenset(), "fast")
+    with pytest.raises(PlanError, match="'triton' cannot run .* runs on cuda, rocm, not cpu"):
+        select_state_ops(spec, "cpu", "float32", frozenset({"triton"}), "triton")
+    with pytest.raises(PlanError, match="no declared ops can run"):
+        select_state_ops(_state(ops=(NATIVE,)), "cpu", "float32", frozenset(), None)
+    assert select_state_ops(_state(ops=()), "cpu", "float32") is None  # plan-only kinds
+
+
+def test_plan_shows_units_and_prefix_granularity():
+    layers = [CacheLayer("a", 0, ATTN_SPEC), CacheLayer("s", 1, _state())]
+    block = make_plan(layers, CacheConfig(num_pages=8, kernel_block_size=16, page_tokens=64))
+    page = make_plan(
+        layers, CacheConfig(num_pages=8, kernel_block_size=16, page_tokens=64, allocation="page")
+    )
+    (attn,) = block.attention_groups
+    assert (attn.unit_tokens, attn.blocks_per_unit, attn.units_per_page) == (16, 1, 4)
+    assert (block.hash_block_tokens, block.hit_tokens) == (16, 16)
+    (attn,) = page.attention_groups
+    assert (attn.unit_tokens, attn.blocks_per_unit, attn.units_per_page) == (64, 4, 1)
+    assert (page.hash_block_tokens, page.hit_tokens) == (64, 64)
+    j = block.to_json()
+    assert j["hit_tokens"] == 16 and j["groups"][1]["spec"]["ops"] == ["native", "triton", "torch"]
+    assert block.state_groups[0].backend == "native" and page.groups[1].layer_ids == (1,)
+
+
+def test_automatic_budget_sizes_the_pool_for_max_num_seqs():
+    layers = [CacheLayer("a", 0, ATTN_SPEC), CacheLayer("s", 1, _state())]
+    plan = make_plan(layers, CacheConfig(page_tokens=64), target=PlanTarget(256, 10))
+    # per request: 2 state pages + 256 / 64 attention pages; one null page
+    assert plan.num_pages == 10 * (2 + 4) + 1
+    with pytest.raises(PlanError, match="max_model_len=.* lower max_model_len"):
+        make_plan(layers, CacheConfig(page_tokens=64), target=PlanTarget(2**40, 10))
