@@ -1,8 +1,8 @@
 """Cache buffers and per-layer views (DESIGN.md section 4).
 
 There are `layers_per_group` flat byte buffers of `num_pages * page_bytes`; buffer i is shared by
-layer slot i of every group, so a page id is valid in every buffer. A page belongs to one group at
-a time, so views of layers of different groups never overlap in the bytes a page holds.
+layer position i of every group, so a page id is valid in every buffer. A page belongs to one
+group at a time, so views of layers of different groups never overlap in the bytes a page holds.
 
     buffer i:  | page 0 | page 1 | page 2 | ...            (page_bytes each)
     attention page:  | kb 0: [K|V] | kb 1: [K|V] | ... | kb r-1: [K|V] |
@@ -46,8 +46,8 @@ class CacheBuffers:
         self.views: dict[str, LayerView] = {}
         self.group_of_layer: dict[str, int] = {}
         for group in plan.groups:
-            for slot, name in enumerate(group.layer_names):
-                self.views[name] = self._view(group, self.buffers[slot])
+            for position, name in enumerate(group.layer_names):
+                self.views[name] = self._view(group, self.buffers[position])
                 self.group_of_layer[name] = group.group_id
 
     def _view(self, group: GroupPlan, buf: torch.Tensor) -> LayerView:
