@@ -200,6 +200,12 @@ def replay(model: str, workload: str, mode: str, seed: int, scale: Scale) -> dic
         platform="cuda", attention_backend="flashinfer", memory_bytes=40 * GIB, allocation=mode
     )
     plan = plan_for_config(load_preset(model), cfg)
+    # Set-up done: what it leaves (torch and sympy, imported to build runnable models on the
+    # meta device for their specs) is frozen out of the garbage collector's sight, as the
+    # engine does after its set-up, so that collections during the replay walk the replay's
+    # own objects only.
+    gc.collect()
+    gc.freeze()
     cm = CacheManager(plan, cfg)
     manager_ns = _time_manager_calls(cm)
     sched = Scheduler(cm, SchedulerConfig(max_num_seqs=1024, max_num_batched_tokens=8192))

@@ -1,7 +1,8 @@
 """hybridkv: an inference engine for hybrid LLMs.
 
 Its paged cache decouples the page the cache manager allocates from the kernel block an attention
-kernel indexes (see DESIGN.md). Heavy parts import lazily so that `hybridkv plan` needs no torch.
+kernel indexes (see the README). Heavy parts import lazily: `hybridkv plan` imports torch only
+for the families hybridkv runs, whose cache it collects from the model built on the meta device.
 """
 
 from typing import TYPE_CHECKING, Any

@@ -1,8 +1,9 @@
 """The whole engine on a CUDA GPU, against transformers on the CPU with the same weights.
 
-On a GPU the model runs there, attention through the `triton` backend (chosen by the platform's
-declarations), Mamba2 state ops through PyTorch. Without a GPU these tests skip; the CPU runs of
-the same engine are covered by tests/models and tests/worker.
+On a GPU the model runs there, attention through the `triton` backend and the Mamba2 layers on
+their `triton` ops (decode steps in Triton, prefill in PyTorch), both chosen by declaration.
+Without a GPU these tests skip; the CPU runs of the same engine are covered by tests/models and
+tests/worker.
 """
 
 from __future__ import annotations
@@ -49,7 +50,10 @@ def test_auto_device_is_cuda_with_triton_attention(tiny_model_dir) -> None:
     eng = Engine(str(tiny_model_dir), dtype="float32")
     assert eng.device.type == "cuda"
     assert eng.cache_config.platform == "cuda"
-    assert type(eng.runner.backend).__name__ == "TritonAttentionBackend"
+    assert {type(b).__name__ for b in eng.runner.attention_backends.values()} == {
+        "TritonAttentionBackend"
+    }
+    assert {g.backend for g in eng.plan.state_groups} == {"triton"}
     assert all(g.kernel_block_size % 16 == 0 for g in eng.plan.attention_groups)
     assert next(eng.model.parameters()).device.type == "cuda"
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar, Generic, NamedTuple, TypeVar
 
 from hybridkv.core.hashing import PrefixKeys
@@ -41,9 +42,9 @@ INF = math.inf
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class StepNeed:
-    """What one allocation asks of every group of one request."""
+class StepNeed(NamedTuple):
+    """What one allocation asks of every group of one request (a NamedTuple: one is built per
+    allocation that is not on the fast path, and a frozen dataclass costs about 4x more)."""
 
     num_computed: int  # tokens in the cache before this step
     total: int  # tokens the cache must hold after it
@@ -82,9 +83,9 @@ class StateCopy(NamedTuple):
     dst: int
 
 
-@dataclass(frozen=True)
-class StepAllocation:
-    """What the runner needs from one allocation of one request: plain ids, nothing live.
+class StepAllocation(NamedTuple):
+    """What the runner needs from one allocation of one request: plain ids, nothing live
+    (read-only: the runner never changes it).
 
     - `new_blocks`: attention group -> kernel-block ids to append to the request's table row;
     - `state_pages`: state group -> the request's running-state page, when it got a new one
@@ -93,23 +94,25 @@ class StepAllocation:
     - `snapshots`: running states to copy into snapshot pages after the forward.
     """
 
-    new_blocks: dict[int, list[int]] = field(default_factory=dict)
-    state_pages: dict[int, int] = field(default_factory=dict)
+    new_blocks: Mapping[int, list[int]]
+    state_pages: Mapping[int, int]
     copies_in: tuple[StateCopy, ...] = ()
     snapshots: tuple[StateCopy, ...] = ()
 
 
-EMPTY_ALLOCATION = StepAllocation()
+EMPTY_ALLOCATION = StepAllocation(MappingProxyType({}), MappingProxyType({}))
 
 
-@dataclass
 class StepOps:
     """Collects the groups' contributions to one `StepAllocation` (`GroupManager.end_step`)."""
 
-    new_blocks: dict[int, list[int]] = field(default_factory=dict)
-    state_pages: dict[int, int] = field(default_factory=dict)
-    copies_in: list[StateCopy] = field(default_factory=list)
-    snapshots: list[StateCopy] = field(default_factory=list)
+    __slots__ = ("new_blocks", "state_pages", "copies_in", "snapshots")
+
+    def __init__(self) -> None:
+        self.new_blocks: dict[int, list[int]] = {}
+        self.state_pages: dict[int, int] = {}
+        self.copies_in: list[StateCopy] = []
+        self.snapshots: list[StateCopy] = []
 
     def freeze(self) -> StepAllocation:
         return StepAllocation(

@@ -95,9 +95,9 @@ class ModelRunner:
             gid = group.group_id
             for name in group.layer_names:
                 view = self.buffers.views[name]
-                if isinstance(view, dict):
+                if isinstance(view, dict):  # a state group: one view per declared tensor
                     caches[name] = StateCache(gid, view, self.state_ops[gid])
-                else:
+                else:  # [num_kernel_blocks, 2, kernel_block_size, kv_heads, head_dim]
                     caches[name] = AttentionCache(gid, view, self.attention_backends[gid])
         return caches
 
