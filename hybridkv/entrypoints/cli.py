@@ -373,14 +373,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from hybridkv.engine import DEFAULT_MODEL
     from hybridkv.entrypoints.bench import random_prompts, run_hybridkv, run_transformers
     from hybridkv.kv.presets import load_model_config
-    from hybridkv.kv.specs import text_config
+    from hybridkv.models.registry import family_config
 
     if args.requests < 1 or args.new_tokens < 1 or not 0 < args.min_prompt <= args.max_prompt:
         raise CliError(
             "--requests and --new-tokens must be >= 1 and 0 < --min-prompt <= --max-prompt"
         )
     folder = args.model or str(DEFAULT_MODEL)
-    vocab = int(text_config(load_model_config(folder))["vocab_size"])
+    vocab = family_config(load_model_config(folder)).vocab_size
     prompts = random_prompts(vocab, args.requests, args.min_prompt, args.max_prompt, args.seed)
     tokens = args.requests * args.new_tokens
     print(

@@ -86,7 +86,8 @@ def _check_type(value: Any, allowed: tuple[type, ...]) -> bool:
     if isinstance(value, bool):
         return bool in allowed
     if isinstance(value, int):
-        return int in allowed or float in allowed
+        # 0 / 1 for a flag: Python's truthiness, which transformers' configs accept
+        return int in allowed or float in allowed or (bool in allowed and value in (0, 1))
     if isinstance(value, float):
         return float in allowed or (int in allowed and value.is_integer() and math.isfinite(value))
     return isinstance(value, str) and str in allowed
@@ -124,6 +125,8 @@ class HFConfig:
                     )
                 if allowed is not None and int in allowed and isinstance(value, float):
                     value = int(value) if float not in allowed else value
+                if allowed == (bool,) and type(value) is int:
+                    value = bool(value)
                 kwargs[f.name] = value
                 break
         try:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from hybridkv.kv.specs import CacheDtypes, CacheLayer
     from hybridkv.models.base import CausalLM
+    from hybridkv.models.hf_config import HFConfig
 
 MODELS: dict[str, str] = {
     "GraniteMoeHybridForCausalLM": "hybridkv.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
@@ -28,17 +29,24 @@ def model_class(architecture: str) -> type[CausalLM]:
     return getattr(importlib.import_module(module), name)
 
 
-def build_on_meta(config: dict[str, Any]) -> CausalLM:
-    """The model a Hugging Face config dict describes, built on the meta device (no memory for
-    weights): its typed config is read once, here, with transformers' defaults."""
-    import torch
-
+def family_config(config: dict[str, Any]) -> HFConfig:
+    """A runnable model's typed config, read from its Hugging Face config dict with the
+    defaults of transformers' config class for its architecture."""
     from hybridkv.kv.specs import architecture_of, text_config
 
-    cls = model_class(architecture_of(config))
-    typed = cls.config_class.from_hf(text_config(config))
+    return model_class(architecture_of(config)).config_class.from_hf(text_config(config))
+
+
+def build_on_meta(config: dict[str, Any]) -> CausalLM:
+    """The model a Hugging Face config dict describes, built on the meta device (no memory for
+    weights)."""
+    import torch
+
+    from hybridkv.kv.specs import architecture_of
+
+    typed = family_config(config)
     with torch.device("meta"):
-        return cls(typed)
+        return model_class(architecture_of(config))(typed)
 
 
 def declared_cache_layers(config: dict[str, Any], dtypes: CacheDtypes) -> list[CacheLayer]:
