@@ -485,9 +485,6 @@ def _parse_dense(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
         roles = ["attention" if (i + 1) % pattern == 0 else "sliding" for i in range(n)]
     elif cfg.arch.startswith("GptOss"):
         roles = ["sliding" if i % 2 == 0 else "attention" for i in range(n)]
-    elif cfg.get("use_sliding_window") and window:
-        first = cfg.int("max_window_layers", default=0)
-        roles = ["sliding" if i >= first else "attention" for i in range(n)]
     else:
         roles = ["attention"] * n
     if "sliding" in roles and not window:

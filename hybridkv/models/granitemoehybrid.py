@@ -20,14 +20,14 @@ from torch import nn
 from hybridkv.layers.attention.self_attention import SelfAttention
 from hybridkv.layers.mamba2 import Mamba2Mixer
 from hybridkv.layers.mlp import FusedGateUpMLP, GraniteMoE, RMSNorm
-from hybridkv.layers.rotary import RotaryEmbedding, rope_parameters
+from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
-from hybridkv.models.hf_config import HFConfig, config_float, layer_types
+from hybridkv.models.hf_config import RopeConfig, config_float, layer_types
 from hybridkv.worker.batch import ForwardBatch
 
 
 @dataclasses.dataclass(frozen=True)
-class Mamba2HybridConfig(HFConfig):
+class Mamba2HybridConfig(RopeConfig):
     """The fields Bamba and GraniteMoeHybrid share: attention and Mamba2 mixers (`mamba_*`).
 
     Defaults: transformers 5.24 `GraniteMoeHybridConfig` (BambaConfig differs in a few, which
@@ -44,9 +44,6 @@ class Mamba2HybridConfig(HFConfig):
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    rope_parameters: dict | None = None
-    rope_theta: float | None = None  # older checkpoints, folded into `rope`
-    rope_scaling: dict | None = None
     mamba_n_heads: int = 128
     mamba_n_groups: int = 1
     mamba_d_state: int = 256
@@ -78,16 +75,6 @@ class Mamba2HybridConfig(HFConfig):
     def layers(self) -> tuple[str, ...]:
         """'mamba' or 'attention' per decoder layer."""
         raise NotImplementedError
-
-    @property
-    def rope(self) -> dict:
-        return rope_parameters(
-            {
-                "rope_parameters": self.rope_parameters,
-                "rope_scaling": self.rope_scaling,
-                "rope_theta": self.rope_theta or 10000.0,
-            }
-        )
 
     @property
     def dt_limit(self) -> tuple[float, float]:

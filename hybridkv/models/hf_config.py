@@ -148,3 +148,26 @@ class HFConfig:
                     f"config.json of {self.ARCHITECTURE}: {name} must be a positive integer, "
                     f"got {value!r}"
                 )
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig(HFConfig):
+    """The rotary keys of a family with RoPE: `rope_parameters` (transformers 5) or the older
+    `rope_theta` / `rope_scaling`; theta defaults to 10000, transformers' `default_theta`."""
+
+    rope_parameters: dict | None = None
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
+
+    @property
+    def rope(self) -> dict:
+        """rope_theta, rope_type and its scaling keys, as `RotaryEmbedding` takes them."""
+        from hybridkv.layers.rotary import rope_parameters
+
+        return rope_parameters(
+            {
+                "rope_parameters": self.rope_parameters,
+                "rope_scaling": self.rope_scaling,
+                "rope_theta": self.rope_theta or 10000.0,
+            }
+        )

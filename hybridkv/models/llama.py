@@ -20,16 +20,16 @@ from torch import nn
 
 from hybridkv.layers.attention.self_attention import CosSin, SelfAttention
 from hybridkv.layers.mlp import GatedMLP, RMSNorm
-from hybridkv.layers.rotary import RotaryEmbedding, rope_parameters
+from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
-from hybridkv.models.hf_config import HFConfig, layer_types
+from hybridkv.models.hf_config import RopeConfig, layer_types
 from hybridkv.worker.batch import ForwardBatch
 
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
 
 
 @dataclasses.dataclass(frozen=True)
-class LlamaConfig(HFConfig):
+class LlamaConfig(RopeConfig):
     """Defaults: transformers 5.24 `LlamaConfig`."""
 
     ARCHITECTURE = "LlamaForCausalLM"
@@ -45,9 +45,6 @@ class LlamaConfig(HFConfig):
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
-    rope_parameters: dict | None = None
-    rope_theta: float | None = None  # older checkpoints, folded into `rope`
-    rope_scaling: dict | None = None
     attention_bias: bool = False
     mlp_bias: bool = False
 
@@ -64,16 +61,6 @@ class LlamaConfig(HFConfig):
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"hidden_act={self.hidden_act!r} is not supported (only silu)")
         self.rope  # one-line errors for an unsupported rope type, at load time  # noqa: B018
-
-    @property
-    def rope(self) -> dict:
-        return rope_parameters(
-            {
-                "rope_parameters": self.rope_parameters,
-                "rope_scaling": self.rope_scaling,
-                "rope_theta": self.rope_theta or 10000.0,
-            }
-        )
 
     @property
     def windows(self) -> tuple[int | None, ...]:
