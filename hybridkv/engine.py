@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,12 +51,17 @@ from hybridkv.models.hf_config import HFConfig
 from hybridkv.models.loader import eos_token_ids, generation_config, iter_weights
 from hybridkv.models.registry import model_class
 from hybridkv.outputs import CompletionOutput, RequestOutput
-from hybridkv.sampling_params import SamplingParams
+from hybridkv.sampling_params import SamplingParams, check_unicode
 from hybridkv.tokenizer import load_tokenizer
 from hybridkv.worker.host_memory import keep_freed_memory
 from hybridkv.worker.model_runner import ModelRunner
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "default_model"
+MIN_REQUEST_TOKENS = 16  # the shortest request a pool must hold (else the engine refuses it)
+# More characters than any one token of a real vocabulary holds (the longest are runs of
+# spaces or dashes, under 100 characters).
+MAX_CHARS_PER_TOKEN = 256
+logger = logging.getLogger("hybridkv")
 
 
 @dataclass(frozen=True)
@@ -143,8 +149,15 @@ def resolve_runtime(
     dtype = model_dtype(hf_config) if dtype == "auto" else canonical_dtype(dtype)
     if cache.platform == "cpu" and device.type == "cuda":
         cache = dataclasses.replace(cache, platform="cuda")
-    max_model_len = int(scheduler_kwargs.get("max_model_len") or family.max_position_embeddings)
-    scheduler = SchedulerConfig(**{**scheduler_kwargs, "max_model_len": max_model_len})
+    scheduler = SchedulerConfig(**scheduler_kwargs)  # validates the values first
+    limit = family.max_position_embeddings
+    max_model_len = scheduler.max_model_len or limit
+    if max_model_len > limit:
+        raise ValueError(
+            f"max_model_len={max_model_len} is more than the model's limit of {limit} tokens "
+            "(max_position_embeddings in its config.json); give at most that"
+        )
+    scheduler = dataclasses.replace(scheduler, max_model_len=max_model_len)
     runtime_config = {**hf_config, "torch_dtype": dtype, "dtype": dtype}
     dtypes = resolve_cache_dtypes(
         runtime_config, cache.kv_cache_dtype, cache.state_dtype, cache.ssm_state_dtype
@@ -199,6 +212,7 @@ class Engine:
             meta_model = cls(family)
         layers = meta_model.cache_layers(rt.cache_dtypes)
         self.plan = make_plan(layers, self.cache_config, self.architecture, rt.plan_target())
+        self._fit_max_model_len()
         self.model = self._load_weights(meta_model, folder)
 
         self.cache = CacheManager(self.plan, self.cache_config)
@@ -216,6 +230,29 @@ class Engine:
         self._ids = itertools.count()
 
     # -- set-up --------------------------------------------------------------------------------
+
+    def _fit_max_model_len(self) -> None:
+        """A pool that cannot hold one request of max_model_len lowers max_model_len to what
+        it holds (a warning), so that no request is accepted that could never finish; a pool
+        that cannot hold even a short request is a one-line error."""
+        chunk = self.scheduler_config.max_num_batched_tokens
+        fits = self.plan.max_request_tokens(chunk)
+        if fits >= self.max_model_len:
+            return
+        if fits < min(self.max_model_len, MIN_REQUEST_TOKENS):
+            raise ValueError(
+                f"the cache pool ({self.plan.num_pages} pages of {self.plan.page_tokens} tokens) "
+                f"cannot hold even a {MIN_REQUEST_TOKENS}-token request; give more memory_bytes "
+                "or num_pages"
+            )
+        logger.warning(
+            "the cache pool (%d pages) holds at most %d tokens of one request: max_model_len "
+            "lowered from %d to %d (give more memory_bytes or num_pages to keep it)",
+            self.plan.num_pages, fits, self.max_model_len, fits,
+        )  # fmt: skip
+        self.max_model_len = fits
+        self.plan = dataclasses.replace(self.plan, max_model_len=fits)
+        self.scheduler_config = dataclasses.replace(self.scheduler_config, max_model_len=fits)
 
     def _load_weights(self, model: CausalLM, folder: Path) -> CausalLM:
         model.materialise(self.device, torch_dtype(self.dtype))
@@ -267,6 +304,14 @@ class Engine:
                 raise ValueError(f"{self._no_tokenizer()}: give prompts as lists of token ids")
             if not prompt:
                 raise ValueError("prompt is empty; give at least one character")
+            check_unicode(prompt, "prompt")
+            # A prompt so long that it exceeds max_model_len even at MAX_CHARS_PER_TOKEN
+            # characters per token is refused before it is tokenized (megabytes take seconds).
+            if len(prompt) > self.max_model_len * MAX_CHARS_PER_TOKEN:
+                raise ValueError(
+                    f"prompt has {len(prompt)} characters, far more than max_model_len="
+                    f"{self.max_model_len} tokens hold"
+                )
             ids, text = self.tokenizer.encode(prompt), prompt
         elif isinstance(prompt, list | tuple):
             ids, text = list(prompt), None
@@ -307,29 +352,75 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an output for every request that finished, and for streaming
-        requests (`add_request(..., stream=True)`) every step they advanced."""
+        requests (`add_request(..., stream=True)`) every step they advanced.
+
+        What fails fails alone: an error in one request's own work (stop strings, text,
+        output) finishes that request with `RequestOutput.error`; an error in the batch's
+        forward or sampling finishes the requests of that step (their states may be half
+        written); the pool stays consistent and every other request goes on."""
         out = self.scheduler.schedule()
-        samples = self.runner.execute(out)
-        now = time.monotonic()
         # the step's live requests (one aborted while the step ran is gone)
         stepped = [r for c in out.chunks if (r := self.requests.get(c.request_id)) is not None]
+        try:
+            samples = self.runner.execute(out)
+        except Exception as exc:
+            self.runner.release(out.preempted, finished=False)
+            return self._fail(stepped, f"the step running this request failed: {exc!r}")
+        now = time.monotonic()
         for req in stepped:
             sample = samples.get(req.request_id)
             if sample is not None:
                 self._record_sample(req, sample, now)
         finished = self.scheduler.update(out, {rid: s.token for rid, s in samples.items()})
-        finished += self._apply_stop_strings([r for r in stepped if r.request_id in samples])
+        sampled = [r for r in stepped if r.request_id in samples]
+        failed: list[Request] = []
+        finished += self._apply_stop_strings(sampled, failed)
         rejected = self.scheduler.drain_rejected()
         self.runner.release([r.request_id for r in finished + rejected])
-        outputs = [
-            self._output(r)
-            for r in stepped
-            if r.request_id in samples and (r.is_finished or r.stream)
-        ]
-        outputs += [self._output(r) for r in rejected]
+        outputs = []
+        for req in sampled:
+            if req.is_finished or req.stream:
+                output = self._safe_output(req, failed)
+                if output is not None:
+                    outputs.append(output)
+        outputs += [self._output(r) for r in rejected] + self._fail(failed, None)
         for req in finished + rejected:
             self.requests.pop(req.request_id, None)
         return outputs
+
+    def _safe_output(self, req: Request, failed: list[Request]) -> RequestOutput | None:
+        try:
+            return self._output(req)
+        except Exception as exc:  # e.g. a token id its tokenizer cannot decode
+            req.error = f"this request's output could not be built: {exc!r}"
+            failed.append(req)
+            return None
+
+    def _fail(self, requests: list[Request], error: str | None) -> list[RequestOutput]:
+        """Finish requests the engine gave up on; their pages return to the pool."""
+        outputs = []
+        for req in requests:
+            if error is not None:
+                req.error = error
+            if not req.is_finished:
+                self.scheduler.finish_requests([req], "abort")
+            self.runner.release([req.request_id])
+            self.requests.pop(req.request_id, None)
+            outputs.append(self._error_output(req))
+        return outputs
+
+    def _error_output(self, req: Request) -> RequestOutput:
+        completion = CompletionOutput(0, "", list(req.output_token_ids), "abort")
+        return RequestOutput(
+            req.request_id,
+            req.prompt_text,
+            list(req.prompt_token_ids),
+            [completion],
+            True,
+            req.num_cached_tokens,
+            {"arrival_time": req.arrival_time},
+            req.error,
+        )
 
     def _record_sample(self, req: Request, sample, now: float) -> None:
         if req.first_token_time is None:
@@ -353,13 +444,18 @@ class Engine:
             text = text[: max(0, len(text) - max(len(s) for s in stops) + 1)]
         return text
 
-    def _apply_stop_strings(self, requests: list[Request]) -> list[Request]:
+    def _apply_stop_strings(self, requests: list[Request], failed: list[Request]) -> list[Request]:
         stopped = []
         for req in requests:
             stops = req.sampling_params.stop
             if req.is_finished or not stops or self.tokenizer is None:
                 continue
-            text = self.tokenizer.decode(req.output_token_ids)
+            try:
+                text = self.tokenizer.decode(req.output_token_ids)
+            except Exception as exc:
+                req.error = f"this request's output could not be decoded: {exc!r}"
+                failed.append(req)
+                continue
             hits = [(text.find(s), s) for s in stops if s in text]
             if hits:
                 pos, stop = min(hits)
@@ -399,4 +495,5 @@ class Engine:
             req.is_finished,
             req.num_cached_tokens,
             metrics,
+            req.error,
         )

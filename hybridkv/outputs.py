@@ -10,7 +10,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None  # "stop", "length", "abort" (see RequestOutput.error) or None
     stop_reason: int | str | None = None  # the eos / stop token id or the stop string
     logprobs: list[dict[int, float]] | None = None  # per token: chosen + top-n log-probs
     cumulative_logprob: float | None = None
@@ -25,6 +25,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # set when the engine gave up on this request alone (one line)
 
     @property
     def text(self) -> str:

@@ -40,6 +40,7 @@ class Request:
         self.token_times: list[float] = []
         self.logprobs: list[dict] = []
         self.stop_text: str | None = None  # the output text cut at a matched stop string
+        self.error: str | None = None  # why the engine gave up on it (finish_reason "abort")
 
     @property
     def output_token_ids(self) -> list[int]:

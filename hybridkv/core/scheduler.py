@@ -274,8 +274,10 @@ class Scheduler:
             self._finish(req, reason)
 
     def _reject(self, req: Request) -> None:
+        """A request that cannot fit even into an empty pool (the engine rejects those at
+        add_request; this is the safety net)."""
         self._finish(req, "abort")
-        req.stop_reason = "the request does not fit into the cache"
+        req.error = "the request does not fit into the cache"
         self.rejected.append(req)
 
     def _finish(self, req: Request, reason: str) -> None:

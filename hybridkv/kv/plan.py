@@ -190,6 +190,34 @@ class MemoryPlan:
             return None
         return (self.usable_pages // len(growing)) * self.page_tokens
 
+    def pages_for_one_request(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        """Pages one request of `num_tokens` tokens holds at its largest, alone in the pool: a
+        running state per state group, the pages of every token per full-attention group, and
+        per sliding group those of its window plus one prefill chunk (and one page of slack
+        for a window that straddles pages). Snapshots are optional and not counted."""
+        pages = 0
+        for g in self.groups:
+            if g.page_tokens is None:
+                pages += 1
+            elif g.window is None:
+                pages += math.ceil(num_tokens / g.page_tokens)
+            else:
+                held = min(num_tokens, g.window + max_chunk_tokens)
+                pages += math.ceil(held / g.page_tokens) + 1
+        return pages
+
+    def max_request_tokens(self, max_chunk_tokens: int) -> int:
+        """The longest request (prompt + output tokens) that fits alone into the usable pages,
+        at most max_model_len; 0 if not even one token fits."""
+        low, high = 0, self.max_model_len
+        while low < high:  # the largest fitting length (pages grow with the length)
+            mid = (low + high + 1) // 2
+            if self.pages_for_one_request(mid, max_chunk_tokens) <= self.usable_pages:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
     def max_kernel_blocks_per_seq(self, group: GroupPlan) -> int:
         assert group.kernel_block_size is not None
         return math.ceil(self.max_model_len / group.kernel_block_size)

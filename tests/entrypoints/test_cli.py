@@ -70,7 +70,7 @@ def test_generate_text_and_prompts_file(capsys, tiny_model_dir, tmp_path):
     [
         (["generate", "--model", "/does/not/exist"], "is not a folder with config.json"),
         (["generate", "--prompts-file", "/no/such/file"], "cannot read --prompts-file"),
-        (["generate", "--max-tokens", "0"], "max_tokens must be >= 1"),
+        (["generate", "--max-tokens", "0"], "max_tokens must be in [1, "),
         (["generate", "--temperature", "-1"], "temperature"),
         (["generate", "--dtype", "int4"], "dtype must be"),
         (["serve", "--port", "0"], "--port must be in 1..65535"),
