@@ -16,6 +16,19 @@ def _positive_or_none(name: str, value: int | None) -> None:
         raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
 
 
+def check_bools(config: object, *names: str) -> None:
+    """Flags must be True or False: "no" or 0 would read as something else."""
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def check_name(name: str, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a name (a string), got {value!r}")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """How the paged cache is sized and used.
@@ -52,6 +65,12 @@ class CacheConfig:
     debug_checks: bool = False  # run the allocator integrity check after every step
 
     def __post_init__(self) -> None:
+        check_bools(
+            self, "enable_prefix_caching", "snapshot_prompt_end", "snapshot_request_end",
+            "snapshot_branch_point", "debug_checks",
+        )  # fmt: skip
+        for name in ("kv_cache_dtype", "state_dtype", "ssm_state_dtype", "platform", "allocation"):
+            check_name(name, getattr(self, name))
         _positive_or_none("page_tokens", self.page_tokens)
         _positive_or_none("kernel_block_size", self.kernel_block_size)
         _positive_or_none("memory_bytes", self.memory_bytes)
@@ -59,7 +78,8 @@ class CacheConfig:
         _positive_or_none("snapshot_interval_blocks", self.snapshot_interval_blocks)
         _positive_or_none("snapshot_tail_interval_tokens", self.snapshot_tail_interval_tokens)
         if (
-            not isinstance(self.max_snapshots_per_request, int)
+            isinstance(self.max_snapshots_per_request, bool)
+            or not isinstance(self.max_snapshots_per_request, int)
             or self.max_snapshots_per_request < 0
         ):
             raise ValueError(
@@ -87,6 +107,7 @@ class CacheConfig:
 
         get_platform(self.platform)
         if self.attention_backend is not None:
+            check_name("attention_backend", self.attention_backend)
             get_backend(self.attention_backend)
         if self.state_backend is not None and (
             not isinstance(self.state_backend, str) or not self.state_backend.isidentifier()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,12 +32,12 @@ from typing import Any
 
 import torch
 
-from hybridkv.config import CacheConfig, SchedulerConfig, split_kwargs
+from hybridkv.config import CacheConfig, SchedulerConfig, check_bools, split_kwargs
 from hybridkv.core.coordinator import CacheManager
 from hybridkv.core.request import Request
 from hybridkv.core.scheduler import Scheduler
 from hybridkv.dtypes import canonical_dtype, torch_dtype
-from hybridkv.kv.plan import PlanTarget, make_plan
+from hybridkv.kv.plan import MemoryPlan, PlanTarget, make_plan
 from hybridkv.kv.presets import load_model_config
 from hybridkv.kv.specs import (
     CacheDtypes,
@@ -45,13 +46,14 @@ from hybridkv.kv.specs import (
     resolve_cache_dtypes,
     text_config,
 )
+from hybridkv.layers.attention.registry import BACKENDS, get_backend
 from hybridkv.layers.linear import prepack_linears
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import HFConfig
 from hybridkv.models.loader import eos_token_ids, generation_config, iter_weights
 from hybridkv.models.registry import model_class
 from hybridkv.outputs import CompletionOutput, RequestOutput
-from hybridkv.sampling_params import SamplingParams, check_unicode
+from hybridkv.sampling_params import MAX_SEED, SamplingParams, check_unicode
 from hybridkv.tokenizer import load_tokenizer
 from hybridkv.worker.host_memory import keep_freed_memory
 from hybridkv.worker.model_runner import ModelRunner
@@ -90,6 +92,15 @@ class ModelConfig:
     keep_freed_memory: bool = True
 
     def __post_init__(self) -> None:
+        if self.model is not None and not isinstance(self.model, str | Path):
+            raise ValueError(f"model must be a folder path, got {self.model!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+        if self.seed > MAX_SEED:
+            raise ValueError(f"seed must be at most {MAX_SEED}, got {self.seed}")
+        check_bools(self, "prepack", "compile", "keep_freed_memory")
+        if not isinstance(self.dtype, str) or not isinstance(self.device, str):
+            raise ValueError(f"dtype and device must be names, got {self.dtype!r}, {self.device!r}")
         allowed = ("float32", "bfloat16", "float16")
         try:
             ok = self.dtype == "auto" or canonical_dtype(self.dtype) in allowed
@@ -174,7 +185,9 @@ def _capabilities(device: torch.device, model_config: ModelConfig) -> frozenset[
 
         if native.library() is not None:  # builds the kernels once (about a second)
             found.add("native")
-    elif device.type == "cuda":
+    # Triton compiles for GPUs; on a CPU only its interpreter runs kernels (TRITON_INTERPRET=1,
+    # read when a kernel module is imported).
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         try:
             import triton  # noqa: F401
         except ImportError:
@@ -184,6 +197,19 @@ def _capabilities(device: torch.device, model_config: ModelConfig) -> frozenset[
     if model_config.compile:
         found.add("compile")
     return frozenset(found)
+
+
+def _check_runnable(plan: MemoryPlan) -> None:
+    """Every group of the plan has kernels hybridkv implements (before any weight loads)."""
+    for group in plan.attention_groups:
+        assert group.backend is not None
+        info = get_backend(group.backend)
+        if info.impl is None:
+            implemented = ", ".join(n for n, b in BACKENDS.items() if b.impl is not None)
+            raise ValueError(
+                f"attention backend {group.backend!r} is declared for planning only; this "
+                f"engine runs: {implemented}"
+            )
 
 
 class Engine:
@@ -212,6 +238,7 @@ class Engine:
             meta_model = cls(family)
         layers = meta_model.cache_layers(rt.cache_dtypes)
         self.plan = make_plan(layers, self.cache_config, self.architecture, rt.plan_target())
+        _check_runnable(self.plan)
         self._fit_max_model_len()
         self.model = self._load_weights(meta_model, folder)
 

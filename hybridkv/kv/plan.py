@@ -47,6 +47,7 @@ from hybridkv.kv.specs import (
     text_config,
 )
 from hybridkv.layers.attention.registry import (
+    BACKENDS,
     AttentionBackendInfo,
     PlanContext,
     get_backend,
@@ -358,7 +359,9 @@ def spec_json(spec: LayerSpec) -> dict[str, Any]:
 
 
 def _group_backends(
-    spec: AttentionSpec | MLASpec, cache: CacheConfig
+    spec: AttentionSpec | MLASpec,
+    cache: CacheConfig,
+    capabilities: frozenset[str] = DEFAULT_CAPABILITIES,
 ) -> list[AttentionBackendInfo]:
     platform = get_platform(cache.platform)
     name = cache.attention_backend or platform.default_backend(spec.kind)
@@ -366,6 +369,12 @@ def _group_backends(
     reason = backend.why_not(spec.kind, spec.dtype, spec.head_dim)
     if reason is not None:
         raise PlanError(f"attention backend {name!r} cannot serve {spec.kind} layers: it {reason}")
+    if backend.needs is not None and backend.needs not in capabilities:
+        others = [n for n, b in BACKENDS.items() if b.impl and b.needs in (None, *capabilities)]
+        raise PlanError(
+            f"attention backend {name!r} needs {backend.needs}, which this machine does not "
+            f"have; it can run: {', '.join(others)}"
+        )
     return [backend]
 
 
@@ -455,6 +464,7 @@ def _attention_group(
     page_bytes: int,
     cache: CacheConfig,
     ctx: PlanContext,
+    capabilities: frozenset[str],
 ) -> GroupPlan:
     if page_bytes % spec.bytes_per_token:
         raise PlanError(
@@ -462,7 +472,7 @@ def _attention_group(
             f"{spec.kind} layers ({spec.bytes_per_token} bytes per token)"
         )
     tokens = page_bytes // spec.bytes_per_token
-    backends = _group_backends(spec, cache)
+    backends = _group_backends(spec, cache, capabilities)
     size = select_kernel_block_size(tokens, backends, spec.head_dim, ctx, cache.kernel_block_size)
     return GroupPlan(
         gid,
@@ -572,8 +582,13 @@ def make_plan(
         is_hybrid=bool(states) and bool(attn),
         fp32_state=any(t.dtype == "float32" for s in states for t in s.tensors),
     )
+    caps = target.capabilities
     smallest = max(
-        (b.smallest_accepted(s.head_dim, ctx) for s in attn for b in _group_backends(s, cache)),
+        (
+            b.smallest_accepted(s.head_dim, ctx)
+            for s in attn
+            for b in _group_backends(s, cache, caps)
+        ),
         default=1,
     )
     align = max(smallest, cache.page_tokens or DEFAULT_PAGE_TOKENS)
@@ -587,7 +602,7 @@ def make_plan(
             if isinstance(spec, StateSpec):
                 groups.append(_state_group(gid, spec, chunk, page_bytes, cache, target))
             else:
-                groups.append(_attention_group(gid, spec, chunk, page_bytes, cache, ctx))
+                groups.append(_attention_group(gid, spec, chunk, page_bytes, cache, ctx, caps))
     return MemoryPlan(
         architecture=architecture,
         platform=cache.platform,

@@ -75,6 +75,7 @@ class AttentionBackendInfo:
     # Sizes that replace `block_sizes` for hybrid models whose state is float32.
     hybrid_fp32_state_block_sizes: KernelBlockSizes | None = None
     impl: str | None = None  # "module:Class", imported on first use
+    needs: str | None = None  # a capability the machine must have to run it ("triton")
     description: str = ""
 
     def sizes_for(self, ctx: PlanContext) -> KernelBlockSizes:
@@ -143,6 +144,7 @@ BACKENDS: dict[str, AttentionBackendInfo] = {
             _ATTN,
             ALL_FLOAT,
             impl="hybridkv.layers.attention.triton_backend:TritonAttentionBackend",
+            needs="triton",
             description="hybridkv's Triton kernels (CUDA / ROCm default)",
         ),
         AttentionBackendInfo(
