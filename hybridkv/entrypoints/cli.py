@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -273,14 +274,13 @@ def _read_prompts(args: argparse.Namespace) -> list[str | list[int]]:
                 f"cannot read --prompts-file {args.prompts_file!r}: {exc.strerror}"
             ) from None
     prompts += [_parse_ids(text) for text in args.prompt_ids or []]
-    return prompts or [DEFAULT_PROMPT]
+    return prompts
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from hybridkv.entrypoints.llm import LLM
     from hybridkv.sampling_params import SamplingParams
 
-    prompts = _read_prompts(args)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -288,8 +288,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
     )
+    prompts = _read_prompts(args)
     llm = LLM.__new__(LLM)
     llm.engine = _load_engine(args)
+    if not prompts:
+        print(
+            f"no prompt given: using {DEFAULT_PROMPT!r} (give --prompt, --prompts-file or "
+            "--prompt-ids)",
+            file=sys.stderr,
+            flush=True,
+        )
+        prompts = [DEFAULT_PROMPT]
     if llm.engine.tokenizer is None and any(isinstance(p, str) for p in prompts):
         raise CliError(
             f"{llm.engine._no_tokenizer()}: give prompts as token ids with --prompt-ids, "
@@ -378,6 +387,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.requests < 1 or args.new_tokens < 1 or not 0 < args.min_prompt <= args.max_prompt:
         raise CliError(
             "--requests and --new-tokens must be >= 1 and 0 < --min-prompt <= --max-prompt"
+        )
+    if args.compare_transformers and importlib.util.find_spec("transformers") is None:
+        raise CliError(
+            "--compare-transformers needs the transformers package, which is not installed "
+            "(pip install transformers)"
         )
     folder = args.model or str(DEFAULT_MODEL)
     vocab = family_config(load_model_config(folder)).vocab_size

@@ -107,6 +107,22 @@ def test_bench(capsys, tiny_model_dir):
     assert row["engine"] == "hybridkv" and row["output_tokens"] == 12 and row["tokens_per_s"] > 0
 
 
+def test_generate_without_a_prompt_says_which_it_uses(capsys, tiny_model_dir):
+    code, _, err = run(capsys, "generate", "--model", str(tiny_model_dir), "--max-tokens", "2")
+    assert code == 0 and "no prompt given: using 'def fibonacci(n):'" in err
+
+
+def test_bench_compare_transformers_without_transformers(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name)
+    )
+    code, _, err = run(capsys, "bench", "--compare-transformers")
+    assert code == 2 and "needs the transformers package" in err and "loading" not in err
+
+
 def test_help_for_every_subcommand():
     for cmd in ("generate", "serve", "plan", "bench"):
         proc = subprocess.run(
