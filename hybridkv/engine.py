@@ -55,6 +55,7 @@ from hybridkv.models.registry import model_class
 from hybridkv.outputs import CompletionOutput, RequestOutput
 from hybridkv.sampling_params import MAX_SEED, SamplingParams, check_unicode
 from hybridkv.tokenizer import load_tokenizer
+from hybridkv.worker.cpu_threads import configure_engine_threads
 from hybridkv.worker.host_memory import keep_freed_memory
 from hybridkv.worker.model_runner import ModelRunner
 
@@ -230,8 +231,10 @@ class Engine:
         self.runtime = rt
         self.device, self.dtype, self.max_model_len = rt.device, rt.dtype, rt.max_model_len
         self.cache_config, self.scheduler_config = rt.cache, rt.scheduler
-        if self.device.type == "cpu" and self.model_config.keep_freed_memory:
-            keep_freed_memory()
+        if self.device.type == "cpu":
+            configure_engine_threads()
+            if self.model_config.keep_freed_memory:
+                keep_freed_memory()
         self.tokenizer = load_tokenizer(folder)  # None: token-id mode (no tokenizer.json)
 
         with torch.device("meta"):

@@ -10,7 +10,7 @@ Per request and step the scheduler calls, in this order:
 
 Allocation is all or nothing across groups; freeing runs groups in reverse order.
 
-Hybrid prefix hits (DESIGN.md section 5): a hit of L tokens needs every full-attention group to
+Hybrid prefix hits (design.md section 5): a hit of L tokens needs every full-attention group to
 hold all units of the first L tokens, every sliding group those inside its window, and every
 state group a snapshot taken after exactly L tokens. Hit lengths are multiples of `hit_tokens`
 (the least common multiple of the attention groups' unit sizes: kernel_block_size in block mode,

@@ -1,4 +1,4 @@
-"""The one shared page pool (DESIGN.md section 5).
+"""The one shared page pool (design.md section 5).
 
 Every group takes its pages from here, so state pages and attention pages share one budget.
 A page is, at any time, exactly one of:

@@ -1,6 +1,6 @@
 """Units: what a group allocates, refcounts and caches, carved out of pool pages.
 
-A *unit* is the allocation granule of one group, in DESIGN.md's words either a kernel block or
+A *unit* is the allocation granule of one group, in docs/design.md's words either a kernel block or
 a page (`GroupPlan.unit_tokens` / `blocks_per_unit` say which; `hybridkv plan` shows them):
 
     block mode, attention group:  unit = one kernel block   (units_per_page = blocks_per_page)
@@ -9,7 +9,7 @@ a page (`GroupPlan.unit_tokens` / `blocks_per_unit` say which; `hybridkv plan` s
 
 So a unit id is a kernel-block id in block mode and a page id otherwise. The position of a unit
 inside its page is its *offset* (0 .. units_per_page - 1); "slot" is kept for the KV slot of a
-token (DESIGN.md section 2).
+token (design.md section 2).
 
     page p of a block-mode group (units_per_page = 4):
         | unit 4p+0 | unit 4p+1 | unit 4p+2 | unit 4p+3 |

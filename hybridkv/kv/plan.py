@@ -1,4 +1,4 @@
-"""The memory plan (DESIGN.md section 3): pure functions from layer specs to a frozen plan.
+"""The memory plan (design.md section 3): pure functions from layer specs to a frozen plan.
 
     A = attention bytes per token per layer      M = state bytes per layer
     align = max(smallest kernel block any attention backend accepts, page_tokens or 16)
@@ -13,7 +13,7 @@ An attention page of `page_tokens` tokens is split into `blocks_per_page` kernel
     page p:  | kb p*r+0 | kb p*r+1 | ... | kb p*r+r-1 |      r = blocks_per_page
                kernel_block_size tokens each
 
-What a group allocates, its *unit*, follows from the allocation mode (DESIGN.md section 5):
+What a group allocates, its *unit*, follows from the allocation mode (design.md section 5):
 
     mode    attention group                          state group
     block   a kernel block (unit_tokens = kbs)       a page (one state)
@@ -56,7 +56,7 @@ from hybridkv.layers.attention.registry import (
 
 DEFAULT_PAGE_TOKENS = 16
 DEFAULT_CONTEXT = PlanContext()
-NULL_PAGES = 1  # page 0 is reserved as the null page (DESIGN.md 5: skipped positions)
+NULL_PAGES = 1  # page 0 is reserved as the null page (design.md 5: skipped positions)
 # What a machine of the plan's platform normally has, for plans made without one at hand
 # (`hybridkv plan`): the engine passes what its machine really has.
 DEFAULT_CAPABILITIES = frozenset({"native", "triton"})
@@ -277,7 +277,7 @@ def select_kernel_block_size(
     ctx: PlanContext = DEFAULT_CONTEXT,
     requested: int | None = None,
 ) -> int:
-    """DESIGN.md 3.4: page_tokens if every backend accepts it, else the largest declared int
+    """design.md 3.4: page_tokens if every backend accepts it, else the largest declared int
     dividing page_tokens that every backend accepts; a requested size is validated the same way."""
 
     def ok(size: int) -> bool:
@@ -309,7 +309,7 @@ def select_kernel_block_size(
 
 
 def layers_per_group_for(bucket_sizes: Sequence[int]) -> int:
-    """DESIGN.md 3.5: the smallest bucket, or the largest if largest < 1.5 x smallest."""
+    """design.md 3.5: the smallest bucket, or the largest if largest < 1.5 x smallest."""
     smallest, largest = min(bucket_sizes), max(bucket_sizes)
     return largest if largest < 1.5 * smallest else smallest
 
@@ -321,7 +321,7 @@ def split_bucket(layers: Sequence[T], layers_per_group: int) -> list[tuple[T, ..
 
 
 def hybrid_page_tokens(state_bytes: int, attention_bytes_per_token: int, align: int) -> int:
-    """DESIGN.md 3.3: the smallest multiple of `align` whose attention page holds one state."""
+    """design.md 3.3: the smallest multiple of `align` whose attention page holds one state."""
     return align * math.ceil(state_bytes / (align * attention_bytes_per_token))
 
 
@@ -573,7 +573,7 @@ def make_plan(
     architecture: str = "",
     target: PlanTarget | None = None,
 ) -> MemoryPlan:
-    """The memory plan of a model's cache layers under a cache config (DESIGN.md section 3)."""
+    """The memory plan of a model's cache layers under a cache config (design.md section 3)."""
     target = target or PlanTarget()
     buckets = _bucket(layers)
     attn = [s for s in buckets if not isinstance(s, StateSpec)]

@@ -1,6 +1,6 @@
 """Layer specs: what one layer keeps per request.
 
-A *layer spec* describes the cache of one cache layer (DESIGN.md section 2):
+A *layer spec* describes the cache of one cache layer (design.md section 2):
 
 - `AttentionSpec`: K and V per token (optionally only inside a sliding window),
 - `MLASpec`: one compressed latent + rope key per token (DeepSeek-style MLA),
@@ -375,7 +375,7 @@ def _roles_from_indices(indices: Sequence[int], n: int, cfg: _Config, key: str, 
 def layer_roles(cfg: _Config, default: str | None = None) -> list[str]:
     """Per decoder layer: 'attention', 'sliding', 'state', 'hybrid' (both) or 'none'.
 
-    Families spell the layout in many ways (DESIGN.md section 10); all are accepted here.
+    Families spell the layout in many ways (design.md section 10); all are accepted here.
     """
     n = cfg.num_layers
     roles: list[str] | None = None

@@ -1,4 +1,4 @@
-"""Cache buffers and per-layer views (DESIGN.md section 4).
+"""Cache buffers and per-layer views (design.md section 4).
 
 There are `layers_per_group` flat byte buffers of `num_pages * page_bytes`; buffer i is shared by
 layer position i of every group, so a page id is valid in every buffer. A page belongs to one
