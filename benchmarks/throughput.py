@@ -37,13 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# hybridkv before torch, as a user's program imports it: it sets the OpenMP defaults that
-# OpenMP reads when PyTorch loads it (hybridkv/__init__.py).
-# isort: off
-import hybridkv  # noqa: E402, F401
 import torch  # noqa: E402
-
-# isort: on
 
 from hybridkv.entrypoints.bench import random_prompts  # noqa: E402
 
@@ -175,6 +169,9 @@ def run_isolated(
         proc = subprocess.run(
             [sys.executable, __file__, "--one", json.dumps(job)], capture_output=True, text=True
         )
+    for line in proc.stderr.splitlines():
+        if line.startswith("INFO:hybridkv:"):  # e.g. thread-count changes on a busy machine
+            print(f"{engine}: {line.removeprefix('INFO:hybridkv:')}", file=sys.stderr)
     for line in proc.stdout.splitlines():
         if line.startswith("HYBRIDKV_RESULT "):
             return json.loads(line.split(" ", 1)[1])["seconds"]
@@ -184,7 +181,11 @@ def run_isolated(
 
 def run_one(job: dict) -> None:
     """The child process of `run_isolated`: time one engine, print the result line."""
+    import logging
+
     from hybridkv.entrypoints import bench
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s:%(message)s")
 
     if job["threads"] > 0:
         torch.set_num_threads(job["threads"])

@@ -7,12 +7,6 @@ for the families hybridkv runs, whose cache it collects from the model built on 
 
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.worker.cpu_threads import set_openmp_defaults
-
-# Before torch loads OpenMP: waiting threads sleep instead of spinning (a busy machine would
-# otherwise slow the engine down 10x; see hybridkv/worker/cpu_threads.py).
-set_openmp_defaults()
-
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]
 

@@ -55,7 +55,7 @@ from hybridkv.models.registry import model_class
 from hybridkv.outputs import CompletionOutput, RequestOutput
 from hybridkv.sampling_params import MAX_SEED, SamplingParams, check_unicode
 from hybridkv.tokenizer import load_tokenizer
-from hybridkv.worker.cpu_threads import configure_engine_threads
+from hybridkv.worker.cpu_threads import CpuShare
 from hybridkv.worker.host_memory import keep_freed_memory
 from hybridkv.worker.model_runner import ModelRunner
 
@@ -231,10 +231,10 @@ class Engine:
         self.runtime = rt
         self.device, self.dtype, self.max_model_len = rt.device, rt.dtype, rt.max_model_len
         self.cache_config, self.scheduler_config = rt.cache, rt.scheduler
-        if self.device.type == "cpu":
-            configure_engine_threads()
-            if self.model_config.keep_freed_memory:
-                keep_freed_memory()
+        # CPU: as many threads as the CPUs other programs leave free (re-read every second)
+        self.cpu_share = CpuShare() if self.device.type == "cpu" else None
+        if self.device.type == "cpu" and self.model_config.keep_freed_memory:
+            keep_freed_memory()
         self.tokenizer = load_tokenizer(folder)  # None: token-id mode (no tokenizer.json)
 
         with torch.device("meta"):
@@ -388,6 +388,8 @@ class Engine:
         output) finishes that request with `RequestOutput.error`; an error in the batch's
         forward or sampling finishes the requests of that step (their states may be half
         written); the pool stays consistent and every other request goes on."""
+        if self.cpu_share is not None:
+            self.cpu_share.tick()
         out = self.scheduler.schedule()
         # the step's live requests (one aborted while the step ran is gone)
         stepped = [r for c in out.chunks if (r := self.requests.get(c.request_id)) is not None]

@@ -1,18 +1,22 @@
-"""CPU threads that share the machine well: how many, and how they wait.
+"""CPU threads that share the machine: as many as the CPUs other programs leave free.
 
-Two things make a CPU engine collapse when another program is busy on the machine:
+PyTorch (and the native kernels) run every op on an OpenMP team of `torch.get_num_threads()`
+threads, and each op ends at a barrier. When another program keeps a core busy, the team thread
+that shares its core finishes a scheduler time slice late, and the whole team waits at every
+barrier (hundreds per step): measured 10-60x slower with one busy neighbour on 2 cores.
+Telling OpenMP to sleep instead of spinning at barriers (`OMP_WAIT_POLICY=PASSIVE`) removes the
+collapse but halves throughput on a quiet machine (0.24M-parameter model: 21k -> 10k tokens/s),
+because every barrier then costs a wake-up.
 
-- **Spinning waits.** By default OpenMP threads spin at the end of every parallel region
-  (hundreds per step). When a neighbour holds a core, the thread it displaced finishes its part
-  a scheduler time slice late, and every other thread spins, holding its core, until it does:
-  measured 10-60x slower with one busy neighbour on 2 cores. With `OMP_WAIT_POLICY=PASSIVE` a
-  waiting thread sleeps and gives its core back. OpenMP reads the policy once, when PyTorch
-  loads it, so `hybridkv` sets the default when it is imported before torch
-  (`set_openmp_defaults`, called by `hybridkv/__init__.py`); a user's own setting wins.
-- **More threads than the process may use.** PyTorch starts one thread per core of the machine,
-  even where CPU affinity or a cgroup quota (containers) allows fewer. `engine_threads` is the
-  number the process may really use; the engine lowers PyTorch's thread count to it unless
-  OMP_NUM_THREADS chose one.
+So the engine keeps OpenMP's defaults and sizes the team instead (`CpuShare`):
+
+- at most the CPUs the process may use (`available_cpus`: its affinity mask, capped by a cgroup
+  CPU quota; PyTorch starts one thread per core of the machine even in a container allowed
+  fewer), unless OMP_NUM_THREADS chose a number;
+- about once a second, the CPU time other programs used on those CPUs (from /proc/stat, minus
+  this process's own) gives how many CPUs are busy elsewhere; the team shrinks to the CPUs left
+  free (at least one), and grows back when they are free again. A change needs two readings in
+  a row that agree, so a short burst does not make it flap.
 """
 
 from __future__ import annotations
@@ -20,25 +24,12 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
+import time
 from pathlib import Path
 
-OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+import torch
+
 logger = logging.getLogger("hybridkv")
-
-_applied: bool | None = None  # None: set_openmp_defaults never ran
-
-
-def set_openmp_defaults() -> bool:
-    """Set OPENMP_DEFAULTS where the environment has no value, if torch is not loaded yet
-    (after that, OpenMP has read its settings). True when they are in force."""
-    global _applied
-    if _applied is None:
-        _applied = "torch" not in sys.modules
-        if _applied:
-            for key, value in OPENMP_DEFAULTS.items():
-                os.environ.setdefault(key, value)
-    return _applied or all(os.environ.get(k) for k in OPENMP_DEFAULTS)
 
 
 def _cgroup_cpus() -> float | None:
@@ -59,42 +50,86 @@ def _cgroup_cpus() -> float | None:
     return None
 
 
+def _affinity() -> set[int]:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
+
+
 def available_cpus() -> int:
     """CPUs this process may run on: its affinity mask, capped by a cgroup quota."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
+    cpus = len(_affinity())
     quota = _cgroup_cpus()
     if quota is not None:
         cpus = min(cpus, max(1, math.ceil(quota)))
     return max(1, cpus)
 
 
-def configure_engine_threads() -> int:
-    """Lower PyTorch's intra-op threads to the CPUs the process may use (unless the user set
-    OMP_NUM_THREADS); warn once if OpenMP spins because torch was loaded before hybridkv.
-    Returns the thread count in force."""
-    import torch
+def busy_cpu_seconds(cpus: set[int]) -> float | None:
+    """CPU seconds spent not idle on `cpus` since boot (/proc/stat), None where unreadable."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    busy = 0
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+            continue
+        fields = [int(v) for v in rest.split()]
+        # user nice system idle iowait irq softirq steal ...: idle and iowait are not busy
+        busy += sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)
+    return busy / ticks
 
-    if not os.environ.get("OMP_NUM_THREADS"):
-        cpus = available_cpus()
-        if torch.get_num_threads() > cpus:
-            torch.set_num_threads(cpus)
-    if not set_openmp_defaults():
-        _warn_spinning()
-    return torch.get_num_threads()
 
+class CpuShare:
+    """Keeps PyTorch's intra-op threads at the CPUs other programs leave free (module doc).
+    `tick()` is cheap; the engine calls it once per step."""
 
-_warned = False
+    def __init__(self, interval_s: float = 1.0, max_threads: int | None = None) -> None:
+        self.fixed = bool(os.environ.get("OMP_NUM_THREADS"))  # the user chose: leave it
+        self.max_threads = max_threads or min(torch.get_num_threads(), available_cpus())
+        if self.fixed:
+            self.max_threads = torch.get_num_threads()
+        elif torch.get_num_threads() != self.max_threads:
+            torch.set_num_threads(self.max_threads)
+        self.interval_s = interval_s
+        self.cpus = _affinity()
+        self.threads = self.max_threads
+        self._pending: int | None = None
+        self._last = self._reading()
 
+    def _reading(self) -> tuple[float, float, float | None]:
+        """(wall seconds, this process's CPU seconds, busy CPU seconds of our CPUs)."""
+        return time.monotonic(), time.process_time(), busy_cpu_seconds(self.cpus)
 
-def _warn_spinning() -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        logger.warning(
-            "torch was imported before hybridkv, so OpenMP threads spin while they wait: on a "
-            "machine where other programs are busy that can cost 10x; set OMP_WAIT_POLICY=PASSIVE "
-            "or import hybridkv first"
-        )
+    def others_busy(self) -> float | None:
+        """CPUs' worth of time other programs used on our CPUs since the last reading."""
+        now = self._reading()
+        (wall0, own0, busy0), (wall1, own1, busy1) = self._last, now
+        self._last = now
+        if busy0 is None or busy1 is None or wall1 <= wall0:
+            return None
+        return max(0.0, ((busy1 - busy0) - (own1 - own0)) / (wall1 - wall0))
+
+    def tick(self) -> int:
+        """Re-size the team if a reading is due; returns the threads in use."""
+        if self.fixed or self.max_threads == 1:
+            return self.threads
+        if time.monotonic() - self._last[0] < self.interval_s:
+            return self.threads
+        others = self.others_busy()
+        if others is None:
+            return self.threads
+        want = max(1, min(self.max_threads, round(self.max_threads - others)))
+        if want == self.threads:
+            self._pending = None
+        elif want == self._pending:  # two readings agree: change
+            logger.info("other programs keep %.1f CPUs busy: %d threads", others, want)
+            self.threads, self._pending = want, None
+            torch.set_num_threads(want)
+        else:
+            self._pending = want
+        return self.threads
