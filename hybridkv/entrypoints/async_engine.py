@@ -1,77 +1,155 @@
 """The engine in a background thread, fed by asyncio request handlers.
 
-    handlers (event loop)                     engine thread
-    ---------------------                     -------------
-    submit(prompt, params) --("add")------->  engine.add_request
-    async for out in stream:   <--outputs--   engine.step()  (concurrent clients batch together)
-    client gone / cancelled --("abort")---->  engine.abort   (pages return to the pool)
+    handlers (event loop)                        engine thread
+    ---------------------                        -------------
+    sub = await submit(prompts, params) --add-->  engine.add_request for each (all or none,
+                                                  between two steps: they start together)
+    async for k, out in sub.outputs():  <------  engine.step()  (concurrent clients batch)
+    sub.close() (client gone, error) --abort--->  engine.abort   (pages return to the pool)
 
 Only the engine thread touches the engine. After every step it publishes a stats snapshot,
-which the /metrics endpoint reads without touching live engine structures.
+which the /metrics endpoint reads without touching live engine structures. A request the engine
+gives up on (`RequestOutput.error`) raises `RequestFailed` in its handler alone; an error of the
+loop itself fails the requests in the engine and the loop goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import logging
 import queue
 import threading
-import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from hybridkv.engine import Engine
 from hybridkv.outputs import RequestOutput
 from hybridkv.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    arrival: float = field(default_factory=time.monotonic)
+_ACCEPTED = object()  # the engine added every request of a submission
+
+
+class RequestFailed(Exception):
+    """The engine gave up on a request (`RequestOutput.error`), or could not serve it."""
+
+
+class Submission:
+    """The engine requests of one client request: added together, their outputs on one queue.
+
+    `close()` aborts those not finished (idempotent); handlers call it when they are done,
+    whatever happened, so that a client who left or an error never leaves pages behind."""
+
+    def __init__(self, engine: AsyncEngine, request_ids: list[str]) -> None:
+        self._engine = engine
+        self.request_ids = request_ids
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.unfinished = set(range(len(request_ids)))
+        self.closed = False
+
+    def put(self, item: Any) -> None:
+        """From the engine thread: hand an item to the handler's event loop."""
+        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody listens
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(index of the prompt, output) as they come, until every request finished. A
+        request the engine gave up on raises RequestFailed."""
+        while self.unfinished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            k, out = item
+            if out.finished:
+                self.unfinished.discard(k)
+                if out.error is not None or out.finish_reason == "abort":
+                    raise RequestFailed(out.error or "the engine aborted this request")
+            yield k, out
+
+    async def results(self) -> list[RequestOutput]:
+        """The final output of every request, in prompt order."""
+        last: list[Any] = [None] * len(self.request_ids)
+        async for k, out in self.outputs():
+            last[k] = out
+        return last
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._engine._close(self)
 
 
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, tuple[Submission, int]] = {}
         self._ids = itertools.count()
         self._stopped = threading.Event()
         self.stats: dict[str, Any] = {}
         self.finished: list[RequestOutput] = []  # drained by the metrics collector
+        self.aborted: list[tuple[int, int]] = []  # (prompt, generated tokens) of aborted requests
         self._finished_lock = threading.Lock()
         self._publish_stats()
         self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped.is_set()
+
     # -- handler side ------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        prompts: Sequence[str | list[int]],
+        params: Sequence[SamplingParams],
+        prefix: str = "req",
+    ) -> Submission:
+        """Add one request per prompt, all in the same pause between two engine steps (they
+        are scheduled together), and wait until the engine took them. The engine's ValueError
+        for a bad prompt or params is raised here, and then none of them was added."""
+        if len(prompts) != len(params):
+            raise ValueError("one SamplingParams per prompt")
+        if not self.alive:
+            raise RequestFailed("the engine is not running")
+        ids = [f"{prefix}-{next(self._ids)}" for _ in prompts]
+        sub = Submission(self, ids)
+        for k, request_id in enumerate(ids):
+            self._streams[request_id] = (sub, k)
+        self._commands.put(("add", sub, list(zip(ids, prompts, params, strict=True))))
+        try:
+            item = await sub.queue.get()
+        except BaseException:  # cancelled while waiting: whatever was added is aborted
+            sub.close()
+            raise
+        if item is not _ACCEPTED:
+            sub.close()
+            raise item
+        return sub
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, prefix: str = "req"
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs (one per step it advances); aborts it if the consumer
+        """Stream one request's outputs (one per step it advances); aborts it if the consumer
         stops early (client disconnect, cancellation)."""
-        request_id = f"{prefix}-{next(self._ids)}"
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt, params))
-        finished = False
+        sub = await self.submit([prompt], [params], prefix)
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            async for _, out in sub.outputs():
+                yield out
         finally:
+            sub.close()
+
+    def _close(self, sub: Submission) -> None:
+        for request_id in sub.request_ids:
             self._streams.pop(request_id, None)
-            if not finished:
-                self._commands.put(("abort", request_id))
+        unfinished = [sub.request_ids[k] for k in sorted(sub.unfinished)]
+        if unfinished:
+            self._commands.put(("abort", unfinished))
 
     def shutdown(self) -> None:
         self._stopped.set()
@@ -82,19 +160,17 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while not self._stopped.is_set():
-            self._drain_commands(block=not self.engine.has_unfinished)
-            if self.engine.has_unfinished:
-                try:
+            try:
+                self._drain_commands(block=not self.engine.has_unfinished)
+                if self.engine.has_unfinished and not self._stopped.is_set():
                     outputs = self.engine.step()
-                except Exception as exc:  # an engine bug must not kill the server silently
-                    self._fail_all(exc)
-                    continue
-                for out in outputs:
-                    self._deliver(out.request_id, out)
-                    if out.finished:
-                        with self._finished_lock:
-                            self.finished.append(out)
-                self._publish_stats()
+                    for out in outputs:
+                        self._deliver(out)
+                    self._publish_stats()
+            except Exception as exc:  # an engine bug must not kill the loop (nor the server)
+                logger.exception("engine loop error; failing the requests in the engine")
+                self._fail_all(f"engine error: {exc!r}")
+        self._fail_all("the server is shutting down")
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -111,24 +187,54 @@ class AsyncEngine:
     def _apply(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, request_id, prompt, params = cmd
+            _, sub, items = cmd
+            added: list[str] = []
             try:
-                self.engine.add_request(prompt, params, request_id=request_id, stream=True)
-            except ValueError as exc:
-                self._deliver(request_id, exc)
+                for request_id, prompt, params in items:
+                    self.engine.add_request(prompt, params, request_id=request_id, stream=True)
+                    added.append(request_id)
+            except Exception as exc:  # all or none: take back those already added
+                for request_id in added:
+                    self.engine.abort(request_id)
+                if not isinstance(exc, ValueError):
+                    logger.exception("adding a request failed")
+                    exc = RequestFailed(f"the engine could not add this request: {exc!r}")
+                sub.put(exc)
+            else:
+                sub.put(_ACCEPTED)
+            self._publish_stats()
         elif kind == "abort":
-            self.engine.abort(cmd[1])
+            for request_id in cmd[1]:
+                req = self.engine.requests.get(request_id)
+                if req is None:
+                    continue  # finished meanwhile, or never added
+                with self._finished_lock:
+                    self.aborted.append((req.num_prompt_tokens, len(req.output_token_ids)))
+                self.engine.abort(request_id)
             self._publish_stats()
 
-    def _deliver(self, request_id: str, item: Any) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    def _deliver(self, out: RequestOutput) -> None:
+        entry = self._streams.get(out.request_id)
+        if entry is not None:
+            sub, k = entry
+            sub.put((k, out))
+        if out.finished:
+            with self._finished_lock:
+                self.finished.append(out)
 
-    def _fail_all(self, exc: Exception) -> None:
+    def _fail_all(self, message: str) -> None:
+        """Fail every request in the engine and every submission still waiting."""
         for request_id in list(self.engine.requests):
-            self.engine.abort(request_id)
-            self._deliver(request_id, RuntimeError(f"engine error: {exc}"))
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # noqa: BLE001 (keep failing the others)
+                logger.exception("aborting %s failed", request_id)
+        for sub in {sub for sub, _ in list(self._streams.values())}:
+            sub.put(RequestFailed(message))
+        try:
+            self._publish_stats()
+        except Exception:  # noqa: BLE001
+            logger.exception("publishing stats failed")
 
     def _publish_stats(self) -> None:
         eng = self.engine
@@ -144,7 +250,9 @@ class AsyncEngine:
             "preemptions": eng.scheduler.num_preemptions,
         }
 
-    def drain_finished(self) -> list[RequestOutput]:
+    def drain_finished(self) -> tuple[list[RequestOutput], list[tuple[int, int]]]:
+        """Finished outputs and aborted requests since the last call (for the metrics)."""
         with self._finished_lock:
             out, self.finished = self.finished, []
-        return out
+            aborted, self.aborted = self.aborted, []
+        return out, aborted

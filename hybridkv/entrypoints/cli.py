@@ -346,16 +346,37 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="the model id clients send (default: --model, or 'hybridkv-default')",
     )
+    p.add_argument(
+        "--max-request-bytes",
+        default="4MiB",
+        help="the largest request body taken, e.g. 4MiB (default); larger ones get a 413",
+    )
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from hybridkv.entrypoints.server import serve
+    from hybridkv.entrypoints.server import bind_socket, serve
 
     if not 0 < args.port < 65536:
         raise CliError(f"--port must be in 1..65535, got {args.port}")
-    engine = _load_engine(args)
-    serve(engine, args.served_model_name or args.model or "hybridkv-default", args.host, args.port)
+    try:
+        max_request_bytes = parse_bytes(args.max_request_bytes)
+    except ValueError as exc:
+        raise CliError(f"--max-request-bytes: {exc}") from None
+    if max_request_bytes < 1:
+        raise CliError(f"--max-request-bytes must be at least 1 byte, got {args.max_request_bytes}")
+    # The address is taken before the model loads: a busy port is an error at once.
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise CliError(f"cannot listen on {args.host}:{args.port}: {reason}") from None
+    try:
+        engine = _load_engine(args)
+        name = args.served_model_name or args.model or "hybridkv-default"
+        serve(engine, name, args.host, args.port, max_request_bytes, sock=sock)
+    finally:
+        sock.close()
     return 0
 
 

@@ -65,7 +65,9 @@ class Metrics:
             "hybridkv_requests", "Requests by final status", ["status"], registry=self.registry
         )
         self.prompt_tokens = Counter(
-            "hybridkv_prompt_tokens", "Prompt tokens of finished requests", registry=self.registry
+            "hybridkv_prompt_tokens",
+            "Prompt tokens of finished or aborted requests",
+            registry=self.registry,
         )
         self.generation_tokens = Counter(
             "hybridkv_generation_tokens", "Generated tokens", registry=self.registry
@@ -94,8 +96,11 @@ class Metrics:
         self.requests.labels(status=status).inc()
 
     def _absorb_finished(self) -> None:
-        for out in self.engine.drain_finished():
-            self.count_request(out.finish_reason or "unknown")
+        """Requests by final status: "stop" and "length" (finished), "abort" (the client
+        left), "error" (the engine gave up on it); HTTP errors count as "error_<status>"."""
+        finished, aborted = self.engine.drain_finished()
+        for out in finished:
+            self.count_request("error" if out.error is not None else out.finish_reason or "unknown")
             self.prompt_tokens.inc(len(out.prompt_token_ids))
             n = len(out.token_ids)
             self.generation_tokens.inc(n)
@@ -105,6 +110,10 @@ class Metrics:
                 self.e2e.observe(m["last_token_time"] - m["arrival_time"])
                 if n > 1:
                     self.tpot.observe((m["last_token_time"] - m["first_token_time"]) / (n - 1))
+        for prompt_tokens, generated in aborted:
+            self.count_request("abort")
+            self.prompt_tokens.inc(prompt_tokens)
+            self.generation_tokens.inc(generated)
 
     def render(self) -> bytes:
         self._absorb_finished()

@@ -7,8 +7,19 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+def one_line(text: str, limit: int = 2000) -> str:
+    """Text safe to put in an error body: one line, at most `limit` characters, lone
+    surrogates (which cannot be encoded as UTF-8) written as backslash escapes."""
+    text = " ".join(str(text).split())
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class OpenAIError(Exception):
-    """A request error answered as {"error": {...}} with an HTTP 4xx status."""
+    """A request error answered as {"error": {"message", "type", "param", "code"}} (OpenAI's
+    shape) with an HTTP 4xx status, or a 5xx with type "server_error". `param` names the field
+    to blame as a path, e.g. "messages.0.content" or "max_tokens"."""
 
     def __init__(
         self,
@@ -16,16 +27,13 @@ class OpenAIError(Exception):
         status: int = 400,
         param: str | None = None,
         code: str | None = None,
-        kind: str = "invalid_request_error",
+        kind: str | None = None,
     ) -> None:
+        message = one_line(message)
         super().__init__(message)
-        self.message, self.status, self.param, self.code, self.kind = (
-            message,
-            status,
-            param,
-            code,
-            kind,
-        )
+        self.message, self.status, self.code = message, status, code
+        self.param = one_line(param, 200) if param is not None else None
+        self.kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
 
     def body(self) -> dict[str, Any]:
         return {
@@ -78,15 +86,18 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
 
 
-def message_text(message: ChatMessage) -> str:
-    """The text of a chat message (content parts of type "text" are joined)."""
+def message_text(message: ChatMessage, index: int = 0) -> str:
+    """The text of chat message number `index` (content parts of type "text" are joined)."""
     if message.content is None:
         return ""
     if isinstance(message.content, str):
         return message.content
     parts = []
-    for part in message.content:
+    for k, part in enumerate(message.content):
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise OpenAIError("only text content parts are supported", param="messages")
+            raise OpenAIError(
+                'only text content parts ({"type": "text", "text": "..."}) are supported',
+                param=f"messages.{index}.content.{k}",
+            )
         parts.append(part["text"])
     return "".join(parts)

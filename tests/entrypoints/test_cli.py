@@ -74,6 +74,7 @@ def test_generate_text_and_prompts_file(capsys, tiny_model_dir, tmp_path):
         (["generate", "--temperature", "-1"], "temperature"),
         (["generate", "--dtype", "int4"], "dtype must be"),
         (["serve", "--port", "0"], "--port must be in 1..65535"),
+        (["serve", "--max-request-bytes", "lots"], "--max-request-bytes"),
         (["bench", "--requests", "0"], "--requests and --new-tokens must be >= 1"),
     ],
 )
@@ -131,6 +132,17 @@ def test_help_for_every_subcommand():
             text=True,
         )
         assert proc.returncode == 0 and "usage: hybridkv" in proc.stdout
+
+
+def test_serve_on_a_busy_port_fails_before_loading(capsys, tiny_model_dir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, out, err = run(capsys, "serve", "--model", str(tiny_model_dir), "--port", str(port))
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err.count("\n") == 1 and "loading" not in err, err  # before the model loads
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err
 
 
 def test_serve_subprocess(tiny_model_dir):
