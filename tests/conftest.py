@@ -14,6 +14,16 @@ if not torch.cuda.is_available():
 HAS_GPU = torch.cuda.is_available()
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--soak-seconds",
+        type=float,
+        default=60.0,
+        help="how long the server soak test (tests/entrypoints/test_server_soak.py) runs its "
+        "clients (default 60)",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

@@ -8,9 +8,10 @@
     sub.close() (client gone, error) --abort--->  engine.abort   (pages return to the pool)
 
 Only the engine thread touches the engine. After every step it publishes a stats snapshot,
-which the /metrics endpoint reads without touching live engine structures. A request the engine
-gives up on (`RequestOutput.error`) raises `RequestFailed` in its handler alone; an error of the
-loop itself fails the requests in the engine and the loop goes on.
+which the /metrics endpoint reads without touching live engine structures; it hands finished
+and aborted requests to `on_finished` / `on_aborted` (the metrics) and keeps nothing of them.
+A request the engine gives up on (`RequestOutput.error`) raises `RequestFailed` in its handler
+alone; an error of the loop itself fails the requests in the engine and the loop goes on.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from hybridkv.engine import Engine
@@ -91,9 +92,10 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stopped = threading.Event()
         self.stats: dict[str, Any] = {}
-        self.finished: list[RequestOutput] = []  # drained by the metrics collector
-        self.aborted: list[tuple[int, int]] = []  # (prompt, generated tokens) of aborted requests
-        self._finished_lock = threading.Lock()
+        # called on the engine thread: a finished output; an aborted request's prompt and
+        # generated token counts
+        self.on_finished: Callable[[RequestOutput], None] | None = None
+        self.on_aborted: Callable[[int, int], None] | None = None
         self._publish_stats()
         self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
         self._thread.start()
@@ -208,19 +210,25 @@ class AsyncEngine:
                 req = self.engine.requests.get(request_id)
                 if req is None:
                     continue  # finished meanwhile, or never added
-                with self._finished_lock:
-                    self.aborted.append((req.num_prompt_tokens, len(req.output_token_ids)))
                 self.engine.abort(request_id)
+                self._notify(self.on_aborted, req.num_prompt_tokens, len(req.output_token_ids))
             self._publish_stats()
 
     def _deliver(self, out: RequestOutput) -> None:
+        if out.finished:  # counted before its handler can answer
+            self._notify(self.on_finished, out)
         entry = self._streams.get(out.request_id)
         if entry is not None:
             sub, k = entry
             sub.put((k, out))
-        if out.finished:
-            with self._finished_lock:
-                self.finished.append(out)
+
+    @staticmethod
+    def _notify(callback: Callable[..., None] | None, *args: Any) -> None:
+        if callback is not None:
+            try:
+                callback(*args)
+            except Exception:  # noqa: BLE001 (the metrics must not fail a request)
+                logger.exception("a finished-request callback failed")
 
     def _fail_all(self, message: str) -> None:
         """Fail every request in the engine and every submission still waiting."""
@@ -249,10 +257,3 @@ class AsyncEngine:
             "prefix_hit_tokens": eng.cache.stats.hit_tokens,
             "preemptions": eng.scheduler.num_preemptions,
         }
-
-    def drain_finished(self) -> tuple[list[RequestOutput], list[tuple[int, int]]]:
-        """Finished outputs and aborted requests since the last call (for the metrics)."""
-        with self._finished_lock:
-            out, self.finished = self.finished, []
-            aborted, self.aborted = self.aborted, []
-        return out, aborted

@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from hybridkv.entrypoints.async_engine import AsyncEngine
+from hybridkv.outputs import RequestOutput
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -91,30 +92,32 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_EngineCollector(engine))
+        engine.on_finished = self.observe_finished
+        engine.on_aborted = self.observe_aborted
 
     def count_request(self, status: str) -> None:
         self.requests.labels(status=status).inc()
 
-    def _absorb_finished(self) -> None:
-        """Requests by final status: "stop" and "length" (finished), "abort" (the client
-        left), "error" (the engine gave up on it); HTTP errors count as "error_<status>"."""
-        finished, aborted = self.engine.drain_finished()
-        for out in finished:
-            self.count_request("error" if out.error is not None else out.finish_reason or "unknown")
-            self.prompt_tokens.inc(len(out.prompt_token_ids))
-            n = len(out.token_ids)
-            self.generation_tokens.inc(n)
-            m = out.metrics
-            if "first_token_time" in m:
-                self.ttft.observe(m["first_token_time"] - m["arrival_time"])
-                self.e2e.observe(m["last_token_time"] - m["arrival_time"])
-                if n > 1:
-                    self.tpot.observe((m["last_token_time"] - m["first_token_time"]) / (n - 1))
-        for prompt_tokens, generated in aborted:
-            self.count_request("abort")
-            self.prompt_tokens.inc(prompt_tokens)
-            self.generation_tokens.inc(generated)
+    # Requests by final status: "stop" and "length" (finished), "abort" (the client left),
+    # "error" (the engine gave up on it); HTTP errors count as "error_<status>". Observed on
+    # the engine thread as requests finish (prometheus_client's metrics are thread-safe).
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        self.count_request("error" if out.error is not None else out.finish_reason or "unknown")
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        n = len(out.token_ids)
+        self.generation_tokens.inc(n)
+        m = out.metrics
+        if "first_token_time" in m:
+            self.ttft.observe(m["first_token_time"] - m["arrival_time"])
+            self.e2e.observe(m["last_token_time"] - m["arrival_time"])
+            if n > 1:
+                self.tpot.observe((m["last_token_time"] - m["first_token_time"]) / (n - 1))
+
+    def observe_aborted(self, prompt_tokens: int, generated: int) -> None:
+        self.count_request("abort")
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generated)
 
     def render(self) -> bytes:
-        self._absorb_finished()
         return generate_latest(self.registry)
