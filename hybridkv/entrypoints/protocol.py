@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 
 def one_line(text: str, limit: int = 2000) -> str:
@@ -65,8 +65,36 @@ class _Request(BaseModel):
     user: str | None = None
 
 
+def _prompt_kind(value: Any) -> str | None:
+    """Which form a prompt has, read from its first element: only that form is validated
+    (pydantic's default would try every form, and a list of a million token ids checked as
+    strings first holds the GIL for a third of a second)."""
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list):
+        first = value[0] if value else 0
+        return (
+            "texts" if isinstance(first, str) else "id_lists" if isinstance(first, list) else "ids"
+        )
+    return None
+
+
+Prompt = Annotated[
+    Annotated[str, Tag("text")]
+    | Annotated[list[str], Tag("texts")]
+    | Annotated[list[int], Tag("ids")]
+    | Annotated[list[list[int]], Tag("id_lists")],
+    Discriminator(
+        _prompt_kind,
+        custom_error_type="prompt_type",
+        custom_error_message="Input should be a string, a list of strings, a list of token ids "
+        "or a list of lists of token ids",
+    ),
+]
+
+
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False

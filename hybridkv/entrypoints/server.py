@@ -308,7 +308,7 @@ def _validation_error(errors: Sequence[Any], data: Any) -> OpenAIError:
     first = errors[0] if errors else {}
     where = _param_path(first.get("loc", ()), data, first.get("type") == "missing")
     if first.get("type") == "missing":
-        message = f"'{where}' is required (invalid value for '{where}': Field required)"
+        message = f"'{where}' is required"
     else:
         message = f"invalid value for '{where}': {first.get('msg', 'invalid')}"
     return OpenAIError(message, param=where or None)
@@ -323,6 +323,8 @@ def _param_path(loc: Sequence[Any], data: Any, missing: bool) -> str:
         in_list = isinstance(node, list) and isinstance(key, int) and 0 <= key < len(node)
         if in_dict or in_list:
             node = node[key]
+        elif isinstance(key, str) and not isinstance(node, dict):
+            continue  # the tag of a union's member ("str", "ids")
         elif not (missing and i == len(loc) - 1):
             break
         parts.append(str(key))
