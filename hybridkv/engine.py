@@ -258,6 +258,8 @@ class Engine:
         self.vocab_size = family.vocab_size
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        if self.cpu_share is not None:
+            self.cpu_share.settle()  # from what other programs did while the engine started
 
     # -- set-up --------------------------------------------------------------------------------
 

@@ -13,10 +13,11 @@ So the engine keeps OpenMP's defaults and sizes the team instead (`CpuShare`):
 - at most the CPUs the process may use (`available_cpus`: its affinity mask, capped by a cgroup
   CPU quota; PyTorch starts one thread per core of the machine even in a container allowed
   fewer), unless OMP_NUM_THREADS chose a number;
-- about once a second, the CPU time other programs used on those CPUs (from /proc/stat, minus
+- every half second, the CPU time other programs used on those CPUs (from /proc/stat, minus
   this process's own) gives how many CPUs are busy elsewhere; the team shrinks to the CPUs left
   free (at least one), and grows back when they are free again. A change needs two readings in
-  a row that agree, so a short burst does not make it flap.
+  a row that agree, so a short burst does not make it flap. The first reading, taken over the
+  engine's start-up (`settle`), sets the team at once, so a short run benefits too.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class CpuShare:
     """Keeps PyTorch's intra-op threads at the CPUs other programs leave free (module doc).
     `tick()` is cheap; the engine calls it once per step."""
 
-    def __init__(self, interval_s: float = 1.0, max_threads: int | None = None) -> None:
+    def __init__(self, interval_s: float = 0.5, max_threads: int | None = None) -> None:
         self.fixed = bool(os.environ.get("OMP_NUM_THREADS"))  # the user chose: leave it
         self.max_threads = max_threads or min(torch.get_num_threads(), available_cpus())
         if self.fixed:
@@ -114,6 +115,26 @@ class CpuShare:
             return None
         return max(0.0, ((busy1 - busy0) - (own1 - own0)) / (wall1 - wall0))
 
+    def _want(self, others: float) -> int:
+        return max(1, min(self.max_threads, round(self.max_threads - others)))
+
+    def _set(self, threads: int, others: float) -> None:
+        logger.info("other programs keep %.1f CPUs busy: %d threads", others, threads)
+        self.threads = threads
+        torch.set_num_threads(threads)
+
+    def settle(self, min_interval_s: float = 0.2) -> int:
+        """Set the team from one reading since the last (the engine's start-up), if it spans at
+        least `min_interval_s`; returns the threads in use."""
+        if self.fixed or self.max_threads == 1:
+            return self.threads
+        if time.monotonic() - self._last[0] < min_interval_s:
+            return self.threads
+        others = self.others_busy()
+        if others is not None and self._want(others) != self.threads:
+            self._set(self._want(others), others)
+        return self.threads
+
     def tick(self) -> int:
         """Re-size the team if a reading is due; returns the threads in use."""
         if self.fixed or self.max_threads == 1:
@@ -123,13 +144,12 @@ class CpuShare:
         others = self.others_busy()
         if others is None:
             return self.threads
-        want = max(1, min(self.max_threads, round(self.max_threads - others)))
+        want = self._want(others)
         if want == self.threads:
             self._pending = None
         elif want == self._pending:  # two readings agree: change
-            logger.info("other programs keep %.1f CPUs busy: %d threads", others, want)
-            self.threads, self._pending = want, None
-            torch.set_num_threads(want)
+            self._pending = None
+            self._set(want, others)
         else:
             self._pending = want
         return self.threads

@@ -73,3 +73,13 @@ def test_machine_readings():
     assert 1 <= available_cpus() <= len(os.sched_getaffinity(0))
     busy = busy_cpu_seconds(set(os.sched_getaffinity(0)))
     assert busy is not None and busy > 0.0  # Linux: /proc/stat is there
+
+
+def test_settle_sets_the_team_from_the_start_up_reading(monkeypatch, threads):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    machine = FakeMachine(monkeypatch)
+    share = CpuShare(max_threads=2)
+    machine.run(0.1, own_cpus=1.0, other_cpus=1.0)
+    assert share.settle() == 2  # too short a reading to trust
+    machine.run(0.5, own_cpus=1.0, other_cpus=1.0)
+    assert share.settle() == 1 and torch.get_num_threads() == 1  # one reading is enough
