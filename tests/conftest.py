@@ -18,9 +18,9 @@ def pytest_addoption(parser):
     parser.addoption(
         "--soak-seconds",
         type=float,
-        default=60.0,
+        default=170.0,
         help="how long the server soak test (tests/entrypoints/test_server_soak.py) runs its "
-        "clients (default 60)",
+        "clients (default 170: about 3 minutes with set-up and checks)",
     )
 
 

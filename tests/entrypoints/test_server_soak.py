@@ -1,4 +1,4 @@
-"""Soak: mixed clients against one server for --soak-seconds (default 60): streaming and not,
+"""Soak: mixed clients against one server for --soak-seconds (default 170): streaming and not,
 completions and chat, several prompts per request, log-probs, clients that leave mid-stream or
 before a non-streaming answer, bad input, shared prompt prefixes, and a pool small enough that
 requests are preempted. Afterwards nothing runs or waits, the pool is idle and intact, no
@@ -26,7 +26,7 @@ from tests.entrypoints.server_utils import (
 
 MODEL = "tiny"
 CLIENTS = 12
-WARM_UP_S = 15.0  # at most a quarter of the run
+WARM_UP_S = 45.0  # at most a quarter of the run
 # Generous: after the warm-up the C allocator's arenas still grow (about +100 MiB over the next
 # minute here, +35 MiB over the four after that); Python objects must not (a few thousand).
 RSS_GROWTH_BOUND = 256 * 2**20
