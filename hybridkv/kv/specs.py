@@ -540,25 +540,6 @@ def _parse_zamba2(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
     return _roles_to_layers(roles, lambda r: attention, lambda i: state)
 
 
-def _parse_gated_delta_net(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
-    """Qwen3-Next and Qwen3.5: gated delta net layers with a full-attention layer every few."""
-    state = gated_delta_net_state(
-        cfg.int("linear_num_key_heads"),
-        cfg.int("linear_num_value_heads"),
-        cfg.int("linear_key_head_dim"),
-        cfg.int("linear_value_head_dim"),
-        cfg.int("linear_conv_kernel_dim", default=4),
-        dt.conv,
-        dt.ssm,
-    )
-    return _roles_to_layers(
-        layer_roles(cfg),
-        lambda r: _attention(cfg, dt),
-        lambda i: state,
-        "linear_attn",
-    )
-
-
 def _parse_jamba(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
     if cfg.get("attn_layer_period") is None and not isinstance(cfg.get("layers_block_type"), list):
         cfg.data.setdefault("attn_layer_period", 8)  # transformers JambaConfig defaults
@@ -618,11 +599,6 @@ ARCHITECTURES: dict[str, _Parser] = {
     "GptOssForCausalLM": _parse_dense,
     "Gemma3ForCausalLM": _parse_dense,
     "Gemma3ForConditionalGeneration": _parse_dense,
-    "Qwen3NextForCausalLM": _parse_gated_delta_net,
-    "Qwen3_5ForCausalLM": _parse_gated_delta_net,
-    "Qwen3_5ForConditionalGeneration": _parse_gated_delta_net,
-    "Qwen3_5MoeForCausalLM": _parse_gated_delta_net,
-    "Qwen3_5MoeForConditionalGeneration": _parse_gated_delta_net,
     "JambaForCausalLM": _parse_jamba,
     "FalconH1ForCausalLM": _parse_falcon_h1,
     "Zamba2ForCausalLM": _parse_zamba2,

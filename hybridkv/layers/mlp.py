@@ -110,3 +110,20 @@ class GraniteMoE(nn.Module):
             h = F.linear(h, self.output_linear.weight[expert])
             out.index_add_(0, tokens, h * weights.reshape(-1)[rows, None])
         return out
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """RMSNorm whose weight is stored centred on zero: x_hat * (1 + weight), multiplied in
+    float32 and cast once (Qwen3-Next, Qwen3.5; the checkpoints hold `weight`, initialised 0)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__(hidden_size, eps, weight_in_fp32=True)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, 1.0 + self.weight.float(), self.eps, weight_in_fp32=True)
+
+    def add_forward(
+        self, x: torch.Tensor, h: torch.Tensor, multiplier: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(x, h, multiplier, 1.0 + self.weight.float(), self.eps, True)

@@ -16,6 +16,13 @@ MODELS: dict[str, str] = {
     "NemotronHForCausalLM": "hybridkv.models.nemotron_h:NemotronHForCausalLM",
     "LlamaForCausalLM": "hybridkv.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "hybridkv.models.llama:Qwen3ForCausalLM",
+    "Qwen3NextForCausalLM": "hybridkv.models.qwen3_next:Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM": "hybridkv.models.qwen3_next:Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM": "hybridkv.models.qwen3_next:Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "hybridkv.models.qwen3_next:Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration": (
+        "hybridkv.models.qwen3_next:Qwen3_5MoeForConditionalGeneration"
+    ),
 }
 
 

@@ -182,9 +182,9 @@ def test_unknown_architecture_lists_supported():
 
 
 def test_plan_only_family_missing_field_is_one_line():
-    cfg = load_preset("Qwen/Qwen3-Next-80B-A3B-Instruct")
-    del cfg["linear_num_key_heads"]
-    with pytest.raises(ConfigError, match="missing 'linear_num_key_heads'"):
+    cfg = load_preset("deepseek-ai/DeepSeek-V3")
+    del cfg["kv_lora_rank"]
+    with pytest.raises(ConfigError, match="missing 'kv_lora_rank'"):
         read_layers(cfg)
 
 
@@ -216,8 +216,8 @@ def test_non_integer_field():
     cfg["num_key_value_heads"] = "eight"
     with pytest.raises(ConfigError, match="'num_key_value_heads' must be int"):
         read(cfg)
-    cfg = load_preset("Qwen/Qwen3-Next-80B-A3B-Instruct")
-    cfg["linear_num_key_heads"] = "eight"
+    cfg = load_preset("deepseek-ai/DeepSeek-V3")
+    cfg["kv_lora_rank"] = "eight"
     with pytest.raises(ConfigError, match="must be an integer"):
         read(cfg)
 

@@ -3,9 +3,11 @@
 A family test module defines a module-scoped `checkpoint` fixture, (folder, transformers model),
 and imports `family` and `test_greedy_matches_transformers` from here, which runs every case:
 allocation page and block; kernel-block ratios 1, 2 and 3; prefix caching on and off with
-shared prefixes (one shorter than a page); chunked prefill split at unaligned positions; a pool
-so small that requests are preempted and resumed. Every case runs on the native CPU kernels
-where they build (hybridkv.ops.native); one case runs on the PyTorch ops instead.
+shared prefixes (one shorter than a page); a second turn whose prompts extend the first turn's
+prompts and answers (prefix hits on the state snapshots the first turn left); chunked prefill
+split at unaligned positions; a pool so small that requests are preempted and resumed. Every
+case runs on the native CPU kernels where they build (hybridkv.ops.native); one case runs on the
+PyTorch ops instead.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ NEW_TOKENS = 32
 # 1e-4 or more a token flip can only come from a bug.
 MIN_MARGIN = 1e-4
 LENGTHS = [5, 17, 33, 48, 9, 64, 2, 40]
+TURNS = 4  # conversations continued in a second turn
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class Case:
     name: str
     kwargs: dict[str, Any] = field(default_factory=dict)
     shared_prefix: bool = False  # run a first round, then prompts that share its prefixes
+    multi_turn: bool = False  # a first turn, then prompts = its prompt + answer + more
     expect_preemption: bool = False
     env: dict[str, str] = field(default_factory=dict)  # environment for the engine run
 
@@ -53,6 +57,8 @@ CASES = [
     Case("prefix-block", {"kernel_block_size": 4}, shared_prefix=True),
     Case("prefix-page", {"allocation": "page"}, shared_prefix=True),
     Case("no-prefix-cache", {"enable_prefix_caching": False}, shared_prefix=True),
+    Case("multi-turn", {"kernel_block_size": 4}, multi_turn=True),
+    Case("multi-turn-page", {"allocation": "page", "page_tokens": 32}, multi_turn=True),
     Case("chunked", {"max_num_batched_tokens": 13, "kernel_block_size": 8}),
     Case("preempt", {"num_pages": 14, "kernel_block_size": 8}, expect_preemption=True),
     Case(
@@ -71,6 +77,8 @@ class Family:
     plain_ref: list[list[int]]
     shared: list[list[int]]
     shared_ref: list[list[int]]
+    turns: list[list[int]]  # second-turn prompts: plain[i] + plain_ref[i] + new tokens
+    turn_ref: list[list[int]]
 
 
 def make_family(folder: Path, hf_model, vocab: int) -> Family:
@@ -79,8 +87,12 @@ def make_family(folder: Path, hf_model, vocab: int) -> Family:
     shared = prompts(vocab, [24, 30, 45, 21, 60, 33, 26, 52], seed=2, shared=20)
     plain_ref, m1 = reference_greedy(hf_model, plain, NEW_TOKENS)
     shared_ref, m2 = reference_greedy(hf_model, shared, NEW_TOKENS)
-    assert min(m1, m2) > MIN_MARGIN, f"random weights too flat to compare (margin {min(m1, m2)})"
-    return Family(folder, vocab, plain, plain_ref, shared, shared_ref)
+    more = prompts(vocab, [5, 9, 3, 6], seed=7)
+    turns = [plain[i] + plain_ref[i] + more[i] for i in range(TURNS)]
+    turn_ref, m3 = reference_greedy(hf_model, turns, NEW_TOKENS)
+    margin = min(m1, m2, m3)
+    assert margin > MIN_MARGIN, f"random weights too flat to compare (margin {margin})"
+    return Family(folder, vocab, plain, plain_ref, shared, shared_ref, turns, turn_ref)
 
 
 def check_case(family: Family, case: Case, **engine_kwargs: Any) -> None:
@@ -94,6 +106,13 @@ def check_case(family: Family, case: Case, **engine_kwargs: Any) -> None:
             assert engine.cache.stats.hit_tokens > 0, "the prefix cache was never hit"
         if not engine.cache_config.enable_prefix_caching:
             assert engine.cache.stats.hit_tokens == 0
+    elif case.multi_turn:
+        assert engine_greedy(engine, family.plain[:TURNS], NEW_TOKENS) == family.plain_ref[:TURNS]
+        hits = engine.cache.stats.hit_tokens
+        assert engine_greedy(engine, family.turns, NEW_TOKENS) == family.turn_ref
+        # every turn hit at least its first prompt: blocks, and the first turn's final rolling
+        # state snapshots where the model has state groups
+        assert engine.cache.stats.hit_tokens - hits >= sum(map(len, family.plain[:TURNS]))
     else:
         got = engine_greedy(engine, family.plain, NEW_TOKENS)
         assert got == family.plain_ref

@@ -21,6 +21,7 @@ from hybridkv.models.hf_config import LAYER_TYPES
 from hybridkv.models.registry import MODELS, build_on_meta, model_class
 
 RUNNABLE = sorted(MODELS)
+STATE_KINDS = ("mamba2", "gated_delta_net")
 RUNNABLE_PRESETS = [p for p in preset_ids() if architecture_of(load_preset(p)) in MODELS]
 MODEL_TYPES = {
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
@@ -28,6 +29,11 @@ MODEL_TYPES = {
     "NemotronHForCausalLM": "nemotron_h",
     "LlamaForCausalLM": "llama",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
 
 
@@ -36,7 +42,8 @@ def hf_config(config: dict):
     from transformers import AutoConfig
 
     keys = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
-    return AutoConfig.for_model(MODEL_TYPES[architecture_of(config)], **keys)
+    hf = AutoConfig.for_model(MODEL_TYPES[architecture_of(config)], **keys)
+    return getattr(hf, "text_config", None) or hf  # multimodal wrappers: the text model
 
 
 def _role(name: str) -> str:
@@ -66,6 +73,15 @@ def expected_specs(config: dict, dtypes: CacheDtypes) -> list[tuple]:
                 out.append((i, "mamba2", (conv, hf.conv_kernel - 1), ssm))
             elif _role(kind) == "attention":
                 out.append((i, "attention", hf.num_key_value_heads, hf.head_dim, None))
+    elif arch.startswith(("Qwen3Next", "Qwen3_5")):
+        conv = 2 * hf.linear_num_key_heads * hf.linear_key_head_dim
+        conv += hf.linear_num_value_heads * hf.linear_value_head_dim
+        for i, kind in enumerate(hf.layer_types):
+            if _role(kind) == "mamba":
+                rec = (hf.linear_num_value_heads, hf.linear_key_head_dim, hf.linear_value_head_dim)
+                out.append((i, "gated_delta_net", (conv, hf.linear_conv_kernel_dim - 1), rec))
+            else:
+                out.append((i, "attention", hf.num_key_value_heads, hf.head_dim, None))
     else:  # Llama, Qwen3
         kinds = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
         for i, kind in enumerate(kinds):
@@ -78,9 +94,9 @@ def expected_specs(config: dict, dtypes: CacheDtypes) -> list[tuple]:
 
 
 def _summary(layer_index: int, spec) -> tuple:
-    if spec.kind == "mamba2":
-        shapes = {t.name: t.shape for t in spec.tensors}
-        return (layer_index, "mamba2", shapes["conv"], shapes["ssm"])
+    if spec.kind in STATE_KINDS:
+        first, second = (t.shape for t in spec.tensors)  # conv, then ssm / recurrent
+        return (layer_index, spec.kind, first, second)
     return (layer_index, spec.kind, spec.num_kv_heads, spec.head_dim, spec.sliding_window)
 
 
@@ -98,9 +114,9 @@ def planned(config: dict, capsys, tmp_path) -> list[tuple]:
     for group in json.loads(capsys.readouterr().out)["groups"]:
         spec = group["spec"]
         for layer_id in group["layer_ids"]:
-            if spec["kind"] == "mamba2":
-                shapes = {t["name"]: tuple(t["shape"]) for t in spec["tensors"]}
-                rows.append((layer_id, "mamba2", shapes["conv"], shapes["ssm"]))
+            if spec["kind"] in STATE_KINDS:
+                first, second = (tuple(t["shape"]) for t in spec["tensors"])
+                rows.append((layer_id, spec["kind"], first, second))
             else:
                 rows.append(
                     (layer_id, spec["kind"], spec["num_kv_heads"], spec["head_dim"],
@@ -124,7 +140,7 @@ def test_a_config_without_optional_keys_takes_transformers_defaults(arch, capsys
     dtypes = resolve_cache_dtypes(config)
     ours = declared(config, dtypes)
     assert ours == sorted(expected_specs(config, dtypes))
-    if any(row[1] != "mamba2" for row in ours):
+    if any(row[1] not in STATE_KINDS for row in ours):
         assert planned(config, capsys, tmp_path) == ours
     else:  # Bamba and Granite default to every layer Mamba2: no attention to page by
         with pytest.raises(PlanError, match="pure state models are not supported"):
@@ -153,7 +169,10 @@ def test_typed_config_defaults_are_transformers_defaults(arch):
     value of the same name (after each derives what it derives)."""
     ours = model_class(arch).config_class.from_hf({})
     theirs = hf_config({"architectures": [arch]})
-    skip = {"rope_parameters", "rope_theta", "rope_scaling", "hybrid_override_pattern"}
+    skip = {
+        "rope_parameters", "rope_theta", "rope_scaling", "hybrid_override_pattern",
+        "partial_rotary_factor",  # compared below, through the rope parameters
+    }  # fmt: skip
     compared = 0
     for field in dataclasses.fields(ours):
         if field.name in skip or not hasattr(theirs, field.name):
@@ -167,6 +186,9 @@ def test_typed_config_defaults_are_transformers_defaults(arch):
     assert compared >= 10
     if hasattr(ours, "rope"):  # NemotronH has no position embedding
         assert ours.rope["rope_theta"] == theirs.rope_parameters["rope_theta"]
+    if hasattr(ours, "rotary_factor"):
+        want = theirs.rope_parameters.get("partial_rotary_factor")
+        assert want is None or ours.rotary_factor == want
 
 
 def test_cache_owners_are_found_by_module_path_not_by_name_strings():

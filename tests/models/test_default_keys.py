@@ -72,8 +72,18 @@ def llama():
     )  # fmt: skip  (num_key_value_heads: None, so the heads)
 
 
+def qwen3_next():
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    return Qwen3NextForCausalLM, Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        intermediate_size=48, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, initializer_range=0.1, max_position_embeddings=512,
+    )  # fmt: skip  (head_dim 256, 16 key / 32 value heads of 128, partial rotary 0.25)
+
+
 FAMILIES = {"nemotron_h": nemotron_h, "qwen3": qwen3, "granite": granite, "bamba": bamba,
-            "llama": llama}  # fmt: skip
+            "llama": llama, "qwen3_next": qwen3_next}  # fmt: skip
 
 
 def strip_defaults(folder, config_class) -> list[str]:
@@ -99,7 +109,8 @@ def stripped(request, tmp_path_factory):
 def test_the_telling_defaults_are_left_out(stripped):
     name, _, _, dropped = stripped
     telling = {"nemotron_h": "n_groups", "qwen3": "head_dim", "granite": "num_local_experts",
-               "bamba": "num_key_value_heads", "llama": "vocab_size"}  # fmt: skip
+               "bamba": "num_key_value_heads", "llama": "vocab_size",
+               "qwen3_next": "linear_num_value_heads"}  # fmt: skip
     if name == "llama":  # num_key_value_heads is written (as the heads); its default is None
         assert "num_key_value_heads" not in dropped
     else:

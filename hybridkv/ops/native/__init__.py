@@ -259,7 +259,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     """weight * x / sqrt(mean(x^2) + eps) over the last dimension of float32 x, in one pass;
     None when not supported."""
     lib, rows = library(), _rows(x)
-    if lib is None or rows is None or not _is_f32_cpu(weight):
+    if lib is None or rows is None or not _is_f32_cpu(weight) or weight.numel() != rows.shape[1]:
         return None
     weight = weight.contiguous()
     out = torch.empty(rows.shape, dtype=torch.float32)
@@ -277,6 +277,8 @@ def add_rms_norm(
     not supported."""
     lib = library()
     if lib is None or not _is_f32_cpu(x, h, weight) or x.shape != h.shape:
+        return None
+    if weight.numel() != x.shape[-1]:
         return None
     x, h, weight = x.contiguous(), h.contiguous(), weight.contiguous()
     total, out = torch.empty_like(x), torch.empty_like(x)
@@ -314,8 +316,8 @@ def gated_rms_norm(
     if lib is None or rows is None or gates is None or not _is_f32_cpu(weight):
         return None
     channels = rows.shape[1]
-    if gates.shape != rows.shape or channels % group_size:
-        return None
+    if gates.shape != rows.shape or channels % group_size or weight.numel() != channels:
+        return None  # (a weight of another size would be read out of bounds)
     rows, weight = rows.contiguous(), weight.contiguous()
     out = torch.empty(rows.shape, dtype=torch.float32)
     lib.hkv_gated_rms_norm_f32(

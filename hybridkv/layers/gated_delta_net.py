@@ -1,0 +1,171 @@
+"""The gated delta net layer (Qwen3-Next, Qwen3.5) with its conv and recurrent states in pages.
+
+    hidden [T, H] -> projections -> q, k [T, Hk, K], v [T, Hv, V] (through one causal conv1d
+    over [q | k | v] with silu), z [T, Hv, V], b, a [T, Hv]
+    g = -exp(A_log) * softplus(a + dt_bias)      beta = sigmoid(b)
+    o = gated delta rule(q, k, v, g, beta)        (ops.gated_delta; state [Hv, K, V] per page)
+    out_proj(rmsnorm(o) * weight * silu(z))      the norm is per value head, before the gate
+
+Parameter names follow transformers (`in_proj_qkvz`, `in_proj_ba` in Qwen3-Next; `in_proj_qkv`,
+`in_proj_z`, `in_proj_b`, `in_proj_a` in Qwen3.5; `conv1d`, `dt_bias`, `A_log`, `norm.weight`,
+`out_proj`) so checkpoints load by name. Qwen3-Next's fused projections are grouped by key
+head: for key head h the columns hold [q_h | k_h | v of its Hv/Hk value heads | z of them].
+
+The layer owns its cache (`CacheOwner`): a `gated_delta_net` state of `conv` [2 * Hk * K + Hv *
+V, conv_kernel - 1] and `recurrent` [Hv, K, V], and declares where its ops can run
+(`GDN_OPS`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
+from hybridkv.layers.cache import CacheOwner, StateCache
+from hybridkv.layers.state_base import StateMetadata
+from hybridkv.ops.gated_delta import gdn_gates
+from hybridkv.ops.gdn_ops import TorchGDNOps
+from hybridkv.ops.norm import gated_rms_norm
+from hybridkv.worker.batch import ForwardBatch
+
+CONV, RECURRENT = "conv", "recurrent"  # the state tensors this layer declares and reads
+LAYOUTS = ("qwen3_next", "qwen3_5")
+_OPS = "hybridkv.ops.gdn_ops:"
+
+# Where the ops can run, in order of preference (the plan takes the first that runs here).
+GDN_OPS = (StateOps("torch", _OPS + "TorchGDNOps", description="PyTorch reference"),)
+TORCH_OPS = TorchGDNOps()
+
+
+class _NormWeight(nn.Module):
+    """Holds `norm.weight` (the computation is `ops.norm.gated_rms_norm`)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(channels))
+
+
+class GatedDeltaNet(CacheOwner):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int = 4,
+        norm_eps: float = 1e-6,
+        layout: str = "qwen3_next",
+        *,
+        layer_index: int = 0,
+    ) -> None:
+        super().__init__(layer_index)
+        if num_v_heads % num_k_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({num_v_heads}) must be a multiple of "
+                f"linear_num_key_heads ({num_k_heads})"
+            )
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown gated delta net layout {layout!r}; known: {LAYOUTS}")
+        if conv_kernel < 2:
+            raise ValueError(f"linear_conv_kernel_dim must be at least 2, got {conv_kernel}")
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = conv_kernel
+        self.norm_eps = norm_eps
+        self.layout = layout
+        if layout == "qwen3_next":
+            self.in_proj_qkvz = nn.Linear(hidden_size, self.conv_dim + self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
+            self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
+        # depthwise, no bias: weight [conv_dim, 1, kernel] as in the checkpoints
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.norm = _NormWeight(head_v_dim)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    # -- the cache it owns -------------------------------------------------------------------
+
+    def cache_spec(self, dtypes: CacheDtypes) -> StateSpec:
+        """conv: the last conv_kernel - 1 inputs of [q | k | v]; recurrent: S per value head."""
+        return StateSpec(
+            "gated_delta_net",
+            (
+                StateTensor(CONV, (self.conv_dim, self.conv_kernel - 1), dtypes.conv),
+                StateTensor(
+                    RECURRENT, (self.num_v_heads, self.head_k_dim, self.head_v_dim), dtypes.ssm
+                ),
+            ),
+            GDN_OPS,
+        )
+
+    # -- projections ------------------------------------------------------------------------
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x: [T, hidden] -> qkv [T, conv_dim] (as [q | k | v]), z [T, value_dim], b, a [T, Hv]."""
+        if self.layout == "qwen3_5":
+            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        t = x.shape[0]
+        per = self.num_v_heads // self.num_k_heads  # value heads per key head
+        kd, vd = self.head_k_dim, self.head_v_dim
+        # [T, Hk, K | K | per*V | per*V]: grouped by key head
+        qkvz = self.in_proj_qkvz(x).view(t, self.num_k_heads, 2 * kd + 2 * per * vd)
+        q, k, v, z = qkvz.split([kd, kd, per * vd, per * vd], dim=-1)
+        ba = self.in_proj_ba(x).view(t, self.num_k_heads, 2 * per)
+        b, a = ba.split([per, per], dim=-1)
+        qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        return qkv, z.reshape(t, -1), b.reshape(t, -1), a.reshape(t, -1)
+
+    # -- forward ----------------------------------------------------------------------------
+
+    def forward(self, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """hidden_states: [T, hidden] -> [T, hidden], states updated in this layer's pages."""
+        cache = self.cache
+        assert isinstance(cache, StateCache)
+        meta: StateMetadata = self.step_metadata(batch)
+        return self.mix(
+            hidden_states, cache.tensors[CONV], cache.tensors[RECURRENT], meta, cache.ops
+        )
+
+    def mix(
+        self,
+        hidden_states: torch.Tensor,
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+        meta: StateMetadata,
+        ops: TorchGDNOps = TORCH_OPS,
+    ) -> torch.Tensor:
+        """hidden_states: [T, hidden]; conv_state: [num_pages, conv_dim, conv_kernel - 1];
+        recurrent_state: [num_pages, Hv, K, V] (both updated in place) -> [T, hidden]."""
+        t = hidden_states.shape[0]
+        qkv, z, b, a = self._project(hidden_states)
+        qkv = ops.conv1d(qkv, self.conv1d.weight[:, 0, :], None, conv_state, meta, "silu")
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] float32
+        o = ops.rule(
+            q.reshape(t, self.num_k_heads, self.head_k_dim),
+            k.reshape(t, self.num_k_heads, self.head_k_dim),
+            v.reshape(t, self.num_v_heads, self.head_v_dim),
+            g,
+            beta,
+            recurrent_state,
+            meta,
+        )  # [T, Hv, V] float32
+        # transformers rounds the rule's output to the model dtype before the norm, which
+        # normalises each value head with one [V] weight: rows of [T * Hv, V]
+        o = o.to(hidden_states.dtype).reshape(t * self.num_v_heads, self.head_v_dim)
+        z = z.reshape(t * self.num_v_heads, self.head_v_dim)
+        y = gated_rms_norm(
+            o, z, self.norm.weight, self.norm_eps, self.head_v_dim, norm_before_gate=True
+        )
+        return self.out_proj(y.reshape(t, self.value_dim))
