@@ -229,6 +229,26 @@ def state_reports(target: Target) -> list[Report]:
     kernel = compile_kernel(M._conv_decode_kernel, consts, target, pointers=index,
                             unit_strides=conv_units)  # fmt: skip
     out.append(report("conv1d_decode, bf16", kernel, target))
+    return out + gdn_reports(target)
+
+
+def gdn_reports(target: Target) -> list[Report]:
+    """The gated-delta decode kernel at Qwen3-Next's sizes (value and key heads of 128), bf16
+    and float32 state pages."""
+    from hybridkv.ops import triton_gdn as G
+
+    fp32 = {k: "*fp32" for k in ("o_ptr", "q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr")}
+    index = {"pages_ptr": "*i64", "has_init_ptr": "*u8"}
+    units = {"stride_ov", "stride_sv", "stride_qk", "stride_kk", "stride_vv", "stride_gh",
+             "stride_bh"}  # fmt: skip
+    out = []
+    for dtype in ("bf16", "fp32"):
+        block_k, block_v = G.gdn_decode_blocks(128, 128)
+        consts = dict(K=128, V=128, BLOCK_K=block_k, BLOCK_V=block_v)
+        kernel = compile_kernel(G._gdn_decode_kernel, consts, target,
+                                pointers={**fp32, **index, "state_ptr": f"*{dtype}"},
+                                unit_strides=units)  # fmt: skip
+        out.append(report(f"gdn_decode, {dtype} state", kernel, target))
     return out
 
 
