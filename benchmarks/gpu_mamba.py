@@ -10,7 +10,9 @@ state pages lie scattered in a pool twice that size, with bfloat16 and float32 s
 - state update: `triton_mamba.ssm_decode` (one pass over each state, in its page) against the
   PyTorch route the GPU took before it (`_initial_ssm_state` gather, `ssd_step`, `index_copy_`
   scatter), which is also the reference the outputs are checked against;
-- conv update: `triton_mamba.conv1d_decode` against `conv1d.causal_conv1d_decode`.
+- conv update: `triton_mamba.conv1d_decode` against `conv1d.causal_conv1d_decode`;
+- gated delta rule (Qwen3-Next's linear attention, 32 value heads of 128 x 128 per layer):
+  `triton_gdn.gdn_decode` against the PyTorch route (`gated_delta.decode_rows`).
 
 Bandwidth counts each state byte read once and written once; `%copy` relates it to a
 device-to-device copy measured in the same run. Times are medians of CUDA-event timings.
@@ -34,6 +36,8 @@ from gpu_attention import copy_bandwidth_gbps, empty_cache, median_ms  # noqa: E
 
 GRANITE_H_SMALL = dict(heads=128, head_dim=64, d_state=128, groups=1, d_conv=4)
 TINY = dict(heads=4, head_dim=8, d_state=16, groups=2, d_conv=4)
+QWEN3_NEXT_GDN = dict(v_heads=32, k_heads=16, k_dim=128, v_dim=128)
+TINY_GDN = dict(v_heads=4, k_heads=2, k_dim=16, v_dim=8)
 
 
 @dataclass
@@ -107,6 +111,33 @@ def bench_conv(args, shape, batch: int, copy_gbps: float) -> Row:
                t_torch / t_triton, gbps, gbps / copy_gbps, diff)  # fmt: skip
 
 
+def bench_gdn(args, shape, batch: int, dtype: torch.dtype, copy_gbps: float) -> Row:
+    from hybridkv.ops import gated_delta, triton_gdn
+
+    hv, hk, kd, vd = (shape[key] for key in ("v_heads", "k_heads", "k_dim", "v_dim"))
+    gen = torch.Generator().manual_seed(batch + 2)
+    dev = args.device
+    state = torch.randn(2 * batch, hv, kd, vd, generator=gen).to(dev, dtype)
+    pages = torch.randperm(2 * batch, generator=gen)[:batch].to(dev)
+    has_state = torch.ones(batch, dtype=torch.bool, device=dev)
+    q, k = (torch.randn(batch, hk, kd, generator=gen).to(dev) for _ in range(2))
+    v = torch.randn(batch, hv, vd, generator=gen).to(dev)
+    g = -torch.rand(batch, hv, generator=gen).to(dev)
+    beta = torch.rand(batch, hv, generator=gen).to(dev)
+    inputs = gated_delta.rule_inputs(q, k, v, g, beta)
+    torch_step = partial(gated_delta.decode_rows, state.clone(), pages, has_state, inputs)
+    triton_step = partial(triton_gdn.gdn_decode, state, pages, has_state, inputs)
+    diff = float((torch_step() - triton_step()).abs().max())
+    t_torch = median_ms(torch_step, args.warmup, args.iters, dev)
+    t_triton = median_ms(triton_step, args.warmup, args.iters, dev)
+    moved = 2 * batch * state[0].numel() * state.element_size()  # read + write
+    gbps = moved / (t_triton * 1e-3) / 1e9
+    del state
+    empty_cache()
+    return Row("gdn_decode", batch, str(dtype).removeprefix("torch."), t_torch * 1e3,
+               t_triton * 1e3, t_torch / t_triton, gbps, gbps / copy_gbps, diff)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -126,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in (torch.bfloat16, torch.float32):
             rows.append(bench_ssm(args, shape, batch, dtype, copy_gbps))
         rows.append(bench_conv(args, shape, batch, copy_gbps))
+        gdn = QWEN3_NEXT_GDN if args.device == "cuda" else TINY_GDN
+        for dtype in (torch.bfloat16, torch.float32):
+            rows.append(bench_gdn(args, gdn, batch, dtype, copy_gbps))
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter)"
     if args.json:
         report = {"device": device, "shape": shape, "copy_gbps": copy_gbps,

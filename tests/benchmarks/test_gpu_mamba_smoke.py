@@ -26,10 +26,12 @@ def test_gpu_mamba_runs(capsys, monkeypatch):
     assert module.main(argv) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert [(r["op"], r["state_dtype"]) for r in rows] == [
-        ("ssm_decode", "bfloat16"), ("ssm_decode", "float32"), ("conv1d_decode", "bfloat16")
+        ("ssm_decode", "bfloat16"), ("ssm_decode", "float32"), ("conv1d_decode", "bfloat16"),
+        ("gdn_decode", "bfloat16"), ("gdn_decode", "float32"),
     ]  # fmt: skip
     assert all(r["torch_us"] > 0 and r["triton_us"] > 0 for r in rows)
     # the kernels and the PyTorch route agree: float32 math on the same inputs, except that
     # PyTorch's conv computes in the weights' bfloat16 (a bf16 step at values of a few units)
     assert rows[0]["max_abs_diff"] < 1e-4 and rows[1]["max_abs_diff"] < 1e-4
     assert rows[2]["max_abs_diff"] < 0.1
+    assert rows[4]["max_abs_diff"] < 1e-4  # the gated delta step, float32 pages
