@@ -49,6 +49,8 @@ from hybridkv.sampling_params import SamplingParams  # noqa: E402
 MODELS = [
     "ibm-granite/granite-4.0-h-small",
     "Qwen/Qwen3-Next-80B-A3B-Instruct",
+    "Qwen/Qwen3.5-27B",
+    "Qwen/Qwen3.5-35B-A3B",
     "nvidia/NVIDIA-Nemotron-Nano-9B-v2",
     "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16",
     "tiiuae/Falcon-H1-7B-Instruct",
@@ -308,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="reduced run (under a minute)")
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
-    p.add_argument("--models", nargs="*", default=None, help="preset ids (default: all seven)")
+    p.add_argument("--models", nargs="*", default=None, help="preset ids (default: all nine)")
     p.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=WORKLOADS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
