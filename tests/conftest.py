@@ -60,6 +60,15 @@ def mamba2_ops(kernels):
     return NativeMamba2Ops() if kernels == "native" else TorchMamba2Ops()
 
 
+@pytest.fixture
+def gdn_ops(kernels):
+    """The gated-delta-net ops a state group would run: the native kernels or the PyTorch
+    reference."""
+    from hybridkv.ops.gdn_ops import NativeGDNOps, TorchGDNOps
+
+    return NativeGDNOps() if kernels == "native" else TorchGDNOps()
+
+
 def state_meta(pages, has_initial_state, query_start_loc, max_query_len):
     from hybridkv.layers.state_base import StateMetadata
 

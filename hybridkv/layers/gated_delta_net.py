@@ -34,7 +34,18 @@ LAYOUTS = ("qwen3_next", "qwen3_5")
 _OPS = "hybridkv.ops.gdn_ops:"
 
 # Where the ops can run, in order of preference (the plan takes the first that runs here).
-GDN_OPS = (StateOps("torch", _OPS + "TorchGDNOps", description="PyTorch reference"),)
+GDN_OPS = (
+    StateOps(
+        "native",
+        _OPS + "NativeGDNOps",
+        frozenset({"cpu"}),
+        frozenset({"float32", "bfloat16"}),  # the rule's kernel takes both (float32 math)
+        needs="native",
+        description="C kernels (hybridkv.ops.native), state in place; PyTorch conv1d for "
+        "bfloat16 activations or conv state",
+    ),
+    StateOps("torch", _OPS + "TorchGDNOps", description="PyTorch reference"),
+)
 TORCH_OPS = TorchGDNOps()
 
 

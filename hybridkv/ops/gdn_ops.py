@@ -7,6 +7,9 @@ takes its conv from the Mamba2 ops class of the same backend) and the gated delt
     backend    causal conv1d                        gated delta rule
     torch      PyTorch (ops.conv1d)                 PyTorch chunked form + recurrence
                                                     (ops.gated_delta)
+    native     C kernel, state in place, for        C kernel, token by token, state in place
+               float32 activations, weight and      (ops.native.gated_delta_rule): float32 or
+               state; PyTorch for bfloat16 ones     bfloat16 q/k/v and state, float32 math
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from __future__ import annotations
 import torch
 
 from hybridkv.layers.state_base import StateMetadata
+from hybridkv.ops import native
 from hybridkv.ops.gated_delta import DecodeRows, gated_delta_rule_varlen
-from hybridkv.ops.mamba2_ops import TorchMamba2Ops
+from hybridkv.ops.mamba2_ops import NativeMamba2Ops, TorchMamba2Ops, _declined
 
 
 class TorchGDNOps(TorchMamba2Ops):
@@ -44,3 +48,51 @@ class TorchGDNOps(TorchMamba2Ops):
     def rule_decode(self) -> DecodeRows | None:
         """A kernel for the one-token requests (None: the PyTorch recurrence)."""
         return None
+
+
+class NativeGDNOps(NativeMamba2Ops, TorchGDNOps):
+    """The C kernels of `hybridkv.ops.native` (CPU). The gated delta rule runs natively for
+    float32 and bfloat16 inputs and states (`layers.gated_delta_net.GDN_OPS` declares both). The
+    conv1d runs natively where its kernel applies (float32 activations, weight and conv state, at
+    most `native.CONV_MAX_HISTORY` history columns), else in PyTorch: bfloat16 models stay on
+    native ops for the rule, where the time goes, and the route is fixed per layer by its dtypes
+    and width, never a fallback after a kernel declined."""
+
+    name = "native"
+
+    def conv1d(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        conv_state: torch.Tensor,
+        meta: StateMetadata,
+        activation: str | None,
+    ) -> torch.Tensor:
+        if native_conv_applies(x, weight, conv_state):
+            return super().conv1d(x, weight, bias, conv_state, meta, activation)
+        return TorchMamba2Ops.conv1d(self, x, weight, bias, conv_state, meta, activation)
+
+    def rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        meta: StateMetadata,
+    ) -> torch.Tensor:
+        o = native.gated_delta_rule(
+            q, k, v, g, beta, state, meta.state_pages, meta.has_initial_state,
+            meta.query_start_loc,
+        )  # fmt: skip
+        if o is None:
+            raise RuntimeError(_declined("gated delta rule", v, state))
+        return o
+
+
+def native_conv_applies(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> bool:
+    """Whether the native conv1d kernel takes these tensors (float32, a short enough history)."""
+    fp32 = all(t.dtype == torch.float32 for t in (x, weight, conv_state))
+    return fp32 and weight.shape[-1] - 1 <= native.CONV_MAX_HISTORY

@@ -14,8 +14,10 @@ gated RMSNorm run as one pass over their rows (PyTorch makes four to six): 1.6 t
 Build: `gcc -O3 -march=native -fopenmp -shared` into `$XDG_CACHE_HOME/hybridkv` (default
 `~/.cache/hybridkv`), keyed by the source, the compiler flags and the CPU's flags, so a cache
 shared between machines never loads a build for another CPU. Built once, about a second. No
-compiler, a failed build, a non-float32 tensor, or `HYBRIDKV_NATIVE=0` in the environment: the
-callers keep their PyTorch path (the reference the tests compare both with).
+compiler, a failed build, a tensor of a dtype the kernel does not take (float32; the gated delta
+rule also bfloat16), or `HYBRIDKV_NATIVE=0` in the environment: the callers keep their PyTorch
+path (the reference the tests compare both with), or, for the state ops chosen by the plan, the
+plan does not choose native ones.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ _SIGNATURES = {
     "hkv_silu_mul_f32": [_ptr, _i64, _ptr, _i64, _i64],
     "hkv_gated_rms_norm_f32": [_ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _f32, _int],
     "hkv_argmax_f32": [_ptr, _i64, _i64, _i64, _ptr],
+    "hkv_gated_delta_rule": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
+                             _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr,
+                             _ptr],
 }  # fmt: skip
 
 
@@ -170,6 +175,80 @@ def mamba2_scan(
         D.data_ptr(), y.data_ptr(),
     )  # fmt: skip
     return y
+
+
+GDN_DTYPES = (torch.float32, torch.bfloat16)  # of q, k, v and of the state
+
+
+def _head_rows(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D] with each token's heads contiguous (a view when they are): the rows the
+    gated delta rule kernel reads at a token stride."""
+    if x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2]):
+        return x
+    return x.contiguous()
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    state_pages: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> torch.Tensor | None:
+    """The gated delta rule of packed requests natively (prefill chunks and decode steps, token
+    by token, each state read and written once in its page; `ops.gated_delta` is the reference);
+    None when the kernels or these tensors are not supported.
+
+    q, k: [T, Hk, K] raw (normalised in the kernel); v: [T, Hv, V]; q, k, v all float32 or all
+    bfloat16 (token rows may be strided); g, beta: [T, Hv] (float32); state:
+    [num_pages, Hv, K, V] float32 or bfloat16 (a page-strided view, each page contiguous);
+    state_pages, has_initial_state: [S]; query_start_loc: [S + 1] -> o [T, Hv, V] float32.
+    """
+    lib = library()
+    if lib is None or q.dim() != 3 or v.dim() != 3 or q.shape != k.shape:
+        return None
+    tensors = (q, k, v, g, beta, state)
+    if any(t.device.type != "cpu" for t in tensors) or not q.dtype == k.dtype == v.dtype:
+        return None
+    if q.dtype not in GDN_DTYPES or state.dtype not in GDN_DTYPES:
+        return None
+    tokens, heads_k, dim_k = q.shape
+    heads_v, dim_v = v.shape[1:]
+    if v.shape[0] != tokens or heads_k == 0 or heads_v % heads_k:
+        return None
+    if g.shape != (tokens, heads_v) or beta.shape != g.shape:
+        return None
+    if state.shape[1:] != (heads_v, dim_k, dim_v):
+        return None
+    if state.stride()[1:] != (dim_k * dim_v, dim_v, 1):
+        return None
+    o = torch.empty(tokens, heads_v, dim_v, dtype=torch.float32)
+    pages, has, starts, lens = _spans(state_pages, has_initial_state, query_start_loc)
+    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= state.shape[0]):
+        return None  # (a page out of range would be read and written out of bounds)
+    if pages.shape[0] != lens.shape[0]:
+        return None
+    if lens.numel() and (int(lens.min()) < 0 or int((starts + lens).max()) > tokens):
+        return None  # (nor may a request's tokens lie outside q, k, v and o)
+    if tokens == 0 or pages.numel() == 0:
+        return o
+    q, k, v = _head_rows(q), _head_rows(k), _head_rows(v)
+    g, beta = g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous()
+    failed = torch.zeros(1, dtype=torch.int32)
+    lib.hkv_gated_delta_rule(
+        state.data_ptr(), state.stride(0), int(state.dtype == torch.bfloat16), pages.data_ptr(),
+        has.data_ptr(), starts.data_ptr(), lens.data_ptr(), pages.shape[0], heads_k, heads_v,
+        dim_k, dim_v, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+        v.stride(0), int(q.dtype == torch.bfloat16), g.data_ptr(), beta.data_ptr(), o.data_ptr(),
+        failed.data_ptr(),
+    )  # fmt: skip
+    if int(failed):
+        raise MemoryError("the native gated delta rule could not allocate its work space")
+    return o
 
 
 CONV_MAX_HISTORY = 8  # HKV_CONV_MAX_HISTORY in kernels.c

@@ -1,13 +1,15 @@
-/* CPU kernels for a hybrid model's Mamba2 scan and causal conv1d (prefill and decode), decode
- * attention, and the row-wise norms and activations between the GEMMs.
+/* CPU kernels for a hybrid model's Mamba2 scan, gated delta rule (Qwen3-Next, Qwen3.5) and
+ * causal conv1d (prefill and decode), decode attention, and the row-wise norms and activations
+ * between the GEMMs.
  *
  * Plain C with OpenMP, built at first use by hybridkv/ops/native/__init__.py (gcc -O3
  * -march=native -fopenmp) and called through ctypes. Each reads the paged cache in place, so
  * nothing is gathered into a temporary: a Mamba2 state is read and written once per step, a
  * request's K and V are read once; a norm or activation reads its rows once where PyTorch's
  * element-wise ops pass over them four to six times. All tensors are float32 and contiguous
- * unless a stride is passed. OpenMP here is the libgomp that torch already loaded (same soname),
- * so torch.set_num_threads() sets the number of threads for these loops too.
+ * unless a stride is passed (the gated delta rule also takes bfloat16 inputs and states).
+ * OpenMP here is the libgomp that torch already loaded (same soname), so
+ * torch.set_num_threads() sets the number of threads for these loops too.
  */
 #include <math.h>
 #include <stdint.h>
@@ -346,6 +348,335 @@ void hkv_conv1d_f32(float *state, int64_t page_stride, const int64_t *pages,
         }
     }
 }
+
+/* ---- The gated delta rule (Qwen3-Next, Qwen3.5 linear attention), state in place.
+ *
+ * Per request and value head h, with S: [K, V] the head's state in its page, q_t and k_t
+ * L2-normalised (q_t also times 1/sqrt(K)) and decay_t = exp(g_t):
+ *
+ *     pred_t = decay_t * S_{t-1}^T k_t                         [V]  what S predicts for k_t
+ *     S_t    = decay_t * S_{t-1} + k_t (outer) beta_t * (v_t - pred_t)
+ *     o_t    = S_t^T q_t                                       [V]
+ *
+ * Column j of S only ever reads column j (and the token's q, k, v_t[j], g, beta), so the kernel
+ * runs a block of columns (HKV_GDN_VECS vectors of HKV_LANES) through all of a request's tokens
+ * while the block, [K, 64] floats with AVX-512, stays in L1. One sweep over the block's K rows
+ * per token updates each row, accumulates o_t from it and already the next token's prediction
+ * S_t^T k_{t+1} (a separate prediction pass would read the block twice); a request's first
+ * token needs one more, read-only sweep for its prediction (none without an initial state: S
+ * starts at zero).
+ *
+ * The decays are kept out of the sweep: the block holds S / c, c the product of the decays
+ * since the last rescale, so a sweep is three FMAs per element (row += k_t * delta_t / c,
+ * o += row * q_t, next += row * k_{t+1}) plus its load and store, as many as the Mamba2 scan
+ * makes with its state in registers. The sweep multiplies the decays into the rows (one
+ * multiply more) when c would drop below HKV_GDN_MIN_SCALE, and at the request's last token, so
+ * the page gets S itself.
+ *
+ * q, k: [T, Hk, K] and v: [T, Hv, V], float32 or bfloat16 (all three alike), token rows at a
+ * stride (the heads of a token contiguous); g, beta: [T, Hv] float32; o: [T, Hv, V] float32.
+ * Value head h reads key head h / (Hv / Hk). The state is float32 or bfloat16; the math is
+ * float32 throughout. This section lets GCC contract a * b + c into FMAs (-std=c11 turns that
+ * off for the file): 1.4x on a prefill chunk.
+ */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+#ifdef __AVX512F__
+#define HKV_GDN_VECS 4 /* vectors per column block: 4 rows, 4 + 4 sums, 4 deltas in registers */
+#else
+#define HKV_GDN_VECS 2 /* the same in 10 of AVX2's 16 registers */
+#endif
+#define HKV_GDN_EPS 1e-6f            /* of the L2 norm, as transformers' l2norm */
+#define HKV_GDN_MIN_LOG_DECAY -80.0f /* as ops.mamba2._MIN_LOG_DECAY: no denormal decays */
+#define HKV_GDN_MIN_SCALE 1e-20f     /* S / c stays far from float32's overflow */
+#define HKV_GDN_AHEAD 4 /* tokens ahead whose rows are prefetched */
+#define HKV_INLINE static inline __attribute__((always_inline))
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 (NaN -> the quiet NaN 0x7fc0). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* n elements from element i of a float32 (bf16 == 0) or bfloat16 (bf16 == 1) array, as
+ * float32, to out. */
+static inline void load_floats(const void *x, int bf16, int64_t i, int64_t n, float *out) {
+    if (bf16) {
+        const uint16_t *src = (const uint16_t *)x + i;
+        for (int64_t l = 0; l < n; l++) out[l] = bf16_to_f32(src[l]);
+    } else {
+        memcpy(out, (const float *)x + i, sizeof(float) * (size_t)n);
+    }
+}
+
+/* Elements i .. i + n - 1 (1 <= n <= HKV_LANES) of such an array in a vector, zeros after. */
+static inline hkv_vf load_lanes(const void *x, int bf16, int64_t i, int64_t n) {
+    if (!bf16 && n == HKV_LANES) return loadv((const float *)x + i);
+    float tmp[HKV_LANES] = {0.0f};
+    load_floats(x, bf16, i, n, tmp);
+    return loadv(tmp);
+}
+
+/* The first n lanes of v to y. */
+static inline void store_lanes(float *y, hkv_vf v, int64_t n) {
+    if (n == HKV_LANES) {
+        storev(y, v);
+        return;
+    }
+    float tmp[HKV_LANES];
+    storev(tmp, v);
+    memcpy(y, tmp, sizeof(float) * (size_t)n);
+}
+
+/* What every (request, head) task reads, in one place. */
+struct gdn_inputs {
+    const void *q, *k, *v;                /* q, k: [T, Hk, K]; v: [T, Hv, V] */
+    int64_t q_stride, k_stride, v_stride; /* elements between consecutive tokens */
+    int bf16;                             /* q, k, v in bfloat16 (else float32) */
+    const float *g, *beta;                /* [T, Hv] */
+    float *o;                             /* [T, Hv, V] */
+    int64_t Hk, Hv, K, V;
+};
+
+/* x / sqrt(|x|^2 + eps) * scale of one [n] row (float32 or bfloat16) into out. */
+static inline void l2_normalise(const void *x, int bf16, int64_t i, int64_t n, float scale,
+                                float *out) {
+    if (bf16)
+        load_floats(x, bf16, i, n, out);
+    const float *src = bf16 ? out : (const float *)x + i; /* float32 rows: read in place */
+    float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+    for (int64_t l = 0; l < n; l++) sq += src[l] * src[l];
+    const float inv = 1.0f / sqrtf(sq + HKV_GDN_EPS) * scale;
+#pragma omp simd
+    for (int64_t l = 0; l < n; l++) out[l] = src[l] * inv;
+}
+
+/* n elements from element i of x into the cache, for reading (o: for writing) soon. */
+static inline void prefetch_row(const void *x, int64_t elem, int64_t i, int64_t n, int write) {
+    const char *first = (const char *)x + i * elem, *end = first + n * elem;
+    for (const char *line = first; line < end; line += 64) {
+        if (write)
+            __builtin_prefetch(line, 1);
+        else
+            __builtin_prefetch(line, 0);
+    }
+}
+
+/* Prefetch token t's rows of value head h (and its key head kh): a token's rows of one head
+ * are a whole token apart (kilobytes, often another page), beyond what the hardware prefetcher
+ * follows, and the sweep between two tokens is too long for the core to run ahead to the next
+ * load by itself: without this, waiting for v took a third of a prefill's time. */
+static inline void gdn_prefetch(const struct gdn_inputs *in, int64_t t, int64_t h, int64_t kh) {
+    const int64_t elem = in->bf16 ? 2 : 4, K = in->K, V = in->V;
+    prefetch_row(in->q, elem, t * in->q_stride + kh * K, K, 0);
+    prefetch_row(in->k, elem, t * in->k_stride + kh * K, K, 0);
+    prefetch_row(in->v, elem, t * in->v_stride + h * V, V, 0);
+    prefetch_row(in->o, 4, (t * in->Hv + h) * V, V, 1);
+}
+
+/* Token t of key head kh: qn = q / |q| / sqrt(K), kn = k / |k| ([K] each, float32). */
+static void gdn_normalise(const struct gdn_inputs *in, int64_t t, int64_t kh, float *qn,
+                          float *kn) {
+    const int64_t K = in->K;
+    l2_normalise(in->q, in->bf16, t * in->q_stride + kh * K, K, 1.0f / sqrtf((float)K), qn);
+    l2_normalise(in->k, in->bf16, t * in->k_stride + kh * K, K, 1.0f, kn);
+}
+
+/* p[j] = S^T kn over the block's nv vectors (rows at S + k * ld): two sets of sums, as one
+ * sum is a chain of K dependent FMAs. */
+HKV_INLINE void gdn_predict(const int nv, const float *S, int64_t ld, int64_t K,
+                            const float *kn, hkv_vf *p) {
+    hkv_vf a[HKV_GDN_VECS], b[HKV_GDN_VECS];
+    for (int j = 0; j < nv; j++) a[j] = b[j] = (hkv_vf){0.0f};
+    int64_t k = 0;
+    for (; k + 2 <= K; k += 2) {
+        const float *r0 = S + k * ld, *r1 = r0 + ld;
+        for (int j = 0; j < nv; j++) {
+            a[j] += loadv(r0 + j * HKV_LANES) * kn[k];
+            b[j] += loadv(r1 + j * HKV_LANES) * kn[k + 1];
+        }
+    }
+    for (; k < K; k++)
+        for (int j = 0; j < nv; j++) a[j] += loadv(S + k * ld + j * HKV_LANES) * kn[k];
+    for (int j = 0; j < nv; j++) p[j] = a[j] + b[j];
+}
+
+/* One token's sweep over the block's K rows (rows at S + k * ld), nv vectors wide:
+ *     row = (scaled ? row * scale : row) + kn[k] * delta       o += row * qn[k]
+ *     predict: p += row * kn_next[k]                           (else p is left alone)
+ * o and p start at zero. `scaled` and `predict` are constants where it is inlined. */
+HKV_INLINE void gdn_sweep(const int nv, const int scaled, const int predict, float *S,
+                          int64_t ld, int64_t K, float scale, const hkv_vf *delta,
+                          const float *qn, const float *kn, const float *kn_next, hkv_vf *o,
+                          hkv_vf *p) {
+    for (int j = 0; j < nv; j++) o[j] = p[j] = (hkv_vf){0.0f};
+    for (int64_t k = 0; k < K; k++) {
+        float *row = S + k * ld;
+        /* read once: the stores to row might alias them as far as the compiler knows */
+        const float kk = kn[k], qk = qn[k], nk = predict ? kn_next[k] : 0.0f;
+        for (int j = 0; j < nv; j++) {
+            hkv_vf s = loadv(row + j * HKV_LANES);
+            s = (scaled ? s * scale : s) + delta[j] * kk;
+            storev(row + j * HKV_LANES, s);
+            o[j] += s * qk;
+            if (predict) p[j] += s * nk;
+        }
+    }
+}
+
+/* Columns v0 .. v0 + nv * HKV_LANES - 1 of S (rows at S + k * ld, float32) through tokens
+ * tok0 .. tok0 + len - 1 of value head h. S holds zeros in columns V and beyond, and v reads
+ * zeros there (so they stay zero); o gets columns below V only. work: 4 * K floats (the
+ * normalised q and k of this token and the next). */
+HKV_INLINE void gdn_block(const int nv, float *S, int64_t ld, int init, int64_t tok0,
+                          int64_t len, int64_t h, int64_t v0, const struct gdn_inputs *in,
+                          float *work) {
+    const int64_t K = in->K, V = in->V, Hv = in->Hv, kh = h / (Hv / in->Hk);
+    float *qn = work, *kn = work + K, *qn_next = work + 2 * K, *kn_next = work + 3 * K;
+    hkv_vf p[HKV_GDN_VECS], delta[HKV_GDN_VECS], o[HKV_GDN_VECS];
+    float c = 1.0f; /* the block holds S / c */
+    S += v0;
+    for (int64_t i = 1; i < HKV_GDN_AHEAD && i < len; i++) gdn_prefetch(in, tok0 + i, h, kh);
+    gdn_normalise(in, tok0, kh, qn, kn);
+    if (init)
+        gdn_predict(nv, S, ld, K, kn, p); /* p = (S / c)^T k_t, before token t's decay */
+    else
+        for (int j = 0; j < nv; j++) p[j] = (hkv_vf){0.0f};
+    for (int64_t i = 0; i < len; i++) {
+        const int64_t t = tok0 + i, th = t * Hv + h;
+        if (i + HKV_GDN_AHEAD < len) gdn_prefetch(in, t + HKV_GDN_AHEAD, h, kh);
+        const float log_decay = in->g[th];
+        const float decay =
+            expf(log_decay < HKV_GDN_MIN_LOG_DECAY ? HKV_GDN_MIN_LOG_DECAY : log_decay);
+        const int last = i + 1 == len;
+        c *= decay;
+        /* delta = beta * (v - c * p); the rows are rescaled to S (c = 1) when c gets small
+           and at the last token, else they take delta / c */
+        const int rescale = last || c < HKV_GDN_MIN_SCALE;
+        const float beta = in->beta[th], unscale = rescale ? beta : beta / c;
+        const int64_t vrow = t * in->v_stride + h * V;
+        for (int j = 0; j < nv; j++) {
+            const int64_t col = v0 + j * HKV_LANES, n = V - col < HKV_LANES ? V - col : HKV_LANES;
+            delta[j] = (load_lanes(in->v, in->bf16, vrow + col, n) - p[j] * c) * unscale;
+        }
+        if (!last) gdn_normalise(in, t + 1, kh, qn_next, kn_next);
+        if (last)
+            gdn_sweep(nv, 1, 0, S, ld, K, c, delta, qn, kn, NULL, o, p);
+        else if (rescale)
+            gdn_sweep(nv, 1, 1, S, ld, K, c, delta, qn, kn, kn_next, o, p);
+        else
+            gdn_sweep(nv, 0, 1, S, ld, K, c, delta, qn, kn, kn_next, o, p);
+        const float o_scale = rescale ? 1.0f : c;
+        if (rescale) c = 1.0f;
+        float *ot = in->o + th * V;
+        for (int j = 0; j < nv; j++) {
+            const int64_t col = v0 + j * HKV_LANES, n = V - col < HKV_LANES ? V - col : HKV_LANES;
+            store_lanes(ot + col, o[j] * o_scale, n);
+        }
+        float *swap = qn;
+        qn = qn_next, qn_next = swap;
+        swap = kn;
+        kn = kn_next, kn_next = swap;
+    }
+}
+
+/* One (request, value head): its K x V state from the page head (float32 or bfloat16, never
+ * read without an initial state), through the span, back to the page. A float32 state whose V
+ * is a multiple of HKV_LANES is worked on in its page; otherwise in a float32 copy with V
+ * padded to Vp: work[0 .. K * Vp), 64-byte aligned; the normalised q and k after it. */
+static void gdn_head(void *page_head, int state_bf16, int init, int64_t tok0, int64_t len,
+                     int64_t h, const struct gdn_inputs *in, float *work) {
+    const int64_t K = in->K, V = in->V;
+    const int64_t Vp = (V + HKV_LANES - 1) / HKV_LANES * HKV_LANES;
+    const int in_page = !state_bf16 && Vp == V;
+    float *S = in_page ? (float *)page_head : work, *vecs = work + K * Vp;
+    if (in_page && !init) {
+        memset(S, 0, sizeof(float) * (size_t)(K * V));
+    } else if (!in_page) {
+        for (int64_t k = 0; k < K; k++) {
+            float *row = S + k * Vp;
+            if (init) load_floats(page_head, state_bf16, k * V, V, row);
+            for (int64_t c = init ? V : 0; c < Vp; c++) row[c] = 0.0f;
+        }
+    }
+    for (int64_t v0 = 0; v0 < Vp; v0 += HKV_GDN_VECS * HKV_LANES) {
+        const int64_t left = (Vp - v0) / HKV_LANES;
+        switch (left < HKV_GDN_VECS ? left : HKV_GDN_VECS) { /* constant nv: unrolled */
+        case 1: gdn_block(1, S, Vp, init, tok0, len, h, v0, in, vecs); break;
+#if HKV_GDN_VECS >= 4
+        case 2: gdn_block(2, S, Vp, init, tok0, len, h, v0, in, vecs); break;
+        case 3: gdn_block(3, S, Vp, init, tok0, len, h, v0, in, vecs); break;
+#endif
+        default: gdn_block(HKV_GDN_VECS, S, Vp, init, tok0, len, h, v0, in, vecs); break;
+        }
+    }
+    if (in_page) return;
+    for (int64_t k = 0; k < K; k++) {
+        const float *row = S + k * Vp;
+        if (state_bf16) {
+            uint16_t *dst = (uint16_t *)page_head + k * V;
+            for (int64_t c = 0; c < V; c++) dst[c] = f32_to_bf16(row[c]);
+        } else {
+            memcpy((float *)page_head + k * V, row, sizeof(float) * (size_t)V);
+        }
+    }
+}
+
+/* The gated delta rule of R packed requests, each state read and written once, in its page.
+ *
+ *   state page p: state + p * page_stride elements (float32, or bfloat16 when state_bf16),
+ *   holding S[Hv][K][V]
+ *
+ * Request r owns tokens starts[r] .. starts[r] + lens[r] - 1 (prefill chunks and one-token
+ * decode steps alike). A request without an initial state (has_initial[r] == 0) starts from
+ * zeros: its page is overwritten, never read (it may hold NaN bit patterns). lens[r] == 0 leaves
+ * the page untouched. One task per (request, value head); each thread allocates its work space
+ * once (4 * K floats, and a K x Vp float32 copy of the state where it cannot work in the page).
+ * *failed is set when that allocation fails (o and the states are then incomplete).
+ */
+void hkv_gated_delta_rule(void *state, int64_t page_stride, int state_bf16,
+                          const int64_t *pages, const uint8_t *has_initial,
+                          const int64_t *starts, const int64_t *lens, int64_t R, int64_t Hk,
+                          int64_t Hv, int64_t K, int64_t V, const void *q, int64_t q_stride,
+                          const void *k, int64_t k_stride, const void *v, int64_t v_stride,
+                          int in_bf16, const float *g, const float *beta, float *o,
+                          int *failed) {
+    const struct gdn_inputs in = {q, k, v, q_stride, k_stride, v_stride, in_bf16, g, beta, o,
+                                  Hk, Hv, K, V};
+    const int64_t Vp = (V + HKV_LANES - 1) / HKV_LANES * HKV_LANES;
+    const size_t elem = state_bf16 ? 2 : 4;
+    size_t bytes = sizeof(float) * (size_t)(K * Vp + 4 * K); /* a state copy, then q and k */
+    bytes = (bytes + 63) / 64 * 64; /* aligned_alloc: a multiple of the alignment */
+#pragma omp parallel
+    {
+        float *work = aligned_alloc(64, bytes);
+        if (work == NULL) {
+#pragma omp atomic write
+            *failed = 1;
+        }
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t r = 0; r < R; r++) {
+            for (int64_t h = 0; h < Hv; h++) {
+                if (lens[r] == 0 || work == NULL) continue;
+                char *head = (char *)state + (pages[r] * page_stride + h * K * V) * elem;
+                gdn_head(head, state_bf16, has_initial[r], starts[r], lens[r], h, &in, work);
+            }
+        }
+        free(work);
+    }
+}
+#pragma GCC pop_options
 
 /* ---- Row-wise element-wise kernels: one pass over memory where PyTorch makes four to six.
  * Rows are independent tasks; within a row, plain loops the compiler vectorises. */
