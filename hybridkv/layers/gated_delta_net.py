@@ -44,6 +44,14 @@ GDN_OPS = (
         description="C kernels (hybridkv.ops.native), state in place; PyTorch conv1d for "
         "bfloat16 activations or conv state",
     ),
+    StateOps(
+        "triton",
+        _OPS + "TritonGDNOps",
+        frozenset({"cuda", "rocm"}),
+        frozenset({"float32", "float16", "bfloat16"}),
+        needs="triton",
+        description="Triton decode steps (conv1d and rule), PyTorch chunked prefill",
+    ),
     StateOps("torch", _OPS + "TorchGDNOps", description="PyTorch reference"),
 )
 TORCH_OPS = TorchGDNOps()

@@ -10,6 +10,9 @@ takes its conv from the Mamba2 ops class of the same backend) and the gated delt
     native     C kernel, state in place, for        C kernel, token by token, state in place
                float32 activations, weight and      (ops.native.gated_delta_rule): float32 or
                state; PyTorch for bfloat16 ones     bfloat16 q/k/v and state, float32 math
+    triton     Triton decode step (Mamba2's),       Triton decode step for one-token requests
+               PyTorch for prefill chunks           (ops.triton_gdn), PyTorch chunked form for
+                                                    prefill chunks
 """
 
 from __future__ import annotations
@@ -19,7 +22,12 @@ import torch
 from hybridkv.layers.state_base import StateMetadata
 from hybridkv.ops import native
 from hybridkv.ops.gated_delta import DecodeRows, gated_delta_rule_varlen
-from hybridkv.ops.mamba2_ops import NativeMamba2Ops, TorchMamba2Ops, _declined
+from hybridkv.ops.mamba2_ops import (
+    NativeMamba2Ops,
+    TorchMamba2Ops,
+    TritonMamba2Ops,
+    _declined,
+)
 
 
 class TorchGDNOps(TorchMamba2Ops):
@@ -90,6 +98,19 @@ class NativeGDNOps(NativeMamba2Ops, TorchGDNOps):
         if o is None:
             raise RuntimeError(_declined("gated delta rule", v, state))
         return o
+
+
+class TritonGDNOps(TritonMamba2Ops, TorchGDNOps):
+    """GPUs: the conv1d's decode steps (Mamba2's Triton kernel) and the rule's one-token
+    requests in Triton, each state read and written once in its page; prefill chunks in the
+    PyTorch chunked form (`ops.gated_delta`), which batches them into matrix products."""
+
+    name = "triton"
+
+    def rule_decode(self) -> DecodeRows | None:
+        from hybridkv.ops import triton_gdn
+
+        return triton_gdn.gdn_decode
 
 
 def native_conv_applies(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> bool:

@@ -178,3 +178,36 @@ def test_bfloat16_state_runs_close_to_float32(checkpoint):
     assert (
         sum(a == b for x, y in zip(got, ref, strict=True) for a, b in zip(x, y, strict=True)) >= 6
     )
+
+
+@pytest.mark.triton  # device "auto": on a GPU when there is one, else interpreted on the CPU
+def test_engine_on_the_triton_ops_matches_transformers(tmp_path_factory, monkeypatch):
+    """A CUDA plan (the interpreter stands in for the GPU here): the gated-delta groups take the
+    "triton" ops by declaration, and their decode steps run the Triton kernels of the rule and
+    of the conv1d."""
+    from hybridkv import engine as engine_module
+    from hybridkv.ops import triton_gdn, triton_mamba
+
+    monkeypatch.setattr(engine_module, "_capabilities", lambda *a: frozenset({"triton"}))
+    calls: dict[str, int] = {"rule": 0, "conv": 0}
+
+    def counted(name, real):
+        def run(*args):
+            calls[name] += 1
+            return real(*args)
+
+        return run
+
+    monkeypatch.setattr(triton_gdn, "gdn_decode", counted("rule", triton_gdn.gdn_decode))
+    monkeypatch.setattr(triton_mamba, "conv1d_decode", counted("conv", triton_mamba.conv1d_decode))
+    folder, hf = build(tmp_path_factory, "qwen3_5")
+    engine = Engine(
+        str(folder), dtype="float32", platform="cuda", kernel_block_size=16,
+        max_num_batched_tokens=24,
+    )  # fmt: skip
+    assert {g.backend for g in engine.plan.groups} == {"triton"}
+    assert {type(o).__name__ for o in engine.runner.state_ops.values()} == {"TritonGDNOps"}
+    asks = prompts(VOCAB, [37, 5], seed=6)
+    ref, _ = reference_greedy(hf, asks, 5)
+    assert engine_greedy(engine, asks, 5) == ref
+    assert calls["rule"] and calls["conv"]  # the decode steps took the Triton kernels
