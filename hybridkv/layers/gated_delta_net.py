@@ -30,7 +30,7 @@ from hybridkv.ops.norm import gated_rms_norm
 from hybridkv.worker.batch import ForwardBatch
 
 CONV, RECURRENT = "conv", "recurrent"  # the state tensors this layer declares and reads
-LAYOUTS = ("qwen3_next", "qwen3_5")
+LAYOUTS = ("qwen3_next", "qwen3_5", "olmo_hybrid")
 _OPS = "hybridkv.ops.gdn_ops:"
 
 # Where the ops can run, in order of preference (the plan takes the first that runs here).
@@ -77,8 +77,12 @@ class GatedDeltaNet(CacheOwner):
         norm_eps: float = 1e-6,
         layout: str = "qwen3_next",
         *,
+        beta_scale: float = 1.0,
         layer_index: int = 0,
     ) -> None:
+        """`layout`: the checkpoint's projections (Qwen3-Next's fused, key-head-grouped qkvz and
+        ba; Qwen3.5's qkv, z, b, a; OLMo Hybrid's q, k, v, g, b, a). `beta_scale`: 2 lets beta
+        reach [0, 2] (OLMo Hybrid's `linear_allow_neg_eigval`, negative eigenvalues)."""
         super().__init__(layer_index)
         if num_v_heads % num_k_heads:
             raise ValueError(
@@ -96,9 +100,17 @@ class GatedDeltaNet(CacheOwner):
         self.conv_kernel = conv_kernel
         self.norm_eps = norm_eps
         self.layout = layout
+        self.beta_scale = beta_scale
         if layout == "qwen3_next":
             self.in_proj_qkvz = nn.Linear(hidden_size, self.conv_dim + self.value_dim, bias=False)
             self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+        elif layout == "olmo_hybrid":
+            self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+            self.k_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+            self.v_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
+            self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
+            self.b_proj = nn.Linear(hidden_size, num_v_heads, bias=False)
+            self.a_proj = nn.Linear(hidden_size, num_v_heads, bias=False)
         else:
             self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
             self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
@@ -134,6 +146,9 @@ class GatedDeltaNet(CacheOwner):
         """x: [T, hidden] -> qkv [T, conv_dim] (as [q | k | v]), z [T, value_dim], b, a [T, Hv]."""
         if self.layout == "qwen3_5":
             return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        if self.layout == "olmo_hybrid":
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+            return qkv, self.g_proj(x), self.b_proj(x), self.a_proj(x)
         t = x.shape[0]
         per = self.num_v_heads // self.num_k_heads  # value heads per key head
         kd, vd = self.head_k_dim, self.head_v_dim
@@ -171,6 +186,8 @@ class GatedDeltaNet(CacheOwner):
         qkv = ops.conv1d(qkv, self.conv1d.weight[:, 0, :], None, conv_state, meta, "silu")
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] float32
+        if self.beta_scale != 1.0:
+            beta = beta * self.beta_scale
         o = ops.rule(
             q.reshape(t, self.num_k_heads, self.head_k_dim),
             k.reshape(t, self.num_k_heads, self.head_k_dim),

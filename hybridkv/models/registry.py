@@ -23,6 +23,7 @@ MODELS: dict[str, str] = {
     "Qwen3_5MoeForConditionalGeneration": (
         "hybridkv.models.qwen3_next:Qwen3_5MoeForConditionalGeneration"
     ),
+    "OlmoHybridForCausalLM": "hybridkv.models.olmo_hybrid:OlmoHybridForCausalLM",
 }
 
 

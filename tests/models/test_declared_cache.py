@@ -34,6 +34,7 @@ MODEL_TYPES = {
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "OlmoHybridForCausalLM": "olmo_hybrid",
 }
 
 
@@ -73,7 +74,7 @@ def expected_specs(config: dict, dtypes: CacheDtypes) -> list[tuple]:
                 out.append((i, "mamba2", (conv, hf.conv_kernel - 1), ssm))
             elif _role(kind) == "attention":
                 out.append((i, "attention", hf.num_key_value_heads, hf.head_dim, None))
-    elif arch.startswith(("Qwen3Next", "Qwen3_5")):
+    elif arch.startswith(("Qwen3Next", "Qwen3_5", "OlmoHybrid")):
         conv = 2 * hf.linear_num_key_heads * hf.linear_key_head_dim
         conv += hf.linear_num_value_heads * hf.linear_value_head_dim
         for i, kind in enumerate(hf.layer_types):
@@ -81,7 +82,8 @@ def expected_specs(config: dict, dtypes: CacheDtypes) -> list[tuple]:
                 rec = (hf.linear_num_value_heads, hf.linear_key_head_dim, hf.linear_value_head_dim)
                 out.append((i, "gated_delta_net", (conv, hf.linear_conv_kernel_dim - 1), rec))
             else:
-                out.append((i, "attention", hf.num_key_value_heads, hf.head_dim, None))
+                head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+                out.append((i, "attention", hf.num_key_value_heads, head_dim, None))
     else:  # Llama, Qwen3
         kinds = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
         for i, kind in enumerate(kinds):
