@@ -2,9 +2,14 @@
 
 Shapes are those of the ~100M GraniteMoeHybrid in benchmarks/throughput.py (hidden 768, Mamba2
 with 24 heads of 64 x 64 state, conv width 4, SwiGLU 1536): a prefill step of 2048 tokens (8
-requests of 256) and a decode step of 64 requests. Each op runs through its public function in
-hybridkv.ops / hybridkv.layers, once with the native kernels and once with `HYBRIDKV_NATIVE=0`,
-alternating, on the same inputs; medians of `--repeat` runs. float32, `--threads` threads.
+requests of 256) and a decode step of 64 requests. The gated delta rule (Qwen3-Next, Qwen3.5)
+runs at Qwen3-Next's proportions scaled to hidden 768: 12 key heads and 24 value heads of 64
+(key dim = hidden, value dim = 2 x hidden, as in Qwen3-Next-80B), so its state, 24 x 64 x 64
+floats per request and layer, equals the Mamba2 layer's and the two prefill scans compare per
+token at equal state size. Each op runs through its public function in hybridkv.ops /
+hybridkv.layers (the state ops through the ops classes the plan chooses between: native or
+torch), once with the native kernels and once with `HYBRIDKV_NATIVE=0`, alternating, on the same
+inputs; medians of `--repeat` runs. float32 unless a row says bf16, `--threads` threads.
 Before timing, both paths run once on fresh copies of the same inputs and the largest
 difference of their outputs, relative to the largest output, is reported (`rel_diff`).
 
@@ -27,13 +32,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from hybridkv.layers.mlp import silu_and_mul  # noqa: E402
+from hybridkv.layers.state_base import StateMetadata  # noqa: E402
 from hybridkv.ops import native  # noqa: E402
-from hybridkv.ops.conv1d import causal_conv1d_varlen  # noqa: E402
-from hybridkv.ops.mamba2 import mamba2_scan_varlen  # noqa: E402
+from hybridkv.ops.gated_delta import gdn_gates  # noqa: E402
+from hybridkv.ops.gdn_ops import NativeGDNOps, TorchGDNOps  # noqa: E402
+from hybridkv.ops.mamba2_ops import NativeMamba2Ops, ScanParams, TorchMamba2Ops  # noqa: E402
 from hybridkv.ops.norm import add_rms_norm, gated_rms_norm, rms_norm  # noqa: E402
 
 HIDDEN, HEADS, HEAD_DIM, D_STATE, CONV_WIDTH, INTER = 768, 24, 64, 64, 4, 1536
 CONV_DIM = HEADS * HEAD_DIM + 2 * D_STATE
+GDN_K_HEADS, GDN_V_HEADS, GDN_DIM = 12, 24, 64  # Hk, Hv, K = V: Hv * K * V = HEADS * 64 * 64
+GDN_PREFILL, SCAN_PREFILL = "gated delta rule, prefill 8 x 256", "mamba2 scan, prefill 8 x 256"
+
+
+def mamba2_ops() -> TorchMamba2Ops:
+    """The ops class a Mamba2 group runs: native unless `HYBRIDKV_NATIVE=0` (read per call)."""
+    return NativeMamba2Ops() if native.library() is not None else TorchMamba2Ops()
+
+
+def gdn_ops() -> TorchGDNOps:
+    """The ops class a gated-delta-net group runs: native unless `HYBRIDKV_NATIVE=0`."""
+    return NativeGDNOps() if native.library() is not None else TorchGDNOps()
 
 
 def state_problem(num_reqs: int, tokens_each: int, gen: torch.Generator) -> dict:
@@ -49,6 +68,10 @@ def state_problem(num_reqs: int, tokens_each: int, gen: torch.Generator) -> dict
     )
 
 
+def _meta(p: dict) -> StateMetadata:
+    return StateMetadata(p["pages"], p["has"], p["qsl"], p["max_len"])
+
+
 def scan_case(num_reqs: int, tokens_each: int, gen: torch.Generator) -> Callable[[], object]:
     p = state_problem(num_reqs, tokens_each, gen)
     t = num_reqs * tokens_each
@@ -56,11 +79,9 @@ def scan_case(num_reqs: int, tokens_each: int, gen: torch.Generator) -> Callable
     dt = torch.randn(t, HEADS, generator=gen)
     A, D = -torch.rand(HEADS, generator=gen) - 0.1, torch.randn(HEADS, generator=gen)
     B, C = torch.randn(t, 1, D_STATE, generator=gen), torch.randn(t, 1, D_STATE, generator=gen)
-    dt_bias = torch.zeros(HEADS)
+    params = ScanParams(A, D, torch.zeros(HEADS), 128, (0.0, float("inf")))
     state = torch.randn(p["num_pages"], HEADS, HEAD_DIM, D_STATE, generator=gen)
-    return lambda: mamba2_scan_varlen(
-        x, dt, A, B, C, D, dt_bias, state, p["pages"], p["has"], p["qsl"], p["max_len"], 128
-    )
+    return lambda: mamba2_ops().scan(x, dt, B, C, state, _meta(p), params, torch.float32)
 
 
 def conv_case(num_reqs: int, tokens_each: int, gen: torch.Generator) -> Callable[[], object]:
@@ -71,9 +92,22 @@ def conv_case(num_reqs: int, tokens_each: int, gen: torch.Generator) -> Callable
     weight = torch.randn(CONV_DIM, CONV_WIDTH, generator=gen)
     bias = torch.randn(CONV_DIM, generator=gen)
     state = torch.randn(p["num_pages"], CONV_DIM, CONV_WIDTH - 1, generator=gen)
-    return lambda: causal_conv1d_varlen(
-        x, weight, bias, state, p["pages"], p["has"], p["qsl"], p["max_len"], "silu"
-    )
+    return lambda: mamba2_ops().conv1d(x, weight, bias, state, _meta(p), "silu")
+
+
+def gdn_case(
+    num_reqs: int, tokens_each: int, gen: torch.Generator, dtype: torch.dtype = torch.float32
+) -> Callable[[], object]:
+    """The gated delta rule of a layer: q, k, v as column slices of the conv's output (token
+    rows strided, as in the layer), gates from `gdn_gates`; inputs and state in `dtype`."""
+    p = state_problem(num_reqs, tokens_each, gen)
+    t, hk, hv, d = num_reqs * tokens_each, GDN_K_HEADS, GDN_V_HEADS, GDN_DIM
+    qkv = torch.randn(t, (2 * hk + hv) * d, generator=gen).to(dtype)
+    q, k, v = (x.view(t, -1, d) for x in qkv.split([hk * d, hk * d, hv * d], dim=-1))
+    a, b = torch.randn(t, hv, generator=gen), torch.randn(t, hv, generator=gen)
+    g, beta = gdn_gates(a, b, torch.randn(hv, generator=gen) * 0.5, torch.zeros(hv))
+    state = torch.randn(p["num_pages"], hv, d, d, generator=gen).to(dtype)
+    return lambda: gdn_ops().rule(q, k, v, g, beta, state, _meta(p))
 
 
 def row_cases(rows: int, gen: torch.Generator) -> dict[str, Callable[[], object]]:
@@ -97,6 +131,10 @@ def cases() -> dict[str, Callable[[], object]]:
         "mamba2 scan, decode 64 x 1": scan_case(64, 1, gen),
         "conv1d + silu, prefill 8 x 256": conv_case(8, 256, gen),
         "conv1d + silu, decode 64 x 1": conv_case(64, 1, gen),
+        GDN_PREFILL: gdn_case(8, 256, gen),
+        "gated delta rule, decode 64 x 1": gdn_case(64, 1, gen),
+        "gated delta rule bf16, prefill 8 x 256": gdn_case(8, 256, gen, torch.bfloat16),
+        "gated delta rule bf16, decode 64 x 1": gdn_case(64, 1, gen, torch.bfloat16),
     }
     out.update(row_cases(2048, gen))
     out.update(row_cases(64, gen))
@@ -164,7 +202,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['op']:40s} {r['torch_ms']:10.3f} {r['native_ms']:10.3f} {r['speedup']:7.2f}x"
             f" {r['rel_diff']:9.1e}"
         )
+    gdn, scan = per_token_us(rows, GDN_PREFILL), per_token_us(rows, SCAN_PREFILL)
+    print(
+        f"native prefill per token at equal state ({HEADS * HEAD_DIM * D_STATE} floats): "
+        f"gated delta rule {gdn:.2f} us, mamba2 scan {scan:.2f} us, ratio {gdn / scan:.2f}"
+    )
     return 0
+
+
+def per_token_us(rows: list[dict], op: str) -> float:
+    """The native time of a prefill row (2048 tokens) per token, in microseconds."""
+    (row,) = (r for r in rows if r["op"] == op)
+    return row["native_ms"] * 1e3 / (8 * 256)
 
 
 if __name__ == "__main__":

@@ -361,23 +361,18 @@ void hkv_conv1d_f32(float *state, int64_t page_stride, const int64_t *pages,
  * Column j of S only ever reads column j (and the token's q, k, v_t[j], g, beta), so the kernel
  * runs a block of columns (HKV_GDN_VECS vectors of HKV_LANES) through all of a request's tokens
  * while the block, [K, 64] floats with AVX-512, stays in L1. One sweep over the block's K rows
- * per token updates each row, accumulates o_t from it and already the next token's prediction
- * S_t^T k_{t+1} (a separate prediction pass would read the block twice); a request's first
- * token needs one more, read-only sweep for its prediction (none without an initial state: S
- * starts at zero).
- *
- * The decays are kept out of the sweep: the block holds S / c, c the product of the decays
- * since the last rescale, so a sweep is three FMAs per element (row += k_t * delta_t / c,
- * o += row * q_t, next += row * k_{t+1}) plus its load and store, as many as the Mamba2 scan
- * makes with its state in registers. The sweep multiplies the decays into the rows (one
- * multiply more) when c would drop below HKV_GDN_MIN_SCALE, and at the request's last token, so
- * the page gets S itself.
+ * per token updates each row (a multiply and an FMA), accumulates o_t from it and already the
+ * next token's prediction S_t^T k_{t+1} (an FMA each; a separate prediction pass would read the
+ * block twice); a request's first token needs one more, read-only sweep for its prediction (none
+ * without an initial state: S starts at zero). Keeping the decays out of the sweep (the block
+ * holding S / c, rescaled now and then: three FMAs instead of a multiply and three) measured
+ * slower, 9.2 against 8.3 ms on a prefill chunk, and was dropped.
  *
  * q, k: [T, Hk, K] and v: [T, Hv, V], float32 or bfloat16 (all three alike), token rows at a
  * stride (the heads of a token contiguous); g, beta: [T, Hv] float32; o: [T, Hv, V] float32.
  * Value head h reads key head h / (Hv / Hk). The state is float32 or bfloat16; the math is
  * float32 throughout. This section lets GCC contract a * b + c into FMAs (-std=c11 turns that
- * off for the file): 1.4x on a prefill chunk.
+ * off for the file): 1.13x on a prefill chunk (9.4 -> 8.3 ms).
  */
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
@@ -388,7 +383,6 @@ void hkv_conv1d_f32(float *state, int64_t page_stride, const int64_t *pages,
 #endif
 #define HKV_GDN_EPS 1e-6f            /* of the L2 norm, as transformers' l2norm */
 #define HKV_GDN_MIN_LOG_DECAY -80.0f /* as ops.mamba2._MIN_LOG_DECAY: no denormal decays */
-#define HKV_GDN_MIN_SCALE 1e-20f     /* S / c stays far from float32's overflow */
 #define HKV_GDN_AHEAD 4 /* tokens ahead whose rows are prefetched */
 #define HKV_INLINE static inline __attribute__((always_inline))
 
@@ -513,11 +507,11 @@ HKV_INLINE void gdn_predict(const int nv, const float *S, int64_t ld, int64_t K,
 }
 
 /* One token's sweep over the block's K rows (rows at S + k * ld), nv vectors wide:
- *     row = (scaled ? row * scale : row) + kn[k] * delta       o += row * qn[k]
- *     predict: p += row * kn_next[k]                           (else p is left alone)
- * o and p start at zero. `scaled` and `predict` are constants where it is inlined. */
-HKV_INLINE void gdn_sweep(const int nv, const int scaled, const int predict, float *S,
-                          int64_t ld, int64_t K, float scale, const hkv_vf *delta,
+ *     row = decay * row + kn[k] * delta        o += row * qn[k]
+ *     predict: p += row * kn_next[k]           (else p is left alone)
+ * o and p start at zero. `predict` is a constant where it is inlined. */
+HKV_INLINE void gdn_sweep(const int nv, const int predict, float *S, int64_t ld, int64_t K,
+                          float decay, const hkv_vf *delta,
                           const float *qn, const float *kn, const float *kn_next, hkv_vf *o,
                           hkv_vf *p) {
     for (int j = 0; j < nv; j++) o[j] = p[j] = (hkv_vf){0.0f};
@@ -527,7 +521,7 @@ HKV_INLINE void gdn_sweep(const int nv, const int scaled, const int predict, flo
         const float kk = kn[k], qk = qn[k], nk = predict ? kn_next[k] : 0.0f;
         for (int j = 0; j < nv; j++) {
             hkv_vf s = loadv(row + j * HKV_LANES);
-            s = (scaled ? s * scale : s) + delta[j] * kk;
+            s = s * decay + delta[j] * kk;
             storev(row + j * HKV_LANES, s);
             o[j] += s * qk;
             if (predict) p[j] += s * nk;
@@ -545,12 +539,11 @@ HKV_INLINE void gdn_block(const int nv, float *S, int64_t ld, int init, int64_t 
     const int64_t K = in->K, V = in->V, Hv = in->Hv, kh = h / (Hv / in->Hk);
     float *qn = work, *kn = work + K, *qn_next = work + 2 * K, *kn_next = work + 3 * K;
     hkv_vf p[HKV_GDN_VECS], delta[HKV_GDN_VECS], o[HKV_GDN_VECS];
-    float c = 1.0f; /* the block holds S / c */
     S += v0;
     for (int64_t i = 1; i < HKV_GDN_AHEAD && i < len; i++) gdn_prefetch(in, tok0 + i, h, kh);
     gdn_normalise(in, tok0, kh, qn, kn);
     if (init)
-        gdn_predict(nv, S, ld, K, kn, p); /* p = (S / c)^T k_t, before token t's decay */
+        gdn_predict(nv, S, ld, K, kn, p); /* p = S^T k_t, before token t's decay */
     else
         for (int j = 0; j < nv; j++) p[j] = (hkv_vf){0.0f};
     for (int64_t i = 0; i < len; i++) {
@@ -559,30 +552,22 @@ HKV_INLINE void gdn_block(const int nv, float *S, int64_t ld, int init, int64_t 
         const float log_decay = in->g[th];
         const float decay =
             expf(log_decay < HKV_GDN_MIN_LOG_DECAY ? HKV_GDN_MIN_LOG_DECAY : log_decay);
-        const int last = i + 1 == len;
-        c *= decay;
-        /* delta = beta * (v - c * p); the rows are rescaled to S (c = 1) when c gets small
-           and at the last token, else they take delta / c */
-        const int rescale = last || c < HKV_GDN_MIN_SCALE;
-        const float beta = in->beta[th], unscale = rescale ? beta : beta / c;
+        const float beta = in->beta[th];
         const int64_t vrow = t * in->v_stride + h * V;
-        for (int j = 0; j < nv; j++) {
+        for (int j = 0; j < nv; j++) { /* delta = beta * (v - decay * S^T k) */
             const int64_t col = v0 + j * HKV_LANES, n = V - col < HKV_LANES ? V - col : HKV_LANES;
-            delta[j] = (load_lanes(in->v, in->bf16, vrow + col, n) - p[j] * c) * unscale;
+            delta[j] = (load_lanes(in->v, in->bf16, vrow + col, n) - p[j] * decay) * beta;
         }
-        if (!last) gdn_normalise(in, t + 1, kh, qn_next, kn_next);
-        if (last)
-            gdn_sweep(nv, 1, 0, S, ld, K, c, delta, qn, kn, NULL, o, p);
-        else if (rescale)
-            gdn_sweep(nv, 1, 1, S, ld, K, c, delta, qn, kn, kn_next, o, p);
-        else
-            gdn_sweep(nv, 0, 1, S, ld, K, c, delta, qn, kn, kn_next, o, p);
-        const float o_scale = rescale ? 1.0f : c;
-        if (rescale) c = 1.0f;
+        if (i + 1 < len) {
+            gdn_normalise(in, t + 1, kh, qn_next, kn_next);
+            gdn_sweep(nv, 1, S, ld, K, decay, delta, qn, kn, kn_next, o, p);
+        } else {
+            gdn_sweep(nv, 0, S, ld, K, decay, delta, qn, kn, NULL, o, p);
+        }
         float *ot = in->o + th * V;
         for (int j = 0; j < nv; j++) {
             const int64_t col = v0 + j * HKV_LANES, n = V - col < HKV_LANES ? V - col : HKV_LANES;
-            store_lanes(ot + col, o[j] * o_scale, n);
+            store_lanes(ot + col, o[j], n);
         }
         float *swap = qn;
         qn = qn_next, qn_next = swap;
