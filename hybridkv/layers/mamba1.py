@@ -48,7 +48,17 @@ DT_NORMS = (None, "jamba", "falcon_mamba")
 ACTIVATIONS = (None, "silu", "swish")
 
 # Where Mamba1 ops can run, in order of preference (the plan takes the first that runs here).
-MAMBA1_OPS = (StateOps("torch", _OPS + "TorchMamba1Ops", description="PyTorch reference"),)
+MAMBA1_OPS = (
+    StateOps(
+        "native",
+        _OPS + "NativeMamba1Ops",
+        frozenset({"cpu"}),
+        frozenset({"float32", "bfloat16"}),
+        needs="native",
+        description="C kernels (hybridkv.ops.native): scan in place, float32/bfloat16",
+    ),
+    StateOps("torch", _OPS + "TorchMamba1Ops", description="PyTorch reference"),
+)
 TORCH_OPS = TorchMamba1Ops()
 
 

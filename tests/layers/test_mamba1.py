@@ -134,7 +134,7 @@ def mamba1_ops(request, monkeypatch):
     if request.param == "torch":
         monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
         return TorchMamba1Ops()
-    if native.library() is None or not hasattr(native, "mamba1_scan"):
+    if native.library() is None:
         pytest.skip("no native kernels on this machine")
     return NativeMamba1Ops()
 
@@ -194,7 +194,7 @@ def test_chunked_prefill_and_decode_match_transformers(family, mamba1_ops):
 @pytest.mark.parametrize("ops", [TorchMamba1Ops, NativeMamba1Ops])
 def test_bf16_mixer_with_bf16_pages(ops, monkeypatch):
     """bf16 weights, bf16 conv and SSM pages: close to the float32 result."""
-    if ops is NativeMamba1Ops and not hasattr(native, "mamba1_scan"):
+    if ops is NativeMamba1Ops and native.library() is None:
         pytest.skip("no native kernels on this machine")
     _, ours = build("jamba", seed=2)
     x = torch.randn(13, HIDDEN)
@@ -218,7 +218,10 @@ def test_declared_cache_and_ops():
     assert spec.tensors == plan_only.tensors
     assert spec.ops == MAMBA1_OPS
     caps = frozenset({"native", "triton"})
-    assert select_state_ops(spec, "cpu", "float32", caps) == "torch"
+    assert select_state_ops(spec, "cpu", "float32", caps) == "native"
+    assert select_state_ops(spec, "cpu", "bfloat16", caps) == "native"
+    assert select_state_ops(spec, "cpu", "float16", caps) == "torch"
+    assert select_state_ops(spec, "cpu", "float32", frozenset()) == "torch"
     assert select_state_ops(spec, "cuda", "bfloat16", caps) == "torch"
 
 

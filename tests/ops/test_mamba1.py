@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from hybridkv.layers.state_base import StateMetadata
 from hybridkv.ops import native
 from hybridkv.ops.mamba1 import mamba1_scan_varlen
-from hybridkv.ops.mamba1_ops import Mamba1Params, TorchMamba1Ops
+from hybridkv.ops.mamba1_ops import Mamba1Params, NativeMamba1Ops, TorchMamba1Ops
 
 DI, N = 24, 8
 
@@ -229,3 +229,98 @@ def test_torch_ops_scan_is_the_reference() -> None:
 
 
 needs_native = pytest.mark.skipif(native.library() is None, reason="no native kernels here")
+
+
+def native_scan(x, dt, A, B, C, D, z, dt_bias, state, pages, has_init, qsl, max_len):
+    """The native kernel with the reference's signature (max_len unused)."""
+    y = native.mamba1_scan(x, dt, A, B, C, D, z, dt_bias, state, pages, has_init, qsl)
+    assert y is not None, "the native kernel declined"
+    return y
+
+
+@needs_native
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("di", "n", "case"),
+    [
+        (DI, N, MIXED),
+        (70, 5, MIXED),  # two channel blocks, a partial one, odd N
+        (130, 16, dict(lens=[1, 1, 0, 1, 1], has_init=[True, False, True, True, True])),
+        (64, 3, dict(lens=[40, 2], has_init=[True, False])),
+    ],
+)
+def test_native_matches_reference(di, n, case, in_dtype, state_dtype) -> None:
+    c = Case(**case, seed=di + n, di=di, n=n, state_dtype=state_dtype, in_dtype=in_dtype)
+    y_ref, s_ref = c.run()
+    y, state = c.run(native_scan)
+    assert y.dtype == torch.float32 and not torch.isnan(y).any()
+    torch.testing.assert_close(y, y_ref, rtol=2e-5, atol=2e-5)
+    if state_dtype == torch.float32:
+        torch.testing.assert_close(state, s_ref, rtol=2e-5, atol=2e-5, equal_nan=True)
+    else:  # both round float32 states that may differ in their last bits
+        diff = (state.float() - s_ref.float()).nan_to_num().abs()
+        assert diff.max() <= 1e-2 * s_ref.float().nan_to_num().abs().max()
+        assert (diff > 0).float().mean() < 0.05
+    c.untouched(state)
+
+
+@needs_native
+def test_native_optional_terms_and_extremes() -> None:
+    """No D / z / dt_bias; dt far into both tails of softplus (vs float64); empty batches."""
+    c = Case(**MIXED, seed=11)
+    y_ref, s_ref = c.run(D=None, z=None, dt_bias=None)
+    y, state = c.run(native_scan, D=None, z=None, dt_bias=None)
+    torch.testing.assert_close(y, y_ref, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(state, s_ref, rtol=2e-5, atol=2e-5, equal_nan=True)
+
+    c = Case(lens=[6, 1], has_init=[True, True], seed=12)
+    c.dt = c.dt * 40.0  # softplus from about e^-160 (decay 1) to about 160 (decay 0)
+    c.dt[0, :3] = torch.tensor([30.0, -100.0, 0.0])
+    y, state = c.run(native_scan)
+    y64, finals = c.loop64()
+    torch.testing.assert_close(y, y64.float(), rtol=1e-4, atol=1e-4)
+    for page, h in finals.items():
+        torch.testing.assert_close(state[page], h.float(), rtol=1e-4, atol=1e-4)
+
+    c = Case(lens=[0, 0], has_init=[True, False])
+    y, state = c.run(native_scan)
+    assert y.shape == (0, DI)
+    c.untouched(state)
+
+
+@needs_native
+def test_native_declines_what_it_cannot_run() -> None:
+    c = Case(lens=[3], has_init=[True])
+    args = (c.A, c.B, c.C, c.D, c.z, c.dt_bias)
+    meta = (c.pages, c.has_init, c.meta.query_start_loc)
+    assert native.mamba1_scan(c.x.half(), c.dt, *args, c.state, *meta) is None
+    assert native.mamba1_scan(c.x, c.dt, *args, c.state.double(), *meta) is None
+    assert native.mamba1_scan(c.x, c.dt, c.A[:, :-1], *args[1:], c.state, *meta) is None
+    bad_page = torch.tensor([c.state.shape[0]])
+    assert native.mamba1_scan(c.x, c.dt, *args, c.state, bad_page, *meta[1:]) is None
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_ops_match_torch_ops(dtype) -> None:
+    """NativeMamba1Ops: the native scan, and the conv1d (native for float32, PyTorch for bf16)
+    equal to the torch ops'."""
+    c = Case(**MIXED, seed=13, in_dtype=dtype, state_dtype=dtype)
+    y, state = c.run_ops(NativeMamba1Ops())
+    y_ref, s_ref = c.run_ops(TorchMamba1Ops())
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(state.float(), s_ref.float(), rtol=tol, atol=tol, equal_nan=True)
+
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(sum(MIXED["lens"]), DI, generator=gen).to(dtype)
+    weight, bias = torch.randn(DI, 4, generator=gen).to(dtype), torch.randn(DI).to(dtype)
+    conv = torch.randn(10, DI, 3, generator=gen).to(dtype)
+    conv[c.pages[~c.has_init]] = float("nan")
+    conv_ref = conv.clone()
+    out = NativeMamba1Ops().conv1d(x, weight, bias, conv, c.meta, "silu")
+    ref = TorchMamba1Ops().conv1d(x, weight, bias, conv_ref, c.meta, "silu")
+    assert out.dtype == dtype and not torch.isnan(out).any()
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(conv, conv_ref, rtol=tol, atol=tol, equal_nan=True)

@@ -8,7 +8,8 @@ decode step for 64 requests from 4.5 to 0.65 ms, an attention layer's from about
 (64 requests of 100..640 tokens), the prefill scan of 2048 tokens (8 requests) from about 40 ms
 (chunked, PyTorch) to about 7 ms, the conv1d of those tokens from 11 ms (PyTorch) to 2.7-4.6
 ms. The gated delta rule (Qwen3-Next, Qwen3.5; one thread, 24 value heads of 64 x 64 state):
-2048 prefill tokens from 144 to 8.2 ms, a decode step of 64 requests from 16 to 1.2 ms.
+2048 prefill tokens from 144 to 8.2 ms, a decode step of 64 requests from 16 to 1.2 ms. The
+Mamba1 scan (Mamba, FalconMamba, Jamba) runs the same way, float32 or bfloat16.
 RMSNorm (also fused with the residual add before it), SwiGLU's silu(gate) * up and the mixers'
 gated RMSNorm run as one pass over their rows (PyTorch makes four to six): 1.6 to 2.5x on the
 100M model's prefill shapes (benchmarks/cpu_kernels.py).
@@ -17,9 +18,9 @@ Build: `gcc -O3 -march=native -fopenmp -shared` into `$XDG_CACHE_HOME/hybridkv` 
 `~/.cache/hybridkv`), keyed by the source, the compiler flags and the CPU's flags, so a cache
 shared between machines never loads a build for another CPU. Built once, about a second. No
 compiler, a failed build, a tensor of a dtype the kernel does not take (float32; the gated delta
-rule also bfloat16), or `HYBRIDKV_NATIVE=0` in the environment: the callers keep their PyTorch
-path (the reference the tests compare both with), or, for the state ops chosen by the plan, the
-plan does not choose native ones.
+rule and the Mamba1 scan also bfloat16), or `HYBRIDKV_NATIVE=0` in the environment: the callers
+keep their PyTorch path (the reference the tests compare both with), or, for the state ops chosen
+by the plan, the plan does not choose native ones.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ _SIGNATURES = {
     "hkv_gated_delta_rule": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
                              _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr,
                              _ptr],
+    "hkv_mamba1_scan": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64,
+                        _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr,
+                        _ptr, _ptr],
 }  # fmt: skip
 
 
@@ -251,6 +255,88 @@ def gated_delta_rule(
     if int(failed):
         raise MemoryError("the native gated delta rule could not allocate its work space")
     return o
+
+
+MAMBA1_DTYPES = (torch.float32, torch.bfloat16)  # of x, dt, z, B, C and of the state
+
+
+def _unit_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t: [T, k] in `dtype` with unit column stride (a view when it already is)."""
+    t = t.to(dtype)
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _f32_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.to(torch.float32).contiguous()
+
+
+def mamba1_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    z: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    ssm_state: torch.Tensor,
+    state_pages: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> torch.Tensor | None:
+    """The Mamba1 scan of packed requests natively (prefill chunks and decode steps, token by
+    token, each state read and written once in its page; `ops.mamba1.mamba1_scan_varlen` is the
+    reference, with the same arguments); None when the kernels or these tensors are not
+    supported.
+
+    x, dt (raw), z: [T, Di] and B, C: [T, N], float32 or bfloat16 (all as x; rows may be
+    strided); A: [Di, N]; D, dt_bias: [Di] or None; ssm_state: [num_pages, Di, N] float32 or
+    bfloat16 (a page-strided view, each page contiguous); state_pages, has_initial_state: [S];
+    query_start_loc: [S + 1] -> y [T, Di] float32.
+    """
+    lib = library()
+    if lib is None or x.dim() != 2 or x.dtype not in MAMBA1_DTYPES:
+        return None
+    tensors = [x, dt, A, B, C, ssm_state] + [t for t in (D, z, dt_bias) if t is not None]
+    if any(t.device.type != "cpu" for t in tensors) or ssm_state.dtype not in MAMBA1_DTYPES:
+        return None
+    tokens, channels = x.shape
+    d_state = A.shape[-1]
+    if dt.shape != x.shape or (z is not None and z.shape != x.shape):
+        return None
+    if A.shape != (channels, d_state) or B.shape != (tokens, d_state) or C.shape != B.shape:
+        return None
+    if any(t is not None and t.shape != (channels,) for t in (D, dt_bias)):
+        return None  # (a vector of another size would be read out of bounds)
+    if ssm_state.shape[1:] != (channels, d_state) or ssm_state.stride()[1:] != (d_state, 1):
+        return None
+    pages, has, starts, lens = _spans(state_pages, has_initial_state, query_start_loc)
+    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= ssm_state.shape[0]):
+        return None  # (a page out of range would be read and written out of bounds)
+    if pages.shape[0] != lens.shape[0]:
+        return None
+    if lens.numel() and (int(lens.min()) < 0 or int((starts + lens).max()) > tokens):
+        return None  # (nor may a request's tokens lie outside x and y)
+    y = torch.zeros(tokens, channels, dtype=torch.float32)
+    if tokens == 0 or pages.numel() == 0 or channels == 0:
+        return y
+    dtype = x.dtype
+    x, dt, B, C = (_unit_rows(t, dtype) for t in (x, dt, B, C))
+    z = None if z is None else _unit_rows(z, dtype)
+    A, D, dt_bias = A.to(torch.float32).contiguous(), _f32_or_none(D), _f32_or_none(dt_bias)
+    failed = torch.zeros(1, dtype=torch.int32)
+    lib.hkv_mamba1_scan(
+        ssm_state.data_ptr(), ssm_state.stride(0), int(ssm_state.dtype == torch.bfloat16),
+        pages.data_ptr(), has.data_ptr(), starts.data_ptr(), lens.data_ptr(), pages.shape[0],
+        channels, d_state, x.data_ptr(), x.stride(0), dt.data_ptr(), dt.stride(0),
+        None if z is None else z.data_ptr(), 0 if z is None else z.stride(0), B.data_ptr(),
+        B.stride(0), C.data_ptr(), C.stride(0), int(dtype == torch.bfloat16), A.data_ptr(),
+        None if D is None else D.data_ptr(), None if dt_bias is None else dt_bias.data_ptr(),
+        y.data_ptr(), failed.data_ptr(),
+    )  # fmt: skip
+    if int(failed):
+        raise MemoryError("the native Mamba1 scan could not allocate its work space")
+    return y
 
 
 CONV_MAX_HISTORY = 8  # HKV_CONV_MAX_HISTORY in kernels.c

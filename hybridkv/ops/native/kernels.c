@@ -1,13 +1,14 @@
-/* CPU kernels for a hybrid model's Mamba2 scan, gated delta rule (Qwen3-Next, Qwen3.5) and
- * causal conv1d (prefill and decode), decode attention, and the row-wise norms and activations
- * between the GEMMs.
+/* CPU kernels for a hybrid model's Mamba2 and Mamba1 scans, gated delta rule (Qwen3-Next,
+ * Qwen3.5) and causal conv1d (prefill and decode), decode attention, and the row-wise norms and
+ * activations between the GEMMs.
  *
  * Plain C with OpenMP, built at first use by hybridkv/ops/native/__init__.py (gcc -O3
  * -march=native -fopenmp) and called through ctypes. Each reads the paged cache in place, so
  * nothing is gathered into a temporary: a Mamba2 state is read and written once per step, a
  * request's K and V are read once; a norm or activation reads its rows once where PyTorch's
  * element-wise ops pass over them four to six times. All tensors are float32 and contiguous
- * unless a stride is passed (the gated delta rule also takes bfloat16 inputs and states).
+ * unless a stride is passed (the gated delta rule and the Mamba1 scan also take bfloat16 inputs
+ * and states).
  * OpenMP here is the libgomp that torch already loaded (same soname), so
  * torch.set_num_threads() sets the number of threads for these loops too.
  */
@@ -771,3 +772,190 @@ void hkv_argmax_f32(const float *x, int64_t x_stride, int64_t rows, int64_t cols
         out[r] = idx;
     }
 }
+
+/* ---- The Mamba1 selective scan (Mamba, FalconMamba, Jamba), state in place.
+ *
+ * Per request and inner channel d, the state row h[d] of N numbers (page layout [Di][N]) goes
+ * through the request's tokens with delta = softplus(dt_t[d] + dt_bias[d]):
+ *
+ *     h[d][n] = exp(delta * A[d][n]) * h[d][n] + delta * x_t[d] * B_t[n]
+ *     y_t[d]  = (sum_n h[d][n] * C_t[n] + D[d] * x_t[d]) * silu(z_t[d])
+ *
+ * Unlike Mamba2 the decay differs for every (d, n), so the cost is one exp per state element
+ * and token. One task per (request, block of HKV_M1_CHANNELS channels): the block's state is
+ * copied out of its page transposed, st[n][l] (l: channel in the block, along a vector's
+ * lanes; 4 KB for N = 16, in L1), goes through all of the request's tokens, and is written back
+ * once; the per-token work is plain loops over the block's channels that GCC vectorises, with
+ * the exp and softplus in polynomial arithmetic (exp_nonpositive; libm's calls do not
+ * vectorise). x, dt, z: [T, Di] and B, C: [T, N] rows at a stride (float32, or all bfloat16);
+ * the state float32 or bfloat16; the math float32 throughout.
+ */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+#define HKV_M1_CHANNELS 64 /* channels per task: four AVX-512 vectors, eight AVX2 ones */
+
+/* softplus(v) = max(v, 0) + log1p(e^-|v|), log1p(e) = 2 atanh(e / (2 + e)) by its series to
+ * s^11 (s <= 1/3: the first term left out is below 1e-7): relative error below 3e-7. */
+static inline float softplus(float v) {
+    const float e = exp_nonpositive(v < 0.0f ? v : -v);
+    const float s = e / (2.0f + e), s2 = s * s;
+    const float series =
+        1.0f + s2 * (3.3333334e-1f + s2 * (2.0e-1f + s2 * (1.4285715e-1f
+                     + s2 * (1.1111111e-1f + s2 * 9.0909094e-2f))));
+    return (v > 0.0f ? v : 0.0f) + 2.0f * s * series;
+}
+
+/* What every (request, channel block) task reads, in one place. */
+struct m1_inputs {
+    const void *x, *dt, *z, *B, *C;   /* x, dt, z: [T, Di]; B, C: [T, N]; z may be NULL */
+    int64_t x_stride, dt_stride, z_stride, b_stride, c_stride; /* elements between tokens */
+    int bf16;                         /* x, dt, z, B, C in bfloat16 (else float32) */
+    const float *A, *D, *dt_bias;     /* A: [Di, N]; D, dt_bias: [Di] or NULL */
+    float *y;                         /* [T, Di] */
+    int64_t Di, N;
+};
+
+/* n (<= HKV_M1_CHANNELS) elements from element i of a float32 / bfloat16 array, zeros after. */
+static inline void m1_load(const void *x, int bf16, int64_t i, int64_t n, float *out) {
+    load_floats(x, bf16, i, n, out);
+    for (int64_t l = n; l < HKV_M1_CHANNELS; l++) out[l] = 0.0f;
+}
+
+/* The block's state from (init) or zeros, and A, transposed: st[n][l], At[n][l]. Lanes past
+ * nc hold zeros (A = 0: decay 1) and are never written back. */
+static void m1_state_in(const void *page, int state_bf16, int init, int64_t c0, int64_t nc,
+                        const struct m1_inputs *in, float *st, float *At) {
+    const int64_t N = in->N;
+    float row[256]; /* a state row, 256 numbers at a time */
+    for (int64_t i = 0; i < N * HKV_M1_CHANNELS; i++) st[i] = At[i] = 0.0f;
+    for (int64_t l = 0; l < nc; l++) {
+        const float *a = in->A + (c0 + l) * N;
+        for (int64_t n0 = 0; n0 < N; n0 += 256) {
+            const int64_t m = N - n0 < 256 ? N - n0 : 256;
+            if (init) {
+                load_floats(page, state_bf16, (c0 + l) * N + n0, m, row);
+                for (int64_t n = 0; n < m; n++) st[(n0 + n) * HKV_M1_CHANNELS + l] = row[n];
+            }
+            for (int64_t n = 0; n < m; n++) At[(n0 + n) * HKV_M1_CHANNELS + l] = a[n0 + n];
+        }
+    }
+}
+
+static void m1_state_out(void *page, int state_bf16, int64_t c0, int64_t nc, int64_t N,
+                         const float *st) {
+    for (int64_t l = 0; l < nc; l++) {
+        const int64_t base = (c0 + l) * N;
+        if (state_bf16) {
+            uint16_t *dst = (uint16_t *)page + base;
+            for (int64_t n = 0; n < N; n++) dst[n] = f32_to_bf16(st[n * HKV_M1_CHANNELS + l]);
+        } else {
+            float *dst = (float *)page + base;
+            for (int64_t n = 0; n < N; n++) dst[n] = st[n * HKV_M1_CHANNELS + l];
+        }
+    }
+}
+
+/* One token through the block: st advanced in place, returns sum_n st[n][l] * C[n] in acc. */
+static inline void m1_token(float *restrict st, const float *restrict At, int64_t N,
+                            const float *restrict delta, const float *restrict dx,
+                            const float *restrict b, const float *restrict c,
+                            float *restrict acc) {
+    for (int64_t l = 0; l < HKV_M1_CHANNELS; l++) acc[l] = 0.0f;
+    for (int64_t n = 0; n < N; n++) {
+        float *restrict row = st + n * HKV_M1_CHANNELS;
+        const float *restrict a = At + n * HKV_M1_CHANNELS;
+        const float bn = b[n], cn = c[n];
+#pragma omp simd
+        for (int64_t l = 0; l < HKV_M1_CHANNELS; l++) {
+            const float v = row[l] * exp_nonpositive(delta[l] * a[l]) + dx[l] * bn;
+            row[l] = v;
+            acc[l] += v * cn;
+        }
+    }
+}
+
+/* Channels c0 .. c0 + nc - 1 of one request through tokens tok0 .. tok0 + len - 1. work:
+ * 2 * N * HKV_M1_CHANNELS + 2 * N floats (the transposed state and A, a token's B and C). */
+static void m1_block(void *page, int state_bf16, int init, int64_t tok0, int64_t len,
+                     int64_t c0, int64_t nc, const struct m1_inputs *in, float *work) {
+    const int64_t N = in->N, Di = in->Di;
+    float *st = work, *At = st + N * HKV_M1_CHANNELS, *b = At + N * HKV_M1_CHANNELS, *c = b + N;
+    float bias[HKV_M1_CHANNELS] = {0.0f}, D[HKV_M1_CHANNELS] = {0.0f};
+    float xs[HKV_M1_CHANNELS], delta[HKV_M1_CHANNELS], dx[HKV_M1_CHANNELS];
+    float zs[HKV_M1_CHANNELS], acc[HKV_M1_CHANNELS];
+    for (int64_t l = 0; l < nc; l++) {
+        if (in->dt_bias != NULL) bias[l] = in->dt_bias[c0 + l];
+        if (in->D != NULL) D[l] = in->D[c0 + l];
+    }
+    m1_state_in(page, state_bf16, init, c0, nc, in, st, At);
+    for (int64_t t = tok0; t < tok0 + len; t++) {
+        m1_load(in->x, in->bf16, t * in->x_stride + c0, nc, xs);
+        m1_load(in->dt, in->bf16, t * in->dt_stride + c0, nc, delta);
+        load_floats(in->B, in->bf16, t * in->b_stride, N, b);
+        load_floats(in->C, in->bf16, t * in->c_stride, N, c);
+#pragma omp simd
+        for (int64_t l = 0; l < HKV_M1_CHANNELS; l++) {
+            delta[l] = softplus(delta[l] + bias[l]);
+            dx[l] = delta[l] * xs[l];
+        }
+        m1_token(st, At, N, delta, dx, b, c, acc);
+        if (in->z != NULL) {
+            m1_load(in->z, in->bf16, t * in->z_stride + c0, nc, zs);
+#pragma omp simd
+            for (int64_t l = 0; l < HKV_M1_CHANNELS; l++)
+                acc[l] = (acc[l] + D[l] * xs[l]) * silu(zs[l]);
+        } else {
+#pragma omp simd
+            for (int64_t l = 0; l < HKV_M1_CHANNELS; l++) acc[l] += D[l] * xs[l];
+        }
+        memcpy(in->y + t * Di + c0, acc, sizeof(float) * (size_t)nc);
+    }
+    m1_state_out(page, state_bf16, c0, nc, N, st);
+}
+
+/* The Mamba1 scan of R packed requests, each state read and written once, in its page.
+ *
+ *   state page p: state + p * page_stride elements (float32, or bfloat16 when state_bf16),
+ *   holding h[Di][N]
+ *
+ * Request r owns tokens starts[r] .. starts[r] + lens[r] - 1 (prefill chunks and one-token
+ * decode steps alike). A request without an initial state (has_initial[r] == 0) starts from
+ * zeros: its page is overwritten, never read (it may hold NaN bit patterns). lens[r] == 0 leaves
+ * the page untouched. One task per (request, channel block); each thread allocates its work
+ * space once; *failed is set when that fails (y and the states are then incomplete).
+ */
+void hkv_mamba1_scan(void *state, int64_t page_stride, int state_bf16, const int64_t *pages,
+                     const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
+                     int64_t R, int64_t Di, int64_t N, const void *x, int64_t x_stride,
+                     const void *dt, int64_t dt_stride, const void *z, int64_t z_stride,
+                     const void *B, int64_t b_stride, const void *C, int64_t c_stride,
+                     int in_bf16, const float *A, const float *D, const float *dt_bias, float *y,
+                     int *failed) {
+    const struct m1_inputs in = {x, dt, z, B, C, x_stride, dt_stride, z_stride, b_stride,
+                                 c_stride, in_bf16, A, D, dt_bias, y, Di, N};
+    const int64_t blocks = (Di + HKV_M1_CHANNELS - 1) / HKV_M1_CHANNELS;
+    const size_t elem = state_bf16 ? 2 : 4;
+    size_t bytes = sizeof(float) * (size_t)(2 * N * HKV_M1_CHANNELS + 2 * N);
+    bytes = (bytes + 63) / 64 * 64; /* aligned_alloc: a multiple of the alignment */
+#pragma omp parallel
+    {
+        float *work = aligned_alloc(64, bytes);
+        if (work == NULL) {
+#pragma omp atomic write
+            *failed = 1;
+        }
+#pragma omp for collapse(2) schedule(guided)
+        for (int64_t r = 0; r < R; r++) {
+            for (int64_t blk = 0; blk < blocks; blk++) {
+                if (lens[r] == 0 || work == NULL) continue;
+                const int64_t c0 = blk * HKV_M1_CHANNELS;
+                const int64_t nc = Di - c0 < HKV_M1_CHANNELS ? Di - c0 : HKV_M1_CHANNELS;
+                char *page = (char *)state + pages[r] * page_stride * elem;
+                m1_block(page, state_bf16, has_initial[r], starts[r], lens[r], c0, nc, &in,
+                         work);
+            }
+        }
+        free(work);
+    }
+}
+#pragma GCC pop_options
