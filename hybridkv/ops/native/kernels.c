@@ -810,7 +810,7 @@ struct m1_inputs {
     const void *x, *dt, *z, *B, *C;   /* x, dt, z: [T, Di]; B, C: [T, N]; z may be NULL */
     int64_t x_stride, dt_stride, z_stride, b_stride, c_stride; /* elements between tokens */
     int bf16;                         /* x, dt, z, B, C in bfloat16 (else float32) */
-    const float *A, *D, *dt_bias;     /* A: [Di, N]; D, dt_bias: [Di] or NULL */
+    const float *D, *dt_bias;          /* [Di] or NULL */
     float *y;                         /* [T, Di] */
     int64_t Di, N;
 };
@@ -821,37 +821,50 @@ static inline void m1_load(const void *x, int bf16, int64_t i, int64_t n, float 
     for (int64_t l = n; l < HKV_M1_CHANNELS; l++) out[l] = 0.0f;
 }
 
-/* The block's state from (init) or zeros, and A, transposed: st[n][l], At[n][l]. Lanes past
- * nc hold zeros (A = 0: decay 1) and are never written back. */
+/* The block's state from its page (init) or zeros, transposed: st[n][l]. Lanes past nc hold
+ * zeros and are never written back. */
 static void m1_state_in(const void *page, int state_bf16, int init, int64_t c0, int64_t nc,
-                        const struct m1_inputs *in, float *st, float *At) {
-    const int64_t N = in->N;
-    float row[256]; /* a state row, 256 numbers at a time */
-    for (int64_t i = 0; i < N * HKV_M1_CHANNELS; i++) st[i] = At[i] = 0.0f;
-    for (int64_t l = 0; l < nc; l++) {
-        const float *a = in->A + (c0 + l) * N;
-        for (int64_t n0 = 0; n0 < N; n0 += 256) {
-            const int64_t m = N - n0 < 256 ? N - n0 : 256;
-            if (init) {
-                load_floats(page, state_bf16, (c0 + l) * N + n0, m, row);
-                for (int64_t n = 0; n < m; n++) st[(n0 + n) * HKV_M1_CHANNELS + l] = row[n];
-            }
-            for (int64_t n = 0; n < m; n++) At[(n0 + n) * HKV_M1_CHANNELS + l] = a[n0 + n];
-        }
+                        int64_t N, float *restrict st) {
+    if (!init || nc < HKV_M1_CHANNELS)
+        for (int64_t i = 0; i < N * HKV_M1_CHANNELS; i++) st[i] = 0.0f;
+    if (!init) return;
+    if (state_bf16) {
+        const uint16_t *src = (const uint16_t *)page + c0 * N;
+        for (int64_t l = 0; l < nc; l++)
+            for (int64_t n = 0; n < N; n++)
+                st[n * HKV_M1_CHANNELS + l] = bf16_to_f32(src[l * N + n]);
+    } else {
+        const float *src = (const float *)page + c0 * N;
+        for (int64_t l = 0; l < nc; l++)
+            for (int64_t n = 0; n < N; n++) st[n * HKV_M1_CHANNELS + l] = src[l * N + n];
     }
 }
 
 static void m1_state_out(void *page, int state_bf16, int64_t c0, int64_t nc, int64_t N,
-                         const float *st) {
-    for (int64_t l = 0; l < nc; l++) {
-        const int64_t base = (c0 + l) * N;
-        if (state_bf16) {
-            uint16_t *dst = (uint16_t *)page + base;
-            for (int64_t n = 0; n < N; n++) dst[n] = f32_to_bf16(st[n * HKV_M1_CHANNELS + l]);
-        } else {
-            float *dst = (float *)page + base;
-            for (int64_t n = 0; n < N; n++) dst[n] = st[n * HKV_M1_CHANNELS + l];
-        }
+                         const float *restrict st) {
+    if (state_bf16) {
+        uint16_t *dst = (uint16_t *)page + c0 * N;
+        for (int64_t l = 0; l < nc; l++)
+            for (int64_t n = 0; n < N; n++)
+                dst[l * N + n] = f32_to_bf16(st[n * HKV_M1_CHANNELS + l]);
+    } else {
+        float *dst = (float *)page + c0 * N;
+        for (int64_t l = 0; l < nc; l++)
+            for (int64_t n = 0; n < N; n++) dst[l * N + n] = st[n * HKV_M1_CHANNELS + l];
+    }
+}
+
+/* A [Di, N] transposed per block of channels: At[blk][n][l] = A[blk * CHANNELS + l][n], zeros
+ * past Di (decay 1 in lanes that are never written back). */
+static void m1_transpose_a(const float *A, int64_t Di, int64_t N, float *At) {
+    const int64_t blocks = (Di + HKV_M1_CHANNELS - 1) / HKV_M1_CHANNELS;
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        float *out = At + blk * N * HKV_M1_CHANNELS;
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t l = 0; l < HKV_M1_CHANNELS; l++) {
+                const int64_t d = blk * HKV_M1_CHANNELS + l;
+                out[n * HKV_M1_CHANNELS + l] = d < Di ? A[d * N + n] : 0.0f;
+            }
     }
 }
 
@@ -874,33 +887,50 @@ static inline void m1_token(float *restrict st, const float *restrict At, int64_
     }
 }
 
-/* Channels c0 .. c0 + nc - 1 of one request through tokens tok0 .. tok0 + len - 1. work:
- * 2 * N * HKV_M1_CHANNELS + 2 * N floats (the transposed state and A, a token's B and C). */
+/* A row of nc (<= HKV_M1_CHANNELS) channels from element i: in place for a whole float32 block,
+ * else converted (bfloat16) or zero-padded into buf. */
+static inline const float *m1_row(const void *x, int bf16, int64_t i, int64_t nc, float *buf) {
+    if (!bf16 && nc == HKV_M1_CHANNELS) return (const float *)x + i;
+    m1_load(x, bf16, i, nc, buf);
+    return buf;
+}
+
+/* Channels c0 .. c0 + nc - 1 of one request through tokens tok0 .. tok0 + len - 1. At: the
+ * block's A, transposed; work: N * HKV_M1_CHANNELS + 2 * N floats (the transposed state, a
+ * token's B and C). */
 static void m1_block(void *page, int state_bf16, int init, int64_t tok0, int64_t len,
-                     int64_t c0, int64_t nc, const struct m1_inputs *in, float *work) {
+                     int64_t c0, int64_t nc, const struct m1_inputs *in, const float *At,
+                     float *work) {
     const int64_t N = in->N, Di = in->Di;
-    float *st = work, *At = st + N * HKV_M1_CHANNELS, *b = At + N * HKV_M1_CHANNELS, *c = b + N;
+    const int whole = nc == HKV_M1_CHANNELS;
+    float *st = work, *bbuf = st + N * HKV_M1_CHANNELS;
+    float *cbuf = bbuf + N;
     float bias[HKV_M1_CHANNELS] = {0.0f}, D[HKV_M1_CHANNELS] = {0.0f};
-    float xs[HKV_M1_CHANNELS], delta[HKV_M1_CHANNELS], dx[HKV_M1_CHANNELS];
-    float zs[HKV_M1_CHANNELS], acc[HKV_M1_CHANNELS];
+    float xbuf[HKV_M1_CHANNELS], zbuf[HKV_M1_CHANNELS], delta[HKV_M1_CHANNELS];
+    float dx[HKV_M1_CHANNELS], part[HKV_M1_CHANNELS];
     for (int64_t l = 0; l < nc; l++) {
         if (in->dt_bias != NULL) bias[l] = in->dt_bias[c0 + l];
         if (in->D != NULL) D[l] = in->D[c0 + l];
     }
-    m1_state_in(page, state_bf16, init, c0, nc, in, st, At);
+    m1_state_in(page, state_bf16, init, c0, nc, N, st);
     for (int64_t t = tok0; t < tok0 + len; t++) {
-        m1_load(in->x, in->bf16, t * in->x_stride + c0, nc, xs);
-        m1_load(in->dt, in->bf16, t * in->dt_stride + c0, nc, delta);
-        load_floats(in->B, in->bf16, t * in->b_stride, N, b);
-        load_floats(in->C, in->bf16, t * in->c_stride, N, c);
+        const float *xs = m1_row(in->x, in->bf16, t * in->x_stride + c0, nc, xbuf);
+        const float *dts = m1_row(in->dt, in->bf16, t * in->dt_stride + c0, nc, delta);
+        const float *b = in->bf16 ? bbuf : (const float *)in->B + t * in->b_stride;
+        const float *c = in->bf16 ? cbuf : (const float *)in->C + t * in->c_stride;
+        if (in->bf16) {
+            load_floats(in->B, 1, t * in->b_stride, N, bbuf);
+            load_floats(in->C, 1, t * in->c_stride, N, cbuf);
+        }
 #pragma omp simd
         for (int64_t l = 0; l < HKV_M1_CHANNELS; l++) {
-            delta[l] = softplus(delta[l] + bias[l]);
+            delta[l] = softplus(dts[l] + bias[l]);
             dx[l] = delta[l] * xs[l];
         }
+        float *acc = whole ? in->y + t * Di + c0 : part; /* y's row in place when whole */
         m1_token(st, At, N, delta, dx, b, c, acc);
         if (in->z != NULL) {
-            m1_load(in->z, in->bf16, t * in->z_stride + c0, nc, zs);
+            const float *zs = m1_row(in->z, in->bf16, t * in->z_stride + c0, nc, zbuf);
 #pragma omp simd
             for (int64_t l = 0; l < HKV_M1_CHANNELS; l++)
                 acc[l] = (acc[l] + D[l] * xs[l]) * silu(zs[l]);
@@ -908,7 +938,7 @@ static void m1_block(void *page, int state_bf16, int init, int64_t tok0, int64_t
 #pragma omp simd
             for (int64_t l = 0; l < HKV_M1_CHANNELS; l++) acc[l] += D[l] * xs[l];
         }
-        memcpy(in->y + t * Di + c0, acc, sizeof(float) * (size_t)nc);
+        if (!whole) memcpy(in->y + t * Di + c0, acc, sizeof(float) * (size_t)nc);
     }
     m1_state_out(page, state_bf16, c0, nc, N, st);
 }
@@ -932,11 +962,18 @@ void hkv_mamba1_scan(void *state, int64_t page_stride, int state_bf16, const int
                      int in_bf16, const float *A, const float *D, const float *dt_bias, float *y,
                      int *failed) {
     const struct m1_inputs in = {x, dt, z, B, C, x_stride, dt_stride, z_stride, b_stride,
-                                 c_stride, in_bf16, A, D, dt_bias, y, Di, N};
+                                 c_stride, in_bf16, D, dt_bias, y, Di, N};
     const int64_t blocks = (Di + HKV_M1_CHANNELS - 1) / HKV_M1_CHANNELS;
     const size_t elem = state_bf16 ? 2 : 4;
-    size_t bytes = sizeof(float) * (size_t)(2 * N * HKV_M1_CHANNELS + 2 * N);
+    size_t bytes = sizeof(float) * (size_t)(N * HKV_M1_CHANNELS + 2 * N);
     bytes = (bytes + 63) / 64 * 64; /* aligned_alloc: a multiple of the alignment */
+    const size_t a_bytes = sizeof(float) * (size_t)(blocks * N * HKV_M1_CHANNELS);
+    float *At = aligned_alloc(64, (a_bytes + 63) / 64 * 64);
+    if (At == NULL) {
+        *failed = 1;
+        return;
+    }
+    m1_transpose_a(A, Di, N, At);
 #pragma omp parallel
     {
         float *work = aligned_alloc(64, bytes);
@@ -952,10 +989,11 @@ void hkv_mamba1_scan(void *state, int64_t page_stride, int state_bf16, const int
                 const int64_t nc = Di - c0 < HKV_M1_CHANNELS ? Di - c0 : HKV_M1_CHANNELS;
                 char *page = (char *)state + pages[r] * page_stride * elem;
                 m1_block(page, state_bf16, has_initial[r], starts[r], lens[r], c0, nc, &in,
-                         work);
+                         At + blk * N * HKV_M1_CHANNELS, work);
             }
         }
         free(work);
     }
+    free(At);
 }
 #pragma GCC pop_options
