@@ -57,6 +57,14 @@ MAMBA1_OPS = (
         needs="native",
         description="C kernels (hybridkv.ops.native): scan in place, float32/bfloat16",
     ),
+    StateOps(
+        "triton",
+        _OPS + "TritonMamba1Ops",
+        frozenset({"cuda", "rocm"}),
+        _FLOATS,
+        needs="triton",
+        description="Triton decode steps, PyTorch prefill",
+    ),
     StateOps("torch", _OPS + "TorchMamba1Ops", description="PyTorch reference"),
 )
 TORCH_OPS = TorchMamba1Ops()

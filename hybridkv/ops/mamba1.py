@@ -21,10 +21,17 @@ and the prefill path of the Triton ops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from hybridkv.ops.mamba2 import _split_by_length
+
+# A kernel for one-token requests: (ssm_state, state_pages, has_initial_state, x, dt, A, B, C,
+# D, z, dt_bias) -> y [R, Di] float32, with the signature of
+# `hybridkv.ops.triton_mamba1.mamba1_decode` (dt raw; D, z, dt_bias may be None).
+DecodeRows = Callable[..., torch.Tensor]
 
 
 def _initial_state(
@@ -128,6 +135,7 @@ def mamba1_scan_varlen(
     query_start_loc: torch.Tensor,
     max_query_len: int,
     out_dtype: torch.dtype = torch.float32,
+    decode_rows: DecodeRows | None = None,
 ) -> torch.Tensor:
     """Mamba1 scan of packed requests, reading and updating their paged state, in float32.
 
@@ -136,10 +144,17 @@ def mamba1_scan_varlen(
     ssm_state: [num_pages, Di, N] float32 or bfloat16, written in place at `state_pages`;
     state_pages: [S] int64; has_initial_state: [S] bool; query_start_loc: [S + 1] int32;
     max_query_len: longest request (an upper bound works) -> y [T, Di] in `out_dtype`.
+    `decode_rows` steps the one-token requests instead of the PyTorch step (the Triton kernel
+    on GPUs; all of the step, fused, when every request has one token).
     """
     num_tokens, channels = x.shape
     y = torch.zeros(num_tokens, channels, dtype=torch.float32, device=x.device)
     if num_tokens == 0 or state_pages.shape[0] == 0:
+        return y.to(out_dtype)
+    if decode_rows is not None and max_query_len == 1 and num_tokens == state_pages.shape[0]:
+        y = decode_rows(
+            ssm_state, state_pages, has_initial_state, x, dt, A, B, C, D, z, dt_bias
+        )  # token s: request s
         return y.to(out_dtype)
     xf, Bf, Cf, Af = x.float(), B.float(), C.float(), A.float()
     delta = process_dt(dt, dt_bias)  # [T, Di]
@@ -148,9 +163,14 @@ def mamba1_scan_varlen(
     dec, pre = _split_by_length(lens)  # zero-length requests are in neither: pages untouched
     if dec.numel() > 0:
         tok = starts[dec]
-        h = _initial_state(ssm_state, state_pages[dec], has_initial_state[dec])
-        y[tok] = mamba1_step(h, xf[tok], delta[tok], Af, Bf[tok], Cf[tok])
-        ssm_state.index_copy_(0, state_pages[dec], h.to(ssm_state.dtype))
+        pages, has = state_pages[dec], has_initial_state[dec]
+        if decode_rows is not None:  # D and z are applied below, with the other tokens'
+            y[tok] = decode_rows(ssm_state, pages, has, x[tok], dt[tok], Af, B[tok], C[tok],
+                                 None, None, dt_bias)  # fmt: skip
+        else:
+            h = _initial_state(ssm_state, pages, has)
+            y[tok] = mamba1_step(h, xf[tok], delta[tok], Af, Bf[tok], Cf[tok])
+            ssm_state.index_copy_(0, pages, h.to(ssm_state.dtype))
     if pre.numel() > 0:
         h = _initial_state(ssm_state, state_pages[pre], has_initial_state[pre])
         width = min(max_query_len, num_tokens)

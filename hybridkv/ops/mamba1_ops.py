@@ -25,8 +25,7 @@ import torch
 
 from hybridkv.layers.state_base import StateMetadata
 from hybridkv.ops import native
-from hybridkv.ops.conv1d import is_decode
-from hybridkv.ops.mamba1 import mamba1_scan_varlen
+from hybridkv.ops.mamba1 import DecodeRows, mamba1_scan_varlen
 from hybridkv.ops.mamba2_ops import NativeMamba2Ops, TorchMamba2Ops, TritonMamba2Ops
 
 
@@ -74,7 +73,12 @@ class TorchMamba1Ops:
         return mamba1_scan_varlen(
             x, dt, p.A, B, C, p.D, z, p.dt_bias, ssm_state, meta.state_pages,
             meta.has_initial_state, meta.query_start_loc, meta.max_query_len, out_dtype,
+            self.decode_rows(),
         )  # fmt: skip
+
+    def decode_rows(self) -> DecodeRows | None:
+        """A kernel for the one-token requests of a scan (None: the PyTorch step)."""
+        return None
 
 
 class NativeMamba1Ops(TorchMamba1Ops):
@@ -127,8 +131,9 @@ class NativeMamba1Ops(TorchMamba1Ops):
 
 
 class TritonMamba1Ops(TorchMamba1Ops):
-    """GPUs: the conv1d's decode steps (Mamba2's Triton kernel) and the scan's decode steps in
-    Triton, each state read and written once in its page; prefill chunks in PyTorch."""
+    """GPUs: the conv1d's decode steps (Mamba2's Triton kernel) and the scan's one-token
+    requests (`ops.triton_mamba1`) in Triton, each state read and written once in its page;
+    prefill chunks in PyTorch."""
 
     name = "triton"
     _triton_conv = TritonMamba2Ops()
@@ -144,24 +149,7 @@ class TritonMamba1Ops(TorchMamba1Ops):
     ) -> torch.Tensor:
         return self._triton_conv.conv1d(x, weight, bias, conv_state, meta, activation)
 
-    def scan(
-        self,
-        x: torch.Tensor,
-        dt: torch.Tensor,
-        B: torch.Tensor,
-        C: torch.Tensor,
-        z: torch.Tensor | None,
-        ssm_state: torch.Tensor,
-        meta: StateMetadata,
-        p: Mamba1Params,
-        out_dtype: torch.dtype,
-    ) -> torch.Tensor:
-        if is_decode(meta.max_query_len, x.shape[0], meta.state_pages) and x.shape[0] > 0:
-            from hybridkv.ops import triton_mamba1
+    def decode_rows(self) -> DecodeRows:
+        from hybridkv.ops import triton_mamba1
 
-            y = triton_mamba1.mamba1_decode(
-                ssm_state, meta.state_pages, meta.has_initial_state, x, dt, p.A, B, C, p.D, z,
-                p.dt_bias,
-            )  # fmt: skip
-            return y.to(out_dtype)
-        return super().scan(x, dt, B, C, z, ssm_state, meta, p, out_dtype)
+        return triton_mamba1.mamba1_decode

@@ -222,7 +222,9 @@ def test_declared_cache_and_ops():
     assert select_state_ops(spec, "cpu", "bfloat16", caps) == "native"
     assert select_state_ops(spec, "cpu", "float16", caps) == "torch"
     assert select_state_ops(spec, "cpu", "float32", frozenset()) == "torch"
-    assert select_state_ops(spec, "cuda", "bfloat16", caps) == "torch"
+    assert select_state_ops(spec, "cuda", "bfloat16", caps) == "triton"
+    assert select_state_ops(spec, "rocm", "float16", caps) == "triton"
+    assert select_state_ops(spec, "cuda", "bfloat16", frozenset({"native"})) == "torch"
 
 
 def test_bad_arguments():
