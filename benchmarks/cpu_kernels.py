@@ -6,12 +6,14 @@ requests of 256) and a decode step of 64 requests. The gated delta rule (Qwen3-N
 runs at Qwen3-Next's proportions scaled to hidden 768: 12 key heads and 24 value heads of 64
 (key dim = hidden, value dim = 2 x hidden, as in Qwen3-Next-80B), so its state, 24 x 64 x 64
 floats per request and layer, equals the Mamba2 layer's and the two prefill scans compare per
-token at equal state size. Each op runs through its public function in hybridkv.ops /
-hybridkv.layers (the state ops through the ops classes the plan chooses between: native or
-torch), once with the native kernels and once with `HYBRIDKV_NATIVE=0`, alternating, on the same
-inputs; medians of `--repeat` runs. float32 unless a row says bf16, `--threads` threads.
-Before timing, both paths run once on fresh copies of the same inputs and the largest
-difference of their outputs, relative to the largest output, is reported (`rel_diff`).
+token at equal state size. The Mamba1 scan (Mamba, FalconMamba, Jamba) runs at the Mamba1
+proportions of hidden 768: d_inner 1536 (expand 2), d_state 16. Each op runs through its public
+function in hybridkv.ops / hybridkv.layers (the state ops through the ops classes the plan
+chooses between: native or torch), once with the native kernels and once with
+`HYBRIDKV_NATIVE=0`, alternating, on the same inputs; medians of `--repeat` runs. float32
+unless a row says bf16, `--threads` threads. Before timing, both paths run once on fresh copies
+of the same inputs and the largest difference of their outputs, relative to the largest output,
+is reported (`rel_diff`).
 
     python benchmarks/cpu_kernels.py [--repeat 15] [--threads 2] [--json]
 """
@@ -36,6 +38,7 @@ from hybridkv.layers.state_base import StateMetadata  # noqa: E402
 from hybridkv.ops import native  # noqa: E402
 from hybridkv.ops.gated_delta import gdn_gates  # noqa: E402
 from hybridkv.ops.gdn_ops import NativeGDNOps, TorchGDNOps  # noqa: E402
+from hybridkv.ops.mamba1_ops import Mamba1Params, NativeMamba1Ops, TorchMamba1Ops  # noqa: E402
 from hybridkv.ops.mamba2_ops import NativeMamba2Ops, ScanParams, TorchMamba2Ops  # noqa: E402
 from hybridkv.ops.norm import add_rms_norm, gated_rms_norm, rms_norm  # noqa: E402
 
@@ -43,6 +46,7 @@ HIDDEN, HEADS, HEAD_DIM, D_STATE, CONV_WIDTH, INTER = 768, 24, 64, 64, 4, 1536
 CONV_DIM = HEADS * HEAD_DIM + 2 * D_STATE
 GDN_K_HEADS, GDN_V_HEADS, GDN_DIM = 12, 24, 64  # Hk, Hv, K = V: Hv * K * V = HEADS * 64 * 64
 GDN_PREFILL, SCAN_PREFILL = "gated delta rule, prefill 8 x 256", "mamba2 scan, prefill 8 x 256"
+M1_INNER, M1_STATE, M1_RANK = 2 * HIDDEN, 16, HIDDEN // 16  # Mamba1: d_inner, d_state, dt_rank
 
 
 def mamba2_ops() -> TorchMamba2Ops:
@@ -53,6 +57,11 @@ def mamba2_ops() -> TorchMamba2Ops:
 def gdn_ops() -> TorchGDNOps:
     """The ops class a gated-delta-net group runs: native unless `HYBRIDKV_NATIVE=0`."""
     return NativeGDNOps() if native.library() is not None else TorchGDNOps()
+
+
+def mamba1_ops() -> TorchMamba1Ops:
+    """The ops class a Mamba1 group runs: native unless `HYBRIDKV_NATIVE=0`."""
+    return NativeMamba1Ops() if native.library() is not None else TorchMamba1Ops()
 
 
 def state_problem(num_reqs: int, tokens_each: int, gen: torch.Generator) -> dict:
@@ -124,6 +133,21 @@ def row_cases(rows: int, gen: torch.Generator) -> dict[str, Callable[[], object]
     }
 
 
+def mamba1_case(num_reqs: int, tokens_each: int, gen: torch.Generator) -> Callable[[], object]:
+    """The Mamba1 scan of a layer: x (the conv's output) and dt (dt_proj's) [T, Di], z a column
+    slice of in_proj's output and B, C of x_proj's (token rows strided, as in the mixer)."""
+    p = state_problem(num_reqs, tokens_each, gen)
+    t, di, n = num_reqs * tokens_each, M1_INNER, M1_STATE
+    x, dt = torch.randn(t, di, generator=gen), torch.randn(t, di, generator=gen)
+    z = torch.randn(t, 2 * di, generator=gen)[:, di:]
+    dbc = torch.randn(t, M1_RANK + 2 * n, generator=gen)
+    B, C = dbc[:, M1_RANK : M1_RANK + n], dbc[:, M1_RANK + n :]
+    A = -torch.exp(torch.randn(di, n, generator=gen))
+    params = Mamba1Params(A, torch.randn(di, generator=gen), torch.randn(di, generator=gen))
+    state = torch.randn(p["num_pages"], di, n, generator=gen)
+    return lambda: mamba1_ops().scan(x, dt, B, C, z, state, _meta(p), params, torch.float32)
+
+
 def cases() -> dict[str, Callable[[], object]]:
     gen = torch.Generator().manual_seed(0)
     out = {
@@ -135,6 +159,8 @@ def cases() -> dict[str, Callable[[], object]]:
         "gated delta rule, decode 64 x 1": gdn_case(64, 1, gen),
         "gated delta rule bf16, prefill 8 x 256": gdn_case(8, 256, gen, torch.bfloat16),
         "gated delta rule bf16, decode 64 x 1": gdn_case(64, 1, gen, torch.bfloat16),
+        "mamba1 scan, prefill 8 x 256": mamba1_case(8, 256, gen),
+        "mamba1 scan, decode 64 x 1": mamba1_case(64, 1, gen),
     }
     out.update(row_cases(2048, gen))
     out.update(row_cases(64, gen))

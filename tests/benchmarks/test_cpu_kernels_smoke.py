@@ -25,7 +25,7 @@ def test_cpu_kernels_run(capsys, monkeypatch):
     assert module.main(["--repeat", "1", "--threads", "1", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["op"] for r in rows] == list(module.cases())
-    assert len(rows) == 16
+    assert len(rows) == 18
     assert module.GDN_PREFILL in module.cases() and module.SCAN_PREFILL in module.cases()
     assert module.per_token_us(rows, module.GDN_PREFILL) > 0  # the comparison the text prints
     for r in rows:
