@@ -248,6 +248,8 @@ def native_scan(x, dt, A, B, C, D, z, dt_bias, state, pages, has_init, qsl, max_
         (70, 5, MIXED),  # two channel blocks, a partial one, odd N
         (130, 16, dict(lens=[1, 1, 0, 1, 1], has_init=[True, False, True, True, True])),
         (64, 3, dict(lens=[40, 2], has_init=[True, False])),
+        # whole blocks of N a multiple of the vector lanes: state tiles transposed in registers
+        (128, 32, dict(lens=[20, 1, 5], has_init=[True, True, False])),
     ],
 )
 def test_native_matches_reference(di, n, case, in_dtype, state_dtype) -> None:

@@ -821,6 +821,64 @@ static inline void m1_load(const void *x, int bf16, int64_t i, int64_t n, float 
     for (int64_t l = n; l < HKV_M1_CHANNELS; l++) out[l] = 0.0f;
 }
 
+/* Tiles of HKV_LANES x HKV_LANES floats transposed in registers (the state's page layout
+ * [channel][n] <-> the kernel's [n][channel]): log2(HKV_LANES) stages of two-source shuffles,
+ * stage b exchanging bit b of the row and column index of every element where they differ
+ * (64 shuffles for a 16 x 16 tile, where element-wise copies took 512 loads and stores and
+ * were two thirds of a decode step). Needs __builtin_shufflevector (GCC 12, Clang); other
+ * compilers copy element-wise. */
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define HKV_M1_TILES 1
+typedef uint16_t hkv_vh __attribute__((vector_size(HKV_LANES * 2), aligned(2)));
+typedef uint32_t hkv_vu __attribute__((vector_size(HKV_LANES * 4)));
+#define M1_LO(j, b) (((j) & (b)) ? HKV_LANES + (j) - (b) : (j))
+#define M1_HI(j, b) (((j) & (b)) ? HKV_LANES + (j) : (j) + (b))
+#if HKV_LANES == 16
+#define M1_IDX(F, b)                                                                          \
+    F(0, b), F(1, b), F(2, b), F(3, b), F(4, b), F(5, b), F(6, b), F(7, b), F(8, b), F(9, b), \
+        F(10, b), F(11, b), F(12, b), F(13, b), F(14, b), F(15, b)
+#else
+#define M1_IDX(F, b) F(0, b), F(1, b), F(2, b), F(3, b), F(4, b), F(5, b), F(6, b), F(7, b)
+#endif
+#define M1_STAGE(r, b)                                                                        \
+    for (int i = 0; i < HKV_LANES; i++) {                                                     \
+        if (i & (b)) continue;                                                                \
+        const hkv_vf lo = r[i], hi = r[i + (b)];                                              \
+        r[i] = __builtin_shufflevector(lo, hi, M1_IDX(M1_LO, b));                             \
+        r[i + (b)] = __builtin_shufflevector(lo, hi, M1_IDX(M1_HI, b));                       \
+    }
+
+static inline void m1_transpose_tile(hkv_vf *r) {
+    M1_STAGE(r, 1)
+    M1_STAGE(r, 2)
+    M1_STAGE(r, 4)
+#if HKV_LANES == 16
+    M1_STAGE(r, 8)
+#endif
+}
+
+/* HKV_LANES bfloat16 numbers at p as float32. */
+static inline hkv_vf m1_load_bf16(const uint16_t *p) {
+    const hkv_vu bits = __builtin_convertvector(*(const hkv_vh *)p, hkv_vu) << 16;
+    return (hkv_vf)bits;
+}
+
+/* v rounded to bfloat16 at p, as f32_to_bf16 (NaN -> 0x7fc0). */
+static inline void m1_store_bf16(uint16_t *p, hkv_vf v) {
+    const hkv_vu bits = (hkv_vu)v;
+    const hkv_vu nan = (hkv_vu)((bits & 0x7fffffffu) > 0x7f800000u); /* all ones where NaN */
+    const hkv_vu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    *(hkv_vh *)p = __builtin_convertvector((rounded & ~nan) | (nan & 0x7fc0u), hkv_vh);
+}
+#else
+#define HKV_M1_TILES 0
+#endif
+
+/* Whether the block goes through whole tiles: 64 channels and N a multiple of the lanes. */
+static inline int m1_tiled(int64_t nc, int64_t N) {
+    return HKV_M1_TILES && nc == HKV_M1_CHANNELS && N % HKV_LANES == 0;
+}
+
 /* The block's state from its page (init) or zeros, transposed: st[n][l]. Lanes past nc hold
  * zeros and are never written back. */
 static void m1_state_in(const void *page, int state_bf16, int init, int64_t c0, int64_t nc,
@@ -828,6 +886,23 @@ static void m1_state_in(const void *page, int state_bf16, int init, int64_t c0, 
     if (!init || nc < HKV_M1_CHANNELS)
         for (int64_t i = 0; i < N * HKV_M1_CHANNELS; i++) st[i] = 0.0f;
     if (!init) return;
+#if HKV_M1_TILES
+    if (m1_tiled(nc, N)) {
+        for (int64_t l0 = 0; l0 < HKV_M1_CHANNELS; l0 += HKV_LANES)
+            for (int64_t n0 = 0; n0 < N; n0 += HKV_LANES) {
+                hkv_vf r[HKV_LANES];
+                for (int i = 0; i < HKV_LANES; i++) {
+                    const int64_t at = (c0 + l0 + i) * N + n0; /* channel l0 + i, n0.. */
+                    r[i] = state_bf16 ? m1_load_bf16((const uint16_t *)page + at)
+                                      : loadv((const float *)page + at);
+                }
+                m1_transpose_tile(r);
+                for (int k = 0; k < HKV_LANES; k++)
+                    storev(st + (n0 + k) * HKV_M1_CHANNELS + l0, r[k]);
+            }
+        return;
+    }
+#endif
     if (state_bf16) {
         const uint16_t *src = (const uint16_t *)page + c0 * N;
         for (int64_t l = 0; l < nc; l++)
@@ -842,6 +917,25 @@ static void m1_state_in(const void *page, int state_bf16, int init, int64_t c0, 
 
 static void m1_state_out(void *page, int state_bf16, int64_t c0, int64_t nc, int64_t N,
                          const float *restrict st) {
+#if HKV_M1_TILES
+    if (m1_tiled(nc, N)) {
+        for (int64_t l0 = 0; l0 < HKV_M1_CHANNELS; l0 += HKV_LANES)
+            for (int64_t n0 = 0; n0 < N; n0 += HKV_LANES) {
+                hkv_vf r[HKV_LANES];
+                for (int k = 0; k < HKV_LANES; k++)
+                    r[k] = loadv(st + (n0 + k) * HKV_M1_CHANNELS + l0);
+                m1_transpose_tile(r);
+                for (int i = 0; i < HKV_LANES; i++) {
+                    const int64_t at = (c0 + l0 + i) * N + n0;
+                    if (state_bf16)
+                        m1_store_bf16((uint16_t *)page + at, r[i]);
+                    else
+                        storev((float *)page + at, r[i]);
+                }
+            }
+        return;
+    }
+#endif
     if (state_bf16) {
         uint16_t *dst = (uint16_t *)page + c0 * N;
         for (int64_t l = 0; l < nc; l++)
