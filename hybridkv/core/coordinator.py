@@ -167,6 +167,8 @@ class CacheManager:
             limit = m.longest_hit(key_at, limit, gran)
         attention = self._common_hit(limit, self._open_token, key_at)
         length = self._common_hit(attention, self._open, key_at)
+        if not self._token_ids:  # no attention groups: no attention hit can outrun the states
+            attention = length
         return PrefixHit(length, attention)
 
     def _common_hit(self, length: int, groups: list[GroupManager[Any]], key_at) -> int:
@@ -236,7 +238,8 @@ class CacheManager:
         if rs is None:
             rs = self._admit(req, hit or NO_HIT)
         total = rs.num_computed + num_new_tokens
-        if total <= rs.cap and total < rs.next_snap and rs.num_computed < rs.next_drop:
+        fast = total <= rs.cap and total < rs.next_snap and rs.num_computed < rs.next_drop
+        if fast and not new:
             return EMPTY_ALLOCATION  # fast path: nothing to do in any group
         need = self._need(rs, total)
         active = self._allocate_groups(rs, need)

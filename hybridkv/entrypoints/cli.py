@@ -34,7 +34,8 @@ def _layer_list(layer_ids: Sequence[int]) -> str:
 def format_plan(plan, model: str) -> str:  # plan: MemoryPlan
     lines = [
         f"memory plan for {model} ({plan.architecture}) on {plan.platform}",
-        f"  page_tokens         {plan.page_tokens}",
+        f"  page_tokens         {plan.page_tokens}"
+        + ("" if plan.attention_groups else " (no attention: the prefix-hash block only)"),
         f"  page_bytes          {plan.page_bytes:,} ({_human_bytes(plan.page_bytes)})",
         f"  layers_per_group    {plan.layers_per_group}",
         f"  num_pages           {plan.num_pages:,} (1 reserved null page; "

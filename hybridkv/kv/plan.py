@@ -61,6 +61,7 @@ NULL_PAGES = 1  # page 0 is reserved as the null page (design.md 5: skipped posi
 # (`hybridkv plan`): the engine passes what its machine really has.
 DEFAULT_CAPABILITIES = frozenset({"native", "triton"})
 AUTO_BUDGET_BYTES = 4 * 2**30  # the cap of an automatically sized pool
+PAGE_BYTES_ALIGN = 64  # pure state models: pages start on cache lines
 T = TypeVar("T")
 
 
@@ -158,12 +159,18 @@ class MemoryPlan:
 
     @property
     def hash_block_tokens(self) -> int:
-        """Tokens per prefix-hash block: the gcd of the attention groups' unit_tokens."""
+        """Tokens per prefix-hash block: the gcd of the attention groups' unit_tokens (a model
+        without attention: page_tokens, the block its state snapshots are taken at)."""
+        if not self.attention_groups:
+            return self.page_tokens
         return math.gcd(*(g.unit_tokens or 0 for g in self.attention_groups))
 
     @property
     def hit_tokens(self) -> int:
-        """Prefix hits are multiples of this: the lcm of the attention groups' unit_tokens."""
+        """Prefix hits are multiples of this: the lcm of the attention groups' unit_tokens (a
+        model without attention: page_tokens)."""
+        if not self.attention_groups:
+            return self.page_tokens
         return math.lcm(*(g.unit_tokens or 1 for g in self.attention_groups))
 
     @property
@@ -444,7 +451,7 @@ def _page_size(
 ) -> tuple[int, int, int, int]:
     """(page_tokens, page_bytes, A, M) for the reference attention spec (largest bytes/token)."""
     if not attn:
-        raise PlanError("the model has no attention layers; pure state models are not supported")
+        return _pure_state_page_size(states, align)
     a = max(s.bytes_per_token for s in attn)
     m = max((s.state_bytes for s in states), default=0)
     if states and cache.page_tokens is None:
@@ -455,6 +462,18 @@ def _page_size(
     for spec in states:
         _check_state_fits(spec, page_bytes, page_tokens, a)
     return page_tokens, page_bytes, a, m
+
+
+def _pure_state_page_size(states: Sequence[StateSpec], align: int) -> tuple[int, int, int, int]:
+    """A model without attention layers (Mamba, Mamba2, FalconMamba): a page holds one state,
+    the largest, rounded up to PAGE_BYTES_ALIGN; page_tokens (`align`: CacheConfig.page_tokens
+    or DEFAULT_PAGE_TOKENS) is then only the prefix-hash block, so states are snapshotted (and
+    prefix hits land) at multiples of it. A = 0: no token takes page bytes."""
+    if not states:
+        raise PlanError("the model declares no cache layers: nothing to plan")
+    m = max(s.state_bytes for s in states)
+    page_bytes = -(-m // PAGE_BYTES_ALIGN) * PAGE_BYTES_ALIGN
+    return align, page_bytes, 0, m
 
 
 def _attention_group(

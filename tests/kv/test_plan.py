@@ -254,6 +254,23 @@ def test_tiny_plan_by_hand():
     assert math.isclose(p.state_padding_pct, 100 * (1024 - 544) / 1024)
 
 
+def test_pure_state_plan_one_state_per_page():
+    """No attention layer (Mamba, Mamba2): a page is the largest state rounded up to 64 bytes,
+    page_tokens only the prefix-hash block (16 unless given), every group a state group."""
+    small = mamba2_state(2, 4, 8, 1, 4, "float32", "float32")  # 136 elements: 544 bytes
+    big = mamba2_state(3, 4, 8, 1, 4, "float32", "float32")  # 96 + 28*3 = 180: 720 bytes
+    layers = [CacheLayer(f"layers.{i}.mixer", i, s) for i, s in enumerate([small, big, small])]
+    p = make_plan(layers, CacheConfig(num_pages=8))
+    assert p.page_bytes == 768 and p.state_bytes == 720 and p.attention_bytes_per_token == 0
+    assert p.page_tokens == p.hash_block_tokens == p.hit_tokens == 16
+    assert not p.attention_groups and len(p.state_groups) == 3  # buckets of 2 and 1: 1 per group
+    assert p.attention_token_capacity is None
+    assert p.pages_for_one_request(10_000, 256) == len(p.groups)  # nothing grows with length
+    assert make_plan(layers, CacheConfig(num_pages=8, page_tokens=48)).hit_tokens == 48
+    with pytest.raises(PlanError, match="no cache layers"):
+        make_plan([], CacheConfig(num_pages=8))
+
+
 def test_plan_json_keys():
     j = plan("ibm-granite/granite-4.0-h-small").to_json()
     for key in (

@@ -34,7 +34,7 @@ def kinds(layers):
 
 
 def test_every_preset_reads():
-    assert len(preset_ids()) == 23
+    assert len(preset_ids()) == 24
     for model_id in preset_ids():
         layers = layers_of(model_id)
         assert layers, model_id

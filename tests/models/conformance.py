@@ -97,6 +97,9 @@ def make_family(folder: Path, hf_model, vocab: int) -> Family:
 
 def check_case(family: Family, case: Case, **engine_kwargs: Any) -> None:
     engine = Engine(str(family.folder), dtype="float32", **{**case.kwargs, **engine_kwargs})
+    if case.expect_preemption and not engine.plan.attention_groups:
+        check_small_state_pool(family, case, len(engine.plan.groups), **engine_kwargs)
+        return
     if case.shared_prefix:
         first = engine_greedy(engine, family.shared[:3], NEW_TOKENS)
         assert first == family.shared_ref[:3]
@@ -118,6 +121,29 @@ def check_case(family: Family, case: Case, **engine_kwargs: Any) -> None:
         assert got == family.plain_ref
     if case.expect_preemption:
         assert engine.scheduler.num_preemptions > 0, "the small pool never preempted"
+
+
+def check_small_state_pool(
+    family: Family, case: Case, num_groups: int, **engine_kwargs: Any
+) -> None:
+    """A model without attention holds one fixed page per request and state group (snapshots
+    are optional), so nothing grows and nothing is preempted: a pool with room for three
+    requests runs them three at a time, the others wait, and every answer stays the same."""
+    kwargs = {**case.kwargs, **engine_kwargs, "num_pages": 3 * num_groups + 1}
+    engine = Engine(str(family.folder), dtype="float32", **kwargs)
+    peak = 0
+    schedule = engine.scheduler.schedule
+
+    def counting_schedule():
+        nonlocal peak
+        out = schedule()
+        peak = max(peak, len(engine.scheduler.running))
+        return out
+
+    engine.scheduler.schedule = counting_schedule
+    assert engine_greedy(engine, family.plain, NEW_TOKENS) == family.plain_ref
+    assert peak == 3, f"expected 3 requests at once in a pool of 3 states, saw {peak}"
+    assert engine.scheduler.num_preemptions == 0
 
 
 def check_prefill_logits(folder: Path, hf_model, length: int = 37) -> Engine:

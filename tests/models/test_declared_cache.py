@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hybridkv.entrypoints.cli import main as cli_main
-from hybridkv.kv.plan import PlanError, plan_for_config
+from hybridkv.kv.plan import plan_for_config
 from hybridkv.kv.presets import load_preset, preset_ids
 from hybridkv.kv.specs import CacheDtypes, architecture_of, resolve_cache_dtypes
 from hybridkv.models.base import CausalLM
@@ -35,6 +35,7 @@ MODEL_TYPES = {
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "OlmoHybridForCausalLM": "olmo_hybrid",
+    "Mamba2ForCausalLM": "mamba2",
 }
 
 
@@ -84,6 +85,11 @@ def expected_specs(config: dict, dtypes: CacheDtypes) -> list[tuple]:
             else:
                 head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
                 out.append((i, "attention", hf.num_key_value_heads, head_dim, None))
+    elif arch == "Mamba2ForCausalLM":
+        inner = hf.expand * hf.hidden_size
+        conv = inner + 2 * hf.n_groups * hf.state_size
+        ssm = (hf.num_heads, hf.head_dim, hf.state_size)
+        out += [(i, "mamba2", (conv, hf.conv_kernel - 1), ssm) for i in range(hf.num_hidden_layers)]
     else:  # Llama, Qwen3
         kinds = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
         for i, kind in enumerate(kinds):
@@ -142,11 +148,10 @@ def test_a_config_without_optional_keys_takes_transformers_defaults(arch, capsys
     dtypes = resolve_cache_dtypes(config)
     ours = declared(config, dtypes)
     assert ours == sorted(expected_specs(config, dtypes))
-    if any(row[1] not in STATE_KINDS for row in ours):
-        assert planned(config, capsys, tmp_path) == ours
-    else:  # Bamba and Granite default to every layer Mamba2: no attention to page by
-        with pytest.raises(PlanError, match="pure state models are not supported"):
-            plan_for_config(config, _cpu())
+    # (Bamba and Granite default to every layer Mamba2: pure state models plan as well)
+    assert planned(config, capsys, tmp_path) == ours
+    if all(row[1] in STATE_KINDS for row in ours):
+        assert not plan_for_config(config, _cpu()).attention_groups
 
 
 def _cpu():
