@@ -40,3 +40,7 @@ def test_quick_capacity_run(capsys):
         assert block["unused_pinned_tokens_per_request"] < 16
     assert by[(hybrid, "multi_turn", "block")]["hit_rate"] > 0.8
     assert by[(hybrid, "multi_turn", "page")]["hit_rate"] < 0.7
+    # a pure state model (no attention) still hits the prefix cache, on state snapshots
+    mamba = "mistralai/Mamba-Codestral-7B-v0.1"
+    assert by[(mamba, "multi_turn", "block")]["hit_rate"] > 0.5
+    assert by[(mamba, "short_chat", "block")]["unused_pinned_tokens_per_request"] == 0
