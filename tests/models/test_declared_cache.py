@@ -35,6 +35,7 @@ MODEL_TYPES = {
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "OlmoHybridForCausalLM": "olmo_hybrid",
+    "FalconH1ForCausalLM": "falcon_h1",
     "Mamba2ForCausalLM": "mamba2",
 }
 
@@ -75,6 +76,14 @@ def expected_specs(config: dict, dtypes: CacheDtypes) -> list[tuple]:
                 out.append((i, "mamba2", (conv, hf.conv_kernel - 1), ssm))
             elif _role(kind) == "attention":
                 out.append((i, "attention", hf.num_key_value_heads, hf.head_dim, None))
+    elif arch == "FalconH1ForCausalLM":  # attention and Mamba2 side by side in every layer
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        inner = hf.mamba_d_ssm or hf.mamba_expand * hf.hidden_size
+        conv = inner + 2 * hf.mamba_n_groups * hf.mamba_d_state
+        for i in range(hf.num_hidden_layers):
+            ssm = (hf.mamba_n_heads, hf.mamba_d_head, hf.mamba_d_state)
+            out.append((i, "mamba2", (conv, hf.mamba_d_conv - 1), ssm))
+            out.append((i, "attention", hf.num_key_value_heads, head_dim, None))
     elif arch.startswith(("Qwen3Next", "Qwen3_5", "OlmoHybrid")):
         conv = 2 * hf.linear_num_key_heads * hf.linear_key_head_dim
         conv += hf.linear_num_value_heads * hf.linear_value_head_dim
