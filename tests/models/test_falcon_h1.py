@@ -4,7 +4,8 @@ Every decoder layer runs attention and a Mamba2 mixer side by side, so each laye
 two cache layers (an attention one and a Mamba2 state) in two groups of the plan.
 
 Two tiny models: "defaults" keeps every config key at its transformers default except the sizes
-(multipliers 1, no gated norm, no biases, 256-token scan chunks); "mup" draws every muP multiplier
+(scan chunks of 16 tokens included) and initializer_range (multipliers 1, no gated norm, no
+biases but the conv's); "mup" draws every muP multiplier
 away from 1, has 3 attention heads of an explicit head_dim (20, not hidden / heads) over one KV
 head, the gated RMSNorm on and normalising after the gate (mamba_norm_before_gate off), every
 bias on (projectors, mixer in_proj, attention, MLP; the conv's off), mamba_d_ssm null (expand x
@@ -145,7 +146,7 @@ def test_the_variants_are_what_they_claim(checkpoint):
     else:
         assert not hasattr(mixer, "norm") and mixer.mup_vector is None
         assert mixer.out_proj.bias is None and mixer.conv1d.bias is not None
-        assert mixer.chunk_size == 256 and (attn.heads, attn.head_dim) == (4, 16)
+        assert mixer.chunk_size == 16 and (attn.heads, attn.head_dim) == (4, 16)
         assert model.embedding_multiplier == model.lm_head_multiplier == 1.0
 
 
