@@ -4,15 +4,14 @@ Every decoder layer runs attention and a Mamba2 mixer side by side, so each laye
 two cache layers (an attention one and a Mamba2 state) in two groups of the plan.
 
 Two tiny models: "defaults" keeps every config key at its transformers default except the sizes
-(scan chunks of 16 tokens included) and initializer_range (multipliers 1, no gated norm, no
-biases but the conv's); "mup" draws every muP multiplier
-away from 1, has 3 attention heads of an explicit head_dim (20, not hidden / heads) over one KV
-head, the gated RMSNorm on and normalising after the gate (mamba_norm_before_gate off), every
-bias on (projectors, mixer in_proj, attention, MLP; the conv's off), mamba_d_ssm null (expand x
-hidden), 2 Mamba2 groups, a finite dt limit and tied embeddings. A third, "rmsnorm", has the gated
-norm on in its default order (normalise, then gate) and is checked on prefill logits. A_log,
-dt_bias, D and the norms are drawn at random so that decays, gates and norms are not at their
-initial values.
+(scan chunks of 16 tokens included) and initializer_range: multipliers 1, no gated norm, no bias
+but the conv's. "mup" draws every muP multiplier away from 1 and has 3 attention heads of an
+explicit head_dim (20, not hidden / heads) over one KV head, the gated RMSNorm on and normalising
+after the gate (mamba_norm_before_gate off), every bias on (projectors, mixer in_proj, attention,
+MLP; the conv's off), mamba_d_ssm null (expand x hidden), 2 Mamba2 groups, a finite dt limit and
+tied embeddings. A third, "rmsnorm", has the gated norm on in its default order (normalise, then
+gate) and is checked on prefill logits. A_log, dt_bias, D, the norms and the biases are drawn at
+random so that decays, gates and norms are not at their initial values.
 """
 
 from __future__ import annotations
