@@ -24,6 +24,7 @@ MODELS: dict[str, str] = {
         "hybridkv.models.qwen3_next:Qwen3_5MoeForConditionalGeneration"
     ),
     "OlmoHybridForCausalLM": "hybridkv.models.olmo_hybrid:OlmoHybridForCausalLM",
+    "Zamba2ForCausalLM": "hybridkv.models.zamba2:Zamba2ForCausalLM",
     "JambaForCausalLM": "hybridkv.models.jamba:JambaForCausalLM",
     "FalconH1ForCausalLM": "hybridkv.models.falcon_h1:FalconH1ForCausalLM",
 }
