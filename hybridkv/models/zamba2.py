@@ -18,8 +18,9 @@ weights are shared between the layers that call them.
 - Adapters (LoRA-like, two bias-free linears through `adapter_rank`) belong to one call h:
   q/k/v adapters when `use_shared_attention_adapter` (each adds a [2 * hidden] term, so it needs
   heads * head_dim == kv_heads * head_dim == 2 * hidden), and a gate_up adapter on the MLP
-  always (transformers 5.24 has no switch for it). They live in the shared block's
-  `*_adapter_list.{h}`, whose other slots are empty (`nn.Identity`), as in the checkpoints.
+  unless `use_shared_mlp_adapter` is false (a key of Zyphra's configs; transformers 5.24 always
+  builds it). They live in the shared block's `*_adapter_list.{h}`, whose other slots are
+  empty (`nn.Identity`), as in the checkpoints.
 - MLP: down(act(gate) * up) with one fused gate_up_proj ([gate | up]), act = `hidden_act`
   (default "gelu", the exact erf form); biases `add_bias_linear`.
 - Mamba2 (`hybridkv.layers.mamba2`): conv bias always on, in/out projection bias
@@ -35,7 +36,14 @@ in every hybrid layer that calls it (one module object), and PyTorch lists a mod
 several paths once, under the first, so its weights get exactly the names the checkpoints give
 them (`layers.{first hybrid layer of block b}.shared_transformer.*`) and it is loaded once.
 Checkpoints that repeat the shared weights under every calling layer (transformers' in-memory
-state dict) load too: every copy is read into the one block.
+state dict) load too: the copies, identical, are not read.
+
+Untied word embeddings: transformers 5.24 ties the shared blocks through the same mechanism as
+the embeddings (`_tied_weights_keys`), so with `tie_word_embeddings` false it gives every hybrid
+layer a block of its own (still with the adapter slots of block h % num_mem_blocks), and a
+checkpoint it saves holds every copy. Such a model is built the same way here; a copy the
+checkpoint leaves out is taken from the block's first layer (the checkpoint shares it), where
+transformers would leave it randomly initialised.
 
 Config: transformers 5.24 `Zamba2Config`, whose derived sizes (attention_head_dim,
 mamba_headdim) are computed from the other keys whatever config.json says. Zyphra's first
@@ -207,15 +215,9 @@ class Zamba2Config(RopeConfig):
         ids = self.hybrid_layer_ids
         if ids is not None and not all(isinstance(i, int) and i >= 0 for i in ids):
             raise ValueError(f"hybrid_layer_ids must be layer numbers, got {list(ids)}")
-        if self.layers_block_type is not None:
-            layout = self._roles(self.layers_block_type)
-            if ids is not None and set(ids) != {i for i, r in enumerate(layout) if r == "hybrid"}:
-                raise ValueError(
-                    f"hybrid_layer_ids {list(ids)} disagree with the hybrid layers of "
-                    f"layers_block_type"
-                )
-            return layout
-        if ids is not None:  # a layout given only by its hybrid layers
+        if self.layers_block_type is not None:  # then hybrid_layer_ids is ignored, as there
+            return self._roles(self.layers_block_type)
+        if ids is not None:  # a layout given only by its hybrid layers (transformers ignores it)
             return tuple(
                 "hybrid" if i in ids else "mamba"
                 for i in range(max(self.num_hidden_layers, max(ids, default=-1) + 1))

@@ -47,6 +47,8 @@ def _randomise(hf, seed: int) -> None:
 
 
 def _adapters():
+    """chunk_size 32, not 256: transformers' scan pads every forward to whole chunks (4x the
+    time of the reference tokens at 256)."""
     from transformers import Zamba2Config as HFZamba2Config
 
     return HFZamba2Config(
@@ -54,7 +56,7 @@ def _adapters():
         layers_block_type=["mamba", "hybrid", "hybrid", "hybrid"], n_mamba_heads=4,
         mamba_d_state=8, num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=4,
         chunk_size=32, initializer_range=0.1, **NO_IDS,
-    )  # fmt: skip  (chunk_size: transformers' scan pads every forward to whole chunks)
+    )  # fmt: skip
 
 
 def _gqa_rope_untied():
@@ -167,6 +169,31 @@ def test_an_untied_checkpoint_naming_a_block_once_shares_it(checkpoint, tmp_path
         strict=True,
     ):
         assert torch.equal(a, b), name
+
+
+def test_mlp_adapters_can_be_off(checkpoint, tmp_path):
+    """`use_shared_mlp_adapter` false (Zyphra's key; transformers 5.24 always builds them): a
+    checkpoint without gate_up adapters runs as transformers with those adapters at zero."""
+    from safetensors.torch import load_file, save_file
+
+    folder, hf = checkpoint
+    copy = tmp_path / "no-mlp-adapters"
+    shutil.copytree(folder, copy)
+    state = load_file(folder / "model.safetensors")
+    kept = {k: v for k, v in state.items() if "gate_up_proj_adapter_list" not in k}
+    assert len(kept) < len(state)
+    save_file(kept, copy / "model.safetensors")
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "use_shared_mlp_adapter": False}))
+    zeroed = type(hf)(hf.config).eval()
+    zeroed.load_state_dict(hf.state_dict())
+    with torch.no_grad():
+        for name, p in zeroed.named_parameters():
+            if "gate_up_proj_adapter_list" in name:
+                p.zero_()
+    asks = prompts(VOCAB, [13, 30], seed=3)
+    ref, _ = reference_greedy(zeroed, asks, 5)
+    assert engine_greedy(Engine(str(copy), dtype="float32", kernel_block_size=8), asks, 5) == ref
 
 
 def test_bfloat16_model_runs_close_to_transformers(checkpoint):
