@@ -26,6 +26,8 @@ MODELS: dict[str, str] = {
     "OlmoHybridForCausalLM": "hybridkv.models.olmo_hybrid:OlmoHybridForCausalLM",
     "Zamba2ForCausalLM": "hybridkv.models.zamba2:Zamba2ForCausalLM",
     "JambaForCausalLM": "hybridkv.models.jamba:JambaForCausalLM",
+    "MambaForCausalLM": "hybridkv.models.mamba:MambaForCausalLM",
+    "FalconMambaForCausalLM": "hybridkv.models.mamba:FalconMambaForCausalLM",
     "FalconH1ForCausalLM": "hybridkv.models.falcon_h1:FalconH1ForCausalLM",
 }
 

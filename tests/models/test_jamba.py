@@ -21,7 +21,15 @@ import torch
 from hybridkv.engine import Engine
 
 from .conformance import check_prefill_logits, family, test_greedy_matches_transformers  # noqa: F401
-from .utils import engine_greedy, prompts, reference_greedy, save_model, seeded
+from .utils import (
+    engine_greedy,
+    engine_prefill_logits,
+    prompts,
+    reference_greedy,
+    reference_logits,
+    save_model,
+    seeded,
+)
 
 VOCAB = 96
 PRESET = "ai21labs/Jamba-v0.1"
@@ -122,17 +130,26 @@ def test_bad_configs_are_one_line(tmp_path):
         assert "\n" not in str(err.value)
 
 
-def test_bfloat16_model_runs_close_to_transformers(checkpoint):
-    """bfloat16 weights and activations: most greedy tokens equal transformers' bfloat16 ones."""
+def test_bfloat16_model_is_as_close_to_float32_as_transformers_bfloat16(checkpoint):
+    """bfloat16 weights, activations and states: prefill logits (in chunks at the snapshot
+    blocks) stay as close to the float32 model's as transformers' own bfloat16 model's are, by
+    the median over positions (one position can flip an expert choice whose router
+    probabilities bfloat16 cannot tell apart). Greedy tokens are no test here: in bfloat16 the
+    step's batch changes the rounding, and these random models have near ties."""
     from transformers import JambaForCausalLM
 
-    folder, _ = checkpoint
-    hf = JambaForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
-    asks = prompts(VOCAB, [21, 9], seed=7)
-    ref, _ = reference_greedy(hf, asks, 4)
-    got = engine_greedy(Engine(str(folder), dtype="bfloat16", kernel_block_size=8), asks, 4)
-    same = sum(a == b for x, y in zip(got, ref, strict=True) for a, b in zip(x, y, strict=True))
-    assert same >= 6
+    folder, hf = checkpoint
+    hf16 = JambaForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
+    ids = prompts(VOCAB, [37], seed=7)[0]
+    ref32, ref16 = reference_logits(hf, ids), reference_logits(hf16.eval(), ids)
+    ours = engine_prefill_logits(Engine(str(folder), dtype="bfloat16", kernel_block_size=8), ids)
+    ours_error, theirs_error = _position_errors(ours, ref32), _position_errors(ref16, ref32)
+    assert 0 < ours_error.median() <= 1.5 * theirs_error.median()
+
+
+def _position_errors(logits: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """[positions] the largest error of each position, relative to the largest reference."""
+    return (logits - ref).abs().max(dim=-1).values / ref.abs().max()
 
 
 def test_transformers_in_memory_names_load_too(checkpoint, tmp_path):

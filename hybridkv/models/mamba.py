@@ -1,0 +1,153 @@
+"""Mamba (MambaForCausalLM) and Falcon Mamba (FalconMambaForCausalLM): pure state models, every
+layer a Mamba1 mixer, no attention.
+
+    x = embeddings(ids)
+    per layer:  x = x + mixer(norm(x))        (x kept in float32 when residual_in_fp32)
+    logits = lm_head(norm_f(x))
+
+- Mixer: `hybridkv.layers.mamba1` (in_proj, causal conv1d, x_proj -> dt | B | C, dt_proj,
+  selective scan with A_log and the D skip, silu gate, out_proj); intermediate size
+  expand * hidden_size (a saved `intermediate_size` key is ignored, as transformers derives it);
+  time_step_rank "auto" is ceil(hidden_size / 16).
+- Falcon Mamba adds weightless RMSNorms of dt, B and C (eps `mixer_rms_eps`) before dt_proj and
+  the scan (dt_norms "falcon_mamba"); in transformers 5.24 its config defaults are otherwise
+  Mamba's.
+- Norms: RMSNorm, the weight applied after the cast back to the input dtype; the block norm
+  reads the residual cast to the model dtype, the final norm the residual itself.
+
+The cache holds one state per page and nothing that grows with the prompt (see
+`hybridkv.models.mamba2` for how the plan pages a pure state model).
+
+Checkpoints name the modules `backbone.embeddings`, `backbone.layers.{i}.{norm,mixer}`,
+`backbone.norm_f`, `lm_head` (tied to the embeddings by default); older ones spell the
+embeddings `backbone.embedding` (transformers' load hook renames it, and so does this model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from hybridkv.layers.mamba1 import Mamba1Mixer
+from hybridkv.layers.mlp import RMSNorm
+from hybridkv.models.base import CausalLM
+from hybridkv.models.hf_config import HFConfig
+from hybridkv.worker.batch import ForwardBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class MambaConfig(HFConfig):
+    """Defaults: transformers 5.24 `MambaConfig`."""
+
+    ARCHITECTURE = "MambaForCausalLM"
+    DT_NORMS: ClassVar[str | None] = None  # the mixer's dt/B/C norms (not a config key)
+
+    vocab_size: int = 50280
+    hidden_size: int = 768
+    state_size: int = 16
+    num_hidden_layers: int = 32
+    layer_norm_epsilon: float = 1e-5
+    expand: int = 2
+    conv_kernel: int = 4
+    use_bias: bool = False
+    use_conv_bias: bool = True
+    hidden_act: str = "silu"
+    residual_in_fp32: bool = True
+    time_step_rank: int | str = "auto"  # "auto": ceil(hidden_size / 16)
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 2**31 - 1  # no positions: any length (max_model_len caps)
+    intermediate_size: int = dataclasses.field(default=0, init=False)  # expand * hidden_size
+
+    def __post_init__(self) -> None:
+        self._require_positive(
+            "vocab_size", "hidden_size", "state_size", "num_hidden_layers", "expand",
+            "conv_kernel",
+        )  # fmt: skip
+        if self.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported (only silu)")
+        if self.time_step_rank == "auto":
+            self._set("time_step_rank", math.ceil(self.hidden_size / 16))
+        elif isinstance(self.time_step_rank, str):
+            raise ValueError(f"time_step_rank must be an integer or 'auto', got "
+                             f"{self.time_step_rank!r}")  # fmt: skip
+        self._require_positive("time_step_rank")
+        self._set("intermediate_size", self.expand * self.hidden_size)
+
+    @property
+    def mixer_eps(self) -> float:
+        return 1e-6  # unused without dt/B/C norms
+
+    def mixer(self, index: int) -> Mamba1Mixer:
+        assert isinstance(self.time_step_rank, int)
+        return Mamba1Mixer(
+            self.hidden_size, self.intermediate_size, self.state_size, self.conv_kernel,
+            self.time_step_rank, conv_bias=self.use_conv_bias, proj_bias=self.use_bias,
+            dt_norms=self.DT_NORMS, norm_eps=self.mixer_eps, activation="silu",
+            layer_index=index,
+        )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class FalconMambaConfig(MambaConfig):
+    """Defaults: transformers 5.24 `FalconMambaConfig` (Mamba's, plus `mixer_rms_eps`)."""
+
+    ARCHITECTURE = "FalconMambaForCausalLM"
+    DT_NORMS = "falcon_mamba"
+
+    mixer_rms_eps: float = 1e-6
+
+    @property
+    def mixer_eps(self) -> float:
+        return self.mixer_rms_eps
+
+
+class MambaBlock(nn.Module):
+    def __init__(self, cfg: MambaConfig, index: int) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        self.mixer = cfg.mixer(index)
+        self.residual_in_fp32 = cfg.residual_in_fp32
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, dtype: torch.dtype) -> torch.Tensor:
+        # x: [T, hidden], float32 when residual_in_fp32 (as transformers keeps the residual)
+        h = self.mixer(self.norm(x.to(dtype)), batch)
+        return (x.float() if self.residual_in_fp32 else x) + h
+
+
+class MambaBackbone(nn.Module):
+    def __init__(self, cfg: MambaConfig) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(MambaBlock(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+
+
+class MambaForCausalLM(CausalLM):
+    config_class: type[MambaConfig] = MambaConfig
+
+    def __init__(self, config: MambaConfig) -> None:
+        super().__init__(config)
+        self.backbone = MambaBackbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.backbone.embeddings
+
+    def map_weight_name(self, name: str) -> str | None:
+        return name.replace("backbone.embedding.", "backbone.embeddings.")
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.backbone.embeddings(batch.input_ids)  # [T, hidden]
+        dtype = x.dtype
+        for layer in self.backbone.layers:
+            x = layer(x, batch, dtype)
+        # transformers: norm_f in the residual's dtype, then the cast for lm_head
+        return self.backbone.norm_f(x).to(dtype)
+
+
+class FalconMambaForCausalLM(MambaForCausalLM):
+    config_class = FalconMambaConfig
