@@ -29,6 +29,7 @@ MODELS: dict[str, str] = {
     "MambaForCausalLM": "hybridkv.models.mamba:MambaForCausalLM",
     "FalconMambaForCausalLM": "hybridkv.models.mamba:FalconMambaForCausalLM",
     "FalconH1ForCausalLM": "hybridkv.models.falcon_h1:FalconH1ForCausalLM",
+    "Mamba2ForCausalLM": "hybridkv.models.mamba2:Mamba2ForCausalLM",
 }
 
 
