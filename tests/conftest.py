@@ -3,8 +3,12 @@ import os
 import pytest
 import torch
 
-# Keep the suite deterministic and light on the 2-core CI machine.
+# Keep the suite deterministic and light on the 2-core CI machine (pytest -n 2: one thread per
+# worker). torch was imported above, so its intra-op pool has already read the environment:
+# set it too (the transformers references otherwise run two threads per worker, which on a
+# busy 2-core machine made tiny matmuls wait for each other: minutes instead of seconds).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # Without a GPU, Triton kernels run through its interpreter. Triton reads this when a kernel is
 # decorated, so it is set before any test imports a kernels module.
 if not torch.cuda.is_available():

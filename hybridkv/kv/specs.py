@@ -499,62 +499,6 @@ def _parse_dense(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
     )
 
 
-def _parse_falcon_h1(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
-    """Falcon-H1: attention and Mamba2 run in parallel inside every decoder layer."""
-    state = _mamba2(cfg, dt)
-    roles = ["hybrid"] * cfg.num_layers
-    return _roles_to_layers(roles, lambda r: _attention(cfg, dt), lambda i: state)
-
-
-def _parse_zamba2(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
-    """Zamba2: Mamba2 in every layer; hybrid layers also call the shared attention block, and
-    every call keeps its own KV cache."""
-    n = cfg.num_layers
-    if isinstance(cfg.get("hybrid_layer_ids"), list):
-        roles = ["state"] * n
-        for i in cfg.get("hybrid_layer_ids"):
-            roles[int(i)] = "hybrid"
-    else:
-        roles = ["hybrid" if r in ("attention", "hybrid") else r for r in layer_roles(cfg)]
-    hidden = cfg.int("hidden_size")
-    heads = cfg.int("num_attention_heads")
-    attention = AttentionSpec(
-        cfg.int("num_key_value_heads", "num_query_groups", default=heads),
-        cfg.int("attention_head_dim", default=2 * hidden // heads),
-        dt.kv,
-    )
-    head_dim = cfg.int("mamba_headdim")
-    n_heads = cfg.int(
-        "n_mamba_heads",
-        default=cfg.int("mamba_expand", "expansion_factor", default=2) * hidden // head_dim,
-    )
-    state = mamba2_state(
-        n_heads,
-        head_dim,
-        cfg.int("mamba_d_state", "state_size"),
-        cfg.int("mamba_ngroups", default=1),
-        cfg.int("mamba_d_conv", "conv_dimension", default=4),
-        dt.conv,
-        dt.ssm,
-    )
-    return _roles_to_layers(roles, lambda r: attention, lambda i: state)
-
-
-def _parse_jamba(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
-    if cfg.get("attn_layer_period") is None and not isinstance(cfg.get("layers_block_type"), list):
-        cfg.data.setdefault("attn_layer_period", 8)  # transformers JambaConfig defaults
-        cfg.data.setdefault("attn_layer_offset", 4)
-    d_inner = cfg.int("mamba_expand", default=2) * cfg.int("hidden_size")
-    state = mamba1_state(
-        d_inner,
-        cfg.int("mamba_d_state", default=16),
-        cfg.int("mamba_d_conv", default=4),
-        dt.conv,
-        dt.ssm,
-    )
-    return _roles_to_layers(layer_roles(cfg), lambda r: _attention(cfg, dt), lambda i: state)
-
-
 def _parse_lfm2(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
     state = short_conv_state(
         cfg.int("conv_dim", default=cfg.int("hidden_size")),
@@ -599,9 +543,6 @@ ARCHITECTURES: dict[str, _Parser] = {
     "GptOssForCausalLM": _parse_dense,
     "Gemma3ForCausalLM": _parse_dense,
     "Gemma3ForConditionalGeneration": _parse_dense,
-    "JambaForCausalLM": _parse_jamba,
-    "FalconH1ForCausalLM": _parse_falcon_h1,
-    "Zamba2ForCausalLM": _parse_zamba2,
     "Lfm2ForCausalLM": _parse_lfm2,
     "Lfm2MoeForCausalLM": _parse_lfm2,
     "DeepseekV3ForCausalLM": _parse_deepseek,
@@ -626,6 +567,9 @@ MODEL_TYPES: dict[str, str] = {
     "jamba": "JambaForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
     "zamba2": "Zamba2ForCausalLM",
+    "mamba": "MambaForCausalLM",
+    "mamba2": "Mamba2ForCausalLM",
+    "falcon_mamba": "FalconMambaForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "lfm2_moe": "Lfm2MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",

@@ -21,7 +21,7 @@ from hybridkv.models.hf_config import LAYER_TYPES
 from hybridkv.models.registry import MODELS, build_on_meta, model_class
 
 RUNNABLE = sorted(MODELS)
-STATE_KINDS = ("mamba2", "gated_delta_net")
+STATE_KINDS = ("mamba2", "gated_delta_net", "mamba1")
 RUNNABLE_PRESETS = [p for p in preset_ids() if architecture_of(load_preset(p)) in MODELS]
 MODEL_TYPES = {
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
@@ -36,7 +36,11 @@ MODEL_TYPES = {
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "OlmoHybridForCausalLM": "olmo_hybrid",
     "FalconH1ForCausalLM": "falcon_h1",
+    "Zamba2ForCausalLM": "zamba2",
     "Mamba2ForCausalLM": "mamba2",
+    "JambaForCausalLM": "jamba",
+    "MambaForCausalLM": "mamba",
+    "FalconMambaForCausalLM": "falcon_mamba",
 }
 
 
@@ -45,8 +49,27 @@ def hf_config(config: dict):
     from transformers import AutoConfig
 
     keys = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+    if architecture_of(config) == "Zamba2ForCausalLM":
+        keys = _zyphra_first_keys(keys)
     hf = AutoConfig.for_model(MODEL_TYPES[architecture_of(config)], **keys)
     return getattr(hf, "text_config", None) or hf  # multimodal wrappers: the text model
+
+
+def _zyphra_first_keys(keys: dict) -> dict:
+    """Zamba2-1.2B's config is in Zyphra's first key names, which transformers 5.24 ignores
+    (it would read the model with its defaults: 8 Mamba2 heads, d_state 64, no hybrid layer):
+    spelled here as transformers names them."""
+    renames = {"state_size": "mamba_d_state", "conv_dimension": "mamba_d_conv",
+               "expansion_factor": "mamba_expand",
+               "use_shared_attention_lora": "use_shared_attention_adapter"}  # fmt: skip
+    out = {renames.get(k, k): v for k, v in keys.items()}
+    if "n_mamba_heads" not in out and "mamba_headdim" in out:
+        inner = out.get("mamba_expand", 2) * out["hidden_size"]
+        out["n_mamba_heads"] = inner // out["mamba_headdim"]
+    roles = {"m": "mamba", "g": "hybrid"}
+    if out.get("layers_block_type"):
+        out["layers_block_type"] = [roles.get(t, t) for t in out["layers_block_type"]]
+    return out
 
 
 def _role(name: str) -> str:
@@ -84,6 +107,13 @@ def expected_specs(config: dict, dtypes: CacheDtypes) -> list[tuple]:
             ssm = (hf.mamba_n_heads, hf.mamba_d_head, hf.mamba_d_state)
             out.append((i, "mamba2", (conv, hf.mamba_d_conv - 1), ssm))
             out.append((i, "attention", hf.num_key_value_heads, head_dim, None))
+    elif arch == "Zamba2ForCausalLM":  # Mamba2 in every layer; a KV cache per shared-block call
+        conv = hf.mamba_expand * hf.hidden_size + 2 * hf.mamba_ngroups * hf.mamba_d_state
+        ssm = (hf.n_mamba_heads, hf.mamba_headdim, hf.mamba_d_state)
+        for i in range(len(hf.layers_block_type)):
+            out.append((i, "mamba2", (conv, hf.mamba_d_conv - 1), ssm))
+        for i in hf.hybrid_layer_ids:
+            out.append((i, "attention", hf.num_key_value_heads, hf.attention_head_dim, None))
     elif arch.startswith(("Qwen3Next", "Qwen3_5", "OlmoHybrid")):
         conv = 2 * hf.linear_num_key_heads * hf.linear_key_head_dim
         conv += hf.linear_num_value_heads * hf.linear_value_head_dim
@@ -99,6 +129,18 @@ def expected_specs(config: dict, dtypes: CacheDtypes) -> list[tuple]:
         conv = inner + 2 * hf.n_groups * hf.state_size
         ssm = (hf.num_heads, hf.head_dim, hf.state_size)
         out += [(i, "mamba2", (conv, hf.conv_kernel - 1), ssm) for i in range(hf.num_hidden_layers)]
+    elif arch == "JambaForCausalLM":
+        inner = hf.mamba_expand * hf.hidden_size
+        for i, kind in enumerate(hf.layers_block_type):
+            if kind == "mamba":
+                out.append((i, "mamba1", (inner, hf.mamba_d_conv - 1), (inner, hf.mamba_d_state)))
+            else:
+                head_dim = hf.hidden_size // hf.num_attention_heads
+                out.append((i, "attention", hf.num_key_value_heads, head_dim, None))
+    elif arch in ("MambaForCausalLM", "FalconMambaForCausalLM"):
+        inner = hf.intermediate_size
+        conv, ssm = (inner, hf.conv_kernel - 1), (inner, hf.state_size)
+        out += [(i, "mamba1", conv, ssm) for i in range(hf.num_hidden_layers)]
     else:  # Llama, Qwen3
         kinds = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
         for i, kind in enumerate(kinds):
