@@ -16,7 +16,7 @@ layer a Mamba1 mixer, no attention.
   reads the residual cast to the model dtype, the final norm the residual itself.
 
 The cache holds one state per page and nothing that grows with the prompt (see
-`hybridkv.models.mamba2` for how the plan pages a pure state model).
+`hybridkv.models.state_lm`, the model shape shared with Mamba2).
 
 Checkpoints name the modules `backbone.embeddings`, `backbone.layers.{i}.{norm,mixer}`,
 `backbone.norm_f`, `lm_head` (tied to the embeddings by default); older ones spell the
@@ -29,14 +29,9 @@ import dataclasses
 import math
 from typing import ClassVar
 
-import torch
-from torch import nn
-
 from hybridkv.layers.mamba1 import Mamba1Mixer
-from hybridkv.layers.mlp import RMSNorm
-from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import HFConfig
-from hybridkv.worker.batch import ForwardBatch
+from hybridkv.models.state_lm import StateCausalLM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,48 +100,8 @@ class FalconMambaConfig(MambaConfig):
         return self.mixer_rms_eps
 
 
-class MambaBlock(nn.Module):
-    def __init__(self, cfg: MambaConfig, index: int) -> None:
-        super().__init__()
-        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
-        self.mixer = cfg.mixer(index)
-        self.residual_in_fp32 = cfg.residual_in_fp32
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, dtype: torch.dtype) -> torch.Tensor:
-        # x: [T, hidden], float32 when residual_in_fp32 (as transformers keeps the residual)
-        h = self.mixer(self.norm(x.to(dtype)), batch)
-        return (x.float() if self.residual_in_fp32 else x) + h
-
-
-class MambaBackbone(nn.Module):
-    def __init__(self, cfg: MambaConfig) -> None:
-        super().__init__()
-        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(MambaBlock(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
-
-
-class MambaForCausalLM(CausalLM):
+class MambaForCausalLM(StateCausalLM):
     config_class: type[MambaConfig] = MambaConfig
-
-    def __init__(self, config: MambaConfig) -> None:
-        super().__init__(config)
-        self.backbone = MambaBackbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.backbone.embeddings
-
-    def map_weight_name(self, name: str) -> str | None:
-        return name.replace("backbone.embedding.", "backbone.embeddings.")
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.backbone.embeddings(batch.input_ids)  # [T, hidden]
-        dtype = x.dtype
-        for layer in self.backbone.layers:
-            x = layer(x, batch, dtype)
-        # transformers: norm_f in the residual's dtype, then the cast for lm_head
-        return self.backbone.norm_f(x).to(dtype)
 
 
 class FalconMambaForCausalLM(MambaForCausalLM):

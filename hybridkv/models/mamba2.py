@@ -4,10 +4,7 @@
     per layer:  x = x + mixer(norm(x))        (x kept in float32 when residual_in_fp32)
     logits = lm_head(norm_f(x))
 
-The cache holds one state per page and nothing that grows with the prompt; the plan makes
-`page_tokens` the prefix-hash block (`hybridkv.kv.plan._pure_state_page_size`), so prefix caching
-still works, by state snapshots taken at multiples of it (vLLM turns prefix caching off for
-these models).
+The model's shape and its cache: `hybridkv.models.state_lm`.
 """
 
 from __future__ import annotations
@@ -15,14 +12,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import torch
-from torch import nn
-
 from hybridkv.layers.mamba2 import Mamba2Mixer
-from hybridkv.layers.mlp import RMSNorm
-from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import ConfigError, HFConfig, config_float
-from hybridkv.worker.batch import ForwardBatch
+from hybridkv.models.state_lm import StateCausalLM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,42 +83,5 @@ class Mamba2Config(HFConfig):
         )  # fmt: skip
 
 
-class Mamba2Block(nn.Module):
-    def __init__(self, cfg: Mamba2Config, index: int) -> None:
-        super().__init__()
-        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
-        self.mixer = cfg.mixer(index)
-        self.residual_in_fp32 = cfg.residual_in_fp32
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, dtype: torch.dtype) -> torch.Tensor:
-        # x: [T, hidden], float32 when residual_in_fp32 (as transformers keeps the residual)
-        h = self.mixer(self.norm(x.to(dtype)), batch)
-        return (x.float() if self.residual_in_fp32 else x) + h
-
-
-class Mamba2Backbone(nn.Module):
-    def __init__(self, cfg: Mamba2Config) -> None:
-        super().__init__()
-        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Mamba2Block(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
-
-
-class Mamba2ForCausalLM(CausalLM):
+class Mamba2ForCausalLM(StateCausalLM):
     config_class = Mamba2Config
-
-    def __init__(self, config: Mamba2Config) -> None:
-        super().__init__(config)
-        self.backbone = Mamba2Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.backbone.embeddings
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.backbone.embeddings(batch.input_ids)  # [T, hidden]
-        dtype = x.dtype
-        for layer in self.backbone.layers:
-            x = layer(x, batch, dtype)
-        # transformers: norm_f in the residual's dtype, then cast for lm_head
-        return self.backbone.norm_f(x).to(dtype)
