@@ -41,6 +41,8 @@ MODEL_TYPES = {
     "JambaForCausalLM": "jamba",
     "MambaForCausalLM": "mamba",
     "FalconMambaForCausalLM": "falcon_mamba",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma3ForConditionalGeneration": "gemma3",
 }
 
 
@@ -141,7 +143,7 @@ def expected_specs(config: dict, dtypes: CacheDtypes) -> list[tuple]:
         inner = hf.intermediate_size
         conv, ssm = (inner, hf.conv_kernel - 1), (inner, hf.state_size)
         out += [(i, "mamba1", conv, ssm) for i in range(hf.num_hidden_layers)]
-    else:  # Llama, Qwen3
+    else:  # Llama, Qwen3, Gemma3
         kinds = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
         for i, kind in enumerate(kinds):
             window = hf.sliding_window if kind == "sliding_attention" else None

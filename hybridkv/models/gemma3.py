@@ -1,0 +1,297 @@
+"""Gemma 3 text (Gemma3ForCausalLM) and the text model of Gemma3ForConditionalGeneration.
+
+    x = embed(ids) * sqrt(hidden)                      (the scale rounded to the model dtype)
+    per layer:  x += post_attention_layernorm(o_proj(attention(rope(q_norm(q)), rope(k_norm(k)),
+                                                     v)))     on input_layernorm(x)
+                x += post_feedforward_layernorm(down(gelu_tanh(gate(h)) * up(h)))
+                                                               h = pre_feedforward_layernorm(x)
+    logits = cap * tanh(lm_head(norm(x)) / cap)        cap = final_logit_softcapping, if set
+
+Every RMSNorm multiplies by (1 + weight) in float32 and casts once. Local layers
+("sliding_attention") attend inside `sliding_window` with RoPE base `rope_local_base_freq`;
+global layers ("full_attention") attend to everything with `rope_theta` and its scaling
+(`rope_parameters` keyed by layer type in transformers 5). Scores are scaled by
+query_pre_attn_scalar ** -0.5. Defaults: transformers 5.24 `Gemma3TextConfig`.
+
+A ForConditionalGeneration checkpoint keeps the text model under `language_model.model.` (or
+`model.language_model.`); the vision tower and the multimodal projector are skipped (one log
+line each); prompts are text only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.kv.specs import ConfigError
+from hybridkv.layers.attention.self_attention import CosSin, SelfAttention
+from hybridkv.layers.mlp import ZeroCenteredRMSNorm
+from hybridkv.layers.rotary import RotaryEmbedding, rope_parameters
+from hybridkv.models.base import CausalLM
+from hybridkv.models.hf_config import HFConfig, layer_types
+from hybridkv.worker.batch import ForwardBatch
+
+logger = logging.getLogger("hybridkv")
+
+SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh",)
+DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma3TextConfig(HFConfig):
+    """Defaults: transformers 5.24 `Gemma3TextConfig` (`sliding_window_pattern` is the older
+    spelling of the layout, read when `layer_types` is absent)."""
+
+    ARCHITECTURE = "Gemma3ForCausalLM"
+
+    vocab_size: int = 262_208
+    hidden_size: int = 2304
+    intermediate_size: int = 9216
+    num_hidden_layers: int = 26
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    hidden_activation: str = "gelu_pytorch_tanh"
+    max_position_embeddings: int = 131_072
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    query_pre_attn_scalar: float = 256
+    sliding_window: int | None = 4096
+    sliding_window_pattern: int = 6
+    layer_types: tuple | None = None
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+    use_bidirectional_attention: bool | None = False
+    rope_parameters: dict | None = None
+    rope_theta: float | None = None
+    rope_local_base_freq: float | None = None
+    rope_scaling: dict | None = None
+
+    def __post_init__(self) -> None:
+        self._require_positive(
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window_pattern",
+        )  # fmt: skip
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"config.json of {self.ARCHITECTURE}: num_attention_heads "
+                f"({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_key_value_heads})"
+            )
+        if self.hidden_activation not in SUPPORTED_ACTIVATIONS:
+            raise ConfigError(
+                f"config.json of {self.ARCHITECTURE}: hidden_activation="
+                f"{self.hidden_activation!r} is not supported (only gelu_pytorch_tanh)"
+            )
+        if self.attn_logit_softcapping is not None:
+            raise ConfigError(
+                f"config.json of {self.ARCHITECTURE}: attn_logit_softcapping="
+                f"{self.attn_logit_softcapping} is not supported (only null, as Gemma 3 ships)"
+            )
+        if self.use_bidirectional_attention:
+            raise ConfigError(
+                f"config.json of {self.ARCHITECTURE}: use_bidirectional_attention=true is not "
+                "supported (causal decoding only)"
+            )
+        if self.query_pre_attn_scalar <= 0:
+            raise ConfigError(
+                f"config.json of {self.ARCHITECTURE}: query_pre_attn_scalar must be positive, "
+                f"got {self.query_pre_attn_scalar}"
+            )
+        self._set("layer_types", self._layout())
+        if "sliding_attention" in self.layer_types and (
+            self.sliding_window is None or self.sliding_window <= 0
+        ):
+            raise ConfigError(
+                f"config.json of {self.ARCHITECTURE}: sliding layers need a positive "
+                f"sliding_window, got {self.sliding_window!r}"
+            )
+        self.rope_for("full_attention")  # one-line errors for an unsupported rope, at load time
+        self.rope_for("sliding_attention")
+
+    def _layout(self) -> tuple[str, ...]:
+        """The kind of each layer: sliding_attention or full_attention."""
+        n = self.num_hidden_layers
+        if self.layer_types is None:
+            pattern = self.sliding_window_pattern
+            return tuple(
+                "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                for i in range(n)
+            )
+        allowed = ("attention", "sliding_attention")
+        roles = layer_types(self.layer_types, "layer_types", allowed, self.ARCHITECTURE)
+        if len(roles) != n:
+            raise ConfigError(
+                f"config.json of {self.ARCHITECTURE}: layer_types has {len(roles)} entries but "
+                f"num_hidden_layers is {n}"
+            )
+        return tuple("full_attention" if r == "attention" else r for r in roles)
+
+    def rope_for(self, kind: str) -> dict[str, Any]:
+        """The RoPE of one layer kind ("full_attention" / "sliding_attention"), as
+        `RotaryEmbedding` takes it: `rope_parameters[kind]`, else the older keys (`rope_theta`
+        and `rope_scaling` for global layers, `rope_local_base_freq` for local ones)."""
+        nested = dict(self.rope_parameters or {})
+        if nested and not set(nested) & set(DEFAULT_THETA):
+            raise ConfigError(
+                f"config.json of {self.ARCHITECTURE}: rope_parameters must be keyed by layer "
+                f"type (full_attention, sliding_attention), got keys {sorted(nested)}"
+            )
+        params = dict(nested.get(kind) or {"rope_type": "default"})
+        if kind == "full_attention":
+            params.update(self.rope_scaling or {})
+            theta = self.rope_theta
+        else:
+            theta = self.rope_local_base_freq
+        params.setdefault("rope_theta", theta if theta is not None else DEFAULT_THETA[kind])
+        try:
+            return rope_parameters({"rope_parameters": params})
+        except ValueError as exc:
+            raise ConfigError(f"config.json of {self.ARCHITECTURE}: {exc}") from None
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """The sliding window of each layer (None: global attention)."""
+        assert self.layer_types is not None
+        return tuple(
+            self.sliding_window if kind == "sliding_attention" else None
+            for kind in self.layer_types
+        )
+
+
+class Gemma3MLP(nn.Module):
+    """GELU(tanh)-gated MLP with separate gate / up / down projections, no bias."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        gate = F.gelu(self.gate_proj(x), approximate="tanh")  # [T, inter]
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: Gemma3TextConfig, index: int) -> None:
+        super().__init__()
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.is_sliding = cfg.windows[index] is not None
+        self.self_attn = SelfAttention(
+            index, hidden, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            bias=cfg.attention_bias, scale=float(cfg.query_pre_attn_scalar) ** -0.5,
+            sliding_window=cfg.windows[index], qk_norm_eps=eps,
+        )  # fmt: skip
+        # Gemma's q/k norms multiply by (1 + weight) like its other norms
+        self.self_attn.q_norm = ZeroCenteredRMSNorm(cfg.head_dim, eps)
+        self.self_attn.k_norm = ZeroCenteredRMSNorm(cfg.head_dim, eps)
+        self.mlp = Gemma3MLP(hidden, cfg.intermediate_size)
+        self.input_layernorm = ZeroCenteredRMSNorm(hidden, eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = ZeroCenteredRMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = ZeroCenteredRMSNorm(hidden, eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        rotary: RotaryEmbedding,
+        cos_sin: CosSin,
+    ) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]; `rotary` / `cos_sin` are this layer kind's."""
+        h = self.self_attn(self.input_layernorm(x), batch, rotary, cos_sin)
+        x, h = self.pre_feedforward_layernorm.add_forward(x, self.post_attention_layernorm(h))
+        return x + self.post_feedforward_layernorm(self.mlp(h))
+
+
+class Gemma3TextModel(nn.Module):
+    def __init__(self, cfg: Gemma3TextConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Gemma3ForCausalLM(CausalLM):
+    config_class: type[Gemma3TextConfig] = Gemma3TextConfig
+
+    def __init__(self, config: Gemma3TextConfig) -> None:
+        super().__init__(config)
+        self.model = Gemma3TextModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary_global = RotaryEmbedding(config.head_dim, config.rope_for("full_attention"))
+        self.rotary_local = RotaryEmbedding(config.head_dim, config.rope_for("sliding_attention"))
+        self.embed_scale = config.hidden_size**0.5
+        self.softcap = config.final_logit_softcapping
+        self._skipped: dict[str, int] = {}
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """-> hidden: [num_tokens, hidden]."""
+        x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        # the scale is rounded to the model dtype first, as transformers does
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        local = self.rotary_local.cos_sin(batch.positions, x.dtype)  # 2 x [T, head_dim]
+        glob = self.rotary_global.cos_sin(batch.positions, x.dtype)
+        for layer in self.model.layers:
+            if layer.is_sliding:
+                x = layer(x, batch, self.rotary_local, local)
+            else:
+                x = layer(x, batch, self.rotary_global, glob)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, hidden] -> logits: [n, vocab] float32, soft-capped if configured."""
+        logits = self.lm_head(hidden)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap  # in the model dtype
+        return logits.float()
+
+    # -- weights -----------------------------------------------------------------------------
+
+    SKIPPED_PREFIXES: tuple[str, ...] = ()
+
+    def map_weight_name(self, name: str) -> str | None:
+        for prefix in self.SKIPPED_PREFIXES:
+            if name.startswith(prefix):
+                self._skipped[prefix] = self._skipped.get(prefix, 0) + 1
+                return None
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._skipped = {}
+        super().load_weights(weights)
+        for prefix, count in self._skipped.items():
+            logger.info("skipped %d checkpoint tensors under %r (not used here)", count, prefix)
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The text model of a Gemma 3 multimodal checkpoint; the vision tower and the projector
+    are skipped. Hub checkpoints (and transformers 5's save_pretrained) name the text model
+    `language_model.model.`, transformers 4.5x's `model.language_model.`: both load."""
+
+    SKIPPED_PREFIXES = (
+        "vision_tower.", "multi_modal_projector.",
+        "model.vision_tower.", "model.multi_modal_projector.",
+    )  # fmt: skip
+    TEXT_PREFIXES = {
+        "language_model.model.": "model.",
+        "model.language_model.": "model.",
+        "language_model.lm_head.": "lm_head.",
+    }
+
+    def map_weight_name(self, name: str) -> str | None:
+        for prefix, ours in self.TEXT_PREFIXES.items():
+            if name.startswith(prefix):
+                return ours + name[len(prefix) :]
+        return super().map_weight_name(name)

@@ -1,0 +1,165 @@
+"""Gemma 3 text (Gemma3ForCausalLM, and the text part of a Gemma3ForConditionalGeneration
+checkpoint) against transformers, on every cache setting of `conformance.CASES`.
+
+Two tiny variants, both with windows (8 and 12 tokens) shorter than most prompts:
+- "defaults": transformers' defaults but the sizes and the pattern (sliding_window_pattern 2,
+  local / global alternating: with pattern 6 the 5:1 layout makes 6 cache groups, too many for
+  the conformance pool of 14 pages; tied embeddings; query_pre_attn_scalar 256, not head_dim);
+- "odd": 3 query heads on 1 KV head of 24, explicit layer_types starting with a global layer,
+  untied lm_head, linear-scaled global RoPE, its own local base, final logit soft-capping.
+Every norm weight (stored centred on zero) is drawn at random, so a norm read as `weight` rather
+than `1 + weight`, or skipped, shows up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from hybridkv.engine import Engine
+
+from .conformance import check_prefill_logits, family, test_greedy_matches_transformers  # noqa: F401
+from .utils import engine_greedy, prompts, save_model, save_tokenizer, seeded
+
+VOCAB = 96
+
+
+def _randomise_norms(model) -> None:
+    torch.manual_seed(5)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.uniform_(-0.5, 0.5)
+
+
+def build_defaults():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=12,
+        sliding_window_pattern=2, max_position_embeddings=512, initializer_range=0.1,
+    )  # fmt: skip
+    model = seeded(Gemma3ForCausalLM, cfg)
+    _randomise_norms(model)
+    return model
+
+
+def build_odd():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    kinds = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    rope = {
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 5000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+    }
+    cfg = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=4,
+        num_attention_heads=3, num_key_value_heads=1, head_dim=24, sliding_window=8,
+        layer_types=kinds, rope_parameters=rope, query_pre_attn_scalar=32,
+        final_logit_softcapping=3.0, tie_word_embeddings=False, max_position_embeddings=512,
+        initializer_range=0.1,
+    )  # fmt: skip
+    model = seeded(Gemma3ForCausalLM, cfg)
+    _randomise_norms(model)
+    return model
+
+
+BUILDERS = {"defaults": build_defaults, "odd": build_odd}
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
+def checkpoint(request, tmp_path_factory):
+    hf = BUILDERS[request.param]()
+    return save_model(hf, tmp_path_factory.mktemp(request.param)), hf
+
+
+def test_prefill_logits_match(checkpoint):
+    folder, hf = checkpoint
+    engine = check_prefill_logits(folder, hf)  # 37 tokens: past both windows
+    ours = dict(engine.model.named_parameters(remove_duplicate=False))
+    assert set(hf.state_dict()) <= set(ours), "checkpoint tensors the model does not load"
+    tied = engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
+    assert tied == hf.config.tie_word_embeddings
+    windows = [layer.self_attn.attn.sliding_window for layer in engine.model.model.layers]
+    assert windows == [
+        hf.config.sliding_window if kind == "sliding_attention" else None
+        for kind in hf.config.layer_types
+    ]
+    assert None in windows and hf.config.sliding_window in windows
+
+
+def test_conditional_generation_checkpoint_loads_its_text_model(tmp_path, caplog):
+    """A checkpoint saved as Gemma3ForConditionalGeneration (vision tower and projector too)
+    runs its text model; the vision tensors are skipped with one log line each prefix."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        initializer_range=0.1,
+    )  # fmt: skip
+    vision = dict(
+        model_type="siglip_vision_model", hidden_size=16, intermediate_size=16,
+        num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=8,
+    )  # fmt: skip
+    config = Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB - 2,
+        boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 4,
+    )  # fmt: skip
+    hf = seeded(Gemma3ForConditionalGeneration, config)
+    _randomise_norms(hf)
+    folder = tmp_path / "vl"
+    hf.save_pretrained(folder)
+    save_tokenizer(folder, VOCAB)
+    saved = json.loads((folder / "config.json").read_text())
+    assert saved["architectures"] == ["Gemma3ForConditionalGeneration"]
+    with caplog.at_level(logging.INFO, logger="hybridkv"):
+        engine = Engine(str(folder), dtype="float32", kernel_block_size=4)
+    assert "under 'vision_tower.'" in caplog.text
+    assert "under 'multi_modal_projector.'" in caplog.text
+    asks = prompts(VOCAB - 4, [11, 23], seed=4)  # no image / boi / eoi tokens
+    with torch.inference_mode():
+        ref = []
+        for ids in asks:  # the text model's own greedy tokens (full forwards)
+            seq = list(ids)
+            for _ in range(6):
+                logits = hf(input_ids=torch.tensor([seq])).logits[0, -1]
+                seq.append(int(logits.argmax()))
+            ref.append(seq[len(ids) :])
+    assert engine_greedy(engine, asks, 6) == ref
+
+
+def _write_config(tmp_path, **overrides):
+    keys = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+    )  # fmt: skip
+    config = {"architectures": ["Gemma3ForCausalLM"], **keys, **overrides}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+BAD_CONFIGS = [
+    ({"num_attention_heads": 3, "num_key_value_heads": 2}, "must be a multiple of"),
+    ({"hidden_activation": "relu"}, "hidden_activation='relu' is not supported"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
+    ({"layer_types": ["full_attention"]}, "layer_types has 1 entries"),
+    ({"layer_types": ["mamba", "full_attention"]}, "unknown layer type 'mamba'"),
+    ({"sliding_window": 0}, "positive sliding_window"),
+    ({"rope_parameters": {"rope_type": "yarn"}}, "keyed by layer type"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "unsupported rope type 'yarn'"),
+    ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be positive"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_CONFIGS, ids=lambda v: str(v)[:40])
+def test_bad_configs_are_one_line(tmp_path, overrides, message):
+    folder = _write_config(tmp_path, **overrides)
+    with pytest.raises(ValueError, match=message) as err:
+        Engine(str(folder), dtype="float32")
+    assert "\n" not in str(err.value)
