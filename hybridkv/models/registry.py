@@ -30,6 +30,8 @@ MODELS: dict[str, str] = {
     "FalconMambaForCausalLM": "hybridkv.models.mamba:FalconMambaForCausalLM",
     "FalconH1ForCausalLM": "hybridkv.models.falcon_h1:FalconH1ForCausalLM",
     "Mamba2ForCausalLM": "hybridkv.models.mamba2:Mamba2ForCausalLM",
+    "Lfm2ForCausalLM": "hybridkv.models.lfm2:Lfm2ForCausalLM",
+    "Lfm2MoeForCausalLM": "hybridkv.models.lfm2:Lfm2MoeForCausalLM",
     "Gemma3ForCausalLM": "hybridkv.models.gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "hybridkv.models.gemma3:Gemma3ForConditionalGeneration",
 }

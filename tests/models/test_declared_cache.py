@@ -21,7 +21,7 @@ from hybridkv.models.hf_config import LAYER_TYPES
 from hybridkv.models.registry import MODELS, build_on_meta, model_class
 
 RUNNABLE = sorted(MODELS)
-STATE_KINDS = ("mamba2", "gated_delta_net", "mamba1")
+STATE_KINDS = ("mamba2", "gated_delta_net", "mamba1", "short_conv")
 RUNNABLE_PRESETS = [p for p in preset_ids() if architecture_of(load_preset(p)) in MODELS]
 MODEL_TYPES = {
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
@@ -38,6 +38,8 @@ MODEL_TYPES = {
     "FalconH1ForCausalLM": "falcon_h1",
     "Zamba2ForCausalLM": "zamba2",
     "Mamba2ForCausalLM": "mamba2",
+    "Lfm2ForCausalLM": "lfm2",
+    "Lfm2MoeForCausalLM": "lfm2_moe",
     "JambaForCausalLM": "jamba",
     "MambaForCausalLM": "mamba",
     "FalconMambaForCausalLM": "falcon_mamba",
@@ -139,6 +141,14 @@ def expected_specs(config: dict, dtypes: CacheDtypes) -> list[tuple]:
             else:
                 head_dim = hf.hidden_size // hf.num_attention_heads
                 out.append((i, "attention", hf.num_key_value_heads, head_dim, None))
+    elif arch in ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"):  # short conv: one conv state
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        kinds = hf.layer_types or ["full_attention"] * hf.num_hidden_layers
+        for i, kind in enumerate(kinds):
+            if kind == "conv":
+                out.append((i, "short_conv", (hf.hidden_size, hf.conv_L_cache - 1)))
+            else:
+                out.append((i, "attention", hf.num_key_value_heads, head_dim, None))
     elif arch in ("MambaForCausalLM", "FalconMambaForCausalLM"):
         inner = hf.intermediate_size
         conv, ssm = (inner, hf.conv_kernel - 1), (inner, hf.state_size)
@@ -156,8 +166,8 @@ def expected_specs(config: dict, dtypes: CacheDtypes) -> list[tuple]:
 
 def _summary(layer_index: int, spec) -> tuple:
     if spec.kind in STATE_KINDS:
-        first, second = (t.shape for t in spec.tensors)  # conv, then ssm / recurrent
-        return (layer_index, spec.kind, first, second)
+        shapes = (t.shape for t in spec.tensors)  # conv, then ssm / recurrent (short_conv: conv)
+        return (layer_index, spec.kind, *shapes)
     return (layer_index, spec.kind, spec.num_kv_heads, spec.head_dim, spec.sliding_window)
 
 
@@ -176,8 +186,8 @@ def planned(config: dict, capsys, tmp_path) -> list[tuple]:
         spec = group["spec"]
         for layer_id in group["layer_ids"]:
             if spec["kind"] in STATE_KINDS:
-                first, second = (tuple(t["shape"]) for t in spec["tensors"])
-                rows.append((layer_id, spec["kind"], first, second))
+                shapes = (tuple(t["shape"]) for t in spec["tensors"])
+                rows.append((layer_id, spec["kind"], *shapes))
             else:
                 rows.append(
                     (layer_id, spec["kind"], spec["num_kv_heads"], spec["head_dim"],

@@ -1,0 +1,99 @@
+"""LFM2's gated short convolution over packed ragged batches with a paged conv state.
+
+Parameter names follow transformers' `Lfm2ShortConv` (`in_proj`, `conv`, `out_proj`) so a
+checkpoint's tensors load by name. The data flow, with C = conv channels (= hidden_size):
+
+    hidden [T, hidden] -> in_proj -> split (B [T, C] | C_gate [T, C] | x [T, C])
+    B * x -> causal depthwise conv1d over L_cache taps (+ state, no activation) -> conv [T, C]
+    C_gate * conv -> out_proj -> [T, hidden]
+
+The layer owns its cache (`CacheOwner`): it declares a `short_conv` state spec with one tensor,
+`conv` [C, L_cache - 1] (the last L_cache - 1 inputs of the conv, B * x, per channel), the same
+name and shape as the plan-only `hybridkv.kv.specs.short_conv_state`. The conv itself is the
+Mamba2 causal conv1d (`hybridkv.ops.mamba2_ops`: packed varlen requests, state pages updated
+in place); `SHORT_CONV_OPS` says where it can run.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
+from hybridkv.layers.cache import CacheOwner, StateCache
+from hybridkv.layers.state_base import StateMetadata
+from hybridkv.ops import native
+from hybridkv.ops.mamba2_ops import TorchMamba2Ops
+from hybridkv.worker.batch import ForwardBatch
+
+CONV = "conv"  # the one state tensor a short conv layer declares and reads
+_OPS = "hybridkv.ops.mamba2_ops:"
+_FLOATS = frozenset({"float32", "bfloat16", "float16"})
+
+# Where the short conv's ops (the causal conv1d of the Mamba2 ops classes) can run, in order of
+# preference (the plan takes the first that runs here).
+SHORT_CONV_OPS = (
+    StateOps(
+        "native",
+        _OPS + "NativeMamba2Ops",
+        frozenset({"cpu"}),
+        frozenset({"float32"}),
+        needs="native",
+        description="C conv1d kernel (hybridkv.ops.native), state in place",
+    ),
+    StateOps(
+        "triton",
+        _OPS + "TritonMamba2Ops",
+        frozenset({"cuda", "rocm"}),
+        _FLOATS,
+        needs="triton",
+        description="Triton conv1d decode step, PyTorch prefill",
+    ),
+    StateOps("torch", _OPS + "TorchMamba2Ops", description="PyTorch reference"),
+)
+TORCH_OPS = TorchMamba2Ops()
+
+
+class ShortConv(CacheOwner):
+    """A gated short convolution whose conv state lives in pages of the state cache."""
+
+    def __init__(
+        self, hidden_size: int, l_cache: int = 3, bias: bool = False, *, layer_index: int = 0
+    ) -> None:
+        super().__init__(layer_index)
+        if l_cache < 2:
+            raise ValueError(f"conv_L_cache must be at least 2 (one state column), got {l_cache}")
+        self.hidden_size, self.l_cache = hidden_size, l_cache
+        self.in_proj = nn.Linear(hidden_size, 3 * hidden_size, bias=bias)
+        # Depthwise: weight [C, 1, L_cache] as in the checkpoints (padding is unused here).
+        self.conv = nn.Conv1d(hidden_size, hidden_size, l_cache, groups=hidden_size, bias=bias)
+        self.out_proj = nn.Linear(hidden_size, hidden_size, bias=bias)
+
+    def cache_spec(self, dtypes: CacheDtypes) -> StateSpec:
+        """conv: the last L_cache - 1 conv inputs (B * x) of every channel."""
+        ops = SHORT_CONV_OPS
+        if self.l_cache - 1 > native.CONV_MAX_HISTORY:  # the C conv keeps at most this many
+            ops = tuple(o for o in ops if o.name != "native")
+        shape = (self.hidden_size, self.l_cache - 1)
+        return StateSpec("short_conv", (StateTensor(CONV, shape, dtypes.conv),), ops)
+
+    def forward(self, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """hidden_states: [T, hidden] -> [T, hidden], the conv state updated in its pages."""
+        cache = self.cache
+        assert isinstance(cache, StateCache)
+        meta: StateMetadata = self.step_metadata(batch)
+        return self.mix(hidden_states, cache.tensors[CONV], meta, cache.ops)
+
+    def mix(
+        self,
+        hidden_states: torch.Tensor,
+        conv_state: torch.Tensor,
+        meta: StateMetadata,
+        ops: TorchMamba2Ops = TORCH_OPS,
+    ) -> torch.Tensor:
+        """hidden_states: [T, hidden]; conv_state: [num_pages, C, L_cache - 1] (updated in
+        place) -> [T, hidden]."""
+        b, c, x = self.in_proj(hidden_states).chunk(3, dim=-1)  # each [T, C]
+        bx = (b * x).contiguous()  # [T, C]
+        conv = ops.conv1d(bx, self.conv.weight[:, 0, :], self.conv.bias, conv_state, meta, None)
+        return self.out_proj(c * conv.to(c.dtype))  # [T, hidden]
