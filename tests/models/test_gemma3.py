@@ -163,3 +163,53 @@ def test_bad_configs_are_one_line(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message) as err:
         Engine(str(folder), dtype="float32")
     assert "\n" not in str(err.value)
+
+
+def test_older_config_keys_read_as_transformers_reads_them(checkpoint, tmp_path):
+    """A config.json in the first Gemma 3 spelling (`rope_theta`, `rope_local_base_freq`,
+    `rope_scaling` for the global layers, `sliding_window_pattern` instead of `layer_types`)
+    gives transformers' layout and RoPE, and the same logits from the same weights."""
+    import shutil
+
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from hybridkv.models.gemma3 import Gemma3TextConfig as Ours
+
+    folder, hf = checkpoint
+    old = {
+        k: v for k, v in json.loads((folder / "config.json").read_text()).items()
+        if k not in ("layer_types", "rope_parameters")
+    }  # fmt: skip
+    old.update(
+        rope_theta=2000.0, rope_local_base_freq=50.0, sliding_window_pattern=3,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    )  # fmt: skip
+    keys = {k: v for k, v in old.items() if k not in ("architectures", "model_type")}
+    theirs = Gemma3TextConfig(**keys)
+    ours = Ours.from_hf(old)
+    assert list(ours.layer_types) == theirs.layer_types
+    for kind in ("full_attention", "sliding_attention"):
+        want = {k: v for k, v in theirs.rope_parameters[kind].items() if v is not None}
+        assert ours.rope_for(kind) == want
+    moved = tmp_path / "old"
+    shutil.copytree(folder, moved)
+    (moved / "config.json").write_text(json.dumps(old))
+    reference = Gemma3ForCausalLM(theirs).eval()
+    reference.load_state_dict(hf.state_dict())
+    check_prefill_logits(moved, reference)
+
+
+def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(checkpoint):
+    """In bfloat16 (the checkpoints' dtype; the embedding scale rounded to it) hybridkv's
+    prefill logits stay as close to the float32 ones as transformers' own bfloat16 run."""
+    import copy
+
+    from .utils import engine_prefill_logits, max_rel_error, reference_logits
+
+    folder, hf = checkpoint
+    ids = prompts(VOCAB, [37])[0]
+    ref32 = reference_logits(hf, ids)
+    ref16 = reference_logits(copy.deepcopy(hf).to(torch.bfloat16), ids)
+    engine = Engine(str(folder), dtype="bfloat16", kernel_block_size=4, enable_prefix_caching=False)
+    ours = engine_prefill_logits(engine, ids)
+    assert max_rel_error(ours, ref32) <= 2 * max_rel_error(ref16, ref32) + 1e-3
