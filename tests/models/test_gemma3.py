@@ -91,9 +91,13 @@ def test_prefill_logits_match(checkpoint):
     assert None in windows and hf.config.sliding_window in windows
 
 
-def test_conditional_generation_checkpoint_loads_its_text_model(tmp_path, caplog):
+@pytest.mark.parametrize("naming", ["hub", "module"])
+def test_conditional_generation_checkpoint_loads_its_text_model(tmp_path, caplog, naming):
     """A checkpoint saved as Gemma3ForConditionalGeneration (vision tower and projector too)
-    runs its text model; the vision tensors are skipped with one log line each prefix."""
+    runs its text model; the vision tensors are skipped with one log line each prefix. "hub":
+    the names save_pretrained and the Hub checkpoints use (`language_model.model.`); "module":
+    transformers' module paths (`model.language_model.`, `model.vision_tower.`, `lm_head`)."""
+    from safetensors.torch import load_file, save_file
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     text = dict(
@@ -117,10 +121,23 @@ def test_conditional_generation_checkpoint_loads_its_text_model(tmp_path, caplog
     save_tokenizer(folder, VOCAB)
     saved = json.loads((folder / "config.json").read_text())
     assert saved["architectures"] == ["Gemma3ForConditionalGeneration"]
+    weights = load_file(folder / "model.safetensors")
+    assert any(name.startswith("language_model.model.") for name in weights)
+    prefix = ""
+    if naming == "module":
+        prefix = "model."
+        weights = {
+            name.replace("language_model.model.", "language_model.").replace(
+                "language_model.lm_head.", "lm_head."
+            ) if name.startswith("language_model.") else name: tensor
+            for name, tensor in weights.items()
+        }  # fmt: skip
+        weights = {n if n.startswith("lm_head.") else "model." + n: t for n, t in weights.items()}
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     with caplog.at_level(logging.INFO, logger="hybridkv"):
         engine = Engine(str(folder), dtype="float32", kernel_block_size=4)
-    assert "under 'vision_tower.'" in caplog.text
-    assert "under 'multi_modal_projector.'" in caplog.text
+    assert f"under '{prefix}vision_tower.'" in caplog.text
+    assert f"under '{prefix}multi_modal_projector.'" in caplog.text
     asks = prompts(VOCAB - 4, [11, 23], seed=4)  # no image / boi / eoi tokens
     with torch.inference_mode():
         ref = []
