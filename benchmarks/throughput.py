@@ -4,7 +4,8 @@ Random checkpoints are saved to a temporary folder (`MODELS`): GraniteMoeHybrid 
 "100m" (~100M parameters; Mamba2 + attention, dense MLP), Qwen3-Next "qwen3next-100m" (~104M: 9
 gated-delta-net and 3 gated attention layers, linear key/value head dim 128, a small MoE on
 every layer) with "qwen3next-tiny" (the smoke test's size), and Jamba "jamba-100m" (7 Mamba1
-layers and 1 attention layer, top-2 of 4 experts on every other layer) with "jamba-tiny". A run
+layers and 1 attention layer, top-2 of 4 experts on every other layer) with "jamba-tiny", and
+LFM2 "lfm2-100m" (~100M: 8 short-conv and 3 attention layers) with "lfm2-tiny". A run
 without `--models` measures tiny, 100m and qwen3next-100m. The workload: 64 requests, prompts of
 uniform 32..512 random tokens, 128 new tokens each, greedy, EOS ignored.
 
@@ -105,6 +106,18 @@ MODELS = {
         vocab_size=32000, hidden_size=768, intermediate_size=1024, num_hidden_layers=8,
         num_attention_heads=12, num_key_value_heads=4, attn_layer_period=8, attn_layer_offset=4,
         num_experts=4, mamba_d_state=16)),
+    # LFM2: gated short-conv layers (conv_L_cache 3) and attention with q/k norms, the layout
+    # of LFM2-1.2B scaled down; MLP width by LFM2's rule (2/3 of intermediate_size, rounded up
+    # to 256). conv_dim / block_dim repeat hidden_size, as the released configs do (vLLM reads
+    # them).
+    "lfm2-tiny": ("Lfm2", dict(
+        vocab_size=1024, hidden_size=64, conv_dim=64, block_dim=64, intermediate_size=192,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        full_attn_idxs=[1, 3])),
+    "lfm2-100m": ("Lfm2", dict(
+        vocab_size=32000, hidden_size=768, conv_dim=768, block_dim=768, intermediate_size=3072,
+        num_hidden_layers=11, num_attention_heads=12, num_key_value_heads=4,
+        full_attn_idxs=[2, 5, 8])),
 }  # fmt: skip
 # What a run without --models measures (qwen3next-tiny is the smoke tests' size)
 DEFAULT_MODELS = ["tiny", "100m", "qwen3next-100m"]
@@ -126,6 +139,10 @@ ARCHITECTURES = {
         dict(num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
              max_position_embeddings=2048, tie_word_embeddings=True,
              initializer_range=0.02),
+    ),
+    "Lfm2": (
+        "Lfm2Config", "Lfm2ForCausalLM",
+        dict(max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=0.02),
     ),
 }  # fmt: skip
 
