@@ -34,6 +34,7 @@ MODELS: dict[str, str] = {
     "Lfm2MoeForCausalLM": "hybridkv.models.lfm2:Lfm2MoeForCausalLM",
     "Gemma3ForCausalLM": "hybridkv.models.gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "hybridkv.models.gemma3:Gemma3ForConditionalGeneration",
+    "GptOssForCausalLM": "hybridkv.models.gpt_oss:GptOssForCausalLM",
 }
 
 

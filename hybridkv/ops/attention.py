@@ -91,6 +91,36 @@ MAX_DECODE_GROUPS = 4
 MIN_DECODE_GROUP = 8  # requests; below this a group's fixed cost outweighs the padding saved
 
 
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Softmax attention in float32. q: [B, heads, L, d]; k, v: [B, kvh, T, d]; mask: bool,
+    broadcast to [B, heads, L, T] -> [B, heads, L, d].
+
+    `sinks` [heads] (gpt-oss): one more logit per head in the softmax denominator, with no
+    value: p_t = exp(s_t) / (exp(sink) + sum_u exp(s_u)).
+    """
+    q, k, v = q.float(), k.float(), v.float()
+    gqa = q.shape[1] != k.shape[1]
+    if sinks is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
+    if gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, heads, L, T]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v)
+
+
 def _decode_groups(seq_lens: list[int]) -> list[list[int]]:
     """Request indices in groups of similar length (longest first), each sorted."""
     order = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
@@ -107,13 +137,12 @@ def _decode_attention(
     scale: float,
     sliding_window: int | None,
     max_seq_len: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per request, all requests at once.
 
     q: [S, heads, d]; block_table: [S, max_blocks]; seq_lens: [S] -> [S, heads, d]
     """
-    num_seqs, num_heads, head_dim = q.shape
-    kv_heads = kv_cache.shape[3]
     seq_lens = seq_lens.long()
     k_pos = torch.arange(max_seq_len, device=q.device)
     visible = k_pos[None, :] < seq_lens[:, None]  # [S, T]
@@ -121,14 +150,10 @@ def _decode_attention(
         visible &= k_pos[None, :] > seq_lens[:, None] - 1 - sliding_window
     k, v = gather_context(kv_cache, block_table, visible)  # [S, T, kvh, d]
     # [S, heads, 1, d] x [S, kvh, T, d] (views, no copies), float32 math
-    out = F.scaled_dot_product_attention(
-        q.float()[:, :, None, :],
-        k.float().transpose(1, 2),
-        v.float().transpose(1, 2),
-        attn_mask=visible[:, None, None, :],
-        scale=scale,
-        enable_gqa=num_heads != kv_heads,
-    )
+    out = _attend(
+        q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), visible[:, None, None, :],
+        scale, sinks,
+    )  # fmt: skip
     return out[:, :, 0, :].to(q.dtype)
 
 
@@ -139,24 +164,27 @@ def _grouped_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Native decode attention when available, else `_decode_attention` per group of similar
     context lengths (see `_decode_groups`)."""
-    out = native.paged_decode_attention(q, kv_cache, block_table, seq_lens, scale, sliding_window)
+    out = native.paged_decode_attention(
+        q, kv_cache, block_table, seq_lens, scale, sliding_window, sinks=sinks
+    )
     if out is not None:
         return out
     lens = seq_lens.tolist()
     groups = _decode_groups(lens)
     if len(groups) == 1:
         return _decode_attention(
-            q, kv_cache, block_table, seq_lens, scale, sliding_window, max(lens)
+            q, kv_cache, block_table, seq_lens, scale, sliding_window, max(lens), sinks
         )
     out = torch.empty_like(q)
     for members in groups:
         idx = torch.tensor(members, device=q.device)
         out[idx] = _decode_attention(
             q[idx], kv_cache, block_table[idx], seq_lens[idx], scale, sliding_window,
-            lens[members[0]],
+            lens[members[0]], sinks,
         )  # fmt: skip
     return out
 
@@ -168,9 +196,10 @@ def _prefill_attention(
     seq_len: int,
     scale: float,
     sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One request's chunk: q [L, heads, d] are its last L of `seq_len` positions."""
-    q_len, num_heads, head_dim = q.shape
+    q_len = q.shape[0]
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
     k_pos = torch.arange(seq_len, device=q.device)[None, :]
     allowed = k_pos <= q_pos  # [L, T]
@@ -181,14 +210,10 @@ def _prefill_attention(
         visible = k_pos > seq_len - q_len - sliding_window
     k, v = gather_context(kv_cache, table_row[None], visible)  # [1, T, kvh, d]
     # [1, heads, L, d] x [1, kvh, T, d]: scaled_dot_product_attention in float32
-    out = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1)[None],
-        k[0].float().transpose(0, 1)[None],
-        v[0].float().transpose(0, 1)[None],
-        attn_mask=allowed,
-        scale=scale,
-        enable_gqa=num_heads != k.shape[2],
-    )
+    out = _attend(
+        q.transpose(0, 1)[None], k[0].transpose(0, 1)[None], v[0].transpose(0, 1)[None],
+        allowed, scale, sinks,
+    )  # fmt: skip
     return out[0].transpose(0, 1).to(q.dtype)
 
 
@@ -202,11 +227,13 @@ def paged_attention(
     sliding_window: int | None = None,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over each request's paged context.
 
     q: [num_tokens, num_heads, head_dim]; block_table: [num_seqs, max_blocks] int32;
     query_start_loc: [num_seqs + 1]; seq_lens: [num_seqs]  ->  [num_tokens, num_heads, head_dim]
+    sinks: [num_heads] or None: a per-head logit added to every softmax denominator (gpt-oss).
 
     Decodes (one query) run together in one batched computation; each prefill chunk runs on
     its own (a loop over the step's prefill requests, usually a few: their query and context
@@ -221,13 +248,13 @@ def paged_attention(
         rows = torch.nonzero(is_decode).flatten()
         tokens = query_start_loc[:-1].long()[rows]
         out[tokens] = _grouped_decode_attention(
-            q[tokens], kv_cache, block_table[rows], seq_lens[rows], scale, sliding_window
+            q[tokens], kv_cache, block_table[rows], seq_lens[rows], scale, sliding_window, sinks
         )
     starts, lens, ctx = query_start_loc.tolist(), q_lens.tolist(), seq_lens.tolist()
     for s, n in enumerate(lens):
         if n > 1:
             a = starts[s]
             out[a : a + n] = _prefill_attention(
-                q[a : a + n], kv_cache, block_table[s], ctx[s], scale, sliding_window
+                q[a : a + n], kv_cache, block_table[s], ctx[s], scale, sliding_window, sinks
             )
     return out

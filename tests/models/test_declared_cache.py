@@ -45,6 +45,7 @@ MODEL_TYPES = {
     "FalconMambaForCausalLM": "falcon_mamba",
     "Gemma3ForCausalLM": "gemma3_text",
     "Gemma3ForConditionalGeneration": "gemma3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 

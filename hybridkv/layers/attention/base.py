@@ -54,6 +54,7 @@ class AttentionImpl(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads]: a softmax-denominator logit per head
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
 
 
@@ -83,7 +84,9 @@ class KernelModuleBackend:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        extra = {} if sinks is None else {"sinks": sinks}
         return self.kernels().paged_attention(
             q,
             kv_cache,
@@ -94,4 +97,5 @@ class KernelModuleBackend:
             sliding_window,
             meta.max_query_len,
             meta.max_seq_len,
+            **extra,
         )

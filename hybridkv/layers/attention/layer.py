@@ -37,12 +37,20 @@ class PagedAttention(CacheOwner):
         return AttentionSpec(self.num_kv_heads, self.head_dim, dtypes.kv, self.sliding_window)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads * head_dim]."""
+        """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads * head_dim].
+        sinks: [heads] or None, the owner's per-head softmax-denominator logits (gpt-oss)."""
         cache = self.cache
         assert isinstance(cache, AttentionCache)
         meta: AttentionMetadata = self.step_metadata(batch)
         cache.backend.write_kv_cache(k, v, cache.kv, meta.slot_mapping)
-        out = cache.backend.forward(q, cache.kv, meta, self.scale, self.sliding_window)
+        out = cache.backend.forward(
+            q, cache.kv, meta, self.scale, self.sliding_window, sinks=sinks
+        )
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

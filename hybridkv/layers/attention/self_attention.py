@@ -26,9 +26,11 @@ class SelfAttention(nn.Module):
         scale: float | None = None,
         sliding_window: int | None = None,
         qk_norm_eps: float | None = None,
+        sinks: bool = False,
     ) -> None:
         """`scale` defaults to 1/sqrt(head_dim); `qk_norm_eps` set adds q_norm / k_norm
-        (RMSNorm over each head, before RoPE)."""
+        (RMSNorm over each head, before RoPE); `sinks` adds the per-head softmax-denominator
+        logits `sinks` [num_heads] (gpt-oss), passed to the kernels like the window."""
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
@@ -39,6 +41,7 @@ class SelfAttention(nn.Module):
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+        self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
         scale = head_dim**-0.5 if scale is None else scale
         self.attn = PagedAttention(
             layer_index, num_heads, num_kv_heads, head_dim, scale, sliding_window
@@ -61,4 +64,5 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None and cos_sin is not None:
             q, k = rotary(q, k, *cos_sin)
-        return self.o_proj(self.attn(q, k, v, batch))  # attn: [T, heads * head_dim]
+        out = self.attn(q, k, v, batch, sinks=self.sinks)  # [T, heads * head_dim]
+        return self.o_proj(out)

@@ -50,7 +50,7 @@ _SIGNATURES = {
     "hkv_conv1d_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr,
                        _ptr, _int, _ptr],
     "hkv_paged_decode_f32": [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64,
-                             _f32, _ptr],
+                             _f32, _ptr, _ptr],
     "hkv_rms_norm_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32],
     "hkv_add_rms_norm_f32": [_ptr, _ptr, _f32, _ptr, _ptr, _ptr, _i64, _i64, _f32],
     "hkv_silu_mul_f32": [_ptr, _i64, _ptr, _i64, _i64],
@@ -386,8 +386,10 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Decode attention natively: None when the kernels or these tensors are not supported.
+    sinks: [heads] float32 or None (a per-head logit in every softmax denominator, gpt-oss).
 
     q: [S, heads, d]; kv_cache: [num_kernel_blocks, 2, kbs, kv_heads, d] contiguous;
     block_table: [S, max_blocks] int32; seq_lens: [S] -> [S, heads, d].
@@ -406,10 +408,11 @@ def paged_decode_attention(
         first = (lens - sliding_window).clamp(min=0)
     q = q.contiguous()
     out = torch.empty_like(q)
+    sink = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
     lib.hkv_paged_decode_f32(
         q.data_ptr(), kv_cache.data_ptr(), kbs, kv_heads, head_dim, num_heads,
         block_table.data_ptr(), block_table.stride(0), first.data_ptr(), lens.data_ptr(),
-        num_seqs, scale, out.data_ptr(),
+        num_seqs, scale, None if sink is None else sink.data_ptr(), out.data_ptr(),
     )  # fmt: skip
     return out
 

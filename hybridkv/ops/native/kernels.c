@@ -230,11 +230,12 @@ void hkv_mamba2_scan_f32(float *state, int64_t page_stride, const int64_t *pages
  * softmax-weighted sum of V (exact softmax, no running rescale). Each pass reads a token's whole
  * row (all KV heads, contiguous): 3x faster than one task per (request, KV head), whose reads
  * stride over the other heads' bytes.
+ * sinks: [H] or NULL (gpt-oss): one more logit per head in the softmax denominator, no value.
  */
 void hkv_paged_decode_f32(const float *q, const float *cache, int64_t kbs, int64_t KVH,
                           int64_t Dh, int64_t H, const int32_t *block_table,
                           int64_t table_stride, const int64_t *first, const int64_t *seq_lens,
-                          int64_t S, float scale, float *out) {
+                          int64_t S, float scale, const float *sinks, float *out) {
     const int64_t group = H / KVH;
     const int64_t row = KVH * Dh;   /* floats per cached token (all KV heads) */
     const int64_t half = kbs * row; /* K part of a block -> its V part */
@@ -265,7 +266,8 @@ void hkv_paged_decode_f32(const float *q, const float *cache, int64_t kbs, int64
             float *sh = scores + h * len;
             float m = sh[0];
             for (int64_t t = 1; t < len; t++) m = sh[t] > m ? sh[t] : m;
-            float total = 0.0f;
+            if (sinks != NULL && sinks[h] > m) m = sinks[h];
+            float total = sinks != NULL ? exp_nonpositive(sinks[h] - m) : 0.0f;
 #pragma omp simd reduction(+ : total)
             for (int64_t t = 0; t < len; t++) {
                 sh[t] = exp_nonpositive(sh[t] - m);
