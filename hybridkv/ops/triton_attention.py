@@ -298,6 +298,7 @@ def _paged_attention_kernel(
     num_heads,
     qk_scale,  # scale * log2(e)
     window,  # sliding window in tokens (read only when USE_WINDOW)
+    sinks_ptr,  # [num_heads] per-head softmax-denominator logits (read only when USE_SINKS)
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_cb, stride_ckv, stride_ct, stride_ch, stride_cd,
@@ -312,6 +313,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     IS_DECODE: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_SINKS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -349,6 +351,13 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    # the sink: a key of score sinks[head] and value 0, counted by split 0 only (a constexpr
+    # test, then a runtime one: kernels without sinks compile none of it)
+    if USE_SINKS:  # noqa: SIM102
+        if split == 0:
+            sink = tl.load(sinks_ptr + head, mask=row_valid, other=float("-inf"))
+            m_i = sink.to(tl.float32) * 1.4426950408889634  # log2 units, as the scores
+            l_i = tl.where(row_valid, 1.0, 0.0)
     for t in range(t_lo, t_hi):
         pos = t * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] context positions
         key_valid = (pos >= key_lo) & (pos < key_hi)
@@ -475,6 +484,7 @@ def paged_attention(
     sliding_window: int | None = None,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    sinks: torch.Tensor | None = None,
     *,
     num_kv_splits: int | None = None,
     launch: LaunchConfig | None = None,
@@ -484,7 +494,8 @@ def paged_attention(
     q: [num_tokens, num_heads, head_dim]; block_table: [num_seqs, max_blocks] int32;
     query_start_loc: [num_seqs + 1]; seq_lens: [num_seqs]  ->  [num_tokens, num_heads, head_dim]
     `num_kv_splits` (decode batches only; a power of two) overrides the split-K heuristic,
-    `launch` the tiling (for tuning; see `default_launch`).
+    `launch` the tiling (for tuning; see `default_launch`). `sinks` [num_heads] or None: a
+    per-head logit added to every softmax denominator (gpt-oss).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, kbs, kv_heads, cache_head_dim = kv_cache.shape
@@ -496,6 +507,11 @@ def paged_attention(
             f"{cache_head_dim}: query heads must be a multiple of kv heads, head dims equal"
         )
     check_device(q, kv_cache, block_table, query_start_loc, seq_lens)
+    if sinks is not None:
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"sinks must have shape ({num_heads},), got {tuple(sinks.shape)}")
+        check_device(sinks)
+        sinks = sinks.contiguous()
     num_seqs = seq_lens.shape[0]
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
@@ -538,6 +554,7 @@ def paged_attention(
     _paged_attention_kernel[(grid_m, kv_heads, num_splits)](
         out, part_acc, part_ml, q, kv_cache, block_table, query_start_loc, seq_lens,
         num_seqs, num_heads, scale * LOG2E, 0 if sliding_window is None else sliding_window,
+        q if sinks is None else sinks,
         *q.stride(), *out.stride(), *kv_cache.stride(), block_table.stride(0),
         GROUP=group,
         GROUP_PAD=group_pad,
@@ -549,6 +566,7 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         IS_DECODE=is_decode,
         USE_WINDOW=sliding_window is not None,
+        USE_SINKS=sinks is not None,
         DOT_FP32=dot_fp32,
         DOT_PRECISION="ieee" if precise else "tf32",
         num_warps=launch.num_warps,
