@@ -15,11 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridkv.engine import Engine
 from hybridkv.kv.specs import ConfigError
 from hybridkv.models.gpt_oss import GptOssConfig, GptOssForCausalLM, yarn_inv_freq
 
 from .conformance import check_prefill_logits, family, test_greedy_matches_transformers  # noqa: F401
-from .utils import save_model, seeded
+from .utils import engine_greedy, save_model, seeded
 
 VOCAB = 96
 
@@ -139,3 +140,14 @@ def test_mxfp4_checkpoint_is_refused_in_one_line():
     with pytest.raises(ValueError, match="MXFP4") as info:
         model.load_weights(weights)
     assert "\n" not in str(info.value)
+
+
+def test_triton_backend_matches_transformers(family):  # noqa: F811 (the conformance fixture)
+    """The sinks through the Triton kernels (interpreted without a GPU): prefill chunks of 13
+    tokens over kernel blocks of 16, then decodes, against transformers' greedy tokens."""
+    engine = Engine(
+        str(family.folder), dtype="float32", attention_backend="triton", kernel_block_size=16,
+        max_num_batched_tokens=13,
+    )  # fmt: skip
+    assert {g.backend for g in engine.plan.attention_groups} == {"triton"}
+    assert engine_greedy(engine, family.plain[:3], 8) == [t[:8] for t in family.plain_ref[:3]]
