@@ -431,33 +431,6 @@ def attention_dims(config: dict[str, Any]) -> tuple[int, int, int]:
     return heads, kv_heads, int(head_dim or int(config["hidden_size"]) // heads)
 
 
-def _attention(cfg: _Config, dt: CacheDtypes, window: int | None = None) -> AttentionSpec:
-    heads = cfg.int("num_attention_heads")  # one-line errors for missing or bad values
-    cfg.int("hidden_size"), cfg.int("num_key_value_heads", default=heads)
-    if cfg.get("head_dim", "attention_head_dim") is not None:
-        cfg.int("head_dim", "attention_head_dim")
-    _, kv_heads, head_dim = attention_dims(cfg.data)
-    return AttentionSpec(kv_heads, head_dim, dt.kv, window)
-
-
-def _mamba2(cfg: _Config, dt: CacheDtypes, prefix: str = "mamba_") -> StateSpec:
-    """Mamba2 mixers of Bamba / GraniteMoeHybrid / Falcon-H1 (keys `mamba_*`)."""
-    n_heads = cfg.int(prefix + "n_heads")
-    head_dim = cfg.get(prefix + "d_head")
-    if head_dim in (None, "auto"):
-        inner = cfg.get(prefix + "d_ssm") or cfg.int(prefix + "expand") * cfg.int("hidden_size")
-        head_dim = int(inner) // n_heads
-    return mamba2_state(
-        n_heads,
-        int(head_dim),
-        cfg.int(prefix + "d_state"),
-        cfg.int(prefix + "n_groups", default=1),
-        cfg.int(prefix + "d_conv", default=4),
-        dt.conv,
-        dt.ssm,
-    )
-
-
 def _roles_to_layers(
     roles: Sequence[str],
     make_attention: Callable[[str], LayerSpec],
@@ -472,42 +445,6 @@ def _roles_to_layers(
         if role in ("state", "hybrid") and make_state is not None:
             layers.append(CacheLayer(f"layers.{i}.{state_name}", i, make_state(i)))
     return layers
-
-
-def _parse_dense(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
-    """gpt-oss / Gemma3: attention everywhere, some layers sliding."""
-    n = cfg.num_layers
-    window = cfg.get("sliding_window")
-    if isinstance(cfg.get("layer_types"), list):
-        roles = layer_roles(cfg)
-    elif cfg.arch.startswith("Gemma3"):
-        pattern = cfg.int("sliding_window_pattern", default=6)
-        roles = ["attention" if (i + 1) % pattern == 0 else "sliding" for i in range(n)]
-    elif cfg.arch.startswith("GptOss"):
-        roles = ["sliding" if i % 2 == 0 else "attention" for i in range(n)]
-    else:
-        roles = ["attention"] * n
-    if "sliding" in roles and not window:
-        if cfg.arch.startswith("Gemma3"):
-            window = 4096  # transformers Gemma3TextConfig default
-        else:
-            raise ConfigError(f"config.json of {cfg.arch} has sliding layers but no sliding_window")
-    if any(r not in ("attention", "sliding", "none") for r in roles):
-        raise ConfigError(f"config.json of {cfg.arch}: layer types must be attention or sliding")
-    return _roles_to_layers(
-        roles, lambda r: _attention(cfg, dt, int(window) if r == "sliding" else None), None
-    )
-
-
-def _parse_lfm2(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
-    state = short_conv_state(
-        cfg.int("conv_dim", default=cfg.int("hidden_size")),
-        cfg.int("conv_L_cache", default=3),
-        dt.conv,
-    )
-    return _roles_to_layers(
-        layer_roles(cfg), lambda r: _attention(cfg, dt), lambda i: state, "conv"
-    )
 
 
 def _mla(cfg: _Config, dt: CacheDtypes) -> MLASpec:
@@ -540,11 +477,6 @@ _Parser = Callable[[_Config, CacheDtypes], list[CacheLayer]]
 # plan but not run yet. Runnable families declare their cache from the model itself
 # (hybridkv.models.registry); a family moves from here to there when it becomes runnable.
 ARCHITECTURES: dict[str, _Parser] = {
-    "GptOssForCausalLM": _parse_dense,
-    "Gemma3ForCausalLM": _parse_dense,
-    "Gemma3ForConditionalGeneration": _parse_dense,
-    "Lfm2ForCausalLM": _parse_lfm2,
-    "Lfm2MoeForCausalLM": _parse_lfm2,
     "DeepseekV3ForCausalLM": _parse_deepseek,
     "KimiLinearForCausalLM": _parse_kimi_linear,
 }
