@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -42,6 +42,7 @@ from hybridkv.layers.mamba1 import Mamba1Mixer
 from hybridkv.layers.mlp import GatedMLP, RMSNorm
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import HFConfig
+from hybridkv.models.loader import stack_gated_experts
 from hybridkv.models.qwen3_next import Experts
 from hybridkv.worker.batch import ForwardBatch
 
@@ -211,32 +212,4 @@ class JambaForCausalLM(CausalLM):
     # -- weights -----------------------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(self._stack_experts(weights))
-
-    def _stack_experts(
-        self, weights: Iterable[tuple[str, torch.Tensor]]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Per-expert checkpoint tensors -> `experts.gate_up_proj` / `experts.down_proj`, each
-        yielded once every expert of its layer arrived; every other tensor passes through."""
-        experts = self.config.num_experts
-        pending: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
-        for name, tensor in weights:
-            match = EXPERT_WEIGHT.match(name)
-            if match is None:
-                yield name, tensor
-                continue
-            prefix, expert, proj = match.groups()
-            if int(expert) >= experts:
-                raise ValueError(f"{name}: expert {expert} but num_experts is {experts}")
-            parts = pending.setdefault(prefix, {})
-            parts[(int(expert), proj)] = tensor  # [out, in]
-            if len(parts) == 3 * experts:
-                del pending[prefix]
-                gate_up = [torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]])
-                           for e in range(experts)]  # fmt: skip
-                yield f"{prefix}.gate_up_proj", torch.stack(gate_up)  # [E, 2I, H]
-                down = [parts[(e, "down_proj")] for e in range(experts)]
-                yield f"{prefix}.down_proj", torch.stack(down)  # [E, H, I]
-        if pending:
-            got = {prefix: len(parts) for prefix, parts in pending.items()}
-            raise ValueError(f"checkpoint lacks some experts' tensors: {got}")
+        super().load_weights(stack_gated_experts(weights, EXPERT_WEIGHT, self.config.num_experts))

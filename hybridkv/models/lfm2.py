@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,7 @@ from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.layers.short_conv import ShortConv
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig
+from hybridkv.models.loader import stack_gated_experts
 from hybridkv.models.qwen3_next import Experts
 from hybridkv.worker.batch import ForwardBatch
 
@@ -321,32 +322,6 @@ class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
     config_class = Lfm2MoeConfig
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(self._stack_experts(weights))
-
-    def _stack_experts(
-        self, weights: Iterable[tuple[str, torch.Tensor]]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Per-expert w1/w3/w2 tensors -> `experts.gate_up_proj` / `experts.down_proj`, each
-        yielded once every expert of its layer arrived; every other tensor passes through."""
-        assert isinstance(self.config, Lfm2MoeConfig)
-        experts = self.config.num_experts
-        pending: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
-        for name, tensor in weights:
-            match = EXPERT_WEIGHT.match(name)
-            if match is None:
-                yield name, tensor
-                continue
-            prefix, expert, proj = match.groups()
-            if int(expert) >= experts:
-                raise ValueError(f"{name}: expert {expert} but num_experts is {experts}")
-            parts = pending.setdefault(prefix, {})
-            parts[(int(expert), proj)] = tensor  # [out, in]
-            if len(parts) == 3 * experts:
-                del pending[prefix]
-                gate_up = [torch.cat([parts[(e, "w1")], parts[(e, "w3")]]) for e in range(experts)]
-                yield f"{prefix}.gate_up_proj", torch.stack(gate_up)  # [E, 2I, H]
-                down = [parts[(e, "w2")] for e in range(experts)]
-                yield f"{prefix}.down_proj", torch.stack(down)  # [E, H, I]
-        if pending:
-            got = {prefix: len(parts) for prefix, parts in pending.items()}
-            raise ValueError(f"checkpoint lacks some experts' tensors: {got}")
+        super().load_weights(
+            stack_gated_experts(weights, EXPERT_WEIGHT, self.config.num_experts, ("w1", "w3", "w2"))
+        )

@@ -4,7 +4,8 @@ tokenizer.json and generation_config.json."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,3 +62,36 @@ def eos_token_ids(config: dict[str, Any], gen_config: dict[str, Any]) -> tuple[i
         values = value if isinstance(value, list) else [value]
         return tuple(int(v) for v in values)
     return ()
+
+
+def stack_gated_experts(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    pattern: re.Pattern[str],
+    num_experts: int,
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Per-expert checkpoint tensors of a gated MoE -> `{prefix}.gate_up_proj` [E, 2I, H] and
+    `{prefix}.down_proj` [E, H, I], each yielded once every expert of its layer arrived; every
+    other tensor passes through. `pattern` matches one expert's tensor as (prefix, expert index,
+    projection), `names` are the checkpoint's (gate, up, down) projection names."""
+    gate, up, down = names
+    pending: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for name, tensor in weights:
+        match = pattern.match(name)
+        if match is None:
+            yield name, tensor
+            continue
+        prefix, expert, proj = match.groups()
+        if int(expert) >= num_experts:
+            raise ValueError(f"{name}: expert {expert} but num_experts is {num_experts}")
+        parts = pending.setdefault(prefix, {})
+        parts[(int(expert), proj)] = tensor  # [out, in]
+        if len(parts) == 3 * num_experts:
+            del pending[prefix]
+            experts = range(num_experts)
+            gate_up = [torch.cat([parts[(e, gate)], parts[(e, up)]]) for e in experts]
+            yield f"{prefix}.gate_up_proj", torch.stack(gate_up)  # [E, 2I, H]
+            yield f"{prefix}.down_proj", torch.stack([parts[(e, down)] for e in experts])
+    if pending:
+        got = {prefix: len(parts) for prefix, parts in pending.items()}
+        raise ValueError(f"checkpoint lacks some experts' tensors: {got}")
