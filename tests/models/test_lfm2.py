@@ -20,11 +20,11 @@ from hybridkv.engine import Engine
 
 from .conformance import check_prefill_logits, family, test_greedy_matches_transformers  # noqa: F401
 from .utils import (
+    check_bf16_as_close_as_transformers,
+    check_config_errors,
     engine_greedy,
-    engine_prefill_logits,
     prompts,
     reference_greedy,
-    reference_logits,
     save_model,
     seeded,
 )
@@ -133,17 +133,9 @@ def test_bfloat16_model_is_as_close_to_float32_as_transformers_bfloat16(checkpoi
         str(folder), dtype=torch.bfloat16, experts_implementation="eager"
     )
     ids = prompts(VOCAB, [37], seed=7)[0]
-    ref32, ref16 = reference_logits(hf, ids), reference_logits(hf16, ids)
     engine = Engine(str(folder), dtype="bfloat16", kernel_block_size=8)
     assert {g.backend for g in engine.plan.groups if g.kind == "short_conv"} == {"torch"}
-    ours = engine_prefill_logits(engine, ids)
-    ours_error, theirs_error = _position_errors(ours, ref32), _position_errors(ref16, ref32)
-    assert 0 < ours_error.median() <= 1.5 * theirs_error.median()
-
-
-def _position_errors(logits: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """[positions] the largest error of each position, relative to the largest reference."""
-    return (logits - ref).abs().max(dim=-1).values / ref.abs().max()
+    check_bf16_as_close_as_transformers(engine, hf, hf16, ids)
 
 
 def test_the_dense_width_follows_lfm2s_sizing_rule():
@@ -201,11 +193,7 @@ def test_bad_configs_are_one_line(tmp_path):
         ({"num_key_value_heads": 8, "architectures": ["Lfm2MoeForCausalLM"],
           "num_experts_per_tok": 40}, "is more than num_experts"),
     ]  # fmt: skip
-    for change, message in bad:
-        (tmp_path / "config.json").write_text(json.dumps({**base, **change}))
-        with pytest.raises(ValueError, match=message) as err:
-            Engine(str(tmp_path), dtype="float32")
-        assert "\n" not in str(err.value)
+    check_config_errors(tmp_path, base, bad)
 
 
 def test_the_bundled_presets_plan_as_before(capsys):

@@ -18,7 +18,6 @@ room for three requests' states (`conformance.check_small_state_pool`).
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
@@ -27,11 +26,11 @@ from hybridkv.engine import Engine
 
 from .conformance import check_prefill_logits, family, test_greedy_matches_transformers  # noqa: F401
 from .utils import (
+    check_bf16_as_close_as_transformers,
+    check_config_errors,
     engine_greedy,
-    engine_prefill_logits,
     prompts,
     reference_greedy,
-    reference_logits,
     save_model,
     seeded,
 )
@@ -152,11 +151,7 @@ def test_bad_configs_are_one_line(tmp_path, arch):
         ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
         ({"expand": 1.5}, "'expand' must be int"),
     ]
-    for change, message in bad:
-        (tmp_path / "config.json").write_text(json.dumps({**base, **change}))
-        with pytest.raises(ValueError, match=message) as err:
-            Engine(str(tmp_path), dtype="float32")
-        assert "\n" not in str(err.value)
+    check_config_errors(tmp_path, base, bad)
 
 
 def test_bfloat16_model_is_as_close_to_float32_as_transformers_bfloat16(checkpoint):
@@ -168,15 +163,7 @@ def test_bfloat16_model_is_as_close_to_float32_as_transformers_bfloat16(checkpoi
     folder, hf = checkpoint
     hf16 = hf_class(type(hf).__name__.lower()).from_pretrained(str(folder), dtype=torch.bfloat16)
     ids = prompts(VOCAB, [37], seed=7)[0]
-    ref32, ref16 = reference_logits(hf, ids), reference_logits(hf16.eval(), ids)
-    ours = engine_prefill_logits(Engine(str(folder), dtype="bfloat16"), ids)
-    ours_error, theirs_error = _position_errors(ours, ref32), _position_errors(ref16, ref32)
-    assert 0 < ours_error.median() <= 1.5 * theirs_error.median()
-
-
-def _position_errors(logits: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """[positions] the largest error of each position, relative to the largest reference."""
-    return (logits - ref).abs().max(dim=-1).values / ref.abs().max()
+    check_bf16_as_close_as_transformers(Engine(str(folder), dtype="bfloat16"), hf, hf16, ids)
 
 
 def test_old_embedding_name_loads(checkpoint, tmp_path):

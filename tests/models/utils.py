@@ -112,3 +112,31 @@ def engine_greedy(engine: Engine, prompt_ids: list[list[int]], max_new_tokens: i
 
 def max_rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
+
+
+def check_config_errors(folder: Path, base: dict, bad: list[tuple[dict, str]]) -> None:
+    """Each `base | change` config.json makes the engine raise a one-line ValueError matching
+    its message (a regex)."""
+    import pytest
+
+    for change, message in bad:
+        (folder / "config.json").write_text(json.dumps({**base, **change}))
+        with pytest.raises(ValueError, match=message) as err:
+            Engine(str(folder), dtype="float32")
+        assert "\n" not in str(err.value), change
+
+
+def position_errors(logits: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """[positions] the largest error of each position, relative to the largest reference."""
+    return (logits - ref).abs().max(dim=-1).values / ref.abs().max()
+
+
+def check_bf16_as_close_as_transformers(engine: Engine, hf32, hf16, ids: list[int]) -> None:
+    """The bfloat16 engine's prefill logits are as close to transformers' float32 ones as
+    transformers' own bfloat16 model's are, by the median over positions (one position may flip
+    an expert choice bfloat16 cannot tell apart; greedy tokens are no test in bfloat16, where
+    the batch changes the rounding)."""
+    ref32, ref16 = reference_logits(hf32, ids), reference_logits(hf16.eval(), ids)
+    ours = engine_prefill_logits(engine, ids)
+    ours_error, theirs_error = position_errors(ours, ref32), position_errors(ref16, ref32)
+    assert 0 < ours_error.median() <= 1.5 * theirs_error.median()
