@@ -23,8 +23,6 @@ Defaults: transformers 5.24 `GptOssConfig`.
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -150,66 +148,6 @@ class GptOssConfig(HFConfig):
         )
 
 
-def yarn_inv_freq(dim: int, params: Mapping[str, Any], max_positions: int) -> tuple:
-    """YaRN (transformers' `_compute_yarn_parameters`): -> (inv_freq [dim / 2], attention factor).
-
-    Dimensions whose wavelength fits `original_max_position_embeddings` many times (beyond
-    beta_fast rotations) keep their frequency, those below beta_slow rotations are slowed by
-    `factor`, with a linear ramp between."""
-    base = float(params["rope_theta"])
-    original = float(params["original_max_position_embeddings"])
-    factor = params.get("factor")
-    factor = float(factor) if factor is not None else max_positions / original
-    attention = params.get("attention_factor")
-    if attention is None:
-        mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
-
-        def get_mscale(scale: float, m: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-        attention = (
-            get_mscale(factor, mscale) / get_mscale(factor, mscale_all)
-            if mscale and mscale_all
-            else get_mscale(factor)
-        )
-    beta_fast = float(params.get("beta_fast") or 32)
-    beta_slow = float(params.get("beta_slow") or 1)
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if params.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    index = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
-    ramp = ((index - low) / (high - low)).clamp(0, 1)  # [dim / 2]
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
-    extrapolation = 1.0 - ramp  # [dim / 2]: 1 keeps the frequency, 0 slows it by factor
-    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * extrapolation
-    return inv_freq, float(attention)
-
-
-class YarnRotaryEmbedding(RotaryEmbedding):
-    """RoPE with YaRN frequencies and cos/sin scaled by its attention factor (or plain RoPE)."""
-
-    def __init__(self, head_dim: int, rope: Mapping[str, Any], max_positions: int) -> None:
-        super().__init__(head_dim, {**rope, "rope_type": "default"})
-        self.attention_scaling = 1.0
-        if rope["rope_type"] == "yarn":
-            self.inv_freq, self.attention_scaling = yarn_inv_freq(
-                self.rotary_dim, rope, max_positions
-            )
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """positions: [num_tokens] -> cos, sin: [num_tokens, head_dim] in `dtype`."""
-        cos, sin = super().cos_sin(positions, torch.float32)
-        scale = self.attention_scaling
-        return (cos * scale).to(dtype), (sin * scale).to(dtype)
-
-
 class GptOssRouter(nn.Module):
     def __init__(self, hidden: int, num_experts: int, top_k: int) -> None:
         super().__init__()
@@ -319,8 +257,8 @@ class GptOssForCausalLM(CausalLM):
         assert config.head_dim is not None
         self.model = GptOssModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = YarnRotaryEmbedding(
-            config.head_dim, config.rope, config.max_position_embeddings
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.rope, max_positions=config.max_position_embeddings
         )
 
     def map_weight_name(self, name: str) -> str | None:

@@ -168,8 +168,8 @@ BAD_CONFIGS = [
     ({"layer_types": ["full_attention"]}, "layer_types has 1 entries"),
     ({"layer_types": ["mamba", "full_attention"]}, "unknown layer type 'mamba'"),
     ({"sliding_window": 0}, "positive sliding_window"),
-    ({"rope_parameters": {"rope_type": "yarn"}}, "keyed by layer type"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "unsupported rope type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "linear"}}, "keyed by layer type"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "unsupported rope type"),
     ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be positive"),
 ]
 

@@ -17,7 +17,8 @@ import torch
 
 from hybridkv.engine import Engine
 from hybridkv.kv.specs import ConfigError
-from hybridkv.models.gpt_oss import GptOssConfig, GptOssForCausalLM, yarn_inv_freq
+from hybridkv.layers.rotary import yarn_inv_freq
+from hybridkv.models.gpt_oss import GptOssConfig, GptOssForCausalLM
 
 from .conformance import check_prefill_logits, family, test_greedy_matches_transformers  # noqa: F401
 from .utils import engine_greedy, save_model, seeded
@@ -51,8 +52,15 @@ def build_odd():
     from transformers import GptOssConfig as HFGptOssConfig
     from transformers import GptOssForCausalLM as HFGptOss
 
-    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 8.0,
-            "beta_slow": 1.0, "truncate": True, "original_max_position_embeddings": 64}
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "beta_fast": 8.0,
+        "beta_slow": 1.0,
+        "truncate": True,
+        "original_max_position_embeddings": 64,
+    }
     kinds = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
     cfg = HFGptOssConfig(
         vocab_size=VOCAB, hidden_size=48, intermediate_size=40, num_hidden_layers=4,
