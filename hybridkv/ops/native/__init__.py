@@ -1,4 +1,4 @@
-"""Native CPU kernels (kernels.c), compiled at first use and called through ctypes.
+"""Native CPU kernels (the C files of this folder), compiled at first use and called through ctypes.
 
 In PyTorch, the Mamba2 scan, the gated delta rule, the causal conv1d and paged decode
 attention need gathers into temporaries, the math, and scatters back (and the chunked prefill
@@ -36,7 +36,14 @@ from pathlib import Path
 
 import torch
 
+# every C file of this folder is compiled into one library: `kernels.c` holds the kernels
+# declared below, other files (one per op family) declare theirs with `declare`
 SOURCE = Path(__file__).with_name("kernels.c")
+
+
+def sources() -> list[Path]:
+    return sorted(SOURCE.parent.glob("*.c"))
+
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 _lib: ctypes.CDLL | None = None
@@ -65,6 +72,16 @@ _SIGNATURES = {
 }  # fmt: skip
 
 
+def declare(signatures: dict[str, list]) -> None:
+    """Add the argument types of kernels in another C file of this folder (called when the
+    module that wraps them is imported; before or after the library is loaded)."""
+    _SIGNATURES.update(signatures)
+    if _lib is not None:
+        for name, argtypes in signatures.items():
+            fn = getattr(_lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+
+
 def enabled() -> bool:
     return os.environ.get("HYBRIDKV_NATIVE", "1") != "0"
 
@@ -81,8 +98,9 @@ def _cpu_flags() -> str:
 
 def _library_path() -> Path:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), _cpu_flags().encode()):
+    for part in [*(f.read_bytes() for f in sources()), " ".join(CFLAGS).encode()]:
         key.update(part)
+    key.update(_cpu_flags().encode())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybridkv"
     return cache / f"native-{key.hexdigest()[:16]}.so"
 
@@ -95,7 +113,7 @@ def _build(target: Path) -> bool:
     # build beside the target, then rename: concurrent builders never load a partial file
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
-    cmd = [compiler, *CFLAGS, str(SOURCE), "-o", str(partial), "-lm"]
+    cmd = [compiler, *CFLAGS, *map(str, sources()), "-o", str(partial), "-lm"]
     try:
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
         partial.replace(target)
