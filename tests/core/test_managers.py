@@ -79,6 +79,57 @@ def test_sliding_hit_needs_only_window_blocks():
     cm.check_integrity()
 
 
+def _cached_units_by_position(cm, rid: str, group: int) -> list[int]:
+    """The units a request holds in `group`, in token order (NULL_UNIT where dropped)."""
+    return list(cm._reqs[rid].groups[group].units)
+
+
+@pytest.mark.parametrize("allocation", ["block", "page"])
+def test_sliding_hit_survives_eviction_of_everything_outside_the_window(allocation):
+    # window 8, kernel block 4: a hit of 28 tokens has its first query at 28, which reads keys
+    # 21..28; only the units of tokens 20..23 and 24..27 (units 5 and 6) must still be cached
+    cm = manager(specs=[SLIDING], num_pages=10, allocation=allocation, page_tokens=4)
+    a = request("a", range(30))
+    prefill(cm, a)
+    units = _cached_units_by_position(cm, "a", 0)
+    cm.free(a)
+    m = cm.groups[0]
+    for unit in units[:5]:  # tokens 0..19: outside the window of any query at >= 28
+        if unit != NULL_UNIT:
+            m.units.uncache(unit)
+    b = request("b", list(range(30)) + [99, 98])
+    assert cm.lookup(b).num_tokens == 28
+    assert prefill(cm, b) == 28
+    row = _cached_units_by_position(cm, "b", 0)
+    assert row[:5] == [NULL_UNIT] * 5 and row[5:7] == units[5:7]
+    cm.check_integrity()
+    cm.free(b)
+    # an in-window unit gone: no length whose window is fully cached remains
+    m.units.uncache(units[5])
+    assert cm.lookup(request("c", list(range(30)) + [1])).num_tokens == 0
+    cm.check_integrity()
+
+
+def test_sliding_and_full_attention_hit_keeps_full_context_and_window_only():
+    # gpt-oss shape: a sliding layer and a full layer; the full group needs every unit of the
+    # hit, the sliding group only those of the window
+    full = AttentionSpec(1, 4, "float32")
+    cm = manager(specs=[SLIDING, full], num_pages=40, page_tokens=4)
+    sliding_g = next(i for i, m in enumerate(cm.groups) if m.group.window is not None)
+    a = request("a", range(41))
+    prefill(cm, a)
+    sliding_units = _cached_units_by_position(cm, "a", sliding_g)
+    cm.free(a)
+    for unit in sliding_units[:7]:  # tokens 0..27; a hit of 40 reads keys 33..40
+        if unit != NULL_UNIT:
+            cm.groups[sliding_g].units.uncache(unit)
+    b = request("b", list(range(41)) + [5, 6])
+    assert prefill(cm, b) == 40
+    full_row = _cached_units_by_position(cm, "b", 1 - sliding_g)
+    assert len(full_row) >= 10 and NULL_UNIT not in full_row[:10]
+    cm.check_integrity()
+
+
 def test_state_running_page_snapshot_at_prompt_end_and_exact_length_only():
     cm = manager()
     a = request("a", range(30))  # hit granularity 4: prompt-end snapshot at 28
