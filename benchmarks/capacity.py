@@ -11,11 +11,16 @@ block sub-allocation) on three seeded workloads:
   128 conversations open at a time, 2000 requests in all;
 - long_docs: 200 requests with prompts 8k..32k tokens and outputs 50..300.
 
-Reported per (model, workload, mode): peak concurrent requests, attention tokens pinned but
-unused per request at that peak (summed over attention groups), prefix hit rate (hit tokens /
-prompt tokens), snapshot pages held at the end, and manager CPU time per request-step (all cache
-manager calls of a step / running requests; median of 3 runs). Each model runs in a fresh
-process of its own (`--in-process` to run them all in one).
+Models with sliding-window layers (gpt-oss, Gemma 3) also run mode "whole": the same cache with
+every window widened to the whole context, as a paged cache that frees nothing until a request
+ends would hold it.
+
+Reported per (model, workload, mode): peak concurrent requests, cache bytes in use per running
+request at that peak (MiB: pages in use x page bytes x layers per group), attention tokens
+pinned but unused per request at that peak (summed over attention groups), prefix hit rate (hit
+tokens / prompt tokens), snapshot pages held at the end, and manager CPU time per request-step
+(all cache manager calls of a step / running requests; median of 3 runs). Each model runs in a
+fresh process of its own (`--in-process` to run them all in one).
 
     python benchmarks/capacity.py            # full run, prints a table
     python benchmarks/capacity.py --json     # the same numbers as JSON rows
@@ -33,7 +38,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,8 +47,20 @@ from hybridkv.config import CacheConfig, SchedulerConfig  # noqa: E402
 from hybridkv.core.coordinator import CacheManager  # noqa: E402
 from hybridkv.core.request import Request  # noqa: E402
 from hybridkv.core.scheduler import Scheduler  # noqa: E402
-from hybridkv.kv.plan import plan_for_config  # noqa: E402
+from hybridkv.kv.plan import (  # noqa: E402
+    MemoryPlan,
+    PlanTarget,
+    cache_layers_for_config,
+    make_plan,
+    plan_for_config,
+)
 from hybridkv.kv.presets import load_preset  # noqa: E402
+from hybridkv.kv.specs import (  # noqa: E402
+    architecture_of,
+    model_dtype,
+    resolve_cache_dtypes,
+    text_config,
+)
 from hybridkv.sampling_params import SamplingParams  # noqa: E402
 
 MODELS = [
@@ -57,6 +74,8 @@ MODELS = [
     "ai21labs/Jamba-v0.1",
     "meta-llama/Llama-3.1-8B",
     "mistralai/Mamba-Codestral-7B-v0.1",
+    "openai/gpt-oss-20b",
+    "google/gemma-3-27b-it",
 ]
 QUICK_MODELS = [
     "ibm-granite/granite-4.0-h-small",
@@ -65,6 +84,9 @@ QUICK_MODELS = [
 ]
 WORKLOADS = ("short_chat", "multi_turn", "long_docs")
 MODES = ("page", "block")
+# Models with sliding-window groups also run "whole": block mode with every window widened to
+# the whole context, i.e. what a paged cache that keeps every token of every layer holds.
+WHOLE = "whole"
 VOCAB = 32000
 GIB = 2**30
 MANAGER_CALLS = ("lookup", "allocate", "commit", "free", "next_boundary", "drain_new_pages")
@@ -199,14 +221,37 @@ def _unused_pinned(cm: CacheManager, running: list[Request]) -> float:
     return unused / max(1, len(running))
 
 
+def whole_context_plan(config: dict, cfg: CacheConfig) -> MemoryPlan:
+    """The plan of `config` with every sliding window widened to the whole context."""
+    dtypes = resolve_cache_dtypes(config, cfg.kv_cache_dtype, cfg.state_dtype, cfg.ssm_state_dtype)
+    layers = [
+        replace(layer, spec=replace(layer.spec, sliding_window=None))
+        if getattr(layer.spec, "sliding_window", None) is not None
+        else layer
+        for layer in cache_layers_for_config(config, dtypes)
+    ]
+    max_len = int(text_config(config).get("max_position_embeddings") or 4096)
+    target = PlanTarget(max_len, compute_dtype=model_dtype(config))
+    return make_plan(layers, cfg, architecture_of(config), target)
+
+
+def has_sliding_window(model: str) -> bool:
+    cfg = CacheConfig(platform="cuda", attention_backend="flashinfer", memory_bytes=GIB)
+    return any(g.window is not None for g in plan_for_config(load_preset(model), cfg).groups)
+
+
 def replay(model: str, workload: str, mode: str, seed: int, scale: Scale) -> dict:
     # Earlier replays leave managers in reference cycles (the pool knows its groups and they
     # know the pool): collect them first, so that every replay starts from the same heap.
     gc.collect()
     cfg = CacheConfig(
-        platform="cuda", attention_backend="flashinfer", memory_bytes=40 * GIB, allocation=mode
+        platform="cuda",
+        attention_backend="flashinfer",
+        memory_bytes=40 * GIB,
+        allocation="block" if mode == WHOLE else mode,
     )
-    plan = plan_for_config(load_preset(model), cfg)
+    config = load_preset(model)
+    plan = whole_context_plan(config, cfg) if mode == WHOLE else plan_for_config(config, cfg)
     # Set-up done: what it leaves (torch and sympy, imported to build runnable models on the
     # meta device for their specs) is frozen out of the garbage collector's sight, as the
     # engine does after its set-up, so that collections during the replay walk the replay's
@@ -220,7 +265,7 @@ def replay(model: str, workload: str, mode: str, seed: int, scale: Scale) -> dic
     work = make_workload(workload, seed, scale)
     for req in work.initial():
         sched.add_request(req)
-    peak = request_steps = max_snapshots = 0
+    peak = request_steps = max_snapshots = pages_at_peak = 0
     unused_at_peak = 0.0
     while sched.has_unfinished:
         out = sched.schedule()
@@ -230,6 +275,7 @@ def replay(model: str, workload: str, mode: str, seed: int, scale: Scale) -> dic
         if len(sched.running) > peak:
             peak = len(sched.running)
             unused_at_peak = _unused_pinned(cm, sched.running)
+            pages_at_peak = cm.usage()["in_use"]
         max_snapshots = max(max_snapshots, cm.usage()["snapshot_pages"])
         for req in finished:
             for nxt in work.on_finish(req):
@@ -240,6 +286,9 @@ def replay(model: str, workload: str, mode: str, seed: int, scale: Scale) -> dic
         "workload": workload,
         "mode": mode,
         "peak_concurrency": peak,
+        "mib_per_request": round(
+            pages_at_peak * plan.page_bytes * plan.layers_per_group / max(1, peak) / 2**20, 1
+        ),
         "unused_pinned_tokens_per_request": round(unused_at_peak, 1),
         "hit_rate": round(cm.stats.hit_rate, 4),
         "snapshot_pages": cm.usage()["snapshot_pages"],
@@ -266,8 +315,9 @@ def run_isolated(model: str, workloads: list[str], quick: bool, seed: int) -> li
 
 def run(models: list[str], workloads: list[str], scale: Scale, seed: int) -> Iterator[dict]:
     for model in models:
+        modes = MODES + ((WHOLE,) if has_sliding_window(model) else ())
         for workload in workloads:
-            for mode in MODES:
+            for mode in modes:
                 rows = [replay(model, workload, mode, seed, scale) for _ in range(scale.runs)]
                 row = dict(rows[0])
                 row["manager_us_per_request_step"] = round(
@@ -279,10 +329,11 @@ def run(models: list[str], workloads: list[str], scale: Scale, seed: int) -> Ite
 COLUMNS = [
     ("model", 42),
     ("workload", 10),
-    ("mode", 5),
+    ("mode", 6),
     ("page_tokens", 5),
     ("kernel_block_size", 3),
     ("peak_concurrency", 5),
+    ("mib_per_request", 7),
     ("unused_pinned_tokens_per_request", 7),
     ("hit_rate", 6),
     ("snapshot_pages", 6),
@@ -296,6 +347,7 @@ HEADS = [
     "page",
     "kb",
     "peak",
+    "MiB/req",
     "unused",
     "hit",
     "snaps",
