@@ -83,7 +83,7 @@ class TorchMamba2Ops:
 
 
 class NativeMamba2Ops(TorchMamba2Ops):
-    """The C kernels of `hybridkv.ops.native` (CPU, float32 states and activations; conv
+    """The C kernels of `hybridkv.ops.native` (CPU; float32 or bfloat16 states, float32 math; conv
     history up to `native.CONV_MAX_HISTORY` columns, which the layer's declaration checks)."""
 
     name = "native"

@@ -80,8 +80,33 @@ def test_mamba2_scan_zero_length_request_keeps_its_page():
 def test_mamba2_scan_declines_other_dtypes():
     _, state, pages, (x, dt, A, B, C, D) = _state_problem()
     has, qsl = torch.ones(5, dtype=torch.bool), torch.arange(6)
-    bf16 = state.to(torch.bfloat16)
-    assert native.mamba2_scan(bf16, pages, has, qsl, x, dt, A, B, C, D) is None
+    assert native.mamba2_scan(state.half(), pages, has, qsl, x, dt, A, B, C, D) is None
+    assert native.mamba2_scan(state, pages, has, qsl, x.double(), dt, A, B, C, D) is None
+
+
+@needs_compiler
+@pytest.mark.parametrize("tokens", [1, 12])  # decode rows, and the blocked path of a prefill
+def test_mamba2_scan_bf16_state_is_the_float32_scan_rounded(tokens):
+    # a bfloat16 state is widened, scanned in float32 and rounded back: the same numbers as
+    # the float32 kernel on the widened state, to the last bit
+    g = torch.Generator().manual_seed(tokens)
+    R, H, P, N, G = 3, 4, 16, 16, 2
+    flat = torch.full((6, H * P * N + 8), float("nan"), dtype=torch.bfloat16)
+    state = flat[:, : H * P * N].view(6, H, P, N)
+    pages = torch.tensor([4, 1, 5])
+    state[pages] = torch.randn(R, H, P, N, generator=g).bfloat16()
+    T = R * tokens
+    x, dt = torch.randn(T, H, P, generator=g), torch.rand(T, H, generator=g)
+    A, D = -torch.rand(H, generator=g) * 4, torch.randn(H, generator=g)
+    B, C = torch.randn(T, G, N, generator=g), torch.randn(T, G, N, generator=g)
+    has = torch.tensor([True, False, True])
+    qsl = torch.arange(R + 1) * tokens
+    wide = state.float()
+    y_ref = native.mamba2_scan(wide, pages, has, qsl, x, dt, A, B, C, D)
+    y = native.mamba2_scan(state, pages, has, qsl, x, dt, A, B, C, D)
+    assert torch.equal(y, y_ref)
+    assert torch.equal(state[pages], wide[pages].bfloat16())
+    assert flat[:, -8:].isnan().all() and flat[[0, 2, 3]].isnan().all()
 
 
 @needs_compiler
@@ -133,6 +158,24 @@ def test_conv1d_decode_step_matches_window_sum_with_strided_rows():
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state[pages], window[:, :, 1:])
     assert flat[:, -3:].isnan().all() and flat[[0, 2, 3]].isnan().all()
+
+
+@needs_compiler
+def test_conv1d_bf16_state_and_input_is_the_float32_conv_rounded():
+    g = torch.Generator().manual_seed(3)
+    S, C, K = 3, 70, 4
+    state = torch.full((6, C, K - 1), float("nan"), dtype=torch.bfloat16)
+    pages = torch.tensor([4, 1, 5])
+    state[pages] = torch.randn(S, C, K - 1, generator=g).bfloat16()
+    x = torch.randn(7, C, generator=g).bfloat16()  # requests of 1, 4 and 2 tokens
+    weight, bias = torch.randn(C, K, generator=g).bfloat16(), torch.randn(C, generator=g)
+    has, qsl = torch.tensor([True, True, False]), torch.tensor([0, 1, 5, 7])
+    wide = state.float()
+    ref = native.conv1d(x.float(), weight.float(), bias, wide, pages, has, qsl, silu=True)
+    y = native.conv1d(x, weight, bias, state, pages, has, qsl, silu=True)
+    assert y.dtype == torch.float32 and torch.equal(y, ref)
+    assert torch.equal(state[pages], wide[pages].bfloat16())
+    assert state[[0, 2, 3]].isnan().all()
 
 
 @needs_compiler  # without the library every call declines: nothing to test

@@ -52,10 +52,10 @@ _tried = False
 _i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     # argument types in the C order; `# fmt: skip` keeps them one list per kernel
-    "hkv_mamba2_scan_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
-                            _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
-    "hkv_conv1d_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr,
-                       _ptr, _int, _ptr],
+    "hkv_mamba2_scan": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
+                        _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
+    "hkv_conv1d": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr,
+                   _ptr, _int, _ptr],
     "hkv_paged_decode_f32": [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64,
                              _f32, _ptr, _ptr],
     "hkv_rms_norm_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32],
@@ -149,6 +149,23 @@ def _is_f32_cpu(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
 
+FLOAT_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels that take both accept
+
+
+def _is_float_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype in FLOAT_DTYPES and t.device.type == "cpu" for t in tensors)
+
+
+def _is_bf16(t: torch.Tensor) -> int:
+    return int(t.dtype == torch.bfloat16)
+
+
+def _f32_rows(x: torch.Tensor) -> torch.Tensor:
+    """A 2-D tensor as float32 rows with unit column stride (a view when it already is)."""
+    x = x.float()
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def _spans(
     state_pages: torch.Tensor, has_initial_state: torch.Tensor, query_start_loc: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -178,13 +195,14 @@ def mamba2_scan(
     """The Mamba2 scan of packed requests natively (token by token, state in place); None when
     the kernels or these tensors are not supported.
 
-    ssm_state: [num_pages, H, P, N] float32 (a page-strided view; each page's [H, P, N]
-    contiguous); state_pages: [S]; has_initial_state: [S] bool; query_start_loc: [S + 1];
-    x: [T, H, P]; dt: [T, H] processed; A, D: [H]; B, C: [T, G, N] -> y [T, H, P] float32.
+    ssm_state: [num_pages, H, P, N] float32 or bfloat16 (a page-strided view; each page's
+    [H, P, N] contiguous); state_pages: [S]; has_initial_state: [S] bool; query_start_loc:
+    [S + 1]; x: [T, H, P]; dt: [T, H] processed; A, D: [H]; B, C: [T, G, N], all float32 ->
+    y [T, H, P] float32.
     """
     lib = library()
     heads, head_dim, d_state = ssm_state.shape[1:]
-    if lib is None or not _is_f32_cpu(ssm_state, x, dt, A, B, C, D):
+    if lib is None or not _is_f32_cpu(x, dt, A, B, C, D) or not _is_float_cpu(ssm_state):
         return None
     if ssm_state.stride()[1:] != (head_dim * d_state, d_state, 1):
         return None
@@ -192,11 +210,11 @@ def mamba2_scan(
     A, D = A.contiguous(), D.contiguous()
     pages, has, starts, lens = _spans(state_pages, has_initial_state, query_start_loc)
     y = torch.empty_like(x)
-    lib.hkv_mamba2_scan_f32(
-        ssm_state.data_ptr(), ssm_state.stride(0), pages.data_ptr(), has.data_ptr(),
-        starts.data_ptr(), lens.data_ptr(), pages.shape[0], heads, head_dim, d_state,
-        B.shape[1], x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(), C.data_ptr(),
-        D.data_ptr(), y.data_ptr(),
+    lib.hkv_mamba2_scan(
+        ssm_state.data_ptr(), ssm_state.stride(0), _is_bf16(ssm_state), pages.data_ptr(),
+        has.data_ptr(), starts.data_ptr(), lens.data_ptr(), pages.shape[0], heads, head_dim,
+        d_state, B.shape[1], x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(),
+        C.data_ptr(), D.data_ptr(), y.data_ptr(),
     )  # fmt: skip
     return y
 
@@ -373,26 +391,28 @@ def conv1d(
     """Causal conv1d of packed requests (prefill chunks and decode steps) natively, through silu
     when `silu` (else no activation); None when the kernels or these tensors are not supported.
 
-    x: [T, C] (rows may be strided); weight: [C, K]; bias: [C] or None; conv_state:
-    [num_pages, C, K - 1] float32 (a page-strided view, each page contiguous); state_pages,
+    x: [T, C] (rows may be strided; float32 or bfloat16, widened here); weight: [C, K]; bias:
+    [C] or None; conv_state:
+    [num_pages, C, K - 1] float32 or bfloat16 (page-strided, each page contiguous); state_pages,
     has_initial_state: [S]; query_start_loc: [S + 1] -> y [T, C] float32.
     """
     lib = library()
     tensors = (x, weight, conv_state) + (() if bias is None else (bias,))
-    if lib is None or not _is_f32_cpu(*tensors) or x.stride(-1) != 1:
+    if lib is None or not _is_float_cpu(*tensors) or x.dim() != 2:
         return None
     channels, width = weight.shape
     if width - 1 > CONV_MAX_HISTORY or conv_state.stride()[1:] != (width - 1, 1):
         return None
-    wt = weight.t().contiguous()  # [K, C]: a tap's weights contiguous across channels
-    bias = None if bias is None else bias.contiguous()
+    x = _f32_rows(x)  # bfloat16 inputs are widened here; the state stays in its dtype
+    wt = weight.t().float().contiguous()  # [K, C]: a tap's weights contiguous across channels
+    bias = None if bias is None else bias.float().contiguous()
     pages, has, starts, lens = _spans(state_pages, has_initial_state, query_start_loc)
     y = torch.empty(x.shape, dtype=torch.float32)
-    lib.hkv_conv1d_f32(
-        conv_state.data_ptr(), conv_state.stride(0), pages.data_ptr(), has.data_ptr(),
-        starts.data_ptr(), lens.data_ptr(), pages.shape[0], channels, width, x.data_ptr(),
-        x.stride(0), wt.data_ptr(), None if bias is None else bias.data_ptr(), int(silu),
-        y.data_ptr(),
+    lib.hkv_conv1d(
+        conv_state.data_ptr(), conv_state.stride(0), _is_bf16(conv_state), pages.data_ptr(),
+        has.data_ptr(), starts.data_ptr(), lens.data_ptr(), pages.shape[0], channels, width,
+        x.data_ptr(), x.stride(0), wt.data_ptr(), None if bias is None else bias.data_ptr(),
+        int(silu), y.data_ptr(),
     )  # fmt: skip
     return y
 

@@ -43,6 +43,34 @@ static inline float silu(float v) {
     return (v < 0.0f ? v * z : v) / (1.0f + z);
 }
 
+/* bfloat16 <-> float32 (the top half of a float32's bits). */
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 (NaN -> the quiet NaN 0x7fc0). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* n elements from element i of a float32 (bf16 == 0) or bfloat16 (bf16 == 1) array, as
+ * float32, to out. */
+static inline void load_floats(const void *x, int bf16, int64_t i, int64_t n, float *out) {
+    if (bf16) {
+        const uint16_t *src = (const uint16_t *)x + i;
+        for (int64_t l = 0; l < n; l++) out[l] = bf16_to_f32(src[l]);
+    } else {
+        memcpy(out, (const float *)x + i, sizeof(float) * (size_t)n);
+    }
+}
+
 /* Vectors of HKV_LANES floats (GCC/Clang vector extension): one zmm register with AVX-512, one
  * ymm otherwise (wider than the hardware's vectors, GCC would lower them element by element).
  * hkv_vfu may sit at any 4-byte boundary (unaligned loads and stores). HKV_SCAN_ROWS state rows
@@ -194,26 +222,40 @@ static void scan_rows(float *s, int init, int64_t tok0, int64_t len, int64_t h, 
  * more keep the state in registers (scan_blocked; 2-4x faster on a prefill chunk with AVX-512,
  * up to 1.7x with AVX2) when P and N are multiples of 16 (8 without AVX-512); shorter ones
  * (decode) keep it in L1 (scan_rows): there the state's trip from and to memory is the cost,
- * not the arithmetic.
+ * not the arithmetic. The state is float32 or (state_bf16) bfloat16, widened per (request,
+ * head) into a float32 copy and rounded back after the span; inputs and math are float32.
  */
-void hkv_mamba2_scan_f32(float *state, int64_t page_stride, const int64_t *pages,
-                         const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
-                         int64_t R, int64_t H, int64_t P, int64_t N, int64_t G, const float *x,
-                         const float *dt, const float *A, const float *B, const float *C,
-                         const float *D, float *y) {
+void hkv_mamba2_scan(void *state, int64_t page_stride, int state_bf16, const int64_t *pages,
+                     const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
+                     int64_t R, int64_t H, int64_t P, int64_t N, int64_t G, const float *x,
+                     const float *dt, const float *A, const float *B, const float *C,
+                     const float *D, float *y) {
     const int blockable =
         P % HKV_LANES == 0 && N % HKV_SCAN_ROWS == 0 && P * N <= HKV_SCAN_MAX_STATE;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
     for (int64_t r = 0; r < R; r++) {
         for (int64_t h = 0; h < H; h++) {
             if (lens[r] == 0) continue;
-            float *s = state + pages[r] * page_stride + h * P * N;
+            const int64_t at = pages[r] * page_stride + h * P * N, size = P * N;
+            /* a bfloat16 state is widened into a float32 copy, scanned, rounded back */
+            float local[HKV_SCAN_MAX_STATE] __attribute__((aligned(64)));
+            float *s = (float *)state + at;
+            if (state_bf16) {
+                s = size <= HKV_SCAN_MAX_STATE ? local : malloc(sizeof(float) * (size_t)size);
+                if (s == NULL) continue;
+                if (has_initial[r]) load_floats(state, 1, at, size, s);
+            }
             if (blockable && lens[r] >= HKV_SCAN_LONG)
                 scan_blocked(s, has_initial[r], starts[r], lens[r], h, H, P, N, G, x, dt, A[h],
                              B, C, D[h], y);
             else
                 scan_rows(s, has_initial[r], starts[r], lens[r], h, H, P, N, G, x, dt, A[h], B,
                           C, D[h], y);
+            if (state_bf16) {
+                uint16_t *page = (uint16_t *)state + at;
+                for (int64_t i = 0; i < size; i++) page[i] = f32_to_bf16(s[i]);
+                if (s != local) free(s);
+            }
         }
     }
 }
@@ -305,14 +347,15 @@ void hkv_paged_decode_f32(const float *q, const float *cache, int64_t kbs, int64
  * A request without an initial state (has_initial[r] == 0) starts from zero columns (its page is
  * never read: it may hold NaN bit patterns). After its tokens, its page holds its last K - 1
  * inputs (old columns shifted in when it had fewer than K - 1 tokens); lens[r] == 0 leaves the
- * page untouched. One task per (request, block of 64 channels), vectorised across channels,
- * reading each input row in place (no shifting window: 2.6x faster on a prefill chunk);
- * guided scheduling, as a decode step has thousands of tiny tasks (dynamic, 1 was 1.7x slower).
+ * page untouched. The state is float32 or (state_bf16) bfloat16; x, weights and math are
+ * float32. One task per (request, block of 64 channels), vectorised across channels, reading
+ * each input row in place (no shifting window: 2.6x faster on a prefill chunk); guided
+ * scheduling, as a decode step has thousands of tiny tasks (dynamic, 1 was 1.7x slower).
  */
-void hkv_conv1d_f32(float *state, int64_t page_stride, const int64_t *pages,
-                    const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
-                    int64_t R, int64_t C, int64_t K, const float *x, int64_t x_stride,
-                    const float *wt, const float *bias, int act_silu, float *y) {
+void hkv_conv1d(void *state, int64_t page_stride, int state_bf16, const int64_t *pages,
+                const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
+                int64_t R, int64_t C, int64_t K, const float *x, int64_t x_stride,
+                const float *wt, const float *bias, int act_silu, float *y) {
     const int64_t hist_len = K - 1, blocks = (C + HKV_CONV_CHANNELS - 1) / HKV_CONV_CHANNELS;
 #pragma omp parallel for collapse(2) schedule(guided)
     for (int64_t r = 0; r < R; r++) {
@@ -320,13 +363,17 @@ void hkv_conv1d_f32(float *state, int64_t page_stride, const int64_t *pages,
             if (lens[r] == 0) continue;
             const int64_t c0 = blk * HKV_CONV_CHANNELS;
             const int64_t nc = C - c0 < HKV_CONV_CHANNELS ? C - c0 : HKV_CONV_CHANNELS;
-            float *s = state + pages[r] * page_stride;
+            const int64_t page = pages[r] * page_stride;
             const int64_t first = starts[r], len = lens[r];
             /* hist[j][c]: the input hist_len - j steps before the first token, oldest first */
             float hist[HKV_CONV_MAX_HISTORY][HKV_CONV_CHANNELS];
             for (int64_t j = 0; j < hist_len; j++)
-                for (int64_t c = 0; c < nc; c++)
-                    hist[j][c] = has_initial[r] ? s[(c0 + c) * hist_len + j] : 0.0f;
+                for (int64_t c = 0; c < nc; c++) {
+                    const int64_t at = page + (c0 + c) * hist_len + j;
+                    hist[j][c] = !has_initial[r] ? 0.0f
+                                 : state_bf16    ? bf16_to_f32(((const uint16_t *)state)[at])
+                                                 : ((const float *)state)[at];
+                }
             /* input i of the request (i < 0: from the old state), 64 channels from c0 */
 #define HKV_CONV_INPUT(i) ((i) >= 0 ? x + (first + (i)) * x_stride + c0 : hist[hist_len + (i)])
             for (int64_t i = 0; i < len; i++) {
@@ -345,7 +392,13 @@ void hkv_conv1d_f32(float *state, int64_t page_stride, const int64_t *pages,
             /* the new state: the last K - 1 inputs (old columns when len < K - 1) */
             for (int64_t j = 0; j < hist_len; j++) {
                 const float *in = HKV_CONV_INPUT(len - hist_len + j);
-                for (int64_t c = 0; c < nc; c++) s[(c0 + c) * hist_len + j] = in[c];
+                for (int64_t c = 0; c < nc; c++) {
+                    const int64_t at = page + (c0 + c) * hist_len + j;
+                    if (state_bf16)
+                        ((uint16_t *)state)[at] = f32_to_bf16(in[c]);
+                    else
+                        ((float *)state)[at] = in[c];
+                }
             }
 #undef HKV_CONV_INPUT
         }
@@ -388,33 +441,6 @@ void hkv_conv1d_f32(float *state, int64_t page_stride, const int64_t *pages,
 #define HKV_GDN_MIN_LOG_DECAY -80.0f /* as ops.mamba2._MIN_LOG_DECAY: no denormal decays */
 #define HKV_GDN_AHEAD 4 /* tokens ahead whose rows are prefetched */
 #define HKV_INLINE static inline __attribute__((always_inline))
-
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch's float -> bfloat16 (NaN -> the quiet NaN 0x7fc0). */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-/* n elements from element i of a float32 (bf16 == 0) or bfloat16 (bf16 == 1) array, as
- * float32, to out. */
-static inline void load_floats(const void *x, int bf16, int64_t i, int64_t n, float *out) {
-    if (bf16) {
-        const uint16_t *src = (const uint16_t *)x + i;
-        for (int64_t l = 0; l < n; l++) out[l] = bf16_to_f32(src[l]);
-    } else {
-        memcpy(out, (const float *)x + i, sizeof(float) * (size_t)n);
-    }
-}
 
 /* Elements i .. i + n - 1 (1 <= n <= HKV_LANES) of such an array in a vector, zeros after. */
 static inline hkv_vf load_lanes(const void *x, int bf16, int64_t i, int64_t n) {
