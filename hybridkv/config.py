@@ -152,3 +152,26 @@ class SchedulerConfig:
         _positive_or_none("max_num_seqs", self.max_num_seqs)
         _positive_or_none("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_or_none("max_model_len", self.max_model_len)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many processes share the model (`hybridkv.distributed`).
+
+    - `tensor_parallel_size`: ranks the model is sharded over (attention and state heads,
+      MLP/expert intermediate sizes, vocabulary); `LLM(...)` and `serve` start the other ranks'
+      processes themselves, or join a `torchrun` launch (env:// rendezvous).
+    - `distributed_timeout_s`: how long a collective waits for a rank before the engine gives
+      up with an error (a dead or hung rank never hangs the run).
+    """
+
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+        timeout = self.distributed_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ValueError(f"distributed_timeout_s must be a number > 0, got {timeout!r}")

@@ -26,16 +26,32 @@ import itertools
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hybridkv.config import CacheConfig, SchedulerConfig, check_bools, split_kwargs
+from hybridkv.config import (
+    CacheConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    check_bools,
+    split_kwargs,
+)
 from hybridkv.core.coordinator import CacheManager
 from hybridkv.core.request import Request
 from hybridkv.core.scheduler import Scheduler
+from hybridkv.distributed.parallel import SINGLE, building
+from hybridkv.distributed.runtime import (
+    DriverRunner,
+    TensorParallelError,
+    agree_on_plan,
+    check_architecture,
+    serve_steps,
+)
+from hybridkv.distributed.runtime import start as start_group
 from hybridkv.dtypes import canonical_dtype, torch_dtype
 from hybridkv.kv.plan import MemoryPlan, PlanTarget, make_plan
 from hybridkv.kv.presets import load_model_config
@@ -215,7 +231,10 @@ def _check_runnable(plan: MemoryPlan) -> None:
 
 class Engine:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        mkw, ckw, skw = split_kwargs(kwargs, ModelConfig, CacheConfig, SchedulerConfig)
+        mkw, ckw, skw, pkw = split_kwargs(
+            kwargs, ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig
+        )
+        self.parallel_config = ParallelConfig(**pkw)
         self.model_config = ModelConfig(model=model, **mkw)
         folder = self.model_config.folder
         if not (folder / "config.json").is_file():
@@ -226,6 +245,8 @@ class Engine:
         hf_config = load_model_config(folder)
         self.architecture = architecture_of(hf_config)
         cls = model_class(self.architecture)
+        tp_size = self.parallel_config.tensor_parallel_size
+        check_architecture(self.architecture, tp_size)
         family = cls.config_class.from_hf(text_config(hf_config))  # the one reading
         rt = resolve_runtime(self.model_config, CacheConfig(**ckw), skw, hf_config, family)
         self.runtime = rt
@@ -237,23 +258,38 @@ class Engine:
             keep_freed_memory()
         self.tokenizer = load_tokenizer(folder)  # None: token-id mode (no tokenizer.json)
 
-        with torch.device("meta"):
+        # tensor parallel: join (rank 0: start) the group; every rank builds its shard
+        self.group = None if tp_size == 1 else start_group(
+            tp_size, self.parallel_config.distributed_timeout_s, self.device.type, model, kwargs
+        )  # fmt: skip
+        self.tp = SINGLE if self.group is None else self.group.tp
+        with building(self.tp), torch.device("meta"):
             meta_model = cls(family)
         layers = meta_model.cache_layers(rt.cache_dtypes)
-        self.plan = make_plan(layers, self.cache_config, self.architecture, rt.plan_target())
+        plan = make_plan(layers, self.cache_config, self.architecture, rt.plan_target())
+        plan = dataclasses.replace(plan, tensor_parallel_size=tp_size)
+        self.plan = agree_on_plan(plan, self.tp)  # before any cache memory is allocated
         _check_runnable(self.plan)
         self._fit_max_model_len()
         self.model = self._load_weights(meta_model, folder)
-
-        self.cache = CacheManager(self.plan, self.cache_config)
-        self.scheduler = Scheduler(self.cache, self.scheduler_config)
-        self.runner = ModelRunner(
+        runner = ModelRunner(
             self.model,
             self.plan,
             self.scheduler_config.max_num_seqs,
             self.device,
             self.model_config.seed,
+            driver=self.tp.rank == 0,
         )
+        if self.group is not None and self.tp.rank != 0:
+            self._serve_as_worker(runner)  # returns only by SystemExit
+        self.runner: Any = runner
+        if self.group is not None:
+            timeout = self.parallel_config.distributed_timeout_s
+            self.runner = DriverRunner(runner, self.group, timeout)
+            weakref.finalize(self, self.runner.shutdown)
+
+        self.cache = CacheManager(self.plan, self.cache_config)
+        self.scheduler = Scheduler(self.cache, self.scheduler_config)
         self.eos_token_ids = eos_token_ids(text_config(hf_config), generation_config(folder))
         self.vocab_size = family.vocab_size
         self.requests: dict[str, Request] = {}
@@ -262,6 +298,23 @@ class Engine:
             self.cpu_share.settle()  # from what other programs did while the engine started
 
     # -- set-up --------------------------------------------------------------------------------
+
+    def _serve_as_worker(self, runner: ModelRunner) -> None:
+        """Ranks 1..N-1: run the steps rank 0 broadcasts until it stops, then end the process
+        (a torchrun launch's other ranks never run the command that built the engine)."""
+        assert self.group is not None
+        code = 0
+        try:
+            serve_steps(runner, self.group)
+        except Exception as exc:
+            logger.error("tensor-parallel rank %d stops: %r", self.tp.rank, exc)
+            code = 1
+        raise SystemExit(code)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do for a single process)."""
+        if isinstance(self.runner, DriverRunner):
+            self.runner.shutdown()
 
     def _fit_max_model_len(self) -> None:
         """A pool that cannot hold one request of max_model_len lowers max_model_len to what
@@ -288,7 +341,8 @@ class Engine:
 
     def _load_weights(self, model: CausalLM, folder: Path) -> CausalLM:
         model.materialise(self.device, torch_dtype(self.dtype))
-        model.load_weights(iter_weights(folder))
+        # tensor parallel: each rank reads only its slices of the safetensors files
+        model.load_weights(iter_weights(folder, lazy=self.tp.size > 1))
         if self.device.type == "cpu" and self.model_config.prepack:
             prepack_linears(model)
         return model.eval()
@@ -397,6 +451,8 @@ class Engine:
         stepped = [r for c in out.chunks if (r := self.requests.get(c.request_id)) is not None]
         try:
             samples = self.runner.execute(out)
+        except TensorParallelError:
+            raise  # a rank died or hung: fatal, not one step's failure
         except Exception as exc:
             self.runner.release(out.preempted, finished=False)
             return self._fail(stepped, f"the step running this request failed: {exc!r}")

@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from hybridkv.config import CacheConfig
+from hybridkv.config import CacheConfig, ParallelConfig
 from hybridkv.dtypes import parse_bytes
 
 EXIT_USAGE = 2
@@ -33,7 +33,12 @@ def _layer_list(layer_ids: Sequence[int]) -> str:
 
 def format_plan(plan, model: str) -> str:  # plan: MemoryPlan
     lines = [
-        f"memory plan for {model} ({plan.architecture}) on {plan.platform}",
+        f"memory plan for {model} ({plan.architecture}) on {plan.platform}"
+        + (
+            f", per rank of tensor_parallel_size {plan.tensor_parallel_size}"
+            if plan.tensor_parallel_size > 1
+            else ""
+        ),
         f"  page_tokens         {plan.page_tokens}"
         + ("" if plan.attention_groups else " (no attention: the prefix-hash block only)"),
         f"  page_bytes          {plan.page_bytes:,} ({_human_bytes(plan.page_bytes)})",
@@ -137,6 +142,12 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--state-dtype", default="auto")
     p.add_argument("--ssm-state-dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="plan one rank of this many (per-rank heads: the page size changes with it)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
 
@@ -164,7 +175,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model = args.model or str(DEFAULT_MODEL)
     name = args.model or "the built-in default model"
     dtype = None if args.dtype is None else canonical_dtype(args.dtype)
-    plan = plan_for_config(load_model_config(model), cache, args.max_model_len, dtype)
+    ParallelConfig(tensor_parallel_size=args.tensor_parallel_size)  # one-line errors
+    plan = plan_for_config(
+        load_model_config(model), cache, args.max_model_len, dtype, args.tensor_parallel_size
+    )
     if args.json:
         print(json.dumps({"model": name, **plan.to_json()}, indent=2))
     else:

@@ -26,6 +26,7 @@ in whole units.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -144,6 +145,7 @@ class MemoryPlan:
     max_model_len: int
     context: PlanContext = DEFAULT_CONTEXT
     allocation: str = "block"
+    tensor_parallel_size: int = 1  # the plan is one rank's: its specs are per-rank shards
 
     @property
     def is_hybrid(self) -> bool:
@@ -246,6 +248,7 @@ class MemoryPlan:
             "attention_token_capacity": self.attention_token_capacity,
             "max_model_len": self.max_model_len,
             "allocation": self.allocation,
+            "tensor_parallel_size": self.tensor_parallel_size,
             "hash_block_tokens": self.hash_block_tokens,
             "hit_tokens": self.hit_tokens,
             "groups": [
@@ -639,15 +642,23 @@ def make_plan(
     )
 
 
-def cache_layers_for_config(config: dict[str, Any], dtypes: CacheDtypes) -> list[CacheLayer]:
-    """A model's cache layers: declared by the model itself (built on the meta device) for the
-    families hybridkv runs, read from the config for the plan-only ones."""
+def cache_layers_for_config(
+    config: dict[str, Any], dtypes: CacheDtypes, tensor_parallel_size: int = 1
+) -> list[CacheLayer]:
+    """A model's cache layers: declared by the model itself (built on the meta device, for one
+    rank of `tensor_parallel_size`) for the families hybridkv runs, read from the config for
+    the plan-only ones (single rank only)."""
     from hybridkv.models.registry import MODELS
 
     if architecture_of(config) in MODELS:
         from hybridkv.models.registry import declared_cache_layers
 
-        return declared_cache_layers(config, dtypes)
+        return declared_cache_layers(config, dtypes, tensor_parallel_size)
+    if tensor_parallel_size != 1:
+        raise ValueError(
+            f"{architecture_of(config)} is planned from its config only (hybridkv does not run "
+            "it), so it has no per-rank plan; give tensor_parallel_size 1"
+        )
     return read_layers(config, dtypes)
 
 
@@ -656,13 +667,16 @@ def plan_for_config(
     cache: CacheConfig,
     max_model_len: int | None = None,
     compute_dtype: str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> MemoryPlan:
-    """Plan the cache of a Hugging Face config dict (`hybridkv plan`, benchmarks)."""
+    """Plan the cache of a Hugging Face config dict (`hybridkv plan`, benchmarks): one rank's
+    plan at `tensor_parallel_size` (every rank's is the same)."""
     dtypes = resolve_cache_dtypes(
         config, cache.kv_cache_dtype, cache.state_dtype, cache.ssm_state_dtype
     )
-    layers = cache_layers_for_config(config, dtypes)
+    layers = cache_layers_for_config(config, dtypes, tensor_parallel_size)
     if max_model_len is None:
         max_model_len = int(text_config(config).get("max_position_embeddings") or 4096)
     target = PlanTarget(max_model_len, compute_dtype=compute_dtype or model_dtype(config))
-    return make_plan(layers, cache, architecture_of(config), target)
+    plan = make_plan(layers, cache, architecture_of(config), target)
+    return dataclasses.replace(plan, tensor_parallel_size=tensor_parallel_size)

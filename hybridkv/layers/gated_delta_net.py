@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridkv.distributed.parallel import current, declare_shards, explicit
 from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
 from hybridkv.layers.cache import CacheOwner, StateCache
 from hybridkv.layers.state_base import StateMetadata
@@ -93,6 +94,10 @@ class GatedDeltaNet(CacheOwner):
             raise ValueError(f"unknown gated delta net layout {layout!r}; known: {LAYOUTS}")
         if conv_kernel < 2:
             raise ValueError(f"linear_conv_kernel_dim must be at least 2, got {conv_kernel}")
+        # Tensor parallel: this rank's key and value heads (every size below is this rank's)
+        self.tp = tp = current()
+        num_k_heads = tp.split(num_k_heads, "linear_num_key_heads")
+        num_v_heads = tp.split(num_v_heads, "linear_num_value_heads")
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
@@ -124,6 +129,37 @@ class GatedDeltaNet(CacheOwner):
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = _NormWeight(head_v_dim)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self._declare_shards()
+
+    def _declare_shards(self) -> None:
+        """This rank's rows: heads are contiguous in every projection (Qwen3-Next's fused ones
+        are grouped by key head, so a rank's key heads are one block of rows)."""
+        tp = self.tp
+        if tp.size == 1:
+            return
+        kd, vd, hv = self.key_dim, self.value_dim, self.num_v_heads
+        full_k = kd * tp.size
+        k_rows, v_rows = explicit(tp, (tp.rank * kd, kd)), explicit(tp, (tp.rank * vd, vd))
+        heads = explicit(tp, (tp.rank * hv, hv))
+        qkv = explicit(
+            tp, (tp.rank * kd, kd), (full_k + tp.rank * kd, kd), (2 * full_k + tp.rank * vd, vd)
+        )
+        declare_shards(self.conv1d, weight=qkv)
+        declare_shards(self, dt_bias=heads, A_log=heads)
+        declare_shards(self.out_proj, weight=explicit(tp, (tp.rank * vd, vd), dim=1))
+        if self.layout == "qwen3_next":
+            fused = self.conv_dim + self.value_dim
+            declare_shards(self.in_proj_qkvz, weight=explicit(tp, (tp.rank * fused, fused)))
+            declare_shards(self.in_proj_ba, weight=explicit(tp, (tp.rank * 2 * hv, 2 * hv)))
+        elif self.layout == "olmo_hybrid":
+            for name, spec in (("q", k_rows), ("k", k_rows), ("v", v_rows), ("g", v_rows),
+                               ("b", heads), ("a", heads)):  # fmt: skip
+                declare_shards(getattr(self, f"{name}_proj"), weight=spec)
+        else:
+            declare_shards(self.in_proj_qkv, weight=qkv)
+            declare_shards(self.in_proj_z, weight=v_rows)
+            declare_shards(self.in_proj_b, weight=heads)
+            declare_shards(self.in_proj_a, weight=heads)
 
     # -- the cache it owns -------------------------------------------------------------------
 
@@ -167,9 +203,10 @@ class GatedDeltaNet(CacheOwner):
         cache = self.cache
         assert isinstance(cache, StateCache)
         meta: StateMetadata = self.step_metadata(batch)
-        return self.mix(
+        out = self.mix(
             hidden_states, cache.tensors[CONV], cache.tensors[RECURRENT], meta, cache.ops
         )
+        return self.tp.all_reduce(out)  # out_proj is row-parallel
 
     def mix(
         self,

@@ -47,11 +47,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.distributed.parallel import current, declare_shards, explicit, rank0_bias
 from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
 from hybridkv.layers.cache import CacheOwner, StateCache
 from hybridkv.layers.state_base import StateMetadata
 from hybridkv.ops import native
 from hybridkv.ops.mamba2_ops import ScanParams, TorchMamba2Ops
+from hybridkv.ops.norm import _apply_weight as apply_norm_weight
 from hybridkv.ops.norm import gated_rms_norm
 from hybridkv.worker.batch import ForwardBatch
 
@@ -131,6 +133,13 @@ class Mamba2Mixer(CacheOwner):
             raise ValueError(f"n_heads {n_heads} must be a multiple of n_groups {n_groups}")
         if d_conv < 2:
             raise ValueError(f"d_conv must be at least 2 (one state column), got {d_conv}")
+        # Tensor parallel: this rank's heads, and its groups (split, or replicated when the
+        # size exceeds them); every size below is this rank's.
+        self.tp = tp = current()
+        full_heads, full_groups = n_heads, n_groups
+        full_group_size = norm_group_size or n_heads * head_dim // n_groups
+        n_heads = tp.split(full_heads, "mamba n_heads")
+        n_groups, first_group = tp.replicated(full_groups, "mamba n_groups")
         self.hidden_size, self.n_heads, self.head_dim = hidden_size, n_heads, head_dim
         self.d_state, self.n_groups, self.d_conv = d_state, n_groups, d_conv
         self.chunk_size = chunk_size
@@ -142,7 +151,16 @@ class Mamba2Mixer(CacheOwner):
         self.activation = activation
         self.intermediate_size = n_heads * head_dim
         self.conv_dim = self.intermediate_size + 2 * n_groups * d_state
-        self.norm_group_size = norm_group_size or self.intermediate_size // n_groups
+        self.norm_group_size = full_group_size
+        # a norm group wider than this rank's channels spans ranks: its sum of squares is
+        # all-reduced (one column per group of the full layer)
+        self.norm_groups_full = full_heads * head_dim // full_group_size
+        self.norm_spans_ranks = full_group_size > self.intermediate_size
+        if self.norm_spans_ranks and full_group_size % self.intermediate_size:
+            raise ValueError(
+                f"tensor_parallel_size={tp.size}: a rank's {self.intermediate_size} mamba "
+                f"channels do not tile its norm groups of {full_group_size}"
+            )
         self.gated_norm = gated_norm
         self.norm_before_gate = norm_before_gate
         self.norm_weight_in_fp32 = norm_weight_in_fp32
@@ -164,6 +182,29 @@ class Mamba2Mixer(CacheOwner):
         # A constant, not a buffer: built on the CPU even when the model is built on the meta
         # device (a meta buffer would come back uninitialised when the model is materialised).
         self.mup_vector = None if proj_multipliers is None else self._mup_vector(proj_multipliers)
+        self._declare_shards(full_heads, full_groups, first_group)
+
+    def _declare_shards(self, full_heads: int, full_groups: int, first_group: int) -> None:
+        """Where this rank's rows come from: in_proj [z | x | B | C | dt], conv [x | B | C]."""
+        tp, n = self.tp, self.d_state
+        full_i, gn = full_heads * self.head_dim, full_groups * n
+        i_l, h_l, g_l = self.intermediate_size, self.n_heads, self.n_groups
+        r_i, r_h, r_g = tp.rank * i_l, tp.rank * h_l, first_group * n
+        rows = explicit(
+            tp, (r_i, i_l), (full_i + r_i, i_l), (2 * full_i + r_g, g_l * n),
+            (2 * full_i + gn + r_g, g_l * n), (2 * full_i + 2 * gn + r_h, h_l),
+        )  # fmt: skip
+        conv = explicit(tp, (r_i, i_l), (full_i + r_g, g_l * n), (full_i + gn + r_g, g_l * n))
+        heads = explicit(tp, (r_h, h_l))
+        in_bias, conv_bias = self.in_proj.bias is not None, self.conv1d.bias is not None
+        declare_shards(self.in_proj, weight=rows, bias=rows if in_bias else None)
+        declare_shards(self.conv1d, weight=conv, bias=conv if conv_bias else None)
+        declare_shards(self, dt_bias=heads, A_log=heads, D=heads)
+        if self.gated_norm:
+            declare_shards(self.norm, weight=explicit(tp, (r_i, i_l)))
+        declare_shards(self.out_proj, weight=explicit(tp, (r_i, i_l), dim=1))
+        if self.out_proj.bias is not None:
+            declare_shards(self.out_proj, bias=rank0_bias(tp))
 
     # -- the cache it owns -------------------------------------------------------------------
 
@@ -211,6 +252,8 @@ class Mamba2Mixer(CacheOwner):
         """Gated RMSNorm (or plain silu gating when the family has no norm). y: [T, I] fp32."""
         if not self.gated_norm:
             return y * F.silu(gate)
+        if self.norm_spans_ranks:
+            return self._spanning_norm(y, gate)
         return gated_rms_norm(
             y,
             gate,
@@ -221,14 +264,28 @@ class Mamba2Mixer(CacheOwner):
             weight_in_fp32=self.norm_weight_in_fp32,
         )
 
+    def _spanning_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The gated norm when this rank's channels are one part of a norm group that spans
+        ranks: its sum of squares is summed over ranks (one [T, groups] all-reduce).
+        y: [T, I_local] float32, gate: [T, I_local] -> [T, I_local]."""
+        if self.norm_before_gate:
+            raise ValueError("a gated norm applied before the gate cannot span ranks")
+        xf = y.float() * F.silu(gate.float())
+        group = self.tp.rank * self.intermediate_size // self.norm_group_size
+        sums = torch.zeros(y.shape[0], self.norm_groups_full, device=y.device)
+        sums[:, group] = xf.pow(2).sum(-1)
+        sums = self.tp.all_reduce(sums)
+        x_hat = xf * torch.rsqrt(sums[:, group, None] / self.norm_group_size + self.norm_eps)
+        return apply_norm_weight(x_hat, self.norm.weight, y.dtype, self.norm_weight_in_fp32)
+
     def forward(self, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """hidden_states: [T, hidden] -> [T, hidden], states updated in this layer's pages."""
+        """hidden_states: [T, hidden] -> [T, hidden], states updated in this layer's pages;
+        tensor parallel: out_proj is row-parallel, its output all-reduced."""
         cache = self.cache
         assert isinstance(cache, StateCache)
         meta: StateMetadata = self.step_metadata(batch)
-        return self.mix(
-            hidden_states, cache.tensors[CONV], cache.tensors[SSM], meta, cache.ops
-        )
+        out = self.mix(hidden_states, cache.tensors[CONV], cache.tensors[SSM], meta, cache.ops)
+        return self.tp.all_reduce(out)
 
     def mix(
         self,

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.distributed.parallel import column, current, declare_shards, rank0_bias
 from hybridkv.ops import native
 from hybridkv.ops.norm import add_rms_norm, rms_norm
 
@@ -37,28 +38,45 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class FusedGateUpMLP(nn.Module):
-    """SwiGLU with one fused [gate | up] projection (GraniteMoeHybrid's `shared_mlp`)."""
+    """SwiGLU with one fused [gate | up] projection (GraniteMoeHybrid's `shared_mlp`).
+    Tensor parallel: each rank keeps its slice of the intermediate size (of gate and of up);
+    `reduce=False` leaves the all-reduce of the partial output to the caller."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
+        self.tp = tp = current()
+        full = intermediate_size
+        intermediate_size = tp.split(full, "shared_intermediate_size")
         self.input_linear = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.output_linear = nn.Linear(intermediate_size, hidden_size, bias=False)
+        declare_shards(self.input_linear, weight=column(tp, (0, full), (full, full)))
+        declare_shards(self.output_linear, weight=column(tp, (0, full), dim=1))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output_linear(silu_and_mul(self.input_linear(x)))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        out = self.output_linear(silu_and_mul(self.input_linear(x)))
+        return self.tp.all_reduce(out) if reduce else out
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU with separate gate / up / down projections (Llama, Qwen3, Bamba)."""
+    """SwiGLU with separate gate / up / down projections (Llama, Qwen3, Bamba). Tensor
+    parallel: gate/up column-parallel, down row-parallel (its output all-reduced)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
+        self.tp = tp = current()
+        full = intermediate_size
+        intermediate_size = tp.split(full, "intermediate_size")
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        spec = column(tp, (0, full))
+        for proj in (self.gate_proj, self.up_proj):
+            declare_shards(proj, weight=spec, bias=spec if bias else None)
+        declare_shards(self.down_proj, weight=column(tp, (0, full), dim=1))
+        declare_shards(self.down_proj, bias=rank0_bias(tp) if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class _Router(nn.Module):
@@ -83,13 +101,20 @@ class GraniteMoE(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int):
         super().__init__()
+        self.tp = tp = current()
+        full = intermediate_size
+        intermediate_size = tp.split(full, "intermediate_size")  # every expert's slice
         self.top_k = top_k
         self.num_experts = num_experts
         self.router = _Router(hidden_size, num_experts)
         self.input_linear = _ExpertWeights(num_experts, 2 * intermediate_size, hidden_size)
         self.output_linear = _ExpertWeights(num_experts, hidden_size, intermediate_size)
+        declare_shards(self.input_linear, weight=column(tp, (0, full), (full, full), dim=1))
+        declare_shards(self.output_linear, weight=column(tp, (0, full), dim=2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]; tensor parallel: this rank's partial sum (the caller
+        all-reduces it)."""
         # x: [T, hidden]; logits: [T, experts] (routing in float32, as the reference does)
         logits = self.router.layer(x).float()
         top_logits, top_idx = logits.topk(self.top_k, dim=-1)  # [T, k]

@@ -17,6 +17,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from hybridkv.distributed.layers import vocab_embedding, vocab_head
 from hybridkv.layers.attention.self_attention import CosSin
 from hybridkv.layers.mlp import GatedMLP, RMSNorm
 from hybridkv.layers.rotary import RotaryEmbedding
@@ -107,7 +108,7 @@ class BambaModel(nn.Module):
     def __init__(self, cfg: BambaConfig) -> None:
         super().__init__()
         hidden = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, hidden)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, hidden)
         self.layers = nn.ModuleList(
             BambaDecoderLayer(cfg, i, kind) for i, kind in enumerate(cfg.layers)
         )
@@ -120,7 +121,7 @@ class BambaForCausalLM(CausalLM):
     def __init__(self, config: BambaConfig) -> None:
         super().__init__(config)
         self.model = BambaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = vocab_head(config.hidden_size, config.vocab_size)
         self.rotary = None
         if "attention" in config.layers:
             self.rotary = RotaryEmbedding(config.head_dim, config.rope, config.rotary_factor)

@@ -17,6 +17,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from hybridkv.distributed.parallel import read_full, read_shard, shard_specs
 from hybridkv.kv.specs import CacheDtypes, CacheLayer
 from hybridkv.layers.cache import CacheOwner, LayerCache
 from hybridkv.models.hf_config import HFConfig
@@ -69,14 +70,22 @@ class CausalLM(nn.Module):
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Weights by checkpoint name: full tensors, or safetensors slices (`iter_weights(...,
+        lazy=True)`); a tensor-parallel shard takes only its declared rows of each."""
         params = dict(self.named_parameters())
         params.update(dict(self.named_buffers()))
+        shards = shard_specs(self)
         loaded: set[str] = set()
-        for ckpt_name, tensor in weights:
+        for ckpt_name, source in weights:
             name = self.map_weight_name(ckpt_name)
             if name is None or name not in params:
                 continue
             target = params[name]
+            spec = shards.get(name)
+            if spec is not None:
+                tensor = read_shard(source, spec, target.shape)
+            else:
+                tensor = read_full(source)
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}, the model "

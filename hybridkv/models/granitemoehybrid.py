@@ -17,6 +17,8 @@ import math
 import torch
 from torch import nn
 
+from hybridkv.distributed.layers import vocab_embedding, vocab_head
+from hybridkv.distributed.parallel import current
 from hybridkv.layers.attention.self_attention import SelfAttention
 from hybridkv.layers.mamba2 import Mamba2Mixer
 from hybridkv.layers.mlp import FusedGateUpMLP, GraniteMoE, RMSNorm
@@ -152,6 +154,7 @@ class GraniteDecoderLayer(nn.Module):
             if cfg.num_local_experts > 0 else None
         )  # fmt: skip
         self.shared_mlp = FusedGateUpMLP(hidden, cfg.shared_intermediate_size)
+        self.tp = current()
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rotary, cos_sin) -> torch.Tensor:
         h = self.input_layernorm(x)
@@ -160,9 +163,10 @@ class GraniteDecoderLayer(nn.Module):
         else:
             h = self.self_attn(h, batch, rotary, cos_sin)
         x, h = self.post_attention_layernorm.add_forward(x, h, self.residual_multiplier)
-        out = self.shared_mlp(h)
+        out = self.shared_mlp(h, reduce=False)  # tensor parallel: partial sums, reduced once
         if self.block_sparse_moe is not None:
             out = self.block_sparse_moe(h) + out
+        out = self.tp.all_reduce(out)
         if self.residual_multiplier == 1.0:
             return x + out
         return x + out * self.residual_multiplier
@@ -172,7 +176,7 @@ class GraniteModel(nn.Module):
     def __init__(self, cfg: GraniteMoeHybridConfig) -> None:
         super().__init__()
         hidden = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, hidden)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, hidden)
         self.layers = nn.ModuleList(
             GraniteDecoderLayer(cfg, i, kind) for i, kind in enumerate(cfg.layers)
         )
@@ -185,7 +189,7 @@ class GraniteMoeHybridForCausalLM(CausalLM):
     def __init__(self, config: GraniteMoeHybridConfig) -> None:
         super().__init__(config)
         self.model = GraniteModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = vocab_head(config.hidden_size, config.vocab_size)
         self.embedding_multiplier = float(config.embedding_multiplier)
         self.logits_scaling = float(config.logits_scaling)
         self.rotary = None

@@ -18,6 +18,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from hybridkv.distributed.layers import vocab_embedding, vocab_head
 from hybridkv.layers.attention.self_attention import CosSin, SelfAttention
 from hybridkv.layers.mlp import GatedMLP, RMSNorm
 from hybridkv.layers.rotary import RotaryEmbedding
@@ -160,7 +161,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         hidden = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, hidden)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, hidden)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)
         )
@@ -175,7 +176,7 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__(config)
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = vocab_head(config.hidden_size, config.vocab_size)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

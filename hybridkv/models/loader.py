@@ -34,13 +34,16 @@ def checkpoint_files(folder: Path) -> list[Path]:
     raise ValueError(f"{folder} holds no model weights (model.safetensors or a sharded index)")
 
 
-def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(folder: Path, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) of every checkpoint tensor. `lazy`: (name, safetensors slice) instead,
+    read by the consumer before the next item (a tensor-parallel rank reads only its rows:
+    `hybridkv.distributed.parallel.read_shard`)."""
     from safetensors import safe_open
 
     for path in checkpoint_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                yield name, (f.get_slice(name) if lazy else f.get_tensor(name))
 
 
 def generation_config(folder: Path) -> dict[str, Any]:

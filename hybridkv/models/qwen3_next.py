@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.distributed.layers import vocab_embedding, vocab_head
+from hybridkv.distributed.parallel import column, current, declare_shards, explicit, rank0_bias
 from hybridkv.layers.attention.layer import PagedAttention
 from hybridkv.layers.attention.self_attention import CosSin
 from hybridkv.layers.gated_delta_net import GatedDeltaNet
@@ -203,7 +205,10 @@ class GatedAttention(nn.Module):
     def __init__(self, cfg: Qwen3NextConfig, index: int) -> None:
         super().__init__()
         hidden, hd = cfg.hidden_size, cfg.head_dim
-        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        # tensor parallel: this rank's heads; KV heads split, or one replicated per rank
+        self.tp = tp = current()
+        self.heads = tp.split(cfg.num_attention_heads, "num_attention_heads")
+        self.kv_heads, first_kv = tp.replicated(cfg.num_key_value_heads, "num_key_value_heads")
         self.head_dim = hd
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(hidden, self.heads * hd * 2, bias=bias)
@@ -213,6 +218,13 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(hd, cfg.rms_norm_eps)
         self.attn = PagedAttention(index, self.heads, self.kv_heads, hd, hd**-0.5)
+        q_rows = explicit(tp, (tp.rank * self.heads * 2 * hd, self.heads * 2 * hd))
+        kv_rows = explicit(tp, (first_kv * hd, self.kv_heads * hd))
+        for proj, spec in ((self.q_proj, q_rows), (self.k_proj, kv_rows), (self.v_proj, kv_rows)):
+            declare_shards(proj, weight=spec, bias=spec if bias else None)
+        o_cols = explicit(tp, (tp.rank * self.heads * hd, self.heads * hd), dim=1)
+        declare_shards(self.o_proj, weight=o_cols)
+        declare_shards(self.o_proj, bias=rank0_bias(tp) if bias else None)
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, rotary: RotaryEmbedding, cos_sin: CosSin
@@ -226,7 +238,7 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         q, k = rotary(q, k, *cos_sin)
         out = self.attn(q, k, v, batch)  # [T, heads * head_dim]
-        return self.o_proj(out * torch.sigmoid(gate.reshape(t, -1)))
+        return self.tp.all_reduce(self.o_proj(out * torch.sigmoid(gate.reshape(t, -1))))
 
 
 class Experts(nn.Module):
@@ -234,9 +246,15 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
+        tp, full = current(), intermediate
+        intermediate = tp.split(full, "moe_intermediate_size")  # every expert's slice
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        declare_shards(
+            self, gate_up_proj=column(tp, (0, full), (full, full), dim=1),
+            down_proj=column(tp, (0, full), dim=2),
+        )  # fmt: skip
 
     def forward(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
@@ -273,6 +291,7 @@ class SparseMoe(nn.Module):
         self.experts = Experts(cfg.num_experts, hidden, cfg.moe_intermediate_size)
         self.shared_expert = GatedMLP(hidden, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.tp = current()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # router in float32, as transformers does; weights back in the model dtype
@@ -280,7 +299,7 @@ class SparseMoe(nn.Module):
         top, experts = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             top = top / top.sum(dim=-1, keepdim=True)
-        out = self.experts(x, experts, top.to(x.dtype))
+        out = self.tp.all_reduce(self.experts(x, experts, top.to(x.dtype)))  # partial sums
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out + shared
 
@@ -315,7 +334,7 @@ class Qwen3NextDecoderLayer(nn.Module):
 class Qwen3NextModel(nn.Module):
     def __init__(self, cfg: Qwen3NextConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             Qwen3NextDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)
         )
@@ -328,7 +347,7 @@ class Qwen3NextForCausalLM(CausalLM):
     def __init__(self, config: Qwen3NextConfig) -> None:
         super().__init__(config)
         self.model = Qwen3NextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = vocab_head(config.hidden_size, config.vocab_size)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope, config.rotary_factor)
         self._skipped: dict[str, int] = {}
 

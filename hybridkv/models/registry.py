@@ -56,18 +56,21 @@ def family_config(config: dict[str, Any]) -> HFConfig:
     return model_class(architecture_of(config)).config_class.from_hf(text_config(config))
 
 
-def build_on_meta(config: dict[str, Any]) -> CausalLM:
+def build_on_meta(config: dict[str, Any], tensor_parallel_size: int = 1) -> CausalLM:
     """The model a Hugging Face config dict describes, built on the meta device (no memory for
-    weights)."""
+    weights); at `tensor_parallel_size` > 1, rank 0's shard (every rank declares the same)."""
     import torch
 
+    from hybridkv.distributed.parallel import TensorParallel, building
     from hybridkv.kv.specs import architecture_of
 
     typed = family_config(config)
-    with torch.device("meta"):
+    with building(TensorParallel(tensor_parallel_size)), torch.device("meta"):
         return model_class(architecture_of(config))(typed)
 
 
-def declared_cache_layers(config: dict[str, Any], dtypes: CacheDtypes) -> list[CacheLayer]:
-    """The cache layers a runnable model declares (what `hybridkv plan` plans for it)."""
-    return build_on_meta(config).cache_layers(dtypes)
+def declared_cache_layers(
+    config: dict[str, Any], dtypes: CacheDtypes, tensor_parallel_size: int = 1
+) -> list[CacheLayer]:
+    """The cache layers a runnable model declares, per rank (what `hybridkv plan` plans)."""
+    return build_on_meta(config, tensor_parallel_size).cache_layers(dtypes)

@@ -60,8 +60,12 @@ class ModelRunner:
         max_num_seqs: int,
         device: torch.device,
         seed: int = 0,
+        driver: bool = True,
     ) -> None:
+        """`driver`: this runner samples (rank 0 of a tensor-parallel group, or the only one);
+        the other ranks run their shard of the forward and of the logits, and sample nothing."""
         self.model = model
+        self.driver = driver
         self.plan = plan
         self.device = device
         self.buffers = CacheBuffers(plan, device)
@@ -221,6 +225,9 @@ class ModelRunner:
         samples: list[Sample] = []
         if samplers:
             logits = self.model.compute_logits(hidden[batch.logits_indices])
+            if not self.driver:  # its part of the logits went to rank 0 (which samples)
+                self._copy_states([op for c in out.chunks for op in c.allocation.snapshots])
+                return {}
             params = [p for _, p in samplers]
             gens = [self._generator(rid, p.seed) for rid, p in samplers]
             samples = self.sampler(logits, params, gens)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridkv.distributed.parallel import column, current, declare_shards, explicit, rank0_bias
 from hybridkv.layers.attention.layer import PagedAttention
 from hybridkv.layers.mlp import RMSNorm
 from hybridkv.layers.rotary import RotaryEmbedding
@@ -30,8 +31,20 @@ class SelfAttention(nn.Module):
     ) -> None:
         """`scale` defaults to 1/sqrt(head_dim); `qk_norm_eps` set adds q_norm / k_norm
         (RMSNorm over each head, before RoPE); `sinks` adds the per-head softmax-denominator
-        logits `sinks` [num_heads] (gpt-oss), passed to the kernels like the window."""
+        logits `sinks` [num_heads] (gpt-oss), passed to the kernels like the window.
+
+        Under tensor parallelism (`hybridkv.distributed`) each rank keeps num_heads / size
+        query heads and its KV heads (split, or one replicated when the size exceeds them);
+        o_proj is row-parallel and its output all-reduced."""
         super().__init__()
+        self.tp = tp = current()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        full_heads, full_kv = num_heads, num_kv_heads
+        num_heads = tp.split(full_heads, "num_attention_heads")
+        num_kv_heads, first_kv = tp.replicated(full_kv, "num_key_value_heads")
         self.heads, self.kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
         self.q_proj = nn.Linear(hidden_size, q_out, bias=bias)
@@ -42,6 +55,14 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
+        q_spec = column(tp, (0, full_heads * head_dim))
+        kv_spec = explicit(tp, (first_kv * head_dim, kv_out))
+        declare_shards(self.q_proj, weight=q_spec, bias=q_spec if bias else None)
+        declare_shards(self.k_proj, weight=kv_spec, bias=kv_spec if bias else None)
+        declare_shards(self.v_proj, weight=kv_spec, bias=kv_spec if bias else None)
+        declare_shards(self.o_proj, weight=column(tp, (0, full_heads * head_dim), dim=1))
+        declare_shards(self.o_proj, bias=rank0_bias(tp) if bias else None)
+        declare_shards(self, sinks=column(tp, (0, full_heads)) if sinks else None)
         scale = head_dim**-0.5 if scale is None else scale
         self.attn = PagedAttention(
             layer_index, num_heads, num_kv_heads, head_dim, scale, sliding_window
@@ -65,4 +86,4 @@ class SelfAttention(nn.Module):
         if rotary is not None and cos_sin is not None:
             q, k = rotary(q, k, *cos_sin)
         out = self.attn(q, k, v, batch, sinks=self.sinks)  # [T, heads * head_dim]
-        return self.o_proj(out)
+        return self.tp.all_reduce(self.o_proj(out))

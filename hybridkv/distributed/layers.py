@@ -1,0 +1,68 @@
+"""Vocabulary-parallel embedding and lm_head (each rank holds ceil(vocab / size) rows).
+
+At size 1 `vocab_embedding` and `vocab_head` return plain `nn.Embedding` / `nn.Linear`, so the
+single-process model is unchanged (and its lm_head is pre-packed on the CPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.distributed.parallel import ShardSpec, TensorParallel, current, declare_shards
+
+
+def _vocab_rows(tp: TensorParallel, vocab: int) -> tuple[int, int]:
+    """(rows per rank, this rank's first vocabulary id)."""
+    rows = math.ceil(vocab / tp.size)
+    return rows, tp.rank * rows
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """nn.Embedding over this rank's vocabulary rows; ids outside them give zeros, and the sum
+    over ranks (one all-reduce) is the full lookup."""
+
+    def __init__(self, vocab: int, hidden: int, tp: TensorParallel) -> None:
+        rows, self.vocab_start = _vocab_rows(tp, vocab)
+        super().__init__(rows, hidden)
+        self.tp, self.full_vocab = tp, vocab
+        declare_shards(self, weight=ShardSpec(0, ((self.vocab_start, rows),), rank=tp.rank))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids: [T] -> [T, hidden]
+        local = ids - self.vocab_start
+        inside = (local >= 0) & (local < self.num_embeddings)
+        out = F.embedding(torch.where(inside, local, 0), self.weight)
+        out = torch.where(inside[:, None], out, 0)
+        return self.tp.all_reduce(out)
+
+
+class VocabParallelHead(nn.Linear):
+    """lm_head over this rank's vocabulary rows: logits [n, vocab] gathered on rank 0."""
+
+    def __init__(self, hidden: int, vocab: int, tp: TensorParallel) -> None:
+        rows, start = _vocab_rows(tp, vocab)
+        super().__init__(hidden, rows, bias=False)
+        self.tp, self.full_vocab = tp, vocab
+        declare_shards(self, weight=ShardSpec(0, ((start, rows),), rank=tp.rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [n, hidden] -> rank 0: [n, vocab]; other ranks: their [n, rows]
+        return self.tp.gather_last_dim(super().forward(x), self.full_vocab)
+
+
+def vocab_embedding(vocab: int, hidden: int) -> nn.Embedding:
+    tp = current()
+    if tp.size == 1:
+        return nn.Embedding(vocab, hidden)
+    return VocabParallelEmbedding(vocab, hidden, tp)
+
+
+def vocab_head(hidden: int, vocab: int) -> nn.Linear:
+    tp = current()
+    if tp.size == 1:
+        return nn.Linear(hidden, vocab, bias=False)
+    return VocabParallelHead(hidden, vocab, tp)
