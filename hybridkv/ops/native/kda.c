@@ -1,0 +1,151 @@
+/* Kimi delta attention (KDA, Kimi-Linear) on the CPU: the delta rule with a per-key-channel
+ * decay over packed requests, each request's state read from its page and written back once.
+ * hybridkv/ops/kda.py is the reference (and says why KDA is a state kind of its own); this
+ * file is compiled into the one native library with kernels.c and declared by
+ * hybridkv/ops/native/kda.py.
+ *
+ * Per request r and head h (one OpenMP task each), token by token, with the head's state S
+ * [K, V] in float32:
+ *     qn = q / sqrt(|q|^2 + eps) / sqrt(K),  kn = k / sqrt(|k|^2 + eps)
+ *     S[c, :] *= exp(g[c])         pred = S^T kn        (one pass over the rows)
+ *     d = beta * (v - pred)
+ *     S[c, :] += kn[c] * d         o = S^T qn           (a second pass)
+ * A float32 state is updated in its page; a bfloat16 one is widened into a work copy, run,
+ * and rounded back once at the end of the request. Inputs q, k, v are float32 or bfloat16
+ * rows at a token stride (each token's [H, D] contiguous); g [T, H, K] and beta [T, H] are
+ * float32 and contiguous; o [T, H, V] float32. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define KDA_EPS 1e-6f
+#define KDA_MIN_LOG_DECAY -80.0f /* as the reference: exp below this is far below float32 */
+
+static inline float kda_bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 (NaN -> the quiet NaN 0x7fc0). */
+static inline uint16_t kda_f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* n floats of a float32 or bfloat16 array from element i, widened into out. */
+static inline void kda_load(const void *x, int bf16, int64_t i, int64_t n, float *out) {
+    if (bf16) {
+        const uint16_t *src = (const uint16_t *)x + i;
+        for (int64_t l = 0; l < n; l++) out[l] = kda_bf16_to_f32(src[l]);
+    } else {
+        memcpy(out, (const float *)x + i, sizeof(float) * (size_t)n);
+    }
+}
+
+struct kda_inputs {
+    const void *q, *k, *v;
+    int64_t q_stride, k_stride, v_stride; /* elements between tokens */
+    int in_bf16;
+    const float *g, *beta;
+    float *o;
+    int64_t H, K, V;
+};
+
+/* x <- x / sqrt(|x|^2 + eps) * scale, n elements. */
+static void kda_normalise(float *x, int64_t n, float scale) {
+    float sq = 0.0f;
+    for (int64_t c = 0; c < n; c++) sq += x[c] * x[c];
+    const float inv = scale / sqrtf(sq + KDA_EPS);
+    for (int64_t c = 0; c < n; c++) x[c] *= inv;
+}
+
+/* One token of one head: S [K, V] float32 updated, o [V] written. work: 2K + V floats. */
+static void kda_token(float *S, const struct kda_inputs *in, int64_t t, int64_t h, float *work) {
+    const int64_t K = in->K, V = in->V;
+    float *qn = work, *kn = work + K, *d = work + 2 * K;
+    kda_load(in->q, in->in_bf16, t * in->q_stride + h * K, K, qn);
+    kda_load(in->k, in->in_bf16, t * in->k_stride + h * K, K, kn);
+    kda_normalise(qn, K, 1.0f / sqrtf((float)K));
+    kda_normalise(kn, K, 1.0f);
+    kda_load(in->v, in->in_bf16, t * in->v_stride + h * V, V, d); /* d holds v, then the delta */
+    const float *g = in->g + (t * in->H + h) * K;
+    const float beta = in->beta[t * in->H + h];
+    float *o = in->o + (t * in->H + h) * V;
+    for (int64_t c = 0; c < K; c++) { /* decay row c, subtract its prediction from v */
+        const float e = expf(fmaxf(g[c], KDA_MIN_LOG_DECAY)), kc = kn[c];
+        float *row = S + c * V;
+        for (int64_t j = 0; j < V; j++) {
+            row[j] *= e;
+            d[j] -= row[j] * kc;
+        }
+    }
+    for (int64_t j = 0; j < V; j++) {
+        d[j] *= beta;
+        o[j] = 0.0f;
+    }
+    for (int64_t c = 0; c < K; c++) { /* write the correction, read out */
+        const float kc = kn[c], qc = qn[c];
+        float *row = S + c * V;
+        for (int64_t j = 0; j < V; j++) {
+            row[j] += kc * d[j];
+            o[j] += row[j] * qc;
+        }
+    }
+}
+
+/* One request's head: its state in the page (float32) or widened into `copy` (bfloat16). */
+static void kda_head(char *page_head, int state_bf16, int has_initial, int64_t start,
+                     int64_t len, int64_t h, const struct kda_inputs *in, float *copy,
+                     float *work) {
+    const int64_t n = in->K * in->V;
+    float *S = state_bf16 ? copy : (float *)page_head;
+    if (!has_initial) {
+        memset(S, 0, sizeof(float) * (size_t)n); /* the page may hold NaN bit patterns */
+    } else if (state_bf16) {
+        kda_load(page_head, 1, 0, n, S);
+    }
+    for (int64_t t = start; t < start + len; t++) kda_token(S, in, t, h, work);
+    if (state_bf16) {
+        uint16_t *dst = (uint16_t *)page_head;
+        for (int64_t i = 0; i < n; i++) dst[i] = kda_f32_to_bf16(S[i]);
+    }
+}
+
+/* state: [pages][H][K][V] at page_stride elements between pages; pages, has_initial, starts,
+ * lens: [R]. *failed is set when a thread cannot allocate its work space. */
+void hkv_kda_rule(void *state, int64_t page_stride, int state_bf16, const int64_t *pages,
+                  const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
+                  int64_t R, int64_t H, int64_t K, int64_t V, const void *q, int64_t q_stride,
+                  const void *k, int64_t k_stride, const void *v, int64_t v_stride, int in_bf16,
+                  const float *g, const float *beta, float *o, int *failed) {
+    const struct kda_inputs in = {q, k, v, q_stride, k_stride, v_stride, in_bf16, g, beta, o,
+                                  H, K, V};
+    const size_t elem = state_bf16 ? 2 : 4;
+    size_t bytes = sizeof(float) * (size_t)(K * V + 2 * K + V);
+    bytes = (bytes + 63) / 64 * 64; /* aligned_alloc: a multiple of the alignment */
+#pragma omp parallel
+    {
+        float *copy = aligned_alloc(64, bytes);
+        if (copy == NULL) {
+#pragma omp atomic write
+            *failed = 1;
+        }
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t r = 0; r < R; r++) {
+            for (int64_t h = 0; h < H; h++) {
+                if (lens[r] == 0 || copy == NULL) continue;
+                char *head = (char *)state + (pages[r] * page_stride + h * K * V) * elem;
+                kda_head(head, state_bf16, has_initial[r], starts[r], lens[r], h, &in, copy,
+                         copy + K * V);
+            }
+        }
+        free(copy);
+    }
+}

@@ -1,0 +1,97 @@
+"""The native KDA kernel (`kda.c`, compiled into the one native library): ctypes signature and
+the checks that keep it inside its tensors. `hybridkv.ops.kda` is the reference."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from hybridkv.ops import native
+
+_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+native.declare({
+    "hkv_kda_rule": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr,
+                     _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr],
+})  # fmt: skip
+
+DTYPES = (torch.float32, torch.bfloat16)  # of q, k, v and of the state
+
+
+def available() -> bool:
+    return native.library() is not None
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D] with each token's heads contiguous (a view when they are)."""
+    if x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2]):
+        return x
+    return x.contiguous()
+
+
+def _fits(q, k, v, g, beta, state) -> bool:
+    tensors = (q, k, v, g, beta, state)
+    if any(t.device.type != "cpu" for t in tensors) or q.dim() != 3 or v.dim() != 3:
+        return False
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in DTYPES or state.dtype not in DTYPES:
+        return False
+    tokens, heads, dim_k = q.shape
+    dim_v = v.shape[2]
+    if k.shape != q.shape or g.shape != q.shape or v.shape[:2] != (tokens, heads):
+        return False
+    if beta.shape != (tokens, heads) or state.shape[1:] != (heads, dim_k, dim_v):
+        return False
+    return state.stride()[1:] == (dim_k * dim_v, dim_v, 1)
+
+
+def kda_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    state_pages: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> torch.Tensor | None:
+    """KDA of packed requests natively (prefill chunks and decode steps alike, token by token,
+    each state read and written once in its page); None when the kernels or these tensors are
+    not supported.
+
+    q, k: [T, H, K] raw (normalised in the kernel); v: [T, H, V]; q, k, v all float32 or all
+    bfloat16; g: [T, H, K] log decay; beta: [T, H]; state: [num_pages, H, K, V] float32 or
+    bfloat16 (a page-strided view, each page contiguous); state_pages, has_initial_state: [S];
+    query_start_loc: [S + 1] -> o [T, H, V] float32.
+    """
+    lib = native.library()
+    if lib is None or not _fits(q, k, v, g, beta, state):
+        return None
+    tokens, heads, dim_k = q.shape
+    dim_v = v.shape[2]
+    bounds = query_start_loc.to(torch.int64)
+    pages = state_pages.to(torch.int64).contiguous()
+    has = has_initial_state.to(torch.uint8).contiguous()
+    starts, lens = bounds[:-1].contiguous(), (bounds[1:] - bounds[:-1]).contiguous()
+    if pages.shape[0] != lens.shape[0]:
+        return None
+    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= state.shape[0]):
+        return None  # a page out of range would be read and written out of bounds
+    if lens.numel() and (int(lens.min()) < 0 or int((starts + lens).max()) > tokens):
+        return None  # nor may a request's tokens lie outside q, k, v and o
+    o = torch.empty(tokens, heads, dim_v, dtype=torch.float32)
+    if tokens == 0 or pages.numel() == 0:
+        return o
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    g, beta = g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous()
+    failed = torch.zeros(1, dtype=torch.int32)
+    lib.hkv_kda_rule(
+        state.data_ptr(), state.stride(0), int(state.dtype == torch.bfloat16), pages.data_ptr(),
+        has.data_ptr(), starts.data_ptr(), lens.data_ptr(), pages.shape[0], heads, dim_k, dim_v,
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+        int(q.dtype == torch.bfloat16), g.data_ptr(), beta.data_ptr(), o.data_ptr(),
+        failed.data_ptr(),
+    )  # fmt: skip
+    if int(failed):
+        raise MemoryError("the native KDA rule could not allocate its work space")
+    return o
