@@ -1,0 +1,167 @@
+"""Kimi delta attention (KDA), the linear-attention layer of Kimi-Linear, with its conv and
+recurrent states in pages.
+
+    hidden x [T, hidden] -> q_proj, k_proj, v_proj -> [T, H * D] each
+    q, k, v: each through its own causal depthwise conv1d (silu), with its own conv state
+    g = -exp(A_log[h]) * softplus(f_b_proj(f_a_proj(x)) + dt_bias)   [T, H, D] per key channel
+    beta = sigmoid(b_proj(x))                                        [T, H]
+    o = KDA rule(q, k, v, g, beta)                 (ops.kda; state [H, D, D] per page)
+    o_proj(rmsnorm(o) * o_norm.weight * sigmoid(g_b_proj(g_a_proj(x))))   per head of D
+
+KDA is a state kind of its own ("kda"), not the gated delta net with a per-channel gate:
+`hybridkv.ops.kda` gives the reasons (the decay's shape changes every path of the rule, and the
+cache holds three conv states). Parameter names follow the released checkpoints (`q_conv1d`,
+`k_conv1d`, `v_conv1d`, `f_a_proj`, `f_b_proj`, `A_log` [1, 1, H, 1], `dt_bias` [H * D],
+`b_proj`, `g_a_proj`, `g_b_proj`, `o_norm.weight`, `o_proj`), which is also how transformers
+saves them; the model's loader maps transformers' in-memory names (`conv1d` stacking the three,
+`forget_gate.*`) onto these.
+
+The layer owns its cache (`CacheOwner`): a `kda` state of `conv_q`, `conv_k`, `conv_v`
+[H * D, conv_kernel - 1] and `recurrent` [H, D, D], the same spec as the plan-only
+`hybridkv.kv.specs.kda_state`, and declares where its ops can run (`KDA_OPS`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
+from hybridkv.layers.cache import CacheOwner, StateCache
+from hybridkv.layers.state_base import StateMetadata
+from hybridkv.ops.kda import kda_gate
+from hybridkv.ops.kda_ops import TorchKdaOps
+from hybridkv.worker.batch import ForwardBatch
+
+CONVS = ("conv_q", "conv_k", "conv_v")  # the state tensors this layer declares and reads
+RECURRENT = "recurrent"
+_OPS = "hybridkv.ops.kda_ops:"
+
+# Where the ops can run, in order of preference (the plan takes the first that runs here).
+KDA_OPS = (
+    StateOps(
+        "native",
+        _OPS + "NativeKdaOps",
+        frozenset({"cpu"}),
+        frozenset({"float32", "bfloat16"}),  # the rule's kernel takes both (float32 math)
+        needs="native",
+        description="C kernels (hybridkv.ops.native), state in place; PyTorch conv1d for "
+        "bfloat16 activations or conv state",
+    ),
+    StateOps(
+        "triton",
+        _OPS + "TritonKdaOps",
+        frozenset({"cuda", "rocm"}),
+        frozenset({"float32", "float16", "bfloat16"}),
+        needs="triton",
+        description="Triton decode steps (conv1d and rule), PyTorch chunked prefill",
+    ),
+    StateOps("torch", _OPS + "TorchKdaOps", description="PyTorch reference"),
+)
+TORCH_OPS = TorchKdaOps()
+
+
+class _NormWeight(nn.Module):
+    """Holds `o_norm.weight` (the computation is `sigmoid_gated_rms_norm`)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(channels))
+
+
+def sigmoid_gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """x, gate: [N, D]; weight: [D] -> weight * rmsnorm(x) * sigmoid(gate), all in float32 and
+    rounded to x.dtype once at the end (as transformers' KimiLinearRMSNormGated)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * xf * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+def _depthwise(channels: int, kernel: int) -> nn.Conv1d:
+    """A depthwise causal conv without bias: weight [channels, 1, kernel] as in the checkpoints."""
+    return nn.Conv1d(channels, channels, kernel, groups=channels, bias=False)
+
+
+class KimiDeltaAttention(CacheOwner):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        conv_kernel: int = 4,
+        norm_eps: float = 1e-5,
+        *,
+        layer_index: int = 0,
+    ) -> None:
+        super().__init__(layer_index)
+        if conv_kernel < 2:
+            raise ValueError(f"short_conv_kernel_size must be at least 2, got {conv_kernel}")
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.width = width = num_heads * head_dim
+        self.conv_kernel, self.norm_eps = conv_kernel, norm_eps
+        self.q_proj = nn.Linear(hidden_size, width, bias=False)
+        self.k_proj = nn.Linear(hidden_size, width, bias=False)
+        self.v_proj = nn.Linear(hidden_size, width, bias=False)
+        self.q_conv1d = _depthwise(width, conv_kernel)
+        self.k_conv1d = _depthwise(width, conv_kernel)
+        self.v_conv1d = _depthwise(width, conv_kernel)
+        self.f_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
+        self.f_b_proj = nn.Linear(head_dim, width, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(1, 1, num_heads, 1))
+        self.dt_bias = nn.Parameter(torch.zeros(width))
+        self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        self.g_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
+        self.g_b_proj = nn.Linear(head_dim, width, bias=False)
+        self.o_norm = _NormWeight(head_dim)
+        self.o_proj = nn.Linear(width, hidden_size, bias=False)
+
+    # -- the cache it owns -------------------------------------------------------------------
+
+    def cache_spec(self, dtypes: CacheDtypes) -> StateSpec:
+        """conv_q/k/v: the last conv_kernel - 1 inputs of each conv; recurrent: S per head."""
+        conv = (self.width, self.conv_kernel - 1)
+        shape = (self.num_heads, self.head_dim, self.head_dim)
+        tensors = tuple(StateTensor(name, conv, dtypes.conv) for name in CONVS)
+        return StateSpec("kda", (*tensors, StateTensor(RECURRENT, shape, dtypes.ssm)), KDA_OPS)
+
+    # -- forward ----------------------------------------------------------------------------
+
+    def forward(self, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """hidden_states: [T, hidden] -> [T, hidden], states updated in this layer's pages."""
+        cache = self.cache
+        assert isinstance(cache, StateCache)
+        meta: StateMetadata = self.step_metadata(batch)
+        convs = tuple(cache.tensors[name] for name in CONVS)
+        return self.mix(hidden_states, convs, cache.tensors[RECURRENT], meta, cache.ops)
+
+    def mix(
+        self,
+        hidden_states: torch.Tensor,
+        conv_states: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        recurrent_state: torch.Tensor,
+        meta: StateMetadata,
+        ops: TorchKdaOps = TORCH_OPS,
+    ) -> torch.Tensor:
+        """hidden_states: [T, hidden]; conv_states: 3 x [num_pages, H * D, conv_kernel - 1];
+        recurrent_state: [num_pages, H, D, D] (all updated in place) -> [T, hidden]."""
+        x = hidden_states
+        t, heads, dim = x.shape[0], self.num_heads, self.head_dim
+        qkv = []
+        for proj, conv, state in zip(
+            (self.q_proj, self.k_proj, self.v_proj),
+            (self.q_conv1d, self.k_conv1d, self.v_conv1d),
+            conv_states,
+            strict=True,
+        ):
+            y = ops.conv1d(proj(x), conv.weight[:, 0, :], None, state, meta, "silu")
+            qkv.append(y.reshape(t, heads, dim))  # [T, H, D]
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias)  # [T, H, D]
+        beta = torch.sigmoid(self.b_proj(x)).float()  # [T, H]
+        o = ops.rule(*qkv, g, beta, recurrent_state, meta)  # [T, H, D] float32
+        # transformers rounds the rule's output to the model dtype before the norm
+        o = o.to(x.dtype).reshape(t * heads, dim)
+        gate = self.g_b_proj(self.g_a_proj(x)).reshape(t * heads, dim)
+        y = sigmoid_gated_rms_norm(o, gate, self.o_norm.weight, self.norm_eps)
+        return self.o_proj(y.reshape(t, self.width))

@@ -1,0 +1,106 @@
+"""KimiDeltaAttention (the KDA layer) against transformers' `KimiLinearDeltaAttention` with the
+same weights: packed ragged requests prefilled in two chunks (cut at unaligned positions) and
+then decoded through the paged conv and recurrent states, on every ops class that runs here;
+and the spec it declares."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hybridkv.kv.specs import CacheDtypes, kda_state  # noqa: E402
+from hybridkv.layers.kda import CONVS, KimiDeltaAttention  # noqa: E402
+from hybridkv.layers.state_base import StateMetadata  # noqa: E402
+from hybridkv.ops import native  # noqa: E402
+from hybridkv.ops.kda_ops import NativeKdaOps, TorchKdaOps, TritonKdaOps  # noqa: E402
+
+HIDDEN, HEADS, DIM = 24, 2, 8
+FP32 = CacheDtypes("float32", "float32", "float32")
+
+
+def checkpoint_names(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' in-memory names -> the checkpoint's (three convs, no forget_gate.)."""
+    out = {}
+    for name, t in hf_state.items():
+        if name == "conv1d.weight":
+            for prefix, part in zip("qkv", t.chunk(3, dim=0), strict=True):
+                out[f"{prefix}_conv1d.weight"] = part
+        else:
+            out[name.removeprefix("forget_gate.")] = t
+    return out
+
+
+def pair(kernel: int = 4, seed: int = 0):
+    from transformers import KimiLinearConfig
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
+
+    cfg = KimiLinearConfig(hidden_size=HIDDEN, linear_num_heads=HEADS, linear_head_dim=DIM,
+                           linear_conv_kernel_dim=kernel, num_hidden_layers=1,
+                           layer_types=["linear_attention"], pad_token_id=0)  # fmt: skip
+    torch.manual_seed(seed)
+    theirs = KimiLinearDeltaAttention(cfg, layer_idx=0).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.3)
+        theirs.forget_gate.A_log.uniform_(-1, 1)
+    ours = KimiDeltaAttention(HIDDEN, HEADS, DIM, kernel, cfg.rms_norm_eps)
+    ours.load_state_dict(checkpoint_names(theirs.state_dict()), strict=True)
+    return ours, theirs
+
+
+def meta(pages, has_state, lengths) -> StateMetadata:
+    starts = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    return StateMetadata(torch.tensor(pages), torch.tensor(has_state), starts, max(lengths))
+
+
+OPS = [TorchKdaOps(), TritonKdaOps()]
+if native.library() is not None:
+    OPS.append(NativeKdaOps())
+
+
+@pytest.mark.parametrize("ops", OPS, ids=lambda o: type(o).__name__)
+@pytest.mark.parametrize("kernel", [4, 3])
+@torch.inference_mode()
+def test_chunked_prefill_and_decode_match_transformers(ops, kernel):
+    ours, theirs = pair(kernel)
+    lengths = [7, 1, 40]
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randn(n + 3, HIDDEN, generator=g) for n in lengths]  # + 3 decode tokens
+    want = [theirs(s[None])[0] for s in seqs]  # no cache: the whole sequence at once
+    convs = tuple(torch.full((5, HEADS * DIM, kernel - 1), float("nan")) for _ in CONVS)
+    rec = torch.full((5, HEADS, DIM, DIM), float("nan"))
+    pages = [3, 0, 4]
+    got: list[list[torch.Tensor]] = [[] for _ in seqs]
+    cuts = [(0, n // 2) for n in lengths], [(n // 2, n) for n in lengths]
+    for step, chunk in enumerate(cuts):
+        parts = [s[a:b] for s, (a, b) in zip(seqs, chunk, strict=True)]
+        has = [step > 0 and a > 0 for a, _ in chunk]
+        m = meta(pages, has, [p.shape[0] for p in parts])
+        out = ours.mix(torch.cat(parts), convs, rec, m, ops)
+        for i, piece in enumerate(out.split([p.shape[0] for p in parts])):
+            got[i].append(piece)
+    for t in range(3):
+        x = torch.stack([s[n + t] for s, n in zip(seqs, lengths, strict=True)])
+        out = ours.mix(x, convs, rec, meta(pages, [True] * 3, [1, 1, 1]), ops)
+        for i in range(3):
+            got[i].append(out[i : i + 1])
+    for i, pieces in enumerate(got):
+        torch.testing.assert_close(torch.cat(pieces), want[i], rtol=1e-4, atol=1e-5)
+    assert torch.isnan(rec[1]).all() and torch.isnan(convs[0][2]).all()  # others untouched
+
+
+def test_the_spec_is_the_plan_only_kda_state():
+    spec = KimiDeltaAttention(HIDDEN, HEADS, DIM, 4).cache_spec(FP32)
+    plan_only = kda_state(HEADS, DIM, 4, "float32", "float32")
+    assert (spec.kind, spec.tensors) == (plan_only.kind, plan_only.tensors)
+    assert [o.name for o in spec.ops] == ["native", "triton", "torch"]
+
+
+def test_conv_kernel_below_two_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"short_conv_kernel_size must be at least 2, got 1"):
+        KimiDeltaAttention(HIDDEN, HEADS, DIM, 1)
