@@ -1,0 +1,241 @@
+"""DeepSeek-V3 (DeepseekV3ForCausalLM): multi-head latent attention in every layer, MoE MLPs.
+
+    x = embed(ids)
+    per layer:  x += mla(input_layernorm(x))              (layers/attention/mla.py)
+                x += mlp(post_attention_layernorm(x))     dense in the first
+                                                          `first_k_dense_replace` layers, then MoE
+    logits = lm_head(norm(x))
+
+- MLA: optional q LoRA (`q_lora_rank` None: plain q_proj), latent `kv_lora_rank` + rotary key
+  `qk_rope_head_dim` cached per token; interleaved RoPE (`rope_interleave`) over the rope part
+  (rope dim = qk_rope_head_dim, YaRN with mscale / mscale_all_dim as transformers computes it);
+  softmax scale 1/sqrt(nope + rope) times mscale(factor, mscale_all_dim)^2 under YaRN.
+- MoE: sigmoid scores of a float32 router; choice scores = scores + e_score_correction_bias;
+  the experts split into `n_group` groups, a group scored by the sum of its top-2 choice scores,
+  the best `topk_group` groups kept, the top `num_experts_per_tok` experts among them chosen;
+  weights = their (uncorrected) scores, normalised to sum 1 if `norm_topk_prob`, times
+  `routed_scaling_factor`. Plus `n_shared_experts` always-on experts (one SwiGLU of
+  moe_intermediate_size * n_shared_experts).
+- Checkpoints: per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, ...) or stacked ones
+  (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]); multi-token-prediction layers
+  (index >= num_hidden_layers) are skipped.
+Defaults: transformers 5.24 `DeepseekV3Config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar, Self
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.kv.specs import ConfigError
+from hybridkv.layers.attention.mla import CosSin, MultiHeadLatentAttention, mla_softmax_scale
+from hybridkv.layers.mlp import GatedMLP, RMSNorm
+from hybridkv.layers.rotary import RotaryEmbedding
+from hybridkv.models.base import CausalLM
+from hybridkv.models.hf_config import RopeConfig
+from hybridkv.models.loader import stack_gated_experts
+from hybridkv.models.qwen3_next import Experts
+from hybridkv.worker.batch import ForwardBatch
+
+EXPERT_WEIGHT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+ROPE_TYPES = ("default", "yarn", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekV3Config(RopeConfig):
+    """Defaults: transformers 5.24 `DeepseekV3Config`."""
+
+    ARCHITECTURE: ClassVar[str] = "DeepseekV3ForCausalLM"
+    ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {"n_routed_experts": ("num_local_experts",)}
+
+    vocab_size: int = 129280
+    hidden_size: int = 7168
+    intermediate_size: int = 18432
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 61
+    num_attention_heads: int = 128
+    n_shared_experts: int = 1
+    n_routed_experts: int = 256
+    routed_scaling_factor: float = 2.5
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = 1536
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    qk_nope_head_dim: int = 128
+    n_group: int = 8
+    topk_group: int = 4
+    num_experts_per_tok: int = 8
+    first_k_dense_replace: int = 3
+    norm_topk_prob: bool = True
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    rope_interleave: bool = True
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        self._require_positive(
+            "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+            "num_hidden_layers", "num_attention_heads", "n_routed_experts", "kv_lora_rank",
+            "v_head_dim", "n_group", "topk_group", "num_experts_per_tok",
+        )  # fmt: skip
+        if self.q_lora_rank is not None:
+            self._require_positive("q_lora_rank")
+        if self.qk_rope_head_dim < 0 or self.qk_nope_head_dim < 0:
+            self._fail("qk_rope_head_dim and qk_nope_head_dim must be >= 0")
+        if self.qk_rope_head_dim % 2:
+            self._fail(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if self.hidden_act != "silu":
+            self._fail(f"hidden_act {self.hidden_act!r} is not supported; supported: silu")
+        self._check_routing()
+        rope_type = self.rope["rope_type"]
+        if rope_type not in ROPE_TYPES:
+            self._fail(f"unsupported rope type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
+
+    @classmethod
+    def from_hf(cls, data: Mapping[str, Any]) -> Self:
+        """As HFConfig reads it, but an explicit `q_lora_rank: null` means no q LoRA (a plain
+        q_proj), not the default rank."""
+        cfg = super().from_hf(data)
+        if "q_lora_rank" in data and data["q_lora_rank"] is None:
+            cfg = dataclasses.replace(cfg, q_lora_rank=None)
+        return cfg
+
+    def _fail(self, message: str) -> None:
+        raise ConfigError(f"config.json of {self.ARCHITECTURE}: {message}")
+
+    def _check_routing(self) -> None:
+        e, groups = self.n_routed_experts, self.n_group
+        if e % groups or e // groups < 2:
+            self._fail(
+                f"n_routed_experts ({e}) must be a multiple of n_group ({groups}) with at "
+                "least 2 experts per group"
+            )
+        if self.topk_group > groups:
+            self._fail(f"topk_group ({self.topk_group}) must be at most n_group ({groups})")
+        if self.num_experts_per_tok > self.topk_group * (e // groups):
+            self._fail(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be at most the experts "
+                f"of topk_group groups ({self.topk_group * (e // groups)})"
+            )
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return mla_softmax_scale(self.qk_head_dim, self.rope)
+
+
+class GroupedTopkRouter(nn.Module):
+    """DeepSeek-V3's router (module `gate`): weight [E, hidden], e_score_correction_bias [E]."""
+
+    def __init__(self, cfg: DeepseekV3Config) -> None:
+        super().__init__()
+        e = cfg.n_routed_experts
+        self.num_experts, self.top_k = e, cfg.num_experts_per_tok
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(e, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.empty(e))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> experts [T, k], weights [T, k] (float32)."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias.float()
+        t = x.shape[0]
+        grouped = choice.view(t, self.n_group, -1)  # [T, groups, E / groups]
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, groups]
+        keep = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(t, -1)  # [T, E]
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+        experts = choice.topk(self.top_k, dim=-1, sorted=False)[1]  # [T, k]
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return experts, weights * self.scaling
+
+
+class DeepseekV3MoE(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config) -> None:
+        super().__init__()
+        self.gate = GroupedTopkRouter(cfg)
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_experts = GatedMLP(
+            cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        experts, weights = self.gate(x)
+        return self.experts(x, experts, weights.to(x.dtype)) + self.shared_experts(x)
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, index: int) -> None:
+        super().__init__()
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = MultiHeadLatentAttention(
+            index, hidden, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim, cfg.v_head_dim, q_lora_rank=cfg.q_lora_rank,
+            bias=cfg.attention_bias, scale=cfg.softmax_scale, rope_interleave=cfg.rope_interleave,
+        )  # fmt: skip
+        self.mlp: nn.Module
+        if index >= cfg.first_k_dense_replace:
+            self.mlp = DeepseekV3MoE(cfg)
+        else:
+            self.mlp = GatedMLP(hidden, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, rotary: RotaryEmbedding, cos_sin: CosSin
+    ) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden] (pre-norm residual blocks)."""
+        h = self.self_attn(self.input_layernorm(x), batch, rotary, cos_sin)
+        x, h = self.post_attention_layernorm.add_forward(x, h)
+        return x + self.mlp(h)
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekV3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekV3ForCausalLM(CausalLM):
+    config_class = DeepseekV3Config
+
+    def __init__(self, config: DeepseekV3Config) -> None:
+        super().__init__(config)
+        self.model = DeepseekV3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(
+            config.qk_rope_head_dim, config.rope, max_positions=config.max_position_embeddings
+        )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(
+            stack_gated_experts(weights, EXPERT_WEIGHT, self.config.n_routed_experts)
+        )
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """-> hidden: [num_tokens, hidden]."""
+        x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)  # 2 x [T, rope_dim]
+        for layer in self.model.layers:
+            x = layer(x, batch, self.rotary, cos_sin)
+        return self.model.norm(x)
