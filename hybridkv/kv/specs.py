@@ -451,11 +451,6 @@ def _mla(cfg: _Config, dt: CacheDtypes) -> MLASpec:
     return MLASpec(cfg.int("kv_lora_rank"), cfg.int("qk_rope_head_dim"), dt.kv)
 
 
-def _parse_deepseek(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
-    spec = _mla(cfg, dt)
-    return [CacheLayer(f"layers.{i}.attention", i, spec) for i in range(cfg.num_layers)]
-
-
 def _parse_kimi_linear(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
     linear = cfg.get("linear_attn_config")
     if not isinstance(linear, dict):
@@ -477,7 +472,6 @@ _Parser = Callable[[_Config, CacheDtypes], list[CacheLayer]]
 # plan but not run yet. Runnable families declare their cache from the model itself
 # (hybridkv.models.registry); a family moves from here to there when it becomes runnable.
 ARCHITECTURES: dict[str, _Parser] = {
-    "DeepseekV3ForCausalLM": _parse_deepseek,
     "KimiLinearForCausalLM": _parse_kimi_linear,
 }
 

@@ -35,6 +35,7 @@ MODELS: dict[str, str] = {
     "Gemma3ForCausalLM": "hybridkv.models.gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "hybridkv.models.gemma3:Gemma3ForConditionalGeneration",
     "GptOssForCausalLM": "hybridkv.models.gpt_oss:GptOssForCausalLM",
+    "DeepseekV3ForCausalLM": "hybridkv.models.deepseek_v3:DeepseekV3ForCausalLM",
 }
 
 

@@ -120,7 +120,7 @@ def test_cli_prints_the_per_rank_plan(capsys) -> None:
         ("ibm-granite/granite-4.0-h-tiny", 8, "does not divide num_attention_heads=12"),
         ("ibm-granite/granite-4.0-h-small", 3, "does not divide mamba n_heads=128"),
         ("ibm-granite/granite-4.0-h-small", 0, "tensor_parallel_size must be an integer >= 1"),
-        ("deepseek-ai/DeepSeek-V3", 2, "has no per-rank plan"),
+        ("moonshotai/Kimi-Linear-48B-A3B-Instruct", 2, "has no per-rank plan"),
     ],
 )
 def test_cli_refuses_sizes_that_do_not_divide(capsys, model: str, size: int, message: str):

@@ -109,7 +109,7 @@ def test_malformed_config(tmp_path, capsys):
     code, _, err = run(capsys, "plan", "--model", str(tmp_path))
     assert code == 2 and "'num_hidden_layers' must be int" in err and err.count("\n") == 1
     # a plan-only family's reader still needs its keys
-    (tmp_path / "config.json").write_text('{"architectures": ["DeepseekV3ForCausalLM"]}')
+    (tmp_path / "config.json").write_text('{"architectures": ["KimiLinearForCausalLM"]}')
     code, _, err = run(capsys, "plan", "--model", str(tmp_path))
     assert code == 2 and "missing" in err
     (tmp_path / "config.json").write_text("[1, 2")

@@ -46,6 +46,7 @@ MODEL_TYPES = {
     "Gemma3ForCausalLM": "gemma3_text",
     "Gemma3ForConditionalGeneration": "gemma3",
     "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
 
@@ -150,6 +151,9 @@ def expected_specs(config: dict, dtypes: CacheDtypes) -> list[tuple]:
                 out.append((i, "short_conv", (hf.hidden_size, hf.conv_L_cache - 1)))
             else:
                 out.append((i, "attention", hf.num_key_value_heads, head_dim, None))
+    elif arch == "DeepseekV3ForCausalLM":  # MLA in every layer: one latent + rope key per token
+        mla = (hf.kv_lora_rank, hf.qk_rope_head_dim)
+        out += [(i, "mla", *mla) for i in range(hf.num_hidden_layers)]
     elif arch in ("MambaForCausalLM", "FalconMambaForCausalLM"):
         inner = hf.intermediate_size
         conv, ssm = (inner, hf.conv_kernel - 1), (inner, hf.state_size)
@@ -169,6 +173,8 @@ def _summary(layer_index: int, spec) -> tuple:
     if spec.kind in STATE_KINDS:
         shapes = (t.shape for t in spec.tensors)  # conv, then ssm / recurrent (short_conv: conv)
         return (layer_index, spec.kind, *shapes)
+    if spec.kind == "mla":
+        return (layer_index, spec.kind, spec.kv_lora_rank, spec.qk_rope_head_dim)
     return (layer_index, spec.kind, spec.num_kv_heads, spec.head_dim, spec.sliding_window)
 
 
@@ -189,6 +195,8 @@ def planned(config: dict, capsys, tmp_path) -> list[tuple]:
             if spec["kind"] in STATE_KINDS:
                 shapes = (tuple(t["shape"]) for t in spec["tensors"])
                 rows.append((layer_id, spec["kind"], *shapes))
+            elif spec["kind"] == "mla":
+                rows.append((layer_id, "mla", spec["kv_lora_rank"], spec["qk_rope_head_dim"]))
             else:
                 rows.append(
                     (layer_id, spec["kind"], spec["num_kv_heads"], spec["head_dim"],
