@@ -135,7 +135,9 @@ def start(
     try:
         dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank,
                                 timeout=timeout)  # fmt: skip
-        control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        # the step channel: workers wait for the next step as long as it takes; rank 0's
+        # sends give up after the timeout (each process sets its own side's timeout)
+        control = dist.new_group(backend="gloo", timeout=timeout if rank == 0 else IDLE_TIMEOUT)
     except Exception as exc:
         _stop_processes(processes)
         raise TensorParallelError(
@@ -229,6 +231,7 @@ class DriverRunner:
         self.timeout_s = timeout_s
         self.pending: list[tuple[list[str], bool]] = []
         self.failed: str | None = None
+        self.closed = False
 
     def __getattr__(self, name: str) -> Any:  # rows, tables, buffers, ... of the local runner
         return getattr(self.runner, name)
@@ -276,14 +279,19 @@ class DriverRunner:
         """Tell the workers to stop (when they can still hear it) and end their processes."""
         import torch.distributed as dist
 
+        if self.closed:
+            return
+        self.closed = True
         failed = self.failed is not None
         if not failed:
             with contextlib.suppress(Exception):  # a worker already gone: nothing to tell
                 dist.broadcast_object_list([None], src=0, group=self.group.control)
         _stop_processes(self.group.processes, wait_s=0.5 if failed else 5.0)
         self.failed = self.failed or "the engine was shut down"
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+        # only this engine's groups (a later engine of this process may have its own)
+        if dist.is_initialized() and dist.group.WORLD is self.group.tp.group:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
 
 
 def _stop_processes(processes: list[Any], wait_s: float = 5.0) -> None:

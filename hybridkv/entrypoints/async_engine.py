@@ -25,6 +25,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from hybridkv.distributed.runtime import TensorParallelError
 from hybridkv.engine import Engine
 from hybridkv.outputs import RequestOutput
 from hybridkv.sampling_params import SamplingParams
@@ -96,6 +97,10 @@ class AsyncEngine:
         # generated token counts
         self.on_finished: Callable[[RequestOutput], None] | None = None
         self.on_aborted: Callable[[int, int], None] | None = None
+        # a fatal engine error (a tensor-parallel rank died or hung): the loop stops, every
+        # request fails, and `on_fatal` (the server: shut down, exit non-zero) is told
+        self.fatal: str | None = None
+        self.on_fatal: Callable[[str], None] | None = None
         self._publish_stats()
         self._thread = threading.Thread(target=self._run, name="hybridkv-engine", daemon=True)
         self._thread.start()
@@ -157,6 +162,8 @@ class AsyncEngine:
         self._stopped.set()
         self._commands.put(("stop",))
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.engine.shutdown()  # the other tensor-parallel ranks, if any
 
     # -- engine thread -----------------------------------------------------------------------
 
@@ -169,6 +176,13 @@ class AsyncEngine:
                     for out in outputs:
                         self._deliver(out)
                     self._publish_stats()
+            except TensorParallelError as exc:  # the engine cannot go on
+                logger.error("engine stopped: %s", exc)
+                self.fatal = str(exc)
+                self._stopped.set()
+                self._fail_all(f"the engine stopped: {exc}")
+                self._notify(self.on_fatal, self.fatal)
+                return
             except Exception as exc:  # an engine bug must not kill the loop (nor the server)
                 logger.exception("engine loop error; failing the requests in the engine")
                 self._fail_all(f"engine error: {exc!r}")

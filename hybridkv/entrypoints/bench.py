@@ -41,6 +41,7 @@ def run_hybridkv(
         outs = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
         assert all(len(o.token_ids) == new_tokens for o in outs)
+    llm.engine.shutdown()  # the other tensor-parallel ranks, if any
     return statistics.median(times)
 
 

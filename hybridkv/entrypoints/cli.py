@@ -208,6 +208,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="cache budget, e.g. 2GiB (default: sized for max-num-seqs requests)",
     )
     p.add_argument("--allocation", default="block", choices=["block", "page"])
+    _add_parallel_args(p)
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="processes the model is sharded over (started here, or the torchrun launch's)",
+    )
+    p.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a tensor-parallel collective waits for a rank before the run fails",
+    )
 
 
 def _load_engine(args: argparse.Namespace):
@@ -216,7 +232,12 @@ def _load_engine(args: argparse.Namespace):
 
     from hybridkv.engine import Engine
 
-    kwargs: dict[str, object] = {"dtype": args.dtype, "allocation": args.allocation}
+    kwargs: dict[str, object] = {
+        "dtype": args.dtype,
+        "allocation": args.allocation,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "distributed_timeout_s": args.distributed_timeout,
+    }
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.memory is not None:
@@ -389,9 +410,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         engine = _load_engine(args)
         name = args.served_model_name or args.model or "hybridkv-default"
-        serve(engine, name, args.host, args.port, max_request_bytes, sock=sock)
+        fatal = serve(engine, name, args.host, args.port, max_request_bytes, sock=sock)
     finally:
         sock.close()
+    if fatal is not None:
+        print(f"hybridkv serve: error: {fatal}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -411,6 +435,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compare-transformers", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
+    _add_parallel_args(p)
     p.set_defaults(func=cmd_bench)
 
 
@@ -439,7 +464,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    rows = [("hybridkv", run_hybridkv(folder, prompts, args.new_tokens, dtype=args.dtype))]
+    parallel = {
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "distributed_timeout_s": args.distributed_timeout,
+    }
+    seconds = run_hybridkv(folder, prompts, args.new_tokens, dtype=args.dtype, **parallel)
+    rows = [("hybridkv", seconds)]
     if args.compare_transformers:
         rows.append(("transformers", run_transformers(folder, prompts, args.new_tokens)))
     result = [

@@ -15,11 +15,17 @@ Prompt = str | list[int]
 
 class LLM:
     """Keyword arguments are the fields of ModelConfig (dtype, device, seed), CacheConfig
-    (allocation, kernel_block_size, enable_prefix_caching, memory_bytes, ...) and
-    SchedulerConfig (max_num_seqs, max_num_batched_tokens, max_model_len)."""
+    (allocation, kernel_block_size, enable_prefix_caching, memory_bytes, ...),
+    SchedulerConfig (max_num_seqs, max_num_batched_tokens, max_model_len) and ParallelConfig
+    (tensor_parallel_size, distributed_timeout_s: the LLM starts the other ranks itself)."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine = Engine(model, **kwargs)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks now (else when the LLM is collected or the
+        program ends); a single-process LLM has nothing to stop."""
+        self.engine.shutdown()
 
     def get_tokenizer(self) -> Tokenizer | None:
         """The model's tokenizer, or None for a checkpoint without tokenizer.json (token-id

@@ -249,8 +249,9 @@ class Server:
                 return None
             try:
                 return results.result()
-            except RequestFailed as exc:
-                raise OpenAIError(str(exc), status=500) from None
+            except RequestFailed as exc:  # 503 when the whole engine stopped
+                status = 503 if self.async_engine.fatal else 500
+                raise OpenAIError(str(exc), status=status) from None
         finally:
             results.cancel()
             gone.cancel()
@@ -818,10 +819,20 @@ def serve(
     port: int = 8000,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     sock: socket.socket | None = None,
-) -> None:
-    """Serve until interrupted; on `sock` (from bind_socket) if given, else on host:port."""
+) -> str | None:
+    """Serve until interrupted; on `sock` (from bind_socket) if given, else on host:port.
+    Returns None, or the error that stopped the engine (a tensor-parallel rank died or hung):
+    requests then get 503 and the server shuts down, for the caller to exit non-zero."""
     import uvicorn
 
-    app = build_app(Server(engine, model_name, max_request_bytes))
+    state = Server(engine, model_name, max_request_bytes)
+    app = build_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level="info")
-    uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)
+    http = uvicorn.Server(config)
+
+    def stop(_: str) -> None:
+        http.should_exit = True  # read by uvicorn's main loop; in-flight answers finish
+
+    state.async_engine.on_fatal = stop
+    http.run(sockets=[sock] if sock is not None else None)
+    return state.async_engine.fatal

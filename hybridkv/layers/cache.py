@@ -54,6 +54,9 @@ class CacheOwner(nn.Module):
     it sits in) and implement `cache_spec`."""
 
     layer_index: int
+    # True when the module that built it sized it for its tensor-parallel rank (heads split or
+    # replicated): only then is its spec a per-rank spec (`hybridkv.distributed`)
+    sharded: bool = False
 
     def __init__(self, layer_index: int) -> None:
         super().__init__()

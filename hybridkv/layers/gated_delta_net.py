@@ -96,6 +96,7 @@ class GatedDeltaNet(CacheOwner):
             raise ValueError(f"linear_conv_kernel_dim must be at least 2, got {conv_kernel}")
         # Tensor parallel: this rank's key and value heads (every size below is this rank's)
         self.tp = tp = current()
+        self.sharded = True  # its heads (and groups) are this rank's
         num_k_heads = tp.split(num_k_heads, "linear_num_key_heads")
         num_v_heads = tp.split(num_v_heads, "linear_num_value_heads")
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads

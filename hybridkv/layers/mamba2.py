@@ -136,6 +136,7 @@ class Mamba2Mixer(CacheOwner):
         # Tensor parallel: this rank's heads, and its groups (split, or replicated when the
         # size exceeds them); every size below is this rank's.
         self.tp = tp = current()
+        self.sharded = True  # its heads (and groups) are this rank's
         full_heads, full_groups = n_heads, n_groups
         full_group_size = norm_group_size or n_heads * head_dim // n_groups
         n_heads = tp.split(full_heads, "mamba n_heads")

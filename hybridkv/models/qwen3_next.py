@@ -218,6 +218,7 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(hd, cfg.rms_norm_eps)
         self.attn = PagedAttention(index, self.heads, self.kv_heads, hd, hd**-0.5)
+        self.attn.sharded = True  # its heads are this rank's
         q_rows = explicit(tp, (tp.rank * self.heads * 2 * hd, self.heads * 2 * hd))
         kv_rows = explicit(tp, (first_kv * hd, self.kv_heads * hd))
         for proj, spec in ((self.q_proj, q_rows), (self.k_proj, kv_rows), (self.v_proj, kv_rows)):

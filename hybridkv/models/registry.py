@@ -74,4 +74,12 @@ def declared_cache_layers(
     config: dict[str, Any], dtypes: CacheDtypes, tensor_parallel_size: int = 1
 ) -> list[CacheLayer]:
     """The cache layers a runnable model declares, per rank (what `hybridkv plan` plans)."""
-    return build_on_meta(config, tensor_parallel_size).cache_layers(dtypes)
+    model = build_on_meta(config, tensor_parallel_size)
+    if tensor_parallel_size > 1:
+        unsharded = sorted({type(m).__name__ for _, m in model.cache_owners() if not m.sharded})
+        if unsharded:
+            raise ValueError(
+                f"{type(model).__name__} has no per-rank plan: its {', '.join(unsharded)} "
+                "layers are not sharded yet; give tensor_parallel_size 1"
+            )
+    return model.cache_layers(dtypes)

@@ -67,6 +67,7 @@ class SelfAttention(nn.Module):
         self.attn = PagedAttention(
             layer_index, num_heads, num_kv_heads, head_dim, scale, sliding_window
         )
+        self.attn.sharded = True  # its heads are this rank's
 
     def forward(
         self,
