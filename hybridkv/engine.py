@@ -342,7 +342,9 @@ class Engine:
     def _load_weights(self, model: CausalLM, folder: Path) -> CausalLM:
         model.materialise(self.device, torch_dtype(self.dtype))
         # tensor parallel: each rank reads only its slices of the safetensors files
-        model.load_weights(iter_weights(folder, lazy=self.tp.size > 1))
+        # (families that restack tensors while loading get them whole, and slice them)
+        lazy = self.tp.size > 1 and type(model).load_weights is CausalLM.load_weights
+        model.load_weights(iter_weights(folder, lazy=lazy))
         if self.device.type == "cpu" and self.model_config.prepack:
             prepack_linears(model)
         return model.eval()

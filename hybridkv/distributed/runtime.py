@@ -51,6 +51,11 @@ SHARDED_ARCHITECTURES = frozenset(
         "Qwen3ForCausalLM",
         "GraniteMoeHybridForCausalLM",
         "BambaForCausalLM",
+        "Qwen3NextForCausalLM",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForConditionalGeneration",
     }
 )
 # Step descriptions hold read-only mappings (MappingProxyType); they travel as plain dicts.

@@ -116,7 +116,26 @@ def bamba_checkpoint(tmp_path_factory):
     return save_model(hf, tmp_path_factory.mktemp("bamba-tp")), hf
 
 
-@pytest.mark.parametrize("build", [llama_checkpoint, bamba_checkpoint], ids=["llama", "bamba"])
+def qwen3_next_checkpoint(tmp_path_factory):
+    """Qwen3-Next: gated attention, gated delta net (2 key / 4 value heads: one / two per
+    rank), MoE with a shared expert, restacked experts loaded whole and sliced."""
+    from tests.models.test_qwen3_next import build
+
+    return build(tmp_path_factory, "qwen3_next")
+
+
+def qwen3_5_moe_checkpoint(tmp_path_factory):
+    """Qwen3.5 MoE: the gated delta net's separate qkv / z / b / a projections."""
+    from tests.models.test_qwen3_next import build
+
+    return build(tmp_path_factory, "qwen3_5_moe")
+
+
+@pytest.mark.parametrize(
+    "build",
+    [llama_checkpoint, bamba_checkpoint, qwen3_next_checkpoint, qwen3_5_moe_checkpoint],
+    ids=["llama", "bamba", "qwen3_next", "qwen3_5_moe"],
+)
 def test_family_matches_transformers_and_tp1(build, tmp_path_factory) -> None:
     folder, hf = build(tmp_path_factory)
     ids = prompts(hf.config.vocab_size, [5, 17, 33, 48, 9, 40])
