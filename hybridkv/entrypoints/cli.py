@@ -83,7 +83,7 @@ def format_plan(plan, model: str) -> str:  # plan: MemoryPlan
             str(g.group_id),
             g.kind,
             str(len(g.layer_names)),
-            g.backend or "-",
+            g.backend if g.runner == g.backend else f"{g.backend} (runs {g.runner})",
             str(g.page_tokens or "-"),
             str(g.kernel_block_size or "-"),
             str(g.blocks_per_page),

@@ -100,6 +100,14 @@ class GroupPlan:
         return self.spec.kind
 
     @property
+    def runner(self) -> str | None:
+        """The backend that runs this group: its planned one, or for an MLA backend declared
+        for planning only (FlashMLA's block sizes) the implemented one it runs on."""
+        if self.is_state or self.backend is None:
+            return self.backend
+        return get_backend(self.backend).runner
+
+    @property
     def is_state(self) -> bool:
         return isinstance(self.spec, StateSpec)
 
@@ -263,6 +271,7 @@ class MemoryPlan:
                     "unit_tokens": g.unit_tokens,
                     "blocks_per_unit": g.blocks_per_unit,
                     "backend": g.backend,
+                    "runs": g.runner,
                     "padding_bytes": g.padding_bytes,
                     "spec": spec_json(g.spec),
                 }

@@ -7,7 +7,9 @@ sizes from these declarations only; nothing in the engine special-cases a backen
 
 Sizes follow what vLLM's backends declare; `torch` is hybridkv's reference backend and `triton`
 its GPU backend. The others are declared so that plans for them can be computed and compared;
-they have no implementation here (`impl is None`).
+they have no implementation here (`impl is None`). The MLA ones name the backend that runs their
+groups instead (`runs_on`: hybridkv's Triton MLA decode over the same kernel blocks), so a cuda
+plan may keep FlashMLA's block sizes and still run.
 """
 
 from __future__ import annotations
@@ -77,6 +79,12 @@ class AttentionBackendInfo:
     impl: str | None = None  # "module:Class", imported on first use
     needs: str | None = None  # a capability the machine must have to run it ("triton")
     description: str = ""
+    runs_on: str | None = None  # without an impl: the implemented backend that runs its groups
+
+    @property
+    def runner(self) -> str | None:
+        """The name of the backend that runs this one's groups (None: plan only)."""
+        return self.name if self.impl is not None else self.runs_on
 
     def sizes_for(self, ctx: PlanContext) -> KernelBlockSizes:
         if ctx.is_hybrid and ctx.fp32_state and self.hybrid_fp32_state_block_sizes is not None:
@@ -114,6 +122,8 @@ class AttentionBackendInfo:
         return None
 
     def load(self) -> type:
+        if self.impl is None and self.runs_on is not None:
+            return get_backend(self.runs_on).load()
         if self.impl is None:
             implemented = ", ".join(n for n, b in BACKENDS.items() if b.impl is not None)
             raise ValueError(
@@ -141,7 +151,7 @@ BACKENDS: dict[str, AttentionBackendInfo] = {
         AttentionBackendInfo(
             "triton",
             MULTIPLE_OF_16,
-            _ATTN,
+            _ATTN | _MLA,
             ALL_FLOAT,
             impl="hybridkv.layers.attention.triton_backend:TritonAttentionBackend",
             needs="triton",
@@ -161,9 +171,15 @@ BACKENDS: dict[str, AttentionBackendInfo] = {
             HALF_AND_FP8,
             excluded=((16, 256),),
         ),
-        AttentionBackendInfo("flashmla", KernelBlockSizes((64,)), _MLA, HALF_AND_FP8),
-        AttentionBackendInfo("cutlass_mla", KernelBlockSizes((128,)), _MLA, HALF_AND_FP8),
-        AttentionBackendInfo("flashinfer_mla", KernelBlockSizes((32, 64)), _MLA, HALF_AND_FP8),
+        AttentionBackendInfo(
+            "flashmla", KernelBlockSizes((64,)), _MLA, HALF_AND_FP8, runs_on="triton"
+        ),
+        AttentionBackendInfo(
+            "cutlass_mla", KernelBlockSizes((128,)), _MLA, HALF_AND_FP8, runs_on="triton"
+        ),
+        AttentionBackendInfo(
+            "flashinfer_mla", KernelBlockSizes((32, 64)), _MLA, HALF_AND_FP8, runs_on="triton"
+        ),
         AttentionBackendInfo("rocm_attn", KernelBlockSizes((16, 32)), _ATTN, HALF_AND_FP8),
         AttentionBackendInfo("rocm_aiter_fa", KernelBlockSizes((16, 32)), _ATTN, HALF_AND_FP8),
         AttentionBackendInfo("cpu_attn", MULTIPLE_OF_16, _ATTN, ALL_FLOAT),
