@@ -1,0 +1,67 @@
+"""The PyTorch MLA ops (hybridkv.ops.mla) against a float64 reference that expands every latent
+to K and V: decode in latent space (W_UK absorbed, W_UV after) and prefill by expansion, over
+page-mode block tables of shuffled pages with NaN everywhere nothing was written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv.ops import mla
+
+from .mla_cases import absorbed, expanded_reference, make_case
+
+
+@pytest.fixture(autouse=True)
+def pytorch_only(monkeypatch):
+    monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+
+
+@pytest.mark.parametrize("kbs", [1, 4, 16, 64])
+def test_mixed_batch_matches_the_expanded_reference(kbs):
+    # two decodes, a prefill chunk after cached context, a whole prompt, another decode
+    case = make_case([1, 1, 5, 9, 1], [1, 70, 12, 9, 33], kbs, seed=kbs)
+    out = mla.mla_paged_attention(
+        case.q_nope, case.q_rope, case.cache, case.table, case.query_start_loc, case.seq_lens,
+        case.scale, case.w_kv_b, case.nope,
+    )  # fmt: skip
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), expanded_reference(case), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_returns_the_attention_weighted_latent():
+    case = make_case([1, 1, 1], [5, 40, 17], 16, ratio=3, seed=3)
+    q = absorbed(case, [0, 1, 2])
+    got = mla.mla_decode(q, case.cache, case.table, case.seq_lens, case.scale, case.rank)
+    for s, lat in enumerate(case.latents):
+        probs = torch.softmax((q[s].double() @ lat.double().T) * case.scale, -1)  # [heads, n]
+        want = probs @ lat.double()[:, : case.rank]
+        torch.testing.assert_close(got[s].double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_write_by_slot_skips_padding():
+    cache = torch.zeros(4, 8, 5)
+    rows = torch.arange(15.0).view(3, 5)
+    mla.write_mla_cache(rows, cache, torch.tensor([9, -1, 31]))
+    assert torch.equal(cache[1, 1], rows[0]) and torch.equal(cache[3, 7], rows[2])
+    assert cache.count_nonzero() == 2 * 5 - 1  # rows[0] starts with a zero
+
+
+def test_invisible_positions_read_the_null_block():
+    cache = torch.full((3, 4, 2), float("nan"))
+    cache[0] = 0
+    cache[2] = 1
+    table = torch.tensor([[2, 1]], dtype=torch.int32)
+    visible = torch.tensor([[True] * 3 + [False] * 5])
+    rows = mla.gather_latent(cache, table, visible)[0]
+    assert torch.equal(rows[:3], torch.ones(3, 2)) and torch.equal(rows[3:], torch.zeros(5, 2))
+
+
+def test_bfloat16_cache_is_close():
+    case = make_case([1, 4, 1], [30, 11, 64], 16, dtype=torch.bfloat16, seed=5)
+    out = mla.mla_paged_attention(
+        case.q_nope, case.q_rope, case.cache, case.table, case.query_start_loc, case.seq_lens,
+        case.scale, case.w_kv_b, case.nope,
+    )  # fmt: skip
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), expanded_reference(case), rtol=0.05, atol=0.05)
