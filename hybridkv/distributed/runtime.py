@@ -51,6 +51,7 @@ SHARDED_ARCHITECTURES = frozenset(
         "Qwen3ForCausalLM",
         "GraniteMoeHybridForCausalLM",
         "BambaForCausalLM",
+        "NemotronHForCausalLM",
         "Qwen3NextForCausalLM",
         "Qwen3_5ForCausalLM",
         "Qwen3_5MoeForCausalLM",

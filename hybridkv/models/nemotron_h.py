@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.distributed.layers import vocab_embedding, vocab_head
+from hybridkv.distributed.parallel import column, current, declare_shards, rank0_bias
 from hybridkv.layers.attention.self_attention import SelfAttention
 from hybridkv.layers.mamba2 import Mamba2Mixer
 from hybridkv.layers.mlp import RMSNorm
@@ -181,12 +183,20 @@ class NemotronHMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool) -> None:
         super().__init__()
+        self.tp = tp = current()  # tensor parallel: this rank's slice of the intermediate
+        full, intermediate = intermediate, tp.split(intermediate, "intermediate_size")
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
+        rows = column(tp, (0, full))
+        declare_shards(self.up_proj, weight=rows, bias=rows if bias else None)
+        declare_shards(self.down_proj, weight=column(tp, (0, full), dim=1))
+        declare_shards(self.down_proj, bias=rank0_bias(tp) if bias else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.up_proj(x)))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]; `reduce=False`: this rank's partial sum."""
+        out = self.down_proj(self.act(self.up_proj(x)))
+        return self.tp.all_reduce(out) if reduce else out
 
 
 class NemotronHRouter(nn.Module):
@@ -241,10 +251,15 @@ class NemotronHExperts(nn.Module):
 
     def __init__(self, num_experts: int, dim: int, intermediate: int, act: str) -> None:
         super().__init__()
+        tp, full = current(), intermediate
+        intermediate = tp.split(full, "moe_intermediate_size")  # every expert's slice
         self.num_experts = num_experts
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, intermediate))
         self.act = activation(act)
+        declare_shards(
+            self, up_proj=column(tp, (0, full), dim=1), down_proj=column(tp, (0, full), dim=2)
+        )
 
     def forward(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
@@ -287,6 +302,11 @@ class NemotronHMoE(nn.Module):
         )
         self.fc1_latent_proj = nn.Linear(hidden, dim, bias=bias) if latent else None
         self.fc2_latent_proj = nn.Linear(dim, hidden, bias=bias) if latent else None
+        # tensor parallel: experts and shared expert give partial sums (fc2 is linear, its
+        # bias added by rank 0 only), all-reduced once
+        self.tp = current()
+        if self.fc2_latent_proj is not None and bias:
+            declare_shards(self.fc2_latent_proj, bias=rank0_bias(self.tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]; the router and the shared expert see x, the experts its latent
@@ -295,7 +315,7 @@ class NemotronHMoE(nn.Module):
         h = self.experts(h, experts, weights)
         if self.fc2_latent_proj is not None:
             h = self.fc2_latent_proj(h)
-        return h + self.shared_experts(x)
+        return self.tp.all_reduce(h + self.shared_experts(x, reduce=False))
 
 
 def build_mixer(cfg: NemotronHConfig, index: int, kind: str) -> nn.Module:
@@ -328,7 +348,7 @@ class NemotronHBackbone(nn.Module):
     def __init__(self, cfg: NemotronHConfig) -> None:
         super().__init__()
         hidden = cfg.hidden_size
-        self.embeddings = nn.Embedding(cfg.vocab_size, hidden)
+        self.embeddings = vocab_embedding(cfg.vocab_size, hidden)
         self.layers = nn.ModuleList(NemotronHBlock(cfg, i, k) for i, k in enumerate(cfg.layers))
         self.norm_f = RMSNorm(hidden, cfg.layer_norm_epsilon, True)
 
@@ -341,7 +361,7 @@ class NemotronHForCausalLM(CausalLM):
         self.tie_word_embeddings = False  # transformers' NemotronH never ties them
         self.num_experts = config.n_routed_experts
         self.backbone = NemotronHBackbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = vocab_head(config.hidden_size, config.vocab_size)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.backbone.embeddings

@@ -131,11 +131,20 @@ def qwen3_5_moe_checkpoint(tmp_path_factory):
     return build(tmp_path_factory, "qwen3_5_moe")
 
 
+def nemotron_h_checkpoint(tmp_path_factory):
+    """Nemotron-H MoE ("ME*E"): 6 Mamba2 heads in 2 groups (one group per rank, the norm
+    grouped by them), sigmoid-routed experts and the shared expert reduced once."""
+    from tests.models.test_nemotron_h import build
+
+    return build(tmp_path_factory, "moe")
+
+
 @pytest.mark.parametrize(
     "build",
-    [llama_checkpoint, bamba_checkpoint, qwen3_next_checkpoint, qwen3_5_moe_checkpoint],
-    ids=["llama", "bamba", "qwen3_next", "qwen3_5_moe"],
-)
+    [llama_checkpoint, bamba_checkpoint, qwen3_next_checkpoint, qwen3_5_moe_checkpoint,
+     nemotron_h_checkpoint],
+    ids=["llama", "bamba", "qwen3_next", "qwen3_5_moe", "nemotron_h"],
+)  # fmt: skip
 def test_family_matches_transformers_and_tp1(build, tmp_path_factory) -> None:
     folder, hf = build(tmp_path_factory)
     ids = prompts(hf.config.vocab_size, [5, 17, 33, 48, 9, 40])
