@@ -16,11 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridkv.engine import Engine
 from hybridkv.kv.specs import ConfigError, MLASpec
 from hybridkv.models.deepseek_v3 import DeepseekV3Config
 
 from .conformance import check_prefill_logits, family, test_greedy_matches_transformers  # noqa: F401
-from .utils import save_model, seeded
+from .utils import engine_greedy, save_model, seeded
 
 VOCAB = 96
 
@@ -122,3 +123,17 @@ def test_bad_configs_fail_in_one_line(keys, message):
     with pytest.raises(ConfigError, match=message) as info:
         DeepseekV3Config.from_hf(keys)
     assert "\n" not in str(info.value)
+
+
+def test_triton_backend_matches_transformers(family):  # noqa: F811 (the conformance fixture)
+    """The Triton MLA decode (interpreted without a GPU) over kernel blocks of 64, FlashMLA's
+    size, two to a page: chunked prefill of 13 tokens, then decodes, against transformers'
+    greedy tokens."""
+    engine = Engine(
+        str(family.folder), dtype="float32", attention_backend="triton", kernel_block_size=64,
+        page_tokens=128, max_num_batched_tokens=13,
+    )  # fmt: skip
+    assert {(g.runner, g.kernel_block_size) for g in engine.plan.attention_groups} == {
+        ("triton", 64)
+    }
+    assert engine_greedy(engine, family.plain[:3], 8) == [t[:8] for t in family.plain_ref[:3]]
