@@ -447,33 +447,12 @@ def _roles_to_layers(
     return layers
 
 
-def _mla(cfg: _Config, dt: CacheDtypes) -> MLASpec:
-    return MLASpec(cfg.int("kv_lora_rank"), cfg.int("qk_rope_head_dim"), dt.kv)
-
-
-def _parse_kimi_linear(cfg: _Config, dt: CacheDtypes) -> list[CacheLayer]:
-    linear = cfg.get("linear_attn_config")
-    if not isinstance(linear, dict):
-        raise ConfigError(f"config.json of {cfg.arch} is missing 'linear_attn_config'")
-    sub = _Config(linear, cfg.arch + " linear_attn_config")
-    state = kda_state(
-        sub.int("num_heads"),
-        sub.int("head_dim"),
-        sub.int("short_conv_kernel_size", default=4),
-        dt.conv,
-        dt.ssm,
-    )
-    return _roles_to_layers(layer_roles(cfg), lambda r: _mla(cfg, dt), lambda i: state, "kda")
-
-
 _Parser = Callable[[_Config, CacheDtypes], list[CacheLayer]]
 
 # Architecture name (config.json "architectures") -> reader, for the families that hybridkv can
 # plan but not run yet. Runnable families declare their cache from the model itself
 # (hybridkv.models.registry); a family moves from here to there when it becomes runnable.
-ARCHITECTURES: dict[str, _Parser] = {
-    "KimiLinearForCausalLM": _parse_kimi_linear,
-}
+ARCHITECTURES: dict[str, _Parser] = {}  # none since Kimi-Linear runs (issue 17)
 
 # model_type -> architecture, for configs without an "architectures" list.
 MODEL_TYPES: dict[str, str] = {

@@ -108,10 +108,12 @@ def test_malformed_config(tmp_path, capsys):
     )
     code, _, err = run(capsys, "plan", "--model", str(tmp_path))
     assert code == 2 and "'num_hidden_layers' must be int" in err and err.count("\n") == 1
-    # a plan-only family's reader still needs its keys
-    (tmp_path / "config.json").write_text('{"architectures": ["KimiLinearForCausalLM"]}')
+    # a runnable family's typed config refuses what transformers' would not build
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["KimiLinearForCausalLM"], "num_key_value_heads": 8}'
+    )
     code, _, err = run(capsys, "plan", "--model", str(tmp_path))
-    assert code == 2 and "missing" in err
+    assert code == 2 and "must equal num_attention_heads" in err and err.count("\n") == 1
     (tmp_path / "config.json").write_text("[1, 2")
     code, _, err = run(capsys, "plan", "--model", str(tmp_path))
     assert code == 2 and "cannot read" in err

@@ -198,9 +198,9 @@ def test_bad_model_folders(tiny_model_dir, tmp_path):
     other = tmp_path / "other-arch"
     shutil.copytree(tiny_model_dir, other)
     cfg = json.loads((other / "config.json").read_text())
-    cfg["architectures"] = ["KimiLinearForCausalLM"]  # plan-only (issue 16)
+    cfg["architectures"] = ["MixtralForCausalLM"]  # an architecture hybridkv does not run
     (other / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="cannot run architecture .KimiLinearForCausalLM."):
+    with pytest.raises(ValueError, match="unsupported architecture .MixtralForCausalLM."):
         Engine(str(other))
     with pytest.raises(ValueError, match="unknown option"):
         Engine(str(tiny_model_dir), block_size=16)

@@ -181,11 +181,12 @@ def test_unknown_architecture_lists_supported():
     assert "LlamaForCausalLM" in str(err.value) and "\n" not in str(err.value)
 
 
-def test_plan_only_family_missing_field_is_one_line():
-    cfg = load_preset("moonshotai/Kimi-Linear-48B-A3B-Instruct")
-    del cfg["kv_lora_rank"]
-    with pytest.raises(ConfigError, match="missing 'kv_lora_rank'"):
-        read_layers(cfg)
+def test_runnable_family_bad_field_is_one_line():
+    cfg = load_preset("moonshotai/Kimi-Linear-48B-A3B-Instruct")  # runnable since issue 17
+    cfg["linear_attn_config"] = dict(cfg["linear_attn_config"], full_attn_layers=[4, 99])
+    with pytest.raises(ConfigError, match="full_attn_layers has layer 99, outside 1..27") as err:
+        read(cfg)
+    assert "\n" not in str(err.value)
 
 
 def test_runnable_family_missing_field_takes_the_transformers_default():

@@ -21,7 +21,7 @@ from hybridkv.models.hf_config import LAYER_TYPES
 from hybridkv.models.registry import MODELS, build_on_meta, model_class
 
 RUNNABLE = sorted(MODELS)
-STATE_KINDS = ("mamba2", "gated_delta_net", "mamba1", "short_conv")
+STATE_KINDS = ("mamba2", "gated_delta_net", "mamba1", "short_conv", "kda")
 RUNNABLE_PRESETS = [p for p in preset_ids() if architecture_of(load_preset(p)) in MODELS]
 MODEL_TYPES = {
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
@@ -47,6 +47,7 @@ MODEL_TYPES = {
     "Gemma3ForConditionalGeneration": "gemma3",
     "GptOssForCausalLM": "gpt_oss",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "KimiLinearForCausalLM": "kimi_linear",
 }
 
 
@@ -154,6 +155,14 @@ def expected_specs(config: dict, dtypes: CacheDtypes) -> list[tuple]:
     elif arch == "DeepseekV3ForCausalLM":  # MLA in every layer: one latent + rope key per token
         mla = (hf.kv_lora_rank, hf.qk_rope_head_dim)
         out += [(i, "mla", *mla) for i in range(hf.num_hidden_layers)]
+    elif arch == "KimiLinearForCausalLM":  # KDA: conv q, k, v and [H, D, D]; MLA (NoPE)
+        width, conv = hf.linear_num_heads * hf.linear_head_dim, hf.linear_conv_kernel_dim - 1
+        rec = (hf.linear_num_heads, hf.linear_head_dim, hf.linear_head_dim)
+        for i, kind in enumerate(hf.layer_types):
+            if kind == "full_attention":
+                out.append((i, "mla", hf.kv_lora_rank, hf.qk_rope_head_dim))
+            else:
+                out.append((i, "kda", (width, conv), (width, conv), (width, conv), rec))
     elif arch in ("MambaForCausalLM", "FalconMambaForCausalLM"):
         inner = hf.intermediate_size
         conv, ssm = (inner, hf.conv_kernel - 1), (inner, hf.state_size)
@@ -171,7 +180,7 @@ def expected_specs(config: dict, dtypes: CacheDtypes) -> list[tuple]:
 
 def _summary(layer_index: int, spec) -> tuple:
     if spec.kind in STATE_KINDS:
-        shapes = (t.shape for t in spec.tensors)  # conv, then ssm / recurrent (short_conv: conv)
+        shapes = (t.shape for t in spec.tensors)  # conv(s), then ssm / recurrent
         return (layer_index, spec.kind, *shapes)
     if spec.kind == "mla":
         return (layer_index, spec.kind, spec.kv_lora_rank, spec.qk_rope_head_dim)
