@@ -76,6 +76,7 @@ MODELS = [
     "mistralai/Mamba-Codestral-7B-v0.1",
     "openai/gpt-oss-20b",
     "google/gemma-3-27b-it",
+    "moonshotai/Kimi-Linear-48B-A3B-Instruct",
 ]
 QUICK_MODELS = [
     "ibm-granite/granite-4.0-h-small",
