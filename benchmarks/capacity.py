@@ -83,6 +83,8 @@ QUICK_MODELS = [
     "meta-llama/Llama-3.1-8B",
     "mistralai/Mamba-Codestral-7B-v0.1",
 ]
+# FlashInfer's sizes; models whose attention is MLA use FlashInfer's MLA kernel (32 / 64)
+MLA_BACKEND = {"moonshotai/Kimi-Linear-48B-A3B-Instruct": "flashinfer_mla"}
 WORKLOADS = ("short_chat", "multi_turn", "long_docs")
 MODES = ("page", "block")
 # Models with sliding-window groups also run "whole": block mode with every window widened to
@@ -237,7 +239,8 @@ def whole_context_plan(config: dict, cfg: CacheConfig) -> MemoryPlan:
 
 
 def has_sliding_window(model: str) -> bool:
-    cfg = CacheConfig(platform="cuda", attention_backend="flashinfer", memory_bytes=GIB)
+    backend = MLA_BACKEND.get(model, "flashinfer")
+    cfg = CacheConfig(platform="cuda", attention_backend=backend, memory_bytes=GIB)
     return any(g.window is not None for g in plan_for_config(load_preset(model), cfg).groups)
 
 
@@ -247,7 +250,7 @@ def replay(model: str, workload: str, mode: str, seed: int, scale: Scale) -> dic
     gc.collect()
     cfg = CacheConfig(
         platform="cuda",
-        attention_backend="flashinfer",
+        attention_backend=MLA_BACKEND.get(model, "flashinfer"),
         memory_bytes=40 * GIB,
         allocation="block" if mode == WHOLE else mode,
     )
