@@ -26,6 +26,14 @@ def _human_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def _backend_cell(backend: str | None, runner: str | None) -> str:
+    """The planned backend, and the one that runs its groups where they differ (FlashMLA's
+    sizes run on triton)."""
+    if backend is None:
+        return "-"
+    return backend if runner in (None, backend) else f"{backend} (runs {runner})"
+
+
 def _layer_list(layer_ids: Sequence[int]) -> str:
     text = ",".join(map(str, layer_ids))
     return text if len(text) <= 28 else text[:25] + "..."
@@ -83,7 +91,7 @@ def format_plan(plan, model: str) -> str:  # plan: MemoryPlan
             str(g.group_id),
             g.kind,
             str(len(g.layer_names)),
-            g.backend if g.runner == g.backend else f"{g.backend} (runs {g.runner})",
+            _backend_cell(g.backend, g.runner),
             str(g.page_tokens or "-"),
             str(g.kernel_block_size or "-"),
             str(g.blocks_per_page),

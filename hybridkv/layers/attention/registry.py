@@ -172,13 +172,28 @@ BACKENDS: dict[str, AttentionBackendInfo] = {
             excluded=((16, 256),),
         ),
         AttentionBackendInfo(
-            "flashmla", KernelBlockSizes((64,)), _MLA, HALF_AND_FP8, runs_on="triton"
+            "flashmla",
+            KernelBlockSizes((64,)),
+            _MLA,
+            HALF_AND_FP8,
+            runs_on="triton",
+            needs="triton",
         ),
         AttentionBackendInfo(
-            "cutlass_mla", KernelBlockSizes((128,)), _MLA, HALF_AND_FP8, runs_on="triton"
+            "cutlass_mla",
+            KernelBlockSizes((128,)),
+            _MLA,
+            HALF_AND_FP8,
+            runs_on="triton",
+            needs="triton",
         ),
         AttentionBackendInfo(
-            "flashinfer_mla", KernelBlockSizes((32, 64)), _MLA, HALF_AND_FP8, runs_on="triton"
+            "flashinfer_mla",
+            KernelBlockSizes((32, 64)),
+            _MLA,
+            HALF_AND_FP8,
+            runs_on="triton",
+            needs="triton",
         ),
         AttentionBackendInfo("rocm_attn", KernelBlockSizes((16, 32)), _ATTN, HALF_AND_FP8),
         AttentionBackendInfo("rocm_aiter_fa", KernelBlockSizes((16, 32)), _ATTN, HALF_AND_FP8),
