@@ -17,6 +17,11 @@ Set-up, in order (`Engine.__init__`):
     4. make the memory plan, once
     5. materialise the model on the device and load its weights
     6. cache manager, scheduler, runner (which allocates the cache and binds it to the model)
+
+With `tensor_parallel_size=N` (`hybridkv.distributed`), rank 0 starts ranks 1..N-1 (or joins a
+torchrun launch) before step 3; every rank builds its shard of the model, the ranks agree on
+the plan before any cache is allocated, and only rank 0 keeps a cache manager and scheduler:
+the other ranks run the steps it broadcasts and never return from `Engine(...)`.
 """
 
 from __future__ import annotations
@@ -303,12 +308,16 @@ class Engine:
         """Ranks 1..N-1: run the steps rank 0 broadcasts until it stops, then end the process
         (a torchrun launch's other ranks never run the command that built the engine)."""
         assert self.group is not None
+        import torch.distributed as dist
+
         code = 0
         try:
             serve_steps(runner, self.group)
         except Exception as exc:
             logger.error("tensor-parallel rank %d stops: %r", self.tp.rank, exc)
             code = 1
+        if code == 0:
+            dist.destroy_process_group()  # before exit: no gloo thread left running
         raise SystemExit(code)
 
     def shutdown(self) -> None:
