@@ -34,8 +34,8 @@ Two paths, both in float32:
         o  = (q exp(G)) S + P U'        P_ij = sum_c q_i[c] D_ij[c] k_j[c]  (j <= i)
         S  = diag(exp(G_L)) S + (k exp(G_L - G))^T U'
 
-  A and P hold [L, L, K] decays per chunk and head (the reference keeps them; `CHUNK` is 32 to
-  bound that: 32 x 32 x K floats per chunk and head).
+  A and P need [L, L, K] decays per chunk and head (`CHUNK` is 32 to keep them small: 32 x 32 x
+  K floats), built for a slice of chunks at a time within `DECAY_BUDGET`.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from hybridkv.ops.mamba2 import _exp_decay, _split_by_length
 # A kernel for one-token requests: (state, state_pages, has_initial_state, inputs) -> o [R, H, V]
 KdaDecodeRows = Callable[..., torch.Tensor]
 CHUNK = 32
+DECAY_BUDGET = 64 * 2**20  # bytes of [chunks, H, L, L, K] decays built at once
 
 
 def kda_gate(
@@ -124,9 +125,26 @@ class _Chunks(NamedTuple):
 
 
 def _intra_chunk(inputs: KdaInputs, layout: ChunkLayout) -> _Chunks:
-    length = layout.chunk_len
+    """The per-chunk quantities of every chunk, computed a slice of chunks at a time so that the
+    [chunks, H, L, L, K] decays never exceed `DECAY_BUDGET` bytes (8192 tokens of 32 heads of
+    128 would otherwise hold 4 GiB of them)."""
     q, k, v, g = (layout.pack(x).transpose(1, 2) for x in inputs[:4])  # [c, H, L, ...]
     beta = layout.pack(inputs.beta).transpose(1, 2)  # [c, H, L]
+    per_chunk = 4 * q.shape[1] * layout.chunk_len**2 * q.shape[-1]
+    step = max(1, DECAY_BUDGET // per_chunk)
+    parts = [
+        _chunk_slice(q[a : a + step], k[a : a + step], v[a : a + step], g[a : a + step],
+                     beta[a : a + step])  # fmt: skip
+        for a in range(0, q.shape[0], step)
+    ]
+    return _Chunks(*(torch.cat(fields) for fields in zip(*parts, strict=True)))
+
+
+def _chunk_slice(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> _Chunks:
+    """q, k, g: [c, H, L, K]; v: [c, H, L, V]; beta: [c, H, L] -> their `_Chunks`."""
+    length = q.shape[2]
     G = g.cumsum(-2)  # [c, H, L, K]
     lower = torch.ones(length, length, dtype=torch.bool, device=g.device).tril()
     # D[i, j] = exp(G_i - G_j) for j <= i, else 0: [c, H, L, L, K]

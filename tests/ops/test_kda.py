@@ -146,3 +146,16 @@ def test_native_declines_what_it_does_not_take():
     assert native_kda.kda_rule(q, k, v, g[..., :-1], beta, state, pages, has, qsl) is None
     bad_pages = torch.tensor([state.shape[0]])
     assert native_kda.kda_rule(q, k, v, g, beta, state, bad_pages, has, qsl) is None
+
+
+def test_chunks_built_in_slices_give_the_same_result(monkeypatch):
+    """A decay budget of one chunk at a time (long prompts on a GPU) changes nothing."""
+    lens = _lens_case()
+    inputs, qsl = _pack(lens)
+    state, pages, has = _pages(len(lens))
+    whole_state = state.clone()
+    want = kda.kda_varlen(*inputs, whole_state, pages, has, qsl, max(lens), chunk_size=8)
+    monkeypatch.setattr(kda, "DECAY_BUDGET", 1)
+    got = kda.kda_varlen(*inputs, state, pages, has, qsl, max(lens), chunk_size=8)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(state[pages], whole_state[pages], rtol=1e-6, atol=1e-7)
