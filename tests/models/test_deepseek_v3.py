@@ -21,7 +21,13 @@ from hybridkv.kv.specs import ConfigError, MLASpec
 from hybridkv.models.deepseek_v3 import DeepseekV3Config
 
 from .conformance import check_prefill_logits, family, test_greedy_matches_transformers  # noqa: F401
-from .utils import engine_greedy, save_model, seeded
+from .utils import (
+    check_bf16_as_close_as_transformers,
+    engine_greedy,
+    prompts,
+    save_model,
+    seeded,
+)
 
 VOCAB = 96
 
@@ -137,3 +143,16 @@ def test_triton_backend_matches_transformers(family):  # noqa: F811 (the conform
         ("triton", 64)
     }
     assert engine_greedy(engine, family.plain[:3], 8) == [t[:8] for t in family.plain_ref[:3]]
+
+
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_bfloat16_is_as_close_as_transformers_own(chunk, tmp_path):
+    """bfloat16 weights and latent cache: the expanded prefill (whole prompt) and the latent
+    decode (one-token chunks: every position a decode row, on the native bf16 kernel) are as
+    close to transformers' float32 logits as transformers' own bfloat16 model."""
+    hf = build_default()
+    folder = save_model(hf, tmp_path / "m")
+    hf16 = build_default().to(torch.bfloat16)
+    kwargs = {} if chunk is None else {"max_num_batched_tokens": chunk, "max_num_seqs": 1}
+    engine = Engine(str(folder), dtype="bfloat16", kernel_block_size=8, **kwargs)
+    check_bf16_as_close_as_transformers(engine, hf, hf16, prompts(VOCAB, [37], seed=7)[0])
