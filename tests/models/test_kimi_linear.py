@@ -17,9 +17,18 @@ import torch
 from hybridkv.engine import Engine
 from hybridkv.kv.specs import kda_state
 from hybridkv.models.kimi_linear import KimiLinearConfig
+from hybridkv.ops import native
 
 from .conformance import check_prefill_logits, family, test_greedy_matches_transformers  # noqa: F401
-from .utils import check_config_errors, engine_greedy, prompts, reference_greedy, save_model, seeded
+from .utils import (
+    check_bf16_as_close_as_transformers,
+    check_config_errors,
+    engine_greedy,
+    prompts,
+    reference_greedy,
+    save_model,
+    seeded,
+)
 
 VOCAB = 96
 COMMON = dict(
@@ -137,6 +146,20 @@ def test_bfloat16_state_runs_close_to_float32(checkpoint):
     got = engine_greedy(engine, asks, 4)
     same = sum(a == b for x, y in zip(got, ref, strict=True) for a, b in zip(x, y, strict=True))
     assert same >= 6
+
+
+def test_bfloat16_model_is_as_close_to_float32_as_transformers_bfloat16(checkpoint):
+    """bfloat16 weights, activations and states on the native ops (the KDA rule's kernel takes
+    bfloat16; the convs run in PyTorch for bfloat16): prefill logits as close to the float32
+    model's as transformers' own bfloat16 model's, by the median over positions."""
+    folder, hf = checkpoint
+    hf16 = type(hf).from_pretrained(
+        str(folder), dtype=torch.bfloat16, experts_implementation="eager"
+    )
+    engine = Engine(str(folder), dtype="bfloat16", kernel_block_size=8)
+    if native.library() is not None:
+        assert {type(o).__name__ for o in engine.runner.state_ops.values()} == {"NativeKdaOps"}
+    check_bf16_as_close_as_transformers(engine, hf, hf16, prompts(VOCAB, [37], seed=7)[0])
 
 
 @pytest.mark.triton  # device "auto": on a GPU when there is one, else interpreted on the CPU
