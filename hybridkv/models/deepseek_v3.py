@@ -126,6 +126,12 @@ class DeepseekV3Config(RopeConfig):
                 f"of topk_group groups ({self.topk_group * (e // groups)})"
             )
 
+    mlp_bias: ClassVar[bool] = False  # a DeepSeek-V2 key; V3 has none
+
+    @property
+    def router(self) -> type[nn.Module]:
+        return GroupedTopkRouter
+
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -168,10 +174,10 @@ class GroupedTopkRouter(nn.Module):
 class DeepseekV3MoE(nn.Module):
     def __init__(self, cfg: DeepseekV3Config) -> None:
         super().__init__()
-        self.gate = GroupedTopkRouter(cfg)
+        self.gate = cfg.router(cfg)
         self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_experts = GatedMLP(
-            cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts
+            cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, bias=cfg.mlp_bias
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -193,7 +199,7 @@ class DeepseekV3DecoderLayer(nn.Module):
         if index >= cfg.first_k_dense_replace:
             self.mlp = DeepseekV3MoE(cfg)
         else:
-            self.mlp = GatedMLP(hidden, cfg.intermediate_size)
+            self.mlp = GatedMLP(hidden, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
@@ -239,3 +245,96 @@ class DeepseekV3ForCausalLM(CausalLM):
         for layer in self.model.layers:
             x = layer(x, batch, self.rotary, cos_sin)
         return self.model.norm(x)
+
+
+# -- DeepSeek-V2 -------------------------------------------------------------------------------
+
+TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekV2Config(DeepseekV3Config):
+    """DeepSeek-V2 (and V2-Lite): the same MLA (always interleaved RoPE) and layer shape; the
+    router is a softmax over the experts, top-k of all of them (`topk_method` "greedy") or of the
+    best `topk_group` groups by their best expert ("group_limited_greedy"), weights times
+    `routed_scaling_factor`, never renormalised (transformers ignores norm_topk_prob here).
+    Defaults: transformers 5.24 `DeepseekV2Config` (num_experts_per_tok has none: a checkpoint
+    must give it to run)."""
+
+    ARCHITECTURE: ClassVar[str] = "DeepseekV2ForCausalLM"
+
+    vocab_size: int = 102400
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    moe_intermediate_size: int = 1407
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    n_shared_experts: int = 2
+    n_routed_experts: int = 64
+    routed_scaling_factor: float = 1.0
+    n_group: int | None = None  # type: ignore[assignment]
+    topk_group: int | None = None  # type: ignore[assignment]
+    topk_method: str = "greedy"
+    num_experts_per_tok: int | None = None  # type: ignore[assignment]
+    first_k_dense_replace: int = 0
+    norm_topk_prob: bool = False
+    max_position_embeddings: int = 2048
+    mlp_bias: bool = False  # type: ignore[misc]
+
+    def _check_routing(self) -> None:
+        if self.topk_method not in TOPK_METHODS:
+            self._fail(f"topk_method {self.topk_method!r}; supported: {', '.join(TOPK_METHODS)}")
+        e, k = self.n_routed_experts, self.num_experts_per_tok
+        if k is not None and not 0 < k <= e:
+            self._fail(f"num_experts_per_tok ({k}) must be in 1..n_routed_experts ({e})")
+        if self.topk_method == "greedy":
+            return
+        groups, keep = self.n_group, self.topk_group
+        if groups is None or keep is None or e % groups or not 0 < keep <= groups:
+            self._fail(
+                f"group_limited_greedy needs n_group dividing n_routed_experts ({e}) and "
+                f"topk_group in 1..n_group, got n_group={groups}, topk_group={keep}"
+            )
+        if k is not None and k > keep * (e // groups):
+            self._fail(f"num_experts_per_tok ({k}) exceeds the experts of topk_group groups")
+
+    def _require_positive(self, *names: str) -> None:
+        optional = ("n_group", "topk_group", "num_experts_per_tok")
+        super()._require_positive(*(n for n in names if n not in optional))
+
+    @property
+    def router(self) -> type[nn.Module]:
+        return SoftmaxTopkRouter
+
+
+class SoftmaxTopkRouter(nn.Module):
+    """DeepSeek-V2's router (module `gate`): weight [E, hidden]."""
+
+    def __init__(self, cfg: DeepseekV2Config) -> None:
+        super().__init__()
+        self.top_k, self.method = cfg.num_experts_per_tok, cfg.topk_method
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.scaling = cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> experts [T, k], weights [T, k] (float32)."""
+        if self.top_k is None:
+            raise ConfigError(
+                "config.json of DeepseekV2ForCausalLM: num_experts_per_tok is not set"
+            )
+        scores = F.linear(x.float(), self.weight.float()).softmax(dim=-1)  # [T, E]
+        if self.method == "group_limited_greedy":
+            assert self.n_group is not None and self.topk_group is not None
+            t = x.shape[0]
+            grouped = scores.view(t, self.n_group, -1)  # [T, groups, E / groups]
+            keep = grouped.amax(dim=-1).topk(self.topk_group, dim=-1, sorted=False)[1]
+            mask = torch.zeros(t, self.n_group, dtype=torch.bool, device=x.device)
+            mask.scatter_(1, keep, True)
+            scores = scores.masked_fill(~mask[:, :, None].expand_as(grouped).reshape(t, -1), 0.0)
+        weights, experts = scores.topk(self.top_k, dim=-1, sorted=False)
+        return experts, weights * self.scaling
+
+
+class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
+    config_class = DeepseekV2Config

@@ -81,7 +81,27 @@ def build_odd():
     return model
 
 
-BUILDERS = {"default": build_default, "odd": build_odd}
+def build_v2():
+    """DeepSeek-V2: softmax routing limited to the best groups, no q LoRA (V2-Lite's shape),
+    biased dense and shared MLPs, the first layer dense."""
+    from transformers import DeepseekV2Config as HFConfig
+    from transformers import DeepseekV2ForCausalLM as HFModel
+
+    cfg = HFConfig(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=40, moe_intermediate_size=12,
+        num_hidden_layers=3, num_attention_heads=4, n_routed_experts=8, n_group=4,
+        topk_group=2, num_experts_per_tok=3, topk_method="group_limited_greedy",
+        first_k_dense_replace=1, kv_lora_rank=24, q_lora_rank=None, qk_rope_head_dim=8,
+        v_head_dim=12, qk_nope_head_dim=8, mlp_bias=True, routed_scaling_factor=2.0,
+        initializer_range=0.12, max_position_embeddings=256,
+    )  # fmt: skip
+    model = seeded(HFModel, cfg, seed=V2_SEED)
+    _randomise(model, V2_SEED + 3)
+    return model
+
+
+V2_SEED = 0
+BUILDERS = {"default": build_default, "odd": build_odd, "v2": build_v2}
 
 
 @pytest.fixture(scope="module", params=list(BUILDERS))
