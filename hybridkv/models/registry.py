@@ -36,6 +36,7 @@ MODELS: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "hybridkv.models.gemma3:Gemma3ForConditionalGeneration",
     "GptOssForCausalLM": "hybridkv.models.gpt_oss:GptOssForCausalLM",
     "DeepseekV3ForCausalLM": "hybridkv.models.deepseek_v3:DeepseekV3ForCausalLM",
+    "DeepseekV2ForCausalLM": "hybridkv.models.deepseek_v3:DeepseekV2ForCausalLM",
     "KimiLinearForCausalLM": "hybridkv.models.kimi_linear:KimiLinearForCausalLM",
 }
 

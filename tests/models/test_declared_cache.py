@@ -47,6 +47,7 @@ MODEL_TYPES = {
     "Gemma3ForConditionalGeneration": "gemma3",
     "GptOssForCausalLM": "gpt_oss",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
     "KimiLinearForCausalLM": "kimi_linear",
 }
 
@@ -152,7 +153,7 @@ def expected_specs(config: dict, dtypes: CacheDtypes) -> list[tuple]:
                 out.append((i, "short_conv", (hf.hidden_size, hf.conv_L_cache - 1)))
             else:
                 out.append((i, "attention", hf.num_key_value_heads, head_dim, None))
-    elif arch == "DeepseekV3ForCausalLM":  # MLA in every layer: one latent + rope key per token
+    elif arch.startswith("Deepseek"):  # MLA in every layer: one latent + rope key per token
         mla = (hf.kv_lora_rank, hf.qk_rope_head_dim)
         out += [(i, "mla", *mla) for i in range(hf.num_hidden_layers)]
     elif arch == "KimiLinearForCausalLM":  # KDA: conv q, k, v and [H, D, D]; MLA (NoPE)
