@@ -268,23 +268,12 @@ class Engine:
             tp_size, self.parallel_config.distributed_timeout_s, self.device.type, model, kwargs
         )  # fmt: skip
         self.tp = SINGLE if self.group is None else self.group.tp
-        with building(self.tp), torch.device("meta"):
-            meta_model = cls(family)
-        layers = meta_model.cache_layers(rt.cache_dtypes)
-        plan = make_plan(layers, self.cache_config, self.architecture, rt.plan_target())
-        plan = dataclasses.replace(plan, tensor_parallel_size=tp_size)
-        self.plan = agree_on_plan(plan, self.tp)  # before any cache memory is allocated
-        _check_runnable(self.plan)
-        self._fit_max_model_len()
-        self.model = self._load_weights(meta_model, folder)
-        runner = ModelRunner(
-            self.model,
-            self.plan,
-            self.scheduler_config.max_num_seqs,
-            self.device,
-            self.model_config.seed,
-            driver=self.tp.rank == 0,
-        )
+        try:
+            runner = self._build_rank(cls, family, folder)
+        except BaseException:
+            if self.group is not None and self.tp.rank == 0:
+                DriverRunner(None, self.group, 0).abandon()  # no orphaned workers
+            raise
         if self.group is not None and self.tp.rank != 0:
             self._serve_as_worker(runner)  # returns only by SystemExit
         self.runner: Any = runner
@@ -303,6 +292,28 @@ class Engine:
             self.cpu_share.settle()  # from what other programs did while the engine started
 
     # -- set-up --------------------------------------------------------------------------------
+
+    def _build_rank(self, cls: type[CausalLM], family: HFConfig, folder: Path) -> ModelRunner:
+        """This rank's model (its shard under tensor parallelism), the plan every rank agreed
+        on, the weights and the runner that allocates the cache."""
+        rt = self.runtime
+        with building(self.tp), torch.device("meta"):
+            meta_model = cls(family)
+        layers = meta_model.cache_layers(rt.cache_dtypes)
+        plan = make_plan(layers, self.cache_config, self.architecture, rt.plan_target())
+        plan = dataclasses.replace(plan, tensor_parallel_size=self.tp.size)
+        self.plan = agree_on_plan(plan, self.tp)  # before any cache memory is allocated
+        _check_runnable(self.plan)
+        self._fit_max_model_len()
+        self.model = self._load_weights(meta_model, folder)
+        return ModelRunner(
+            self.model,
+            self.plan,
+            self.scheduler_config.max_num_seqs,
+            self.device,
+            self.model_config.seed,
+            driver=self.tp.rank == 0,
+        )
 
     def _serve_as_worker(self, runner: ModelRunner) -> None:
         """Ranks 1..N-1: run the steps rank 0 broadcasts until it stops, then end the process

@@ -281,6 +281,11 @@ class DriverRunner:
             f"{self.timeout_s:g} s; the engine stops ({exc})"
         )
 
+    def abandon(self) -> None:
+        """Rank 0 failed before the first step: end the workers without telling them."""
+        self.failed = self.failed or "the engine failed while it was set up"
+        self.shutdown()
+
     def shutdown(self) -> None:
         """Tell the workers to stop (when they can still hear it) and end their processes."""
         import torch.distributed as dist

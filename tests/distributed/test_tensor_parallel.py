@@ -219,3 +219,17 @@ def test_collectives_are_counted(granite_family) -> None:
         assert prefill == 17 * counter.all_reduce_bytes
     finally:
         engine.shutdown()
+
+
+def test_failed_setup_leaves_no_worker(granite_family) -> None:
+    """A pool too small for any request fails the set-up in one line; the worker rank 0
+    started is gone with it."""
+    import multiprocessing
+
+    with pytest.raises(ValueError, match="is too small") as err:
+        tp2(granite_family.folder, num_pages=2)
+    assert "\n" not in str(err.value)
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not multiprocessing.active_children()
