@@ -52,6 +52,8 @@ SHARDED_ARCHITECTURES = frozenset(
         "GraniteMoeHybridForCausalLM",
         "BambaForCausalLM",
         "NemotronHForCausalLM",
+        "Gemma3ForCausalLM",
+        "Gemma3ForConditionalGeneration",
         "Qwen3NextForCausalLM",
         "Qwen3_5ForCausalLM",
         "Qwen3_5MoeForCausalLM",

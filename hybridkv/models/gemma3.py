@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.distributed.layers import vocab_embedding, vocab_head
+from hybridkv.distributed.parallel import column, current, declare_shards
 from hybridkv.kv.specs import ConfigError
 from hybridkv.layers.attention.self_attention import CosSin, SelfAttention
 from hybridkv.layers.mlp import ZeroCenteredRMSNorm
@@ -171,14 +173,20 @@ class Gemma3MLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
+        self.tp = tp = current()  # tensor parallel: this rank's slice of the intermediate
+        full = intermediate_size
+        intermediate_size = tp.split(full, "intermediate_size")
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        declare_shards(self.gate_proj, weight=column(tp, (0, full)))
+        declare_shards(self.up_proj, weight=column(tp, (0, full)))
+        declare_shards(self.down_proj, weight=column(tp, (0, full), dim=1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]."""
+        """x: [T, hidden] -> [T, hidden] (row-parallel down_proj: all-reduced)."""
         gate = F.gelu(self.gate_proj(x), approximate="tanh")  # [T, inter]
-        return self.down_proj(gate * self.up_proj(x))
+        return self.tp.all_reduce(self.down_proj(gate * self.up_proj(x)))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -216,7 +224,7 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3TextModel(nn.Module):
     def __init__(self, cfg: Gemma3TextConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)
         )
@@ -229,7 +237,7 @@ class Gemma3ForCausalLM(CausalLM):
     def __init__(self, config: Gemma3TextConfig) -> None:
         super().__init__(config)
         self.model = Gemma3TextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = vocab_head(config.hidden_size, config.vocab_size)
         self.rotary_global = RotaryEmbedding(config.head_dim, config.rope_for("full_attention"))
         self.rotary_local = RotaryEmbedding(config.head_dim, config.rope_for("sliding_attention"))
         self.embed_scale = config.hidden_size**0.5

@@ -139,11 +139,19 @@ def nemotron_h_checkpoint(tmp_path_factory):
     return build(tmp_path_factory, "moe")
 
 
+def gemma3_checkpoint(tmp_path_factory):
+    """Gemma 3: sliding and global layers, (1 + weight) q/k norms, GELU MLP."""
+    from tests.models.test_gemma3 import build_defaults
+
+    hf = build_defaults()
+    return save_model(hf, tmp_path_factory.mktemp("gemma3-tp")), hf
+
+
 @pytest.mark.parametrize(
     "build",
     [llama_checkpoint, bamba_checkpoint, qwen3_next_checkpoint, qwen3_5_moe_checkpoint,
-     nemotron_h_checkpoint],
-    ids=["llama", "bamba", "qwen3_next", "qwen3_5_moe", "nemotron_h"],
+     nemotron_h_checkpoint, gemma3_checkpoint],
+    ids=["llama", "bamba", "qwen3_next", "qwen3_5_moe", "nemotron_h", "gemma3"],
 )  # fmt: skip
 def test_family_matches_transformers_and_tp1(build, tmp_path_factory) -> None:
     folder, hf = build(tmp_path_factory)
