@@ -53,6 +53,7 @@ SHARDED_ARCHITECTURES = frozenset(
         "BambaForCausalLM",
         "NemotronHForCausalLM",
         "Gemma3ForCausalLM",
+        "GptOssForCausalLM",
         "Gemma3ForConditionalGeneration",
         "Qwen3NextForCausalLM",
         "Qwen3_5ForCausalLM",

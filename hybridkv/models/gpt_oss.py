@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.distributed.layers import vocab_embedding, vocab_head
+from hybridkv.distributed.parallel import column, current, declare_shards, rank0_bias
 from hybridkv.kv.specs import ConfigError
 from hybridkv.layers.attention.self_attention import CosSin, SelfAttention
 from hybridkv.layers.mlp import RMSNorm
@@ -167,12 +169,21 @@ class GptOssExperts(nn.Module):
 
     def __init__(self, cfg: GptOssConfig) -> None:
         super().__init__()
-        e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        e, h, full = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        # tensor parallel: this rank's slice of every expert's intermediate size; interleaved
+        # (gate, up) pairs keep a slice contiguous; the down bias is added by rank 0 only
+        tp = current()
+        i = tp.split(full, "intermediate_size")
         self.num_experts, self.alpha, self.limit = e, cfg.swiglu_alpha, cfg.swiglu_limit
         self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * i))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i))
         self.down_proj = nn.Parameter(torch.empty(e, i, h))
         self.down_proj_bias = nn.Parameter(torch.empty(e, h))
+        declare_shards(
+            self, gate_up_proj=column(tp, (0, 2 * full), dim=2),
+            gate_up_proj_bias=column(tp, (0, 2 * full), dim=1),
+            down_proj=column(tp, (0, full), dim=1), down_proj_bias=rank0_bias(tp),
+        )  # fmt: skip
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [n, 2I] (gate at even columns, up at odd) -> [n, I], the clamped SwiGLU."""
@@ -209,11 +220,12 @@ class GptOssMLP(nn.Module):
         super().__init__()
         self.router = GptOssRouter(cfg.hidden_size, cfg.num_local_experts, cfg.num_experts_per_tok)
         self.experts = GptOssExperts(cfg)
+        self.tp = current()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]."""
+        """x: [T, hidden] -> [T, hidden] (tensor parallel: the experts' partial sums reduced)."""
         experts, weights = self.router(x)
-        return self.experts(x, experts, weights)
+        return self.tp.all_reduce(self.experts(x, experts, weights))
 
 
 class GptOssDecoderLayer(nn.Module):
@@ -242,7 +254,7 @@ class GptOssDecoderLayer(nn.Module):
 class GptOssModel(nn.Module):
     def __init__(self, cfg: GptOssConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             GptOssDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)
         )
@@ -256,7 +268,7 @@ class GptOssForCausalLM(CausalLM):
         super().__init__(config)
         assert config.head_dim is not None
         self.model = GptOssModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = vocab_head(config.hidden_size, config.vocab_size)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope, max_positions=config.max_position_embeddings
         )

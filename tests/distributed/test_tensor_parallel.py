@@ -147,11 +147,20 @@ def gemma3_checkpoint(tmp_path_factory):
     return save_model(hf, tmp_path_factory.mktemp("gemma3-tp")), hf
 
 
+def gpt_oss_checkpoint(tmp_path_factory):
+    """gpt-oss: attention sinks split by head, interleaved gate/up experts with biases (the
+    down bias added once), sliding and full layers."""
+    from tests.models.test_gpt_oss import build_default
+
+    hf = build_default()
+    return save_model(hf, tmp_path_factory.mktemp("gpt-oss-tp")), hf
+
+
 @pytest.mark.parametrize(
     "build",
     [llama_checkpoint, bamba_checkpoint, qwen3_next_checkpoint, qwen3_5_moe_checkpoint,
-     nemotron_h_checkpoint, gemma3_checkpoint],
-    ids=["llama", "bamba", "qwen3_next", "qwen3_5_moe", "nemotron_h", "gemma3"],
+     nemotron_h_checkpoint, gemma3_checkpoint, gpt_oss_checkpoint],
+    ids=["llama", "bamba", "qwen3_next", "qwen3_5_moe", "nemotron_h", "gemma3", "gpt_oss"],
 )  # fmt: skip
 def test_family_matches_transformers_and_tp1(build, tmp_path_factory) -> None:
     folder, hf = build(tmp_path_factory)
