@@ -54,6 +54,7 @@ SHARDED_ARCHITECTURES = frozenset(
         "NemotronHForCausalLM",
         "Gemma3ForCausalLM",
         "GptOssForCausalLM",
+        "Mamba2ForCausalLM",
         "Gemma3ForConditionalGeneration",
         "Qwen3NextForCausalLM",
         "Qwen3_5ForCausalLM",

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from hybridkv.distributed.layers import vocab_embedding, vocab_head
 from hybridkv.layers.cache import CacheOwner
 from hybridkv.layers.mlp import RMSNorm
 from hybridkv.models.base import CausalLM
@@ -50,7 +51,7 @@ class StateBlock(nn.Module):
 class StateBackbone(nn.Module):
     def __init__(self, cfg: StateModelConfig) -> None:
         super().__init__()
-        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embeddings = vocab_embedding(cfg.vocab_size, cfg.hidden_size)  # tensor parallel
         self.layers = nn.ModuleList(StateBlock(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
 
@@ -61,7 +62,7 @@ class StateCausalLM(CausalLM):
     def __init__(self, config) -> None:  # config: a StateModelConfig HFConfig
         super().__init__(config)
         self.backbone = StateBackbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = vocab_head(config.hidden_size, config.vocab_size)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.backbone.embeddings

@@ -156,11 +156,19 @@ def gpt_oss_checkpoint(tmp_path_factory):
     return save_model(hf, tmp_path_factory.mktemp("gpt-oss-tp")), hf
 
 
+def mamba2_checkpoint(tmp_path_factory):
+    """Pure Mamba2 (no attention: one state page per request), 8 groups: 4 per rank."""
+    from tests.models.test_mamba2 import build
+
+    return build(tmp_path_factory, "defaults")
+
+
 @pytest.mark.parametrize(
     "build",
     [llama_checkpoint, bamba_checkpoint, qwen3_next_checkpoint, qwen3_5_moe_checkpoint,
-     nemotron_h_checkpoint, gemma3_checkpoint, gpt_oss_checkpoint],
-    ids=["llama", "bamba", "qwen3_next", "qwen3_5_moe", "nemotron_h", "gemma3", "gpt_oss"],
+     nemotron_h_checkpoint, gemma3_checkpoint, gpt_oss_checkpoint, mamba2_checkpoint],
+    ids=["llama", "bamba", "qwen3_next", "qwen3_5_moe", "nemotron_h", "gemma3", "gpt_oss",
+         "mamba2"],
 )  # fmt: skip
 def test_family_matches_transformers_and_tp1(build, tmp_path_factory) -> None:
     folder, hf = build(tmp_path_factory)
