@@ -55,6 +55,7 @@ SHARDED_ARCHITECTURES = frozenset(
         "Gemma3ForCausalLM",
         "GptOssForCausalLM",
         "Mamba2ForCausalLM",
+        "FalconH1ForCausalLM",
         "Gemma3ForConditionalGeneration",
         "Qwen3NextForCausalLM",
         "Qwen3_5ForCausalLM",

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.distributed.layers import vocab_embedding, vocab_head
 from hybridkv.layers.attention.self_attention import CosSin, SelfAttention
 from hybridkv.layers.mamba2 import Mamba2Mixer
 from hybridkv.layers.mlp import GatedMLP, RMSNorm
@@ -221,7 +222,8 @@ class FalconH1Attention(SelfAttention):
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         if rotary is not None and cos_sin is not None:
             q, k = rotary(q, k, *cos_sin)
-        return self.o_proj(self.attn(q, k, v, batch))  # attn: [T, heads * head_dim]
+        out = self.o_proj(self.attn(q, k, v, batch))  # attn: [T, heads * head_dim]
+        return self.tp.all_reduce(out)  # tensor parallel: o_proj is row-parallel
 
 
 class FalconH1MLP(GatedMLP):
@@ -237,7 +239,7 @@ class FalconH1MLP(GatedMLP):
         gate = self.gate_proj(x)  # [T, intermediate]
         if self.gate_multiplier != 1.0:
             gate = gate * self.gate_multiplier
-        out = self.down_proj(self.up_proj(x) * F.silu(gate))
+        out = self.tp.all_reduce(self.down_proj(self.up_proj(x) * F.silu(gate)))
         return out if self.down_multiplier == 1.0 else out * self.down_multiplier
 
 
@@ -273,7 +275,7 @@ class FalconH1DecoderLayer(nn.Module):
 class FalconH1Model(nn.Module):
     def __init__(self, cfg: FalconH1Config) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             FalconH1DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)
         )
@@ -287,7 +289,7 @@ class FalconH1ForCausalLM(CausalLM):
         super().__init__(config)
         assert config.head_dim is not None
         self.model = FalconH1Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = vocab_head(config.hidden_size, config.vocab_size)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope)
         self.embedding_multiplier = float(config.embedding_multiplier)
         self.lm_head_multiplier = float(config.lm_head_multiplier)

@@ -163,12 +163,26 @@ def mamba2_checkpoint(tmp_path_factory):
     return build(tmp_path_factory, "defaults")
 
 
+def falcon_h1_checkpoint(tmp_path_factory):
+    """Falcon-H1 with every muP multiplier (the Mamba2 projection's per-slice scales taken per
+    rank), biases, 2 groups with the norm, tied embeddings."""
+    from tests.models.test_falcon_h1 import _mup, build
+
+    def four_heads():  # the family test's muP model has 3 attention heads
+        cfg = _mup()
+        cfg.num_attention_heads = 4
+        return cfg
+
+    return build(tmp_path_factory, "mup", builder=four_heads, seed=1)
+
+
 @pytest.mark.parametrize(
     "build",
     [llama_checkpoint, bamba_checkpoint, qwen3_next_checkpoint, qwen3_5_moe_checkpoint,
-     nemotron_h_checkpoint, gemma3_checkpoint, gpt_oss_checkpoint, mamba2_checkpoint],
+     nemotron_h_checkpoint, gemma3_checkpoint, gpt_oss_checkpoint, mamba2_checkpoint,
+     falcon_h1_checkpoint],
     ids=["llama", "bamba", "qwen3_next", "qwen3_5_moe", "nemotron_h", "gemma3", "gpt_oss",
-         "mamba2"],
+         "mamba2", "falcon_h1"],
 )  # fmt: skip
 def test_family_matches_transformers_and_tp1(build, tmp_path_factory) -> None:
     folder, hf = build(tmp_path_factory)
