@@ -222,7 +222,7 @@ class Platform:
 PLATFORMS: dict[str, Platform] = {
     "cpu": Platform("cpu", {"attention": "torch", "mla": "torch"}),
     "cuda": Platform("cuda", {"attention": "triton", "mla": "flashmla"}),
-    "rocm": Platform("rocm", {"attention": "triton", "mla": "torch"}),
+    "rocm": Platform("rocm", {"attention": "triton", "mla": "triton"}),
 }
 
 
