@@ -12,9 +12,10 @@ Where the families differ (read in transformers 5.x):
   and gates after (`norm_before_gate=True`, `weight_in_fp32=True` here).
 
 In float32 every variant gives the same numbers up to rounding order; they differ in bf16/fp16.
-All functions return the input dtype. In float32 on the CPU the native kernels
-(`hybridkv.ops.native`) compute each in one pass over memory; the code here is the reference
-(and the path for other dtypes, or without a compiler).
+All functions return the input dtype. In float32 and bfloat16 on the CPU the native kernels
+(`hybridkv.ops.native`) compute each in one pass over memory, rounding bfloat16 where the code
+here does; the code here is the reference (and the path for other dtypes, or without a
+compiler).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool = False
 ) -> torch.Tensor:
     """RMSNorm over the last dimension. x: [..., hidden]; weight: [hidden] -> [..., hidden]."""
-    out = native.rms_norm(x, weight, eps)  # float32 only, where weight_in_fp32 changes nothing
+    out = native.rms_norm(x, weight, eps, weight_in_fp32)
     if out is not None:
         return out
     x_hat = _normalise(x.float(), eps)
@@ -61,7 +62,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A residual add and the next norm: (s, rms_norm(s)) with s = x + h * multiplier.
     x, h: [..., hidden] of one dtype; weight: [hidden]."""
-    fused = native.add_rms_norm(x, h, multiplier, weight, eps)
+    fused = native.add_rms_norm(x, h, multiplier, weight, eps, weight_in_fp32)
     if fused is not None:
         return fused
     total = x + (h if multiplier == 1.0 else h * multiplier)
@@ -85,8 +86,10 @@ def gated_rms_norm(
     weight_in_fp32=True` gives silu(gate) * (weight * normalise(x)) computed in float32.
     """
     if gate is not None:
-        out = native.gated_rms_norm(x, gate, weight, eps, group_size, norm_before_gate)
-        if out is not None:  # float32 only, where weight_in_fp32 changes nothing
+        out = native.gated_rms_norm(
+            x, gate, weight, eps, group_size, norm_before_gate, weight_in_fp32
+        )
+        if out is not None:
             return out
     dtype = x.dtype
     xf = x.float()

@@ -112,9 +112,21 @@ def test_mamba2_scan_bf16_state_is_the_float32_scan_rounded(tokens):
 @needs_compiler
 @pytest.mark.parametrize("kbs,window", [(1, None), (3, 4), (16, None), (16, 7)])
 def test_paged_decode_matches_dense_attention(kbs, window):
+    _check_paged_decode(kbs, window, torch.float32)
+
+
+@needs_compiler
+@pytest.mark.parametrize("kbs,window", [(3, None), (16, 7)])
+def test_paged_decode_bf16_is_the_float32_attention_of_the_widened_cache(kbs, window):
+    _check_paged_decode(kbs, window, torch.bfloat16)
+
+
+def _check_paged_decode(kbs: int, window: int | None, dtype: torch.dtype) -> None:
+    """Native decode attention against dense attention of the same (widened) keys and values,
+    in float32; a bfloat16 result is that float32 result rounded."""
     g = torch.Generator().manual_seed(kbs)
     heads, kv_heads, d, num_blocks = 6, 2, 16, 40
-    cache = torch.full((num_blocks, 2, kbs, kv_heads, d), float("nan"))
+    cache = torch.full((num_blocks, 2, kbs, kv_heads, d), float("nan"), dtype=dtype)
     lens = [1, 9, 23, 5]
     table = torch.zeros(len(lens), 30, dtype=torch.int32)
     perm = torch.randperm(num_blocks - 1, generator=g) + 1
@@ -123,21 +135,26 @@ def test_paged_decode_matches_dense_attention(kbs, window):
         blocks = -(-n // kbs)
         table[s, :blocks] = perm[used : used + blocks].int()
         used += blocks
-        k, v = torch.randn(n, kv_heads, d, generator=g), torch.randn(n, kv_heads, d, generator=g)
+        k = torch.randn(n, kv_heads, d, generator=g).to(dtype).float()
+        v = torch.randn(n, kv_heads, d, generator=g).to(dtype).float()
         pos = torch.arange(n)
-        cache[table[s, pos // kbs].long(), 0, pos % kbs] = k
-        cache[table[s, pos // kbs].long(), 1, pos % kbs] = v
+        cache[table[s, pos // kbs].long(), 0, pos % kbs] = k.to(dtype)
+        cache[table[s, pos // kbs].long(), 1, pos % kbs] = v.to(dtype)
         ks.append(k)
         vs.append(v)
-    q = torch.randn(len(lens), heads, d, generator=g)
+    q = torch.randn(len(lens), heads, d, generator=g).to(dtype)
     out = native.paged_decode_attention(q, cache, table, torch.tensor(lens), 0.3, window)
-    assert out is not None and not out.isnan().any()
+    assert out is not None and out.dtype == dtype and not out.isnan().any()
     for s, n in enumerate(lens):
         first = 0 if window is None else max(0, n - window)
         k = ks[s][first:].repeat_interleave(heads // kv_heads, dim=1)  # [t, heads, d]
         v = vs[s][first:].repeat_interleave(heads // kv_heads, dim=1)
-        p = torch.softmax(torch.einsum("hd,thd->ht", q[s], k) * 0.3, dim=-1)
-        torch.testing.assert_close(out[s], torch.einsum("ht,thd->hd", p, v), rtol=1e-5, atol=1e-5)
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[s].float(), k) * 0.3, dim=-1)
+        expected = torch.einsum("ht,thd->hd", p, v)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out[s], expected, rtol=1e-5, atol=1e-5)
+        else:  # the float32 result rounded: within one bfloat16 step of the rounded reference
+            torch.testing.assert_close(out[s].float(), expected, rtol=8e-3, atol=1e-5)
 
 
 @needs_compiler
@@ -205,3 +222,42 @@ def test_paged_decode_softmax_over_a_wide_score_range():
     ref = torch.softmax(scores, dim=-1) @ v[:, 0].double()
     assert (scores.max(-1).values - scores.min(-1).values).min() > 100  # the range is wide
     torch.testing.assert_close(out[0].double(), ref, rtol=1e-5, atol=1e-6)
+
+
+@needs_compiler
+def test_silu_mul_bf16_rounds_where_pytorch_does():
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(33, 2 * 200, generator=g) * 6).bfloat16()  # wide range of silu inputs
+    gate, up = x.chunk(2, dim=-1)
+    out = native.silu_and_mul(x)
+    assert out is not None and out.dtype == torch.bfloat16
+    assert torch.equal(out, torch.nn.functional.silu(gate) * up)
+
+
+@needs_compiler
+@pytest.mark.parametrize("weight_in_fp32", [False, True])
+def test_bf16_norm_rows_round_where_pytorch_does(weight_in_fp32, monkeypatch):
+    """Wide bfloat16 rows (768 channels, 3 groups): the native norms give PyTorch's numbers but
+    for a last-bit flip where the two float32 sums round apart."""
+    from hybridkv.ops import norm
+
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(17, 768, generator=g) * 3).bfloat16()
+    h = torch.randn(17, 768, generator=g).bfloat16()
+    z = torch.randn(17, 768, generator=g).bfloat16()
+    w = (torch.randn(768, generator=g) + 1).bfloat16()
+
+    def run() -> list[torch.Tensor]:
+        total, normed = norm.add_rms_norm(x, h, 0.5, w, 1e-6, weight_in_fp32=weight_in_fp32)
+        return [
+            norm.rms_norm(x, w, 1e-6, weight_in_fp32=weight_in_fp32), total, normed,
+            norm.gated_rms_norm(x, z, w, 1e-6, 256, weight_in_fp32=weight_in_fp32),
+        ]  # fmt: skip
+
+    fast = run()
+    monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    ref = run()
+    for out, expected in zip(fast, ref, strict=True):
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7, atol=1e-6)
+        assert (out == expected).float().mean() >= 0.98

@@ -7,10 +7,15 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 def assert_matches(out, expected, kernels):
-    """Bit for bit on the PyTorch path (and in bf16, which the native kernels decline); within
-    float32 rounding on the native one, whose one-pass sums and silu round differently."""
+    """Bit for bit on the PyTorch path; within float32 rounding on the native one, whose
+    one-pass sums and silu round differently. In bfloat16 the native kernels round where
+    PyTorch does, so a float32 difference can flip at most the last bfloat16 bit of a few
+    values."""
     if kernels == "native" and out.dtype == torch.float32:
         torch.testing.assert_close(out, expected, rtol=2e-6, atol=1e-6)
+    elif kernels == "native":
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7, atol=1e-6)
+        assert (out == expected).float().mean() >= 0.9
     else:
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
 

@@ -17,8 +17,8 @@ gated RMSNorm run as one pass over their rows (PyTorch makes four to six): 1.6 t
 Build: `gcc -O3 -march=native -fopenmp -shared` into `$XDG_CACHE_HOME/hybridkv` (default
 `~/.cache/hybridkv`), keyed by the source, the compiler flags and the CPU's flags, so a cache
 shared between machines never loads a build for another CPU. Built once, about a second. No
-compiler, a failed build, a tensor of a dtype the kernel does not take (float32; the gated delta
-rule and the Mamba1 scan also bfloat16), or `HYBRIDKV_NATIVE=0` in the environment: the callers
+compiler, a failed build, a tensor of a dtype the kernel does not take (float32 and bfloat16;
+the Mamba2 scan's other inputs float32 only), or `HYBRIDKV_NATIVE=0` in the environment: the callers
 keep their PyTorch path (the reference the tests compare both with), or, for the state ops chosen
 by the plan, the plan does not choose native ones.
 """
@@ -56,12 +56,17 @@ _SIGNATURES = {
                         _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
     "hkv_conv1d": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr,
                    _ptr, _int, _ptr],
-    "hkv_paged_decode_f32": [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64,
+    "hkv_paged_decode": [_ptr, _ptr, _int, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64,
                              _f32, _ptr, _ptr],
     "hkv_rms_norm_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32],
     "hkv_add_rms_norm_f32": [_ptr, _ptr, _f32, _ptr, _ptr, _ptr, _i64, _i64, _f32],
     "hkv_silu_mul_f32": [_ptr, _i64, _ptr, _i64, _i64],
     "hkv_gated_rms_norm_f32": [_ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _f32, _int],
+    "hkv_rms_norm_bf16": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32, _int],
+    "hkv_add_rms_norm_bf16": [_ptr, _ptr, _f32, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int],
+    "hkv_silu_mul_bf16": [_ptr, _i64, _ptr, _i64, _i64],
+    "hkv_gated_rms_norm_bf16": [_ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _f32, _int,
+                                _int],
     "hkv_argmax_f32": [_ptr, _i64, _i64, _i64, _ptr],
     "hkv_gated_delta_rule": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
                              _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr,
@@ -429,11 +434,14 @@ def paged_decode_attention(
     """Decode attention natively: None when the kernels or these tensors are not supported.
     sinks: [heads] float32 or None (a per-head logit in every softmax denominator, gpt-oss).
 
-    q: [S, heads, d]; kv_cache: [num_kernel_blocks, 2, kbs, kv_heads, d] contiguous;
-    block_table: [S, max_blocks] int32; seq_lens: [S] -> [S, heads, d].
+    q: [S, heads, d]; kv_cache: [num_kernel_blocks, 2, kbs, kv_heads, d] contiguous, of q's
+    dtype (float32 or bfloat16; float32 math either way); block_table: [S, max_blocks] int32;
+    seq_lens: [S] -> [S, heads, d] in q's dtype.
     """
     lib = library()
-    if lib is None or not _is_f32_cpu(q, kv_cache) or not kv_cache.is_contiguous():
+    if lib is None or not _is_float_cpu(q) or q.dtype != kv_cache.dtype:
+        return None
+    if not kv_cache.is_contiguous() or kv_cache.device.type != "cpu":
         return None
     if block_table.dtype != torch.int32 or block_table.stride(-1) != 1:
         return None
@@ -445,68 +453,93 @@ def paged_decode_attention(
     else:
         first = (lens - sliding_window).clamp(min=0)
     q = q.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=torch.float32)
     sink = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
-    lib.hkv_paged_decode_f32(
-        q.data_ptr(), kv_cache.data_ptr(), kbs, kv_heads, head_dim, num_heads,
+    lib.hkv_paged_decode(
+        q.data_ptr(), kv_cache.data_ptr(), _is_bf16(q), kbs, kv_heads, head_dim, num_heads,
         block_table.data_ptr(), block_table.stride(0), first.data_ptr(), lens.data_ptr(),
         num_seqs, scale, None if sink is None else sink.data_ptr(), out.data_ptr(),
     )  # fmt: skip
-    return out
+    return out.to(q.dtype)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor | None:
-    """x as [rows, cols] with unit column stride (a view when possible), None if not float32."""
-    if not _is_f32_cpu(x):
+    """x as [rows, cols] with unit column stride (a view when possible), None unless float32 or
+    bfloat16."""
+    if not _is_float_cpu(x):
         return None
     rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """weight * x / sqrt(mean(x^2) + eps) over the last dimension of float32 x, in one pass;
-    None when not supported."""
-    lib, rows = library(), _rows(x)
-    if lib is None or rows is None or not _is_f32_cpu(weight) or weight.numel() != rows.shape[1]:
+def _row_weight(x: torch.Tensor, weight: torch.Tensor, cols: int) -> torch.Tensor | None:
+    """The norm weight a row kernel takes for x: of x's dtype and cols long, else None."""
+    if weight.dtype != x.dtype or weight.device.type != "cpu" or weight.numel() != cols:
         return None
-    weight = weight.contiguous()
-    out = torch.empty(rows.shape, dtype=torch.float32)
-    lib.hkv_rms_norm_f32(
-        rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), rows.shape[0],
-        rows.shape[1], eps,
-    )  # fmt: skip
+    return weight.contiguous()
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool = False
+) -> torch.Tensor | None:
+    """weight * x / sqrt(mean(x^2) + eps) over the last dimension of float32 or bfloat16 x (and
+    weight of its dtype), in one pass; bfloat16 rounds where `ops.norm.rms_norm` does, which
+    `weight_in_fp32` decides. None when not supported."""
+    lib, rows = library(), _rows(x)
+    if lib is None or rows is None:
+        return None
+    w = _row_weight(x, weight, rows.shape[1])
+    if w is None:
+        return None
+    out = torch.empty(rows.shape, dtype=x.dtype)
+    args = (rows.data_ptr(), rows.stride(0), w.data_ptr(), out.data_ptr(), *rows.shape, eps)
+    if x.dtype == torch.bfloat16:
+        lib.hkv_rms_norm_bf16(*args, int(weight_in_fp32))
+    else:
+        lib.hkv_rms_norm_f32(*args)
     return out.reshape(x.shape)
 
 
 def add_rms_norm(
-    x: torch.Tensor, h: torch.Tensor, multiplier: float, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    h: torch.Tensor,
+    multiplier: float,
+    weight: torch.Tensor,
+    eps: float,
+    weight_in_fp32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(x + multiplier * h, its rms_norm) for float32 x, h of one shape, in one pass; None when
-    not supported."""
+    """(x + multiplier * h, its rms_norm) for float32 or bfloat16 x, h of one shape and dtype,
+    in one pass; None when not supported."""
     lib = library()
-    if lib is None or not _is_f32_cpu(x, h, weight) or x.shape != h.shape:
+    if lib is None or not _is_float_cpu(x) or x.shape != h.shape or h.dtype != x.dtype:
         return None
-    if weight.numel() != x.shape[-1]:
-        return None
-    x, h, weight = x.contiguous(), h.contiguous(), weight.contiguous()
-    total, out = torch.empty_like(x), torch.empty_like(x)
     cols = x.shape[-1]
-    lib.hkv_add_rms_norm_f32(
-        x.data_ptr(), h.data_ptr(), multiplier, weight.data_ptr(), total.data_ptr(),
-        out.data_ptr(), x.numel() // max(cols, 1), cols, eps,
+    w = _row_weight(x, weight, cols)
+    if w is None or h.device.type != "cpu":
+        return None
+    x, h = x.contiguous(), h.contiguous()
+    total, out = torch.empty_like(x), torch.empty_like(x)
+    args = (
+        x.data_ptr(), h.data_ptr(), multiplier, w.data_ptr(), total.data_ptr(), out.data_ptr(),
+        x.numel() // max(cols, 1), cols, eps,
     )  # fmt: skip
+    if x.dtype == torch.bfloat16:
+        lib.hkv_add_rms_norm_bf16(*args, int(weight_in_fp32))
+    else:
+        lib.hkv_add_rms_norm_f32(*args)
     return total, out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
-    """[..., 2I] = [gate | up] -> silu(gate) * up: [..., I] for float32 x; None when not
-    supported."""
+    """[..., 2I] = [gate | up] -> silu(gate) * up: [..., I] for float32 or bfloat16 x
+    (bfloat16: silu rounded before the product, as PyTorch); None when not supported."""
     lib, rows = library(), _rows(x)
     if lib is None or rows is None or x.shape[-1] % 2:
         return None
     inter = x.shape[-1] // 2
-    out = torch.empty(rows.shape[0], inter, dtype=torch.float32)
-    lib.hkv_silu_mul_f32(rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[0], inter)
+    out = torch.empty(rows.shape[0], inter, dtype=x.dtype)
+    kernel = lib.hkv_silu_mul_bf16 if x.dtype == torch.bfloat16 else lib.hkv_silu_mul_f32
+    kernel(rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[0], inter)
     return out.reshape(*x.shape[:-1], inter)
 
 
@@ -517,21 +550,30 @@ def gated_rms_norm(
     eps: float,
     group_size: int,
     norm_before_gate: bool,
+    weight_in_fp32: bool = False,
 ) -> torch.Tensor | None:
-    """The Mamba2 gated, grouped RMSNorm (ops.norm.gated_rms_norm) of float32 tensors in one
-    pass; None when not supported. x, gate: [..., C] (gate rows may be strided)."""
+    """The Mamba2 gated, grouped RMSNorm (ops.norm.gated_rms_norm) of float32 or bfloat16
+    tensors in one pass; None when not supported. x, gate: [..., C] (gate rows may be
+    strided)."""
     lib, rows, gates = library(), _rows(x), _rows(gate)
-    if lib is None or rows is None or gates is None or not _is_f32_cpu(weight):
+    if lib is None or rows is None or gates is None or gate.dtype != x.dtype:
         return None
     channels = rows.shape[1]
-    if gates.shape != rows.shape or channels % group_size or weight.numel() != channels:
-        return None  # (a weight of another size would be read out of bounds)
-    rows, weight = rows.contiguous(), weight.contiguous()
-    out = torch.empty(rows.shape, dtype=torch.float32)
-    lib.hkv_gated_rms_norm_f32(
-        rows.data_ptr(), gates.data_ptr(), gates.stride(0), weight.data_ptr(), out.data_ptr(),
+    if gates.shape != rows.shape or channels % group_size:
+        return None
+    w = _row_weight(x, weight, channels)  # (a weight of another size would be read past)
+    if w is None:
+        return None
+    rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype)
+    args = (
+        rows.data_ptr(), gates.data_ptr(), gates.stride(0), w.data_ptr(), out.data_ptr(),
         rows.shape[0], channels, group_size, eps, int(norm_before_gate),
     )  # fmt: skip
+    if x.dtype == torch.bfloat16:
+        lib.hkv_gated_rms_norm_bf16(*args, int(weight_in_fp32))
+    else:
+        lib.hkv_gated_rms_norm_f32(*args)
     return out.reshape(x.shape)
 
 

@@ -7,8 +7,9 @@
  * nothing is gathered into a temporary: a Mamba2 state is read and written once per step, a
  * request's K and V are read once; a norm or activation reads its rows once where PyTorch's
  * element-wise ops pass over them four to six times. All tensors are float32 and contiguous
- * unless a stride is passed (the gated delta rule and the Mamba1 scan also take bfloat16 inputs
- * and states).
+ * unless a stride is passed or a kernel says it also takes bfloat16 (the gated delta rule and
+ * the Mamba1 scan: inputs and states; the Mamba2 scan and conv1d: states; decode attention: q
+ * and the cache; the row kernels have bfloat16 twins). The math is float32 throughout.
  * OpenMP here is the libgomp that torch already loaded (same soname), so
  * torch.set_num_threads() sets the number of threads for these loops too.
  */
@@ -273,28 +274,41 @@ void hkv_mamba2_scan(void *state, int64_t page_stride, int state_bf16, const int
  * row (all KV heads, contiguous): 3x faster than one task per (request, KV head), whose reads
  * stride over the other heads' bytes.
  * sinks: [H] or NULL (gpt-oss): one more logit per head in the softmax denominator, no value.
+ * q and the cache are float32, or both bfloat16 (bf16: widened as read; the math and out are
+ * float32 either way).
  */
-void hkv_paged_decode_f32(const float *q, const float *cache, int64_t kbs, int64_t KVH,
-                          int64_t Dh, int64_t H, const int32_t *block_table,
-                          int64_t table_stride, const int64_t *first, const int64_t *seq_lens,
-                          int64_t S, float scale, const float *sinks, float *out) {
+void hkv_paged_decode(const void *q, const void *cache, int bf16, int64_t kbs, int64_t KVH,
+                      int64_t Dh, int64_t H, const int32_t *block_table, int64_t table_stride,
+                      const int64_t *first, const int64_t *seq_lens, int64_t S, float scale,
+                      const float *sinks, float *out) {
     const int64_t group = H / KVH;
-    const int64_t row = KVH * Dh;   /* floats per cached token (all KV heads) */
+    const int64_t row = KVH * Dh;   /* elements per cached token (all KV heads) */
     const int64_t half = kbs * row; /* K part of a block -> its V part */
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t s = 0; s < S; s++) {
         const int64_t t0 = first[s], len = seq_lens[s] - first[s];
         const int32_t *table = block_table + s * table_stride;
-        const float *qs = q + s * H * Dh;
         float *os = out + s * H * Dh;
         for (int64_t i = 0; i < H * Dh; i++) os[i] = 0.0f;
         if (len <= 0) continue;
-        float *scores = malloc(sizeof(float) * (size_t)(H * len));
+        /* scores [H][len], then (bfloat16) the query and one token's row widened to float32 */
+        float *scores = malloc(sizeof(float) * (size_t)(H * len + (bf16 ? H * Dh + row : 0)));
         if (scores == NULL) continue;
+        float *qw = scores + H * len, *kw = qw + H * Dh;
+        const float *qs = (const float *)q + s * H * Dh;
+        if (bf16) {
+            load_floats(q, 1, s * H * Dh, H * Dh, qw);
+            qs = qw;
+        }
+#define HKV_TOKEN_ROW(pos, part)                                                              \
+    (bf16 ? (load_floats(cache, 1, ((int64_t)table[(pos) / kbs] * 2 * kbs + (pos) % kbs) * row \
+                                       + (part), row, kw),                                    \
+             (const float *)kw)                                                               \
+          : (const float *)cache + ((int64_t)table[(pos) / kbs] * 2 * kbs + (pos) % kbs) * row \
+                + (part))
         /* pass 1: scores[h][t] = q_h . k_t * scale (a token's row holds every KV head) */
         for (int64_t t = 0; t < len; t++) {
-            const int64_t pos = t0 + t;
-            const float *k = cache + ((int64_t)table[pos / kbs] * 2 * kbs + pos % kbs) * row;
+            const float *k = HKV_TOKEN_ROW(t0 + t, 0);
             for (int64_t h = 0; h < H; h++) {
                 const float *qh = qs + h * Dh, *kh = k + (h / group) * Dh;
                 float dot = 0.0f;
@@ -320,9 +334,7 @@ void hkv_paged_decode_f32(const float *q, const float *cache, int64_t kbs, int64
         }
         /* pass 2: out_h = sum_t p_h[t] * v_t */
         for (int64_t t = 0; t < len; t++) {
-            const int64_t pos = t0 + t;
-            const float *v =
-                cache + ((int64_t)table[pos / kbs] * 2 * kbs + pos % kbs) * row + half;
+            const float *v = HKV_TOKEN_ROW(t0 + t, half);
             for (int64_t h = 0; h < H; h++) {
                 const float p = scores[h * len + t];
                 const float *vh = v + (h / group) * Dh;
@@ -331,6 +343,7 @@ void hkv_paged_decode_f32(const float *q, const float *cache, int64_t kbs, int64
                 for (int64_t d = 0; d < Dh; d++) oh[d] += p * vh[d];
             }
         }
+#undef HKV_TOKEN_ROW
         free(scores);
     }
 }
@@ -773,6 +786,113 @@ void hkv_gated_rms_norm_f32(const float *x, const float *z, int64_t z_stride, co
                 for (int64_t c = 0; c < group; c++) o[c] = wr[c] * (o[c] * inv);
             }
         }
+    }
+}
+
+/* ---- The same row kernels on bfloat16 tensors: float32 math, rounded to bfloat16 where
+ * PyTorch's reference (hybridkv/ops/norm.py, layers/mlp.py) rounds, so a bfloat16 model gives
+ * the numbers it gives in PyTorch up to the float32 summation order:
+ *   weighted (w_fp32 == 0): out = bf16(w * bf16(x_hat))   (Llama order: cast, then weight)
+ *   weighted (w_fp32 == 1): out = bf16(w * x_hat)         (NemotronH, Falcon-H1)
+ * x_hat = x / sqrt(mean(x^2) + eps) in float32. Weights are bfloat16. */
+
+static inline uint16_t hkv_weigh(float w, float x_hat, int w_fp32) {
+    return f32_to_bf16(w * (w_fp32 ? x_hat : bf16_to_f32(f32_to_bf16(x_hat))));
+}
+
+/* One row: out = weighted normalise(v), v: [cols] float32. */
+static inline void hkv_norm_row_bf16(const float *v, const uint16_t *w, uint16_t *o,
+                                     int64_t cols, float eps, int w_fp32) {
+    float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+    for (int64_t c = 0; c < cols; c++) sq += v[c] * v[c];
+    const float inv = 1.0f / sqrtf(sq / (float)cols + eps);
+    for (int64_t c = 0; c < cols; c++) o[c] = hkv_weigh(bf16_to_f32(w[c]), v[c] * inv, w_fp32);
+}
+
+#define HKV_ROW_STACK 8192 /* float32 row buffer on the stack; wider rows use the heap */
+
+/* RMSNorm of bfloat16 rows: x rows at x + r * x_stride, out: [rows, cols] contiguous. */
+void hkv_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out,
+                       int64_t rows, int64_t cols, float eps, int w_fp32) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float stack[HKV_ROW_STACK];
+        float *v = cols <= HKV_ROW_STACK ? stack : malloc(sizeof(float) * (size_t)cols);
+        if (v == NULL) continue;
+        load_floats(x, 1, r * x_stride, cols, v);
+        hkv_norm_row_bf16(v, w, out + r * cols, cols, eps, w_fp32);
+        if (v != stack) free(v);
+    }
+}
+
+/* Residual add, then RMSNorm, on bfloat16 rows: sum = bf16(x + bf16(mult * h)) (no inner
+ * rounding when mult == 1, as PyTorch skips the multiply), out = rms_norm(sum). x, h, sum, out:
+ * [rows, cols] contiguous (sum may be x itself). */
+void hkv_add_rms_norm_bf16(const uint16_t *x, const uint16_t *h, float mult, const uint16_t *w,
+                           uint16_t *sum, uint16_t *out, int64_t rows, int64_t cols, float eps,
+                           int w_fp32) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float stack[HKV_ROW_STACK];
+        float *v = cols <= HKV_ROW_STACK ? stack : malloc(sizeof(float) * (size_t)cols);
+        if (v == NULL) continue;
+        const uint16_t *xr = x + r * cols, *hr = h + r * cols;
+        uint16_t *sr = sum + r * cols;
+        for (int64_t c = 0; c < cols; c++) {
+            float hv = bf16_to_f32(hr[c]);
+            if (mult != 1.0f) hv = bf16_to_f32(f32_to_bf16(hv * mult));
+            sr[c] = f32_to_bf16(bf16_to_f32(xr[c]) + hv);
+            v[c] = bf16_to_f32(sr[c]);
+        }
+        hkv_norm_row_bf16(v, w, out + r * cols, cols, eps, w_fp32);
+        if (v != stack) free(v);
+    }
+}
+
+/* SwiGLU's activation on bfloat16 rows: out = bf16(bf16(silu(gate)) * up). */
+void hkv_silu_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t rows,
+                       int64_t I) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = x + r * x_stride, *u = g + I;
+        uint16_t *o = out + r * I;
+        for (int64_t i = 0; i < I; i++) {
+            const float a = bf16_to_f32(f32_to_bf16(silu(bf16_to_f32(g[i]))));
+            o[i] = f32_to_bf16(a * bf16_to_f32(u[i]));
+        }
+    }
+}
+
+/* The gated, grouped RMSNorm on bfloat16 rows; the gate's silu and the product stay float32:
+ *   gate first:  out = weighted normalise(x * silu(z))
+ *   norm first:  out = bf16(w * normalise(x) * silu(z))   (Falcon-H1; w_fp32 is implied) */
+void hkv_gated_rms_norm_bf16(const uint16_t *x, const uint16_t *z, int64_t z_stride,
+                             const uint16_t *w, uint16_t *out, int64_t rows, int64_t C,
+                             int64_t group, float eps, int norm_before_gate, int w_fp32) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float stack[HKV_ROW_STACK];
+        float *v = group <= HKV_ROW_STACK ? stack : malloc(sizeof(float) * (size_t)group);
+        if (v == NULL) continue;
+        for (int64_t g0 = 0; g0 < C; g0 += group) {
+            const uint16_t *xr = x + r * C + g0, *zr = z + r * z_stride + g0, *wr = w + g0;
+            uint16_t *o = out + r * C + g0;
+            for (int64_t c = 0; c < group; c++) {
+                const float xv = bf16_to_f32(xr[c]);
+                v[c] = norm_before_gate ? xv : xv * silu(bf16_to_f32(zr[c]));
+            }
+            if (!norm_before_gate) {
+                hkv_norm_row_bf16(v, wr, o, group, eps, w_fp32);
+                continue;
+            }
+            float sq = 0.0f;
+            for (int64_t c = 0; c < group; c++) sq += v[c] * v[c];
+            const float inv = 1.0f / sqrtf(sq / (float)group + eps);
+            for (int64_t c = 0; c < group; c++)
+                o[c] = f32_to_bf16(bf16_to_f32(wr[c]) * (v[c] * inv) * silu(bf16_to_f32(zr[c])));
+        }
+        if (v != stack) free(v);
     }
 }
 
