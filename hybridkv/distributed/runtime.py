@@ -44,26 +44,6 @@ from hybridkv.distributed.parallel import TensorParallel
 
 logger = logging.getLogger("hybridkv")
 
-# Families whose every module shards (the others refuse tensor_parallel_size > 1).
-SHARDED_ARCHITECTURES = frozenset(
-    {
-        "LlamaForCausalLM",
-        "Qwen3ForCausalLM",
-        "GraniteMoeHybridForCausalLM",
-        "BambaForCausalLM",
-        "NemotronHForCausalLM",
-        "Gemma3ForCausalLM",
-        "GptOssForCausalLM",
-        "Mamba2ForCausalLM",
-        "FalconH1ForCausalLM",
-        "Gemma3ForConditionalGeneration",
-        "Qwen3NextForCausalLM",
-        "Qwen3_5ForCausalLM",
-        "Qwen3_5MoeForCausalLM",
-        "Qwen3_5ForConditionalGeneration",
-        "Qwen3_5MoeForConditionalGeneration",
-    }
-)
 # Step descriptions hold read-only mappings (MappingProxyType); they travel as plain dicts.
 def mapping_proxy(items: dict) -> types.MappingProxyType:
     return types.MappingProxyType(items)
@@ -79,11 +59,17 @@ class TensorParallelError(RuntimeError):
 
 
 def check_architecture(architecture: str, size: int) -> None:
-    if size > 1 and architecture not in SHARDED_ARCHITECTURES:
-        raise ValueError(
-            f"{architecture} does not run with tensor_parallel_size > 1 yet (sharded: "
-            f"{', '.join(sorted(SHARDED_ARCHITECTURES))}); give tensor_parallel_size=1"
-        )
+    """A one-line error at size > 1 for a family whose modules do not all shard (its model
+    class says so: `CausalLM.tensor_parallel`)."""
+    from hybridkv.models.registry import MODELS, model_class
+
+    if size == 1 or model_class(architecture).tensor_parallel:
+        return
+    sharded = sorted(a for a in MODELS if model_class(a).tensor_parallel)
+    raise ValueError(
+        f"{architecture} does not run with tensor_parallel_size > 1 yet (sharded: "
+        f"{', '.join(sharded)}); give tensor_parallel_size=1"
+    )
 
 
 def launched_by_torchrun() -> bool:

@@ -116,6 +116,8 @@ class BambaModel(nn.Module):
 
 
 class BambaForCausalLM(CausalLM):
+    tensor_parallel = True
+
     config_class = BambaConfig
 
     def __init__(self, config: BambaConfig) -> None:

@@ -30,6 +30,9 @@ class CausalLM(nn.Module):
     implement `forward` and, if needed, `map_weight_name`."""
 
     config_class: ClassVar[type[HFConfig]] = HFConfig
+    # True where every module of the family shards (hybridkv.distributed); the others refuse
+    # tensor_parallel_size > 1 in one line
+    tensor_parallel: ClassVar[bool] = False
 
     def __init__(self, config: HFConfig) -> None:
         super().__init__()

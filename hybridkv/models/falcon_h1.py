@@ -283,6 +283,8 @@ class FalconH1Model(nn.Module):
 
 
 class FalconH1ForCausalLM(CausalLM):
+    tensor_parallel = True
+
     config_class = FalconH1Config
 
     def __init__(self, config: FalconH1Config) -> None:

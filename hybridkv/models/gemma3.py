@@ -232,6 +232,8 @@ class Gemma3TextModel(nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
+    tensor_parallel = True
+
     config_class: type[Gemma3TextConfig] = Gemma3TextConfig
 
     def __init__(self, config: Gemma3TextConfig) -> None:

@@ -262,6 +262,8 @@ class GptOssModel(nn.Module):
 
 
 class GptOssForCausalLM(CausalLM):
+    tensor_parallel = True
+
     config_class = GptOssConfig
 
     def __init__(self, config: GptOssConfig) -> None:

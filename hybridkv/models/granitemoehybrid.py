@@ -184,6 +184,8 @@ class GraniteModel(nn.Module):
 
 
 class GraniteMoeHybridForCausalLM(CausalLM):
+    tensor_parallel = True
+
     config_class = GraniteMoeHybridConfig
 
     def __init__(self, config: GraniteMoeHybridConfig) -> None:

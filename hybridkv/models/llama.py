@@ -171,6 +171,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(CausalLM):
     """Llama 2/3/3.1/3.2 (rope default, linear or llama3)."""
 
+    tensor_parallel = True
+
     config_class: type[LlamaConfig] = LlamaConfig
 
     def __init__(self, config: LlamaConfig) -> None:

@@ -84,4 +84,6 @@ class Mamba2Config(HFConfig):
 
 
 class Mamba2ForCausalLM(StateCausalLM):
+    tensor_parallel = True
+
     config_class = Mamba2Config

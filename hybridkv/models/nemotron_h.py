@@ -354,6 +354,8 @@ class NemotronHBackbone(nn.Module):
 
 
 class NemotronHForCausalLM(CausalLM):
+    tensor_parallel = True
+
     config_class = NemotronHConfig
 
     def __init__(self, config: NemotronHConfig) -> None:

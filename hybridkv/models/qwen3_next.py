@@ -343,6 +343,8 @@ class Qwen3NextModel(nn.Module):
 
 
 class Qwen3NextForCausalLM(CausalLM):
+    tensor_parallel = True
+
     config_class: type[Qwen3NextConfig] = Qwen3NextConfig
 
     def __init__(self, config: Qwen3NextConfig) -> None:
