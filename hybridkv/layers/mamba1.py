@@ -26,6 +26,12 @@ The mixer owns its cache (`CacheOwner`): it declares a `mamba1` state spec with 
 `conv` [Di, d_conv - 1] and `ssm` [Di, N] (as `kv.specs.mamba1_state`), and where its ops can
 run (`MAMBA1_OPS`); the plan picks one per group and the runner binds it with the views. The
 scan computes in float32 and hands out_proj the model dtype.
+
+Tensor parallel (`hybridkv.distributed`): each rank keeps Di / size inner channels. in_proj is
+column-parallel (the x and z halves each split), conv1d, dt_proj, A_log and D per channel;
+x_proj is row-parallel, its partial dt | B | C sums all-reduced (so the dt/B/C norms act on the
+full vectors, replicated); out_proj is row-parallel and its output all-reduced. The declared
+state is one rank's: conv [Di / size, d_conv - 1], ssm [Di / size, N].
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.distributed.parallel import column, current, declare_shards, rank0_bias
 from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
 from hybridkv.layers.cache import CacheOwner, StateCache
 from hybridkv.layers.state_base import StateMetadata
@@ -106,6 +113,10 @@ class Mamba1Mixer(CacheOwner):
         for name, v in (("d_inner", d_inner), ("d_state", d_state), ("dt_rank", dt_rank)):
             if v < 1:
                 raise ValueError(f"{name} must be positive, got {v}")
+        # Tensor parallel: this rank's inner channels (every Di below is this rank's)
+        self.tp = tp = current()
+        self.sharded = True  # its channels are this rank's
+        full_inner, d_inner = d_inner, tp.split(d_inner, "mamba d_inner")
         self.hidden_size, self.d_inner, self.d_state = hidden_size, d_inner, d_state
         self.d_conv, self.dt_rank = d_conv, dt_rank
         self.dt_norms, self.norm_eps, self.activation = dt_norms, norm_eps, activation
@@ -123,6 +134,21 @@ class Mamba1Mixer(CacheOwner):
             self.dt_layernorm = _RMSNormWeight(dt_rank)
             self.b_layernorm = _RMSNormWeight(d_state)
             self.c_layernorm = _RMSNormWeight(d_state)
+        self._declare_shards(full_inner)
+
+    def _declare_shards(self, full: int) -> None:
+        """Where this rank's channels come from: in_proj rows [x | z], x_proj columns."""
+        tp = self.tp
+        channels, xz = column(tp, (0, full)), column(tp, (0, full), (full, full))
+        declare_shards(self.in_proj, weight=xz, bias=xz if self.in_proj.bias is not None else None)
+        conv_bias = channels if self.conv1d.bias is not None else None
+        declare_shards(self.conv1d, weight=channels, bias=conv_bias)
+        declare_shards(self.x_proj, weight=column(tp, (0, full), dim=1))
+        declare_shards(self.dt_proj, weight=channels, bias=channels)
+        declare_shards(self, A_log=channels, D=channels)
+        declare_shards(self.out_proj, weight=column(tp, (0, full), dim=1))
+        if self.out_proj.bias is not None:
+            declare_shards(self.out_proj, bias=rank0_bias(tp))
 
     # -- the cache it owns -------------------------------------------------------------------
 
@@ -146,8 +172,9 @@ class Mamba1Mixer(CacheOwner):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.norm_eps)).to(x.dtype)
 
     def _ssm_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, Di] after the conv -> dt [T, Di] (before its bias and softplus), B, C [T, N]."""
-        dbc = self.x_proj(x)  # [T, R + 2N]
+        """x [T, Di] after the conv -> dt [T, Di] (before its bias and softplus), B, C [T, N].
+        Tensor parallel: x_proj is row-parallel, its partial sums all-reduced."""
+        dbc = self.tp.all_reduce(self.x_proj(x))  # [T, R + 2N]
         dt, B, C = dbc.split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         if self.dt_norms is not None:
             dt = self._norm(dt, "dt_layernorm")
@@ -156,11 +183,13 @@ class Mamba1Mixer(CacheOwner):
         return F.linear(dt, self.dt_proj.weight), B, C
 
     def forward(self, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """hidden_states: [T, hidden] -> [T, hidden], states updated in this layer's pages."""
+        """hidden_states: [T, hidden] -> [T, hidden], states updated in this layer's pages;
+        tensor parallel: out_proj is row-parallel, its output all-reduced."""
         cache = self.cache
         assert isinstance(cache, StateCache)
         meta: StateMetadata = self.step_metadata(batch)
-        return self.mix(hidden_states, cache.tensors[CONV], cache.tensors[SSM], meta, cache.ops)
+        out = self.mix(hidden_states, cache.tensors[CONV], cache.tensors[SSM], meta, cache.ops)
+        return self.tp.all_reduce(out)
 
     def mix(
         self,

@@ -12,6 +12,11 @@ The layer owns its cache (`CacheOwner`): it declares a `short_conv` state spec w
 name and shape as the plan-only `hybridkv.kv.specs.short_conv_state`. The conv itself is the
 Mamba2 causal conv1d (`hybridkv.ops.mamba2_ops`: packed varlen requests, state pages updated
 in place); `SHORT_CONV_OPS` says where it can run.
+
+Tensor parallel (`hybridkv.distributed`): each rank keeps C / size channels. in_proj is
+column-parallel (B, C_gate and x each split by channel), the conv per channel, out_proj
+row-parallel with its output all-reduced; the declared state is one rank's [C / size,
+L_cache - 1].
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridkv.distributed.parallel import column, current, declare_shards, rank0_bias
 from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
 from hybridkv.layers.cache import CacheOwner, StateCache
 from hybridkv.layers.state_base import StateMetadata
@@ -63,26 +69,42 @@ class ShortConv(CacheOwner):
         super().__init__(layer_index)
         if l_cache < 2:
             raise ValueError(f"conv_L_cache must be at least 2 (one state column), got {l_cache}")
-        self.hidden_size, self.l_cache = hidden_size, l_cache
-        self.in_proj = nn.Linear(hidden_size, 3 * hidden_size, bias=bias)
+        # Tensor parallel: this rank's conv channels (C below is this rank's)
+        self.tp = tp = current()
+        self.sharded = True  # its channels are this rank's
+        channels = tp.split(hidden_size, "short conv hidden_size")
+        self.hidden_size, self.channels, self.l_cache = hidden_size, channels, l_cache
+        self.in_proj = nn.Linear(hidden_size, 3 * channels, bias=bias)
         # Depthwise: weight [C, 1, L_cache] as in the checkpoints (padding is unused here).
-        self.conv = nn.Conv1d(hidden_size, hidden_size, l_cache, groups=hidden_size, bias=bias)
-        self.out_proj = nn.Linear(hidden_size, hidden_size, bias=bias)
+        self.conv = nn.Conv1d(channels, channels, l_cache, groups=channels, bias=bias)
+        self.out_proj = nn.Linear(channels, hidden_size, bias=bias)
+        self._declare_shards(bias)
+
+    def _declare_shards(self, bias: bool) -> None:
+        """This rank's rows: in_proj [B | C_gate | x] each by channel, out_proj's columns."""
+        tp, full = self.tp, self.hidden_size
+        bcx = column(tp, (0, full), (full, full), (2 * full, full))
+        channels = column(tp, (0, full))
+        declare_shards(self.in_proj, weight=bcx, bias=bcx if bias else None)
+        declare_shards(self.conv, weight=channels, bias=channels if bias else None)
+        declare_shards(self.out_proj, weight=column(tp, (0, full), dim=1))
+        declare_shards(self.out_proj, bias=rank0_bias(tp) if bias else None)
 
     def cache_spec(self, dtypes: CacheDtypes) -> StateSpec:
         """conv: the last L_cache - 1 conv inputs (B * x) of every channel."""
         ops = SHORT_CONV_OPS
         if self.l_cache - 1 > native.CONV_MAX_HISTORY:  # the C conv keeps at most this many
             ops = tuple(o for o in ops if o.name != "native")
-        shape = (self.hidden_size, self.l_cache - 1)
+        shape = (self.channels, self.l_cache - 1)
         return StateSpec("short_conv", (StateTensor(CONV, shape, dtypes.conv),), ops)
 
     def forward(self, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """hidden_states: [T, hidden] -> [T, hidden], the conv state updated in its pages."""
+        """hidden_states: [T, hidden] -> [T, hidden], the conv state updated in its pages;
+        tensor parallel: out_proj is row-parallel, its output all-reduced."""
         cache = self.cache
         assert isinstance(cache, StateCache)
         meta: StateMetadata = self.step_metadata(batch)
-        return self.mix(hidden_states, cache.tensors[CONV], meta, cache.ops)
+        return self.tp.all_reduce(self.mix(hidden_states, cache.tensors[CONV], meta, cache.ops))
 
     def mix(
         self,

@@ -23,6 +23,10 @@ as Jamba-v0.1 and transformers' `save_pretrained` write them), stacked here into
 `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]; transformers' in-memory
 (stacked) names load as they are.
 
+Tensor parallel: the Mamba1 mixers split by inner channel (`hybridkv.layers.mamba1`), attention
+by head (`SelfAttention`), the dense MLPs and every expert by intermediate size (the router is
+replicated, the experts' partial sums all-reduced once), embeddings and lm_head by vocabulary.
+
 Defaults: transformers 5.24 `JambaConfig` (`num_local_experts` is read as `num_experts`, its
 attribute map).
 """
@@ -37,6 +41,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from hybridkv.distributed.layers import vocab_embedding, vocab_head
+from hybridkv.distributed.parallel import current
 from hybridkv.layers.attention.self_attention import SelfAttention
 from hybridkv.layers.mamba1 import Mamba1Mixer
 from hybridkv.layers.mlp import GatedMLP, RMSNorm
@@ -149,10 +155,12 @@ class JambaConfig(HFConfig):
 
 
 class JambaSparseMoe(nn.Module):
-    """Softmax router over every expert, top-k (weights not renormalised), SwiGLU experts."""
+    """Softmax router over every expert, top-k (weights not renormalised), SwiGLU experts.
+    Tensor parallel: the router replicated, each expert's intermediate size split."""
 
     def __init__(self, cfg: JambaConfig) -> None:
         super().__init__()
+        self.tp = current()
         self.top_k = cfg.num_experts_per_tok
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size)
@@ -161,7 +169,7 @@ class JambaSparseMoe(nn.Module):
         """x: [T, hidden] -> [T, hidden]."""
         probs = torch.softmax(self.router(x).float(), dim=-1)  # [T, E] float32
         top, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
-        return self.experts(x, experts, top.to(x.dtype))
+        return self.tp.all_reduce(self.experts(x, experts, top.to(x.dtype)))  # partial sums
 
 
 class JambaDecoderLayer(nn.Module):
@@ -190,18 +198,20 @@ class JambaDecoderLayer(nn.Module):
 class JambaModel(nn.Module):
     def __init__(self, cfg: JambaConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)  # tensor parallel
         self.layers = nn.ModuleList(JambaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class JambaForCausalLM(CausalLM):
+    tensor_parallel = True
+
     config_class = JambaConfig
 
     def __init__(self, config: JambaConfig) -> None:
         super().__init__(config)
         self.model = JambaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = vocab_head(config.hidden_size, config.vocab_size)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]

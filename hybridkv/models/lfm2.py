@@ -31,6 +31,11 @@ Checkpoints hold one tensor per expert (`feed_forward.experts.{e}.w1/w3/w2.weigh
 here into `experts.gate_up_proj` [E, 2I, H] ([w1 | w3] rows) and `experts.down_proj` [E, H, I];
 transformers' in-memory stacked names load as they are.
 
+Tensor parallel: the short convs split by channel (`hybridkv.layers.short_conv`), attention by
+head (its q/k norms are per head, so replicated), the MLPs and every expert by intermediate
+size (the router and expert bias replicated, the experts' partial sums all-reduced once),
+embeddings and lm_head by vocabulary.
+
 Defaults: transformers 5.24 `Lfm2Config` and `Lfm2MoeConfig`.
 """
 
@@ -44,6 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.distributed.layers import vocab_embedding, vocab_head
+from hybridkv.distributed.parallel import column, current, declare_shards
 from hybridkv.kv.specs import ConfigError
 from hybridkv.layers.attention.self_attention import CosSin, SelfAttention
 from hybridkv.layers.mlp import RMSNorm
@@ -220,24 +227,33 @@ class Lfm2MoeConfig(Lfm2Config):
 
 
 class Lfm2MLP(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x). Tensor parallel: w1 / w3 column-parallel, w2
+    row-parallel (its output all-reduced)."""
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
+        self.tp = tp = current()
+        full, intermediate = intermediate, tp.split(intermediate, "feed-forward width")
         self.w1 = nn.Linear(hidden, intermediate, bias=False)
         self.w3 = nn.Linear(hidden, intermediate, bias=False)
         self.w2 = nn.Linear(intermediate, hidden, bias=False)
+        rows = column(tp, (0, full))
+        declare_shards(self.w1, weight=rows)
+        declare_shards(self.w3, weight=rows)
+        declare_shards(self.w2, weight=column(tp, (0, full), dim=1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.tp.all_reduce(self.w2(F.silu(self.w1(x)) * self.w3(x)))
 
 
 class Lfm2SparseMoe(nn.Module):
-    """Sigmoid router (expert bias for the choice only), top-k, SwiGLU experts."""
+    """Sigmoid router (expert bias for the choice only), top-k, SwiGLU experts. Tensor
+    parallel: the router replicated, each expert's intermediate size split."""
 
     def __init__(self, cfg: Lfm2MoeConfig) -> None:
         super().__init__()
+        self.tp = current()
         self.top_k, self.normalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.scaling = cfg.routed_scaling_factor
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
@@ -255,7 +271,8 @@ class Lfm2SparseMoe(nn.Module):
             weights, experts = torch.topk(scores, self.top_k, dim=-1)
         if self.normalise:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
-        return self.experts(x, experts, (weights * self.scaling).to(x.dtype))
+        routed = self.experts(x, experts, (weights * self.scaling).to(x.dtype))
+        return self.tp.all_reduce(routed)  # partial sums
 
 
 class Lfm2DecoderLayer(nn.Module):
@@ -289,18 +306,20 @@ class Lfm2DecoderLayer(nn.Module):
 class Lfm2Model(nn.Module):
     def __init__(self, cfg: Lfm2Config) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)  # tensor parallel
         self.layers = nn.ModuleList(Lfm2DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.embedding_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
 
 class Lfm2ForCausalLM(CausalLM):
+    tensor_parallel = True
+
     config_class: type[Lfm2Config] = Lfm2Config
 
     def __init__(self, config: Lfm2Config) -> None:
         super().__init__(config)
         self.model = Lfm2Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = vocab_head(config.hidden_size, config.vocab_size)
         assert config.head_dim is not None
         self.rotary = RotaryEmbedding(config.head_dim, config.rope)
 

@@ -15,6 +15,10 @@ layer a Mamba1 mixer, no attention.
 - Norms: RMSNorm, the weight applied after the cast back to the input dtype; the block norm
   reads the residual cast to the model dtype, the final norm the residual itself.
 
+Tensor parallel: the mixers split their inner channels (`hybridkv.layers.mamba1`), the
+embeddings and lm_head their vocabulary (`hybridkv.models.state_lm`); Falcon Mamba's weightless
+dt/B/C norms act on the all-reduced x_proj output, the full vectors.
+
 The cache holds one state per page and nothing that grows with the prompt (see
 `hybridkv.models.state_lm`, the model shape shared with Mamba2).
 
@@ -101,6 +105,8 @@ class FalconMambaConfig(MambaConfig):
 
 
 class MambaForCausalLM(StateCausalLM):
+    tensor_parallel = True  # the Mamba1 mixers split by inner channel (hybridkv.layers.mamba1)
+
     config_class: type[MambaConfig] = MambaConfig
 
 

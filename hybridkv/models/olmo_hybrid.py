@@ -19,6 +19,13 @@ every fourth layer (by default), the same gated delta rule as Qwen3-Next.
   "olmo_hybrid"); beta = 2 * sigmoid(b) when `linear_allow_neg_eigval` (the default); the
   output norm has eps 1e-5 whatever `rms_norm_eps` says, as transformers builds it.
 
+Tensor parallel: the gated delta nets shard themselves (`hybridkv.layers.gated_delta_net`);
+attention splits its heads (KV heads split, or one replicated per rank) with o_proj
+row-parallel; the MLPs split their intermediate size; embeddings and lm_head their vocabulary.
+The q / k norms normalise over every head of the full projection, so each rank holds its slice
+of their weights and the sums of squares of its q and k slices are all-reduced (one [T, 2]
+sum; a KV head replicated on r ranks counts 1 / r on each), then each rank scales its slice.
+
 Checkpoints name the two norms of every layer `attention_layer_norm` / `feedforward_layer_norm`
 (read as `input_layernorm` / `post_attention_layernorm`, the names transformers gives them in
 memory and which load too), and hold the conv of q, k and v as three tensors
@@ -35,12 +42,15 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from hybridkv.distributed.layers import vocab_embedding, vocab_head
+from hybridkv.distributed.parallel import column, declare_shards, explicit
 from hybridkv.layers.attention.self_attention import SelfAttention
 from hybridkv.layers.gated_delta_net import GatedDeltaNet
 from hybridkv.layers.mlp import GatedMLP, RMSNorm
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig, layer_types
+from hybridkv.ops.norm import _apply_weight as apply_norm_weight
 from hybridkv.worker.batch import ForwardBatch
 
 GDN_NORM_EPS = 1e-5  # transformers' OlmoHybridGatedDeltaNet.o_norm, fixed
@@ -144,14 +154,35 @@ class OlmoHybridConfig(RopeConfig):
 
 class OlmoAttention(SelfAttention):
     """OLMo 2/3 attention: q_norm / k_norm over the whole projection ([heads * head_dim]),
-    before RoPE (or none)."""
+    before RoPE (or none). Tensor parallel: see the module docstring."""
 
     def __init__(self, cfg: OlmoHybridConfig, index: int) -> None:
         hd = cfg.head_dim
         super().__init__(index, cfg.hidden_size, cfg.num_attention_heads,
                          cfg.num_key_value_heads, hd, cfg.attention_bias)  # fmt: skip
+        tp, full_kv = self.tp, cfg.num_key_value_heads
         self.q_norm = RMSNorm(self.heads * hd, cfg.rms_norm_eps, weight_in_fp32=True)
         self.k_norm = RMSNorm(self.kv_heads * hd, cfg.rms_norm_eps, weight_in_fp32=True)
+        _, first_kv = tp.replicated(full_kv, "num_key_value_heads")
+        declare_shards(self.q_norm, weight=column(tp, (0, cfg.num_attention_heads * hd)))
+        declare_shards(self.k_norm, weight=explicit(tp, (first_kv * hd, self.kv_heads * hd)))
+        self.q_width, self.k_width = cfg.num_attention_heads * hd, full_kv * hd  # full widths
+        self.kv_replicas = max(1, tp.size // full_kv)  # ranks holding each KV head
+
+    def _qk_norms(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm of q [T, heads * hd] and k [T, kv_heads * hd] over the full projections:
+        this rank's slices, the sums of squares all-reduced (one [T, 2] sum)."""
+        if self.tp.size == 1:
+            return self.q_norm(q), self.k_norm(k)
+        qf, kf = q.float(), k.float()
+        local = torch.stack([qf.pow(2).sum(-1), kf.pow(2).sum(-1) / self.kv_replicas], dim=-1)
+        sums = self.tp.all_reduce(local)  # [T, 2]
+        out = []
+        for xf, x, norm, width, col in ((qf, q, self.q_norm, self.q_width, 0),
+                                        (kf, k, self.k_norm, self.k_width, 1)):  # fmt: skip
+            x_hat = xf * torch.rsqrt(sums[:, col, None] / width + norm.eps)
+            out.append(apply_norm_weight(x_hat, norm.weight, x.dtype, norm.weight_in_fp32))
+        return out[0], out[1]
 
     def forward(
         self,
@@ -162,12 +193,13 @@ class OlmoAttention(SelfAttention):
     ) -> torch.Tensor:
         t = x.shape[0]
         # q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]
-        q = self.q_norm(self.q_proj(x)).view(t, self.heads, self.head_dim)
-        k = self.k_norm(self.k_proj(x)).view(t, self.kv_heads, self.head_dim)
+        q, k = self._qk_norms(self.q_proj(x), self.k_proj(x))
+        q = q.view(t, self.heads, self.head_dim)
+        k = k.view(t, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         if rotary is not None and cos_sin is not None:  # float32 cos/sin: back to v's dtype
             q, k = (r.to(v.dtype) for r in rotary(q, k, *cos_sin))
-        return self.o_proj(self.attn(q, k, v, batch))
+        return self.tp.all_reduce(self.o_proj(self.attn(q, k, v, batch)))  # row-parallel
 
 
 class OlmoHybridDecoderLayer(nn.Module):
@@ -201,7 +233,7 @@ class OlmoHybridDecoderLayer(nn.Module):
 class OlmoHybridModel(nn.Module):
     def __init__(self, cfg: OlmoHybridConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)  # tensor parallel
         self.layers = nn.ModuleList(
             OlmoHybridDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)
         )
@@ -209,12 +241,14 @@ class OlmoHybridModel(nn.Module):
 
 
 class OlmoHybridForCausalLM(CausalLM):
+    tensor_parallel = True
+
     config_class = OlmoHybridConfig
 
     def __init__(self, config: OlmoHybridConfig) -> None:
         super().__init__(config)
         self.model = OlmoHybridModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = vocab_head(config.hidden_size, config.vocab_size)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope) if config.uses_rope else None
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

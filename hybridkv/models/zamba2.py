@@ -45,6 +45,14 @@ checkpoint it saves holds every copy. Such a model is built the same way here; a
 checkpoint leaves out is taken from the block's first layer (the checkpoint shares it), where
 transformers would leave it randomly initialised.
 
+Tensor parallel: the Mamba2 mixers shard themselves (`hybridkv.layers.mamba2`); the shared
+attention splits its heads (KV heads split, or one replicated per rank) and each call's cache
+holds this rank's heads; o_proj and the MLP's down_proj are row-parallel, each all-reduced; the
+MLP splits its intermediate size ([gate | up] each by rows). An adapter's first matrix
+(`.0.weight`, [rank, in]) is replicated, its second (`.1.weight`, [out, rank]) sliced like the
+rows of the weight it adapts. The per-layer `linear` acts on the all-reduced block output and
+is replicated; embeddings and lm_head are split by vocabulary.
+
 Config: transformers 5.24 `Zamba2Config`, whose derived sizes (attention_head_dim,
 mamba_headdim) are computed from the other keys whatever config.json says. Zyphra's first
 configs use other keys (`state_size`, `conv_dimension`, `expansion_factor`,
@@ -65,6 +73,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.distributed.layers import vocab_embedding, vocab_head
+from hybridkv.distributed.parallel import (
+    ShardSpec,
+    column,
+    current,
+    declare_shards,
+    explicit,
+    rank0_bias,
+)
 from hybridkv.kv.specs import ConfigError
 from hybridkv.layers.attention.layer import PagedAttention
 from hybridkv.layers.attention.self_attention import CosSin
@@ -280,14 +297,30 @@ def _adapter(width: int, rank: int, out: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(width, rank, bias=False), nn.Linear(rank, out, bias=False))
 
 
-def _adapter_slots(cfg: Zamba2Config, block: int, out: int, width: int) -> nn.ModuleList:
+def _adapter_slots(
+    cfg: Zamba2Config, block: int, out: int, width: int, rows: ShardSpec | None = None
+) -> nn.ModuleList:
     """One slot per shared-block call h; block `block` runs the calls h % num_mem_blocks ==
-    block, whose slots hold that call's adapter; the others stay empty (as in transformers)."""
-    return nn.ModuleList(
+    block, whose slots hold that call's adapter; the others stay empty (as in transformers).
+    `out` is this rank's output size and `rows` where its rows come from (tensor parallel:
+    the up matrix sliced like the adapted weight; the down matrix replicated)."""
+    slots = nn.ModuleList(
         _adapter(width, cfg.adapter_rank, out) if h % cfg.num_mem_blocks == block
         else nn.Identity()
         for h in range(cfg.num_calls)
     )  # fmt: skip
+    for slot in slots:
+        if isinstance(slot, nn.Sequential):
+            declare_shards(slot[1], weight=rows)
+    return slots
+
+
+def _attention_heads(cfg: Zamba2Config) -> tuple[int, int, int]:
+    """This rank's (query heads, KV heads, first KV head) of the shared attention."""
+    tp = current()
+    heads = tp.split(cfg.num_attention_heads, "num_attention_heads")
+    kv_heads, first_kv = tp.replicated(cfg.num_key_value_heads, "num_key_value_heads")
+    return heads, kv_heads, first_kv
 
 
 class SharedAttention(nn.Module):
@@ -297,17 +330,26 @@ class SharedAttention(nn.Module):
     def __init__(self, cfg: Zamba2Config, block: int) -> None:
         super().__init__()
         width, hd = cfg.width, cfg.head_dim
-        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        # tensor parallel: this rank's heads (every size below is this rank's)
+        self.tp = tp = current()
+        self.heads, self.kv_heads, first_kv = _attention_heads(cfg)
         self.head_dim = hd
-        self.q_proj = nn.Linear(width, self.heads * hd, bias=False)
-        self.k_proj = nn.Linear(width, self.kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(width, self.kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(self.heads * hd, cfg.hidden_size, bias=False)
+        q_out, kv_out = self.heads * hd, self.kv_heads * hd
+        self.q_proj = nn.Linear(width, q_out, bias=False)
+        self.k_proj = nn.Linear(width, kv_out, bias=False)
+        self.v_proj = nn.Linear(width, kv_out, bias=False)
+        self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=False)
+        q_rows = column(tp, (0, cfg.num_attention_heads * hd))
+        kv_rows = explicit(tp, (first_kv * hd, kv_out))
+        declare_shards(self.q_proj, weight=q_rows)
+        declare_shards(self.k_proj, weight=kv_rows)
+        declare_shards(self.v_proj, weight=kv_rows)
+        declare_shards(self.o_proj, weight=column(tp, (0, cfg.num_attention_heads * hd), dim=1))
         self.adapters = cfg.use_shared_attention_adapter
-        if self.adapters:
-            self.linear_q_adapter_list = _adapter_slots(cfg, block, width, width)
-            self.linear_k_adapter_list = _adapter_slots(cfg, block, width, width)
-            self.linear_v_adapter_list = _adapter_slots(cfg, block, width, width)
+        if self.adapters:  # (the config makes q, k and v each width wide)
+            self.linear_q_adapter_list = _adapter_slots(cfg, block, q_out, width, q_rows)
+            self.linear_k_adapter_list = _adapter_slots(cfg, block, kv_out, width, kv_rows)
+            self.linear_v_adapter_list = _adapter_slots(cfg, block, kv_out, width, kv_rows)
 
     def forward(
         self,
@@ -318,7 +360,7 @@ class SharedAttention(nn.Module):
         rotary: RotaryEmbedding | None,
         cos_sin: CosSin | None,
     ) -> torch.Tensor:
-        """x: [T, 2 * hidden] -> [T, hidden]."""
+        """x: [T, 2 * hidden] -> [T, hidden]; tensor parallel: o_proj's output all-reduced."""
         t = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.adapters:
@@ -331,22 +373,29 @@ class SharedAttention(nn.Module):
         v = v.view(t, self.kv_heads, self.head_dim)
         if rotary is not None and cos_sin is not None:
             q, k = rotary(q, k, *cos_sin)
-        return self.o_proj(kv(q, k, v, batch))  # kv: [T, heads * head_dim]
+        return self.tp.all_reduce(self.o_proj(kv(q, k, v, batch)))  # kv: [T, heads * head_dim]
 
 
 class SharedMLP(nn.Module):
-    """down(act(gate) * up) with a fused [gate | up] projection and the call's adapter."""
+    """down(act(gate) * up) with a fused [gate | up] projection and the call's adapter.
+    Tensor parallel: gate and up each split by rows, down row-parallel (all-reduced)."""
 
     def __init__(self, cfg: Zamba2Config, block: int) -> None:
         super().__init__()
-        hidden, inter, bias = cfg.hidden_size, cfg.intermediate_size, cfg.add_bias_linear
-        assert inter is not None
+        hidden, full, bias = cfg.hidden_size, cfg.intermediate_size, cfg.add_bias_linear
+        assert full is not None
+        self.tp = tp = current()
+        inter = tp.split(full, "intermediate_size")
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        rows = column(tp, (0, full), (full, full))
+        declare_shards(self.gate_up_proj, weight=rows, bias=rows if bias else None)
+        declare_shards(self.down_proj, weight=column(tp, (0, full), dim=1))
+        declare_shards(self.down_proj, bias=rank0_bias(tp) if bias else None)
         self.adapters = cfg.use_shared_mlp_adapter
         if self.adapters:
-            self.gate_up_proj_adapter_list = _adapter_slots(cfg, block, 2 * inter, hidden)
+            self.gate_up_proj_adapter_list = _adapter_slots(cfg, block, 2 * inter, hidden, rows)
 
     def forward(self, x: torch.Tensor, call: int) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
@@ -354,7 +403,7 @@ class SharedMLP(nn.Module):
         if self.adapters:
             gate_up = gate_up + self.gate_up_proj_adapter_list[call](x)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.tp.all_reduce(self.down_proj(self.act(gate) * up))
 
 
 class SharedTransformer(nn.Module):
@@ -416,9 +465,9 @@ class Zamba2HybridLayer(nn.Module):
         self.call = call
         self.shared_transformer = shared
         scale = (cfg.head_dim / 2) ** -0.5  # transformers: the head sees 2 x hidden
-        self.attn = PagedAttention(
-            index, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, scale
-        )
+        heads, kv_heads, _ = _attention_heads(cfg)  # tensor parallel: this rank's
+        self.attn = PagedAttention(index, heads, kv_heads, cfg.head_dim, scale)
+        self.attn.sharded = True  # its heads are this rank's
         self.linear = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
         self.mamba_decoder = Zamba2MambaLayer(cfg, index)
 
@@ -438,7 +487,7 @@ class Zamba2HybridLayer(nn.Module):
 class Zamba2Model(nn.Module):
     def __init__(self, cfg: Zamba2Config) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)  # tensor parallel
         blocks: dict[int, SharedTransformer] = {}  # block id -> the block (shared blocks)
         calls = {i: h for h, i in enumerate(cfg.hybrid_layer_ids or ())}
         layers: list[nn.Module] = []
@@ -459,12 +508,14 @@ class Zamba2Model(nn.Module):
 
 
 class Zamba2ForCausalLM(CausalLM):
+    tensor_parallel = True
+
     config_class = Zamba2Config
 
     def __init__(self, config: Zamba2Config) -> None:
         super().__init__(config)
         self.model = Zamba2Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = vocab_head(config.hidden_size, config.vocab_size)
         self.rotary = None
         if config.use_mem_rope and config.hybrid_layer_ids:
             self.rotary = RotaryEmbedding(config.head_dim, config.rope)

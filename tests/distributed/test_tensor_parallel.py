@@ -198,11 +198,15 @@ def test_family_matches_transformers_and_tp1(build, tmp_path_factory) -> None:
         engine.shutdown()
 
 
-def test_unsharded_family_is_refused(tmp_path_factory) -> None:
-    from transformers import MambaConfig, MambaForCausalLM
+def test_unsharded_family_is_refused(tmp_path_factory, monkeypatch) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, state_size=4)
-    folder = save_model(seeded(MambaForCausalLM, cfg), tmp_path_factory.mktemp("mamba-tp"))
+    import hybridkv.models.llama
+
+    monkeypatch.setattr(hybridkv.models.llama.LlamaForCausalLM, "tensor_parallel", False)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
+                      num_hidden_layers=1, num_attention_heads=2)  # fmt: skip
+    folder = save_model(seeded(LlamaForCausalLM, cfg), tmp_path_factory.mktemp("unsharded"))
     with pytest.raises(ValueError, match="does not run with tensor_parallel_size > 1") as err:
         tp2(folder)
     assert "\n" not in str(err.value)
