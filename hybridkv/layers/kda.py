@@ -19,6 +19,12 @@ saves them; the model's loader maps transformers' in-memory names (`conv1d` stac
 The layer owns its cache (`CacheOwner`): a `kda` state of `conv_q`, `conv_k`, `conv_v`
 [H * D, conv_kernel - 1] and `recurrent` [H, D, D], the same spec as the plan-only
 `hybridkv.kv.specs.kda_state`, and declares where its ops can run (`KDA_OPS`).
+
+Tensor parallel (`hybridkv.distributed`): each rank keeps H / size heads, every size above is
+the rank's (so the state spec is per rank). q/k/v_proj, their convs, f_b_proj, g_b_proj,
+dt_bias (rows of the rank's head channels), b_proj and A_log (the rank's heads) are split;
+the low-rank first halves f_a_proj and g_a_proj and o_norm (one weight per head channel) are
+replicated; o_proj is row-parallel and its output all-reduced.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridkv.distributed.parallel import column, current, declare_shards
 from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
 from hybridkv.layers.cache import CacheOwner, StateCache
 from hybridkv.layers.state_base import StateMetadata
@@ -98,6 +105,10 @@ class KimiDeltaAttention(CacheOwner):
         super().__init__(layer_index)
         if conv_kernel < 2:
             raise ValueError(f"short_conv_kernel_size must be at least 2, got {conv_kernel}")
+        self.tp = tp = current()
+        self.sharded = True  # its heads are this rank's
+        full_heads = num_heads
+        num_heads = tp.split(full_heads, "linear_attn_config.num_heads")
         self.num_heads, self.head_dim = num_heads, head_dim
         self.width = width = num_heads * head_dim
         self.conv_kernel, self.norm_eps = conv_kernel, norm_eps
@@ -116,6 +127,19 @@ class KimiDeltaAttention(CacheOwner):
         self.g_b_proj = nn.Linear(head_dim, width, bias=False)
         self.o_norm = _NormWeight(head_dim)
         self.o_proj = nn.Linear(width, hidden_size, bias=False)
+        self._declare_shards(full_heads)
+
+    def _declare_shards(self, full_heads: int) -> None:
+        """This rank's head channels (rows [rank * H/size * D, +H/size * D) of every per-channel
+        tensor) and heads; the checkpoint lays every one out head by head."""
+        tp, full_width = self.tp, full_heads * self.head_dim
+        channels = column(tp, (0, full_width))
+        for module in (self.q_proj, self.k_proj, self.v_proj, self.q_conv1d, self.k_conv1d,
+                       self.v_conv1d, self.f_b_proj, self.g_b_proj):  # fmt: skip
+            declare_shards(module, weight=channels)
+        declare_shards(self, dt_bias=channels, A_log=column(tp, (0, full_heads), dim=2))
+        declare_shards(self.b_proj, weight=column(tp, (0, full_heads)))
+        declare_shards(self.o_proj, weight=column(tp, (0, full_width), dim=1))
 
     # -- the cache it owns -------------------------------------------------------------------
 
@@ -134,7 +158,8 @@ class KimiDeltaAttention(CacheOwner):
         assert isinstance(cache, StateCache)
         meta: StateMetadata = self.step_metadata(batch)
         convs = tuple(cache.tensors[name] for name in CONVS)
-        return self.mix(hidden_states, convs, cache.tensors[RECURRENT], meta, cache.ops)
+        out = self.mix(hidden_states, convs, cache.tensors[RECURRENT], meta, cache.ops)
+        return self.tp.all_reduce(out)  # o_proj is row-parallel
 
     def mix(
         self,

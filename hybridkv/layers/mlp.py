@@ -59,7 +59,8 @@ class FusedGateUpMLP(nn.Module):
 
 class GatedMLP(nn.Module):
     """SwiGLU with separate gate / up / down projections (Llama, Qwen3, Bamba). Tensor
-    parallel: gate/up column-parallel, down row-parallel (its output all-reduced)."""
+    parallel: gate/up column-parallel, down row-parallel (its output all-reduced;
+    `reduce=False` leaves the all-reduce of the partial output to the caller)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -75,8 +76,9 @@ class GatedMLP(nn.Module):
         declare_shards(self.down_proj, weight=column(tp, (0, full), dim=1))
         declare_shards(self.down_proj, bias=rank0_bias(tp) if bias else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.tp.all_reduce(out) if reduce else out
 
 
 class _Router(nn.Module):

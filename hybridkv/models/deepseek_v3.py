@@ -19,6 +19,9 @@
 - Checkpoints: per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, ...) or stacked ones
   (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]); multi-token-prediction layers
   (index >= num_hidden_layers) are skipped.
+- Tensor parallel: MLA by heads (layers/attention/mla.py; the latent replicated), dense MLPs,
+  experts and shared experts by intermediate size (router replicated; the experts' and shared
+  experts' partial sums all-reduced once), vocabulary-parallel embeddings and lm_head.
 Defaults: transformers 5.24 `DeepseekV3Config`.
 """
 
@@ -33,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridkv.distributed.layers import vocab_embedding, vocab_head
+from hybridkv.distributed.parallel import current
 from hybridkv.kv.specs import ConfigError
 from hybridkv.layers.attention.mla import CosSin, MultiHeadLatentAttention, mla_softmax_scale
 from hybridkv.layers.mlp import GatedMLP, RMSNorm
@@ -174,6 +179,7 @@ class GroupedTopkRouter(nn.Module):
 class DeepseekV3MoE(nn.Module):
     def __init__(self, cfg: DeepseekV3Config) -> None:
         super().__init__()
+        self.tp = current()
         self.gate = cfg.router(cfg)
         self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_experts = GatedMLP(
@@ -181,9 +187,11 @@ class DeepseekV3MoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]."""
+        """x: [T, hidden] -> [T, hidden]; tensor parallel: every rank routes alike (replicated
+        router), its experts' and shared experts' slices give partial sums, reduced once."""
         experts, weights = self.gate(x)
-        return self.experts(x, experts, weights.to(x.dtype)) + self.shared_experts(x)
+        out = self.experts(x, experts, weights.to(x.dtype)) + self.shared_experts(x, reduce=False)
+        return self.tp.all_reduce(out)
 
 
 class DeepseekV3DecoderLayer(nn.Module):
@@ -215,7 +223,7 @@ class DeepseekV3DecoderLayer(nn.Module):
 class DeepseekV3Model(nn.Module):
     def __init__(self, cfg: DeepseekV3Config) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DeepseekV3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)
         )
@@ -223,12 +231,14 @@ class DeepseekV3Model(nn.Module):
 
 
 class DeepseekV3ForCausalLM(CausalLM):
+    tensor_parallel = True
+
     config_class = DeepseekV3Config
 
     def __init__(self, config: DeepseekV3Config) -> None:
         super().__init__(config)
         self.model = DeepseekV3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = vocab_head(config.hidden_size, config.vocab_size)
         self.rotary = RotaryEmbedding(
             config.qk_rope_head_dim, config.rope, max_positions=config.max_position_embeddings
         )

@@ -22,6 +22,9 @@ latent attention (MLA) layer every few layers, MoE MLPs after the first dense on
 - Checkpoints: the released names (`block_sparse_moe.experts.{e}.w1/w3/w2`, read as
   `mlp.experts` and stacked into `gate_up_proj` / `down_proj`; `self_attn.q_conv1d`,
   `f_a_proj`, `A_log`, ...), which is also how transformers saves them.
+- Tensor parallel: KDA by heads (layers/kda.py: per-rank states), MLA by heads (the latent
+  replicated), dense MLPs, experts and shared experts by intermediate size (router replicated;
+  the MoE's partial sums all-reduced once), vocabulary-parallel embeddings and lm_head.
 Defaults: transformers 5.24 `KimiLinearConfig`.
 """
 
@@ -35,6 +38,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from hybridkv.distributed.layers import vocab_embedding, vocab_head
+from hybridkv.distributed.parallel import current
 from hybridkv.kv.specs import ConfigError
 from hybridkv.layers.attention.mla import MultiHeadLatentAttention
 from hybridkv.layers.kda import KimiDeltaAttention
@@ -187,6 +192,7 @@ class KimiLinearMoE(nn.Module):
 
     def __init__(self, cfg: KimiLinearConfig) -> None:
         super().__init__()
+        self.tp = current()
         self.gate = GroupedTopkRouter(cfg)  # type: ignore[arg-type]  # same routing keys
         self.experts = Experts(cfg.num_local_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_experts = GatedMLP(
@@ -194,9 +200,10 @@ class KimiLinearMoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]."""
+        """x: [T, hidden] -> [T, hidden] (tensor parallel: the partial sums reduced once)."""
         experts, weights = self.gate(x)
-        return self.experts(x, experts, weights.to(x.dtype)) + self.shared_experts(x)
+        out = self.experts(x, experts, weights.to(x.dtype)) + self.shared_experts(x, reduce=False)
+        return self.tp.all_reduce(out)
 
 
 class KimiLinearDecoderLayer(nn.Module):
@@ -234,7 +241,7 @@ class KimiLinearDecoderLayer(nn.Module):
 class KimiLinearModel(nn.Module):
     def __init__(self, cfg: KimiLinearConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             KimiLinearDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)
         )
@@ -242,12 +249,14 @@ class KimiLinearModel(nn.Module):
 
 
 class KimiLinearForCausalLM(CausalLM):
+    tensor_parallel = True
+
     config_class = KimiLinearConfig
 
     def __init__(self, config: KimiLinearConfig) -> None:
         super().__init__(config)
         self.model = KimiLinearModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = vocab_head(config.hidden_size, config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Checkpoints name a sparse layer's MoE `block_sparse_moe` and a dense layer's MLP

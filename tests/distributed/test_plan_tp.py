@@ -114,13 +114,74 @@ def test_cli_prints_the_per_rank_plan(capsys) -> None:
     assert "page_tokens         272" in out
 
 
+KIMI, DEEPSEEK = "moonshotai/Kimi-Linear-48B-A3B-Instruct", "deepseek-ai/DeepSeek-V3"
+MLA_ALIGN = {"flashmla": 64, "flashinfer_mla": 32}  # smallest kernel block each accepts
+
+
+def mla_bytes(c: dict) -> int:
+    """Bytes per token of one MLA layer: the latent and the rope key, bf16, no K/V pair. Every
+    rank caches the whole row (the latent is shared by the heads), at any size."""
+    return (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 2
+
+
+def kda_bytes(c: dict, size: int) -> int:
+    """One rank's KDA state: 3 convs [H/size * D, kernel - 1] + recurrent [H/size, D, D], bf16."""
+    linear = c["linear_attn_config"]
+    heads, dim = linear["num_heads"] // size, linear["head_dim"]
+    return 3 * heads * dim * (linear["short_conv_kernel_size"] - 1) * 2 + heads * dim * dim * 2
+
+
+# Kimi-Linear-48B-A3B by hand: A = (512 + 64) * 2 = 1152 bytes per token; the KDA state at size
+# s is M = (3 * 4096 * 3 * 2 + 32 * 128 * 128 * 2) / s = 1122304 / s bytes, so M / A = 974.2 / s
+# tokens: page_tokens = align * ceil(974.2 / (s * align)) -> (page_tokens, kernel block,
+# blocks per page, state padding bytes) per backend and size.
+KIMI_PAGES = {
+    "flashmla": {1: (1024, 64, 16, 57344), 2: (512, 64, 8, 28672), 4: (256, 64, 4, 14336),
+                 8: (128, 64, 2, 7168)},
+    "flashinfer_mla": {1: (992, 32, 31, 20480), 2: (512, 64, 8, 28672),
+                       4: (256, 64, 4, 14336), 8: (128, 64, 2, 7168)},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", list(MLA_ALIGN))
+def test_mla_models_per_rank_plans(backend: str) -> None:
+    """The MLA bytes per token stay 1152 per rank at every size (the latent replicated); the
+    KDA states shrink with the size, so Kimi-Linear's page follows them:
+    page_tokens = align * ceil(M / (align * A)). DeepSeek-V3 has no state: its page is the
+    backend's smallest kernel block (64 FlashMLA, 32 FlashInfer MLA) at every size."""
+    kimi, deepseek, align = load_model_config(KIMI), load_model_config(DEEPSEEK), MLA_ALIGN[backend]
+    assert mla_bytes(kimi) == mla_bytes(deepseek) == 1152
+    for size in SIZES:
+        got = plan(KIMI, size, backend)
+        a, m = mla_bytes(kimi), kda_bytes(kimi, size)
+        assert (got.attention_bytes_per_token, got.state_bytes) == (a, m) == (1152, 1122304 // size)
+        tokens = align * math.ceil(m / (align * a))
+        group = got.attention_groups[0]
+        seen = (got.page_tokens, group.kernel_block_size, group.blocks_per_page,
+                got.state_padding_bytes)  # fmt: skip
+        assert seen == KIMI_PAGES[backend][size] and got.page_tokens == tokens, size
+        assert got.page_bytes == tokens * a
+        assert {g.spec.kind for g in got.attention_groups} == {"mla"}
+        assert {g.spec.kv_lora_rank for g in got.attention_groups} == {512}
+        shapes = {t.name: t.shape for t in got.state_groups[0].spec.tensors}
+        assert shapes["recurrent"] == (32 // size, 128, 128)
+        assert shapes["conv_q"] == shapes["conv_k"] == shapes["conv_v"] == (4096 // size, 3)
+        ds = plan(DEEPSEEK, size, backend)
+        assert (ds.attention_bytes_per_token, ds.state_bytes) == (1152, 0)
+        assert (ds.page_tokens, ds.page_bytes) == (align, align * 1152), size
+        assert ds.attention_groups[0].kernel_block_size == align
+        assert ds.tensor_parallel_size == got.tensor_parallel_size == size
+
+
 @pytest.mark.parametrize(
     "model,size,message",
     [
         ("ibm-granite/granite-4.0-h-tiny", 8, "does not divide num_attention_heads=12"),
         ("ibm-granite/granite-4.0-h-small", 3, "does not divide mamba n_heads=128"),
         ("ibm-granite/granite-4.0-h-small", 0, "tensor_parallel_size must be an integer >= 1"),
-        ("moonshotai/Kimi-Linear-48B-A3B-Instruct", 2, "has no per-rank plan"),
+        ("moonshotai/Kimi-Linear-48B-A3B-Instruct", 3,
+         "does not divide linear_attn_config.num_heads=32"),
+        ("deepseek-ai/DeepSeek-V3", 3, "does not divide num_attention_heads=128"),
     ],
 )
 def test_cli_refuses_sizes_that_do_not_divide(capsys, model: str, size: int, message: str):

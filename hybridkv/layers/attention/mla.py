@@ -9,6 +9,13 @@
     out    = attention over kv_b_proj(c) = [k_nope | v] per head, key [k_nope | kr]
     y      = o_proj(out)                     [T, heads * v_dim] -> [T, hidden]
 
+Tensor parallel (`hybridkv.distributed`): each rank keeps num_heads / size query heads. q_proj,
+q_b_proj and kv_b_proj are column-parallel by head (a head's rows [nope + rope], resp. [nope |
+v], are contiguous); q_a_proj, its norm, kv_a_proj_with_mqa and kv_a_layernorm are replicated:
+the latent is shared by every head, so every rank caches the same full [c | kr] row and the
+per-rank MLASpec equals the full one. o_proj is row-parallel and its output all-reduced. The
+decode in latent space absorbs and expands with the rank's heads of W_UK / W_UV only.
+
 The projections carry Hugging Face's names (DeepseekV3Attention, Kimi-Linear's MLA), so
 checkpoints load by name. `PagedMLA` owns the cache: it declares the MLASpec and runs the MLA
 ops of its group's backend (`torch`: hybridkv.ops.mla, with the native CPU decode; `triton`:
@@ -26,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridkv.distributed.parallel import column, current, declare_shards, rank0_bias
 from hybridkv.kv.specs import CacheDtypes, MLASpec
 from hybridkv.layers.attention.base import AttentionMetadata
 from hybridkv.layers.cache import AttentionCache, CacheOwner
@@ -101,6 +109,7 @@ class PagedMLA(CacheOwner):
         scale: float,
     ) -> None:
         super().__init__(layer_index)
+        self.sharded = True  # num_heads are this rank's; the latent it caches is the full one
         self.num_heads, self.kv_lora_rank, self.rope_dim = num_heads, kv_lora_rank, rope_dim
         self.nope_dim, self.v_dim, self.scale = nope_dim, v_dim, scale
         self._ops: ModuleType | None = None
@@ -161,8 +170,13 @@ class MultiHeadLatentAttention(nn.Module):
           channels): over interleaved pairs (`rope_interleave`, DeepSeek) or halves. Without
           one the rope part is used as it comes (Kimi-Linear's MLA layers, NoPE; rope dim may
           then be 0).
+        - `num_heads` is the model's; built under tensor parallelism the layer keeps
+          num_heads / size of them (a one-line error when the size does not divide them).
         """
         super().__init__()
+        self.tp = tp = current()
+        full_heads = num_heads
+        num_heads = tp.split(full_heads, "num_attention_heads")  # this rank's heads
         self.heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank, kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.rope_interleave = rope_interleave
@@ -179,11 +193,23 @@ class MultiHeadLatentAttention(nn.Module):
             kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False
         )
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
+        self._declare_shards(full_heads, qk_dim, bias)
         scale = qk_dim**-0.5 if scale is None else scale
         self.attn = PagedMLA(
             layer_index, num_heads, kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim,
             v_head_dim, scale,
         )  # fmt: skip
+
+    def _declare_shards(self, full_heads: int, qk_dim: int, bias: bool) -> None:
+        """This rank's heads: rows of the per-head projections, columns of o_proj (whose bias
+        rank 0 adds); the q LoRA down-projection and the latent projection stay whole."""
+        tp = self.tp
+        q_rows = column(tp, (0, full_heads * qk_dim))
+        declare_shards(self.q_proj if self.q_lora_rank is None else self.q_b_proj, weight=q_rows)
+        kv_rows = column(tp, (0, full_heads * (self.nope_dim + self.v_dim)))
+        declare_shards(self.kv_b_proj, weight=kv_rows)
+        declare_shards(self.o_proj, weight=column(tp, (0, full_heads * self.v_dim), dim=1))
+        declare_shards(self.o_proj, bias=rank0_bias(tp) if bias else None)
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, heads, nope + rope]."""
@@ -211,4 +237,4 @@ class MultiHeadLatentAttention(nn.Module):
             q_rope, k_rope = rotate(q_rope, *cos_sin), rotate(k_rope, *cos_sin)
         latent = torch.cat([c, k_rope[:, 0].to(c.dtype)], dim=-1)  # [T, rank + rope]
         out = self.attn(q_nope, q_rope, latent, self.kv_b_proj.weight, batch)
-        return self.o_proj(out)
+        return self.tp.all_reduce(self.o_proj(out))  # o_proj is row-parallel
