@@ -13,7 +13,7 @@ import torch
 from hybridkv.engine import Engine
 from hybridkv.entrypoints.cli import main
 from hybridkv.kv.presets import load_model_config
-from hybridkv.kv.specs import resolve_cache_dtypes
+from hybridkv.kv.specs import AttentionSpec, resolve_cache_dtypes
 from hybridkv.models.registry import declared_cache_layers
 from tests.models.conformance import MIN_MARGIN
 from tests.models.utils import engine_greedy, prompts, reference_greedy, save_model, seeded
@@ -189,6 +189,20 @@ def test_mamba1_state_is_per_rank(size: int) -> None:
 def test_short_conv_state_is_per_rank(size: int) -> None:
     """LFM2-1.2B: 2048 conv channels, L_cache 3: conv [2048 / size, 2]."""
     assert _state_shapes("LiquidAI/LFM2-1.2B", size, "short_conv") == {("conv", (2048 // size, 2))}
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_zamba2_calls_cache_their_rank_heads(size: int) -> None:
+    """Zamba2-2.7B: each call of a shared block caches 32 / size KV heads of 160 (2 * 2560 /
+    32); its Mamba2 layers 80 / size heads of 64, the one group replicated."""
+    config = load_model_config("Zyphra/Zamba2-2.7B")
+    layers = declared_cache_layers(config, resolve_cache_dtypes(config), size)
+    attention = {(s.num_kv_heads, s.head_dim) for s in (x.spec for x in layers)
+                 if isinstance(s, AttentionSpec)}  # fmt: skip
+    assert attention == {(32 // size, 160)}
+    assert _state_shapes("Zyphra/Zamba2-2.7B", size, "mamba2") == {
+        ("conv", (5120 // size + 2 * 64, 3)), ("ssm", (80 // size, 64, 64))
+    }  # fmt: skip
 
 
 def test_cli_plans_jamba_per_rank(capsys) -> None:
