@@ -7,9 +7,9 @@ takes its conv from the Mamba2 ops class of the same backend) and the gated delt
     backend    causal conv1d                        gated delta rule
     torch      PyTorch (ops.conv1d)                 PyTorch chunked form + recurrence
                                                     (ops.gated_delta)
-    native     C kernel, state in place, for        C kernel, token by token, state in place
-               float32 activations, weight and      (ops.native.gated_delta_rule): float32 or
-               state; PyTorch for bfloat16 ones     bfloat16 q/k/v and state, float32 math
+    native     C kernel, state in place, float32    C kernel, token by token, state in place
+               math on float32 or bfloat16          (ops.native.gated_delta_rule): float32 or
+               activations, weight and state        bfloat16 q/k/v and state, float32 math
     triton     Triton decode step (Mamba2's),       Triton decode step for one-token requests
                PyTorch for prefill chunks           (ops.triton_gdn), PyTorch chunked form for
                                                     prefill chunks
@@ -61,10 +61,9 @@ class TorchGDNOps(TorchMamba2Ops):
 class NativeGDNOps(NativeMamba2Ops, TorchGDNOps):
     """The C kernels of `hybridkv.ops.native` (CPU). The gated delta rule runs natively for
     float32 and bfloat16 inputs and states (`layers.gated_delta_net.GDN_OPS` declares both). The
-    conv1d runs natively where its kernel applies (float32 activations, weight and conv state, at
-    most `native.CONV_MAX_HISTORY` history columns), else in PyTorch: bfloat16 models stay on
-    native ops for the rule, where the time goes, and the route is fixed per layer by its dtypes
-    and width, never a fallback after a kernel declined."""
+    conv1d runs natively where its kernel applies (float32 or bfloat16 activations, weight and
+    conv state, at most `native.CONV_MAX_HISTORY` history columns), else in PyTorch: the route
+    is fixed per layer by its dtypes and width, never a fallback after a kernel declined."""
 
     name = "native"
 
@@ -114,6 +113,7 @@ class TritonGDNOps(TritonMamba2Ops, TorchGDNOps):
 
 
 def native_conv_applies(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> bool:
-    """Whether the native conv1d kernel takes these tensors (float32, a short enough history)."""
-    fp32 = all(t.dtype == torch.float32 for t in (x, weight, conv_state))
-    return fp32 and weight.shape[-1] - 1 <= native.CONV_MAX_HISTORY
+    """Whether the native conv1d kernel takes these tensors (float32 or bfloat16 each, widened
+    as read; a short enough history)."""
+    floats = all(t.dtype in native.FLOAT_DTYPES for t in (x, weight, conv_state))
+    return floats and weight.shape[-1] - 1 <= native.CONV_MAX_HISTORY

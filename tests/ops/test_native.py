@@ -235,17 +235,19 @@ def test_silu_mul_bf16_rounds_where_pytorch_does():
 
 
 @needs_compiler
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("weight_in_fp32", [False, True])
-def test_bf16_norm_rows_round_where_pytorch_does(weight_in_fp32, monkeypatch):
+def test_bf16_norm_rows_round_where_pytorch_does(weight_in_fp32, weight_dtype, monkeypatch):
     """Wide bfloat16 rows (768 channels, 3 groups): the native norms give PyTorch's numbers but
-    for a last-bit flip where the two float32 sums round apart."""
+    for a last-bit flip where the two float32 sums round apart. A float32 weight (a
+    zero-centred norm's 1 + weight) is used unrounded, as PyTorch's type promotion does."""
     from hybridkv.ops import norm
 
     g = torch.Generator().manual_seed(9)
     x = (torch.randn(17, 768, generator=g) * 3).bfloat16()
     h = torch.randn(17, 768, generator=g).bfloat16()
     z = torch.randn(17, 768, generator=g).bfloat16()
-    w = (torch.randn(768, generator=g) + 1).bfloat16()
+    w = (torch.randn(768, generator=g) + 1).to(weight_dtype)
 
     def run() -> list[torch.Tensor]:
         total, normed = norm.add_rms_norm(x, h, 0.5, w, 1e-6, weight_in_fp32=weight_in_fp32)
@@ -254,6 +256,8 @@ def test_bf16_norm_rows_round_where_pytorch_does(weight_in_fp32, monkeypatch):
             norm.gated_rms_norm(x, z, w, 1e-6, 256, weight_in_fp32=weight_in_fp32),
         ]  # fmt: skip
 
+    assert native.rms_norm(x, w, 1e-6, weight_in_fp32) is not None  # the kernels take these
+    assert native.gated_rms_norm(x, z, w, 1e-6, 256, False, weight_in_fp32) is not None
     fast = run()
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
     ref = run()

@@ -473,10 +473,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def _row_weight(x: torch.Tensor, weight: torch.Tensor, cols: int) -> torch.Tensor | None:
-    """The norm weight a row kernel takes for x: of x's dtype and cols long, else None."""
-    if weight.dtype != x.dtype or weight.device.type != "cpu" or weight.numel() != cols:
+    """The norm weight a row kernel takes for x, cols long, else None: of x's dtype for float32
+    rows; float32 for bfloat16 rows (a bfloat16 weight widened exactly, or a float32 weight such
+    as a zero-centred norm's 1 + weight)."""
+    if weight.device.type != "cpu" or weight.numel() != cols:
         return None
-    return weight.contiguous()
+    if x.dtype == torch.bfloat16 and weight.dtype in FLOAT_DTYPES:
+        return weight.float().contiguous()
+    return weight.contiguous() if weight.dtype == x.dtype else None
 
 
 def rms_norm(

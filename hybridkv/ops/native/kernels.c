@@ -794,26 +794,27 @@ void hkv_gated_rms_norm_f32(const float *x, const float *z, int64_t z_stride, co
  * the numbers it gives in PyTorch up to the float32 summation order:
  *   weighted (w_fp32 == 0): out = bf16(w * bf16(x_hat))   (Llama order: cast, then weight)
  *   weighted (w_fp32 == 1): out = bf16(w * x_hat)         (NemotronH, Falcon-H1)
- * x_hat = x / sqrt(mean(x^2) + eps) in float32. Weights are bfloat16. */
+ * x_hat = x / sqrt(mean(x^2) + eps) in float32. Weights come as float32 (a bfloat16 weight
+ * widened exactly, or a float32 one such as Qwen3-Next's 1 + weight), so either kind is exact. */
 
 static inline uint16_t hkv_weigh(float w, float x_hat, int w_fp32) {
     return f32_to_bf16(w * (w_fp32 ? x_hat : bf16_to_f32(f32_to_bf16(x_hat))));
 }
 
 /* One row: out = weighted normalise(v), v: [cols] float32. */
-static inline void hkv_norm_row_bf16(const float *v, const uint16_t *w, uint16_t *o,
+static inline void hkv_norm_row_bf16(const float *v, const float *w, uint16_t *o,
                                      int64_t cols, float eps, int w_fp32) {
     float sq = 0.0f;
 #pragma omp simd reduction(+ : sq)
     for (int64_t c = 0; c < cols; c++) sq += v[c] * v[c];
     const float inv = 1.0f / sqrtf(sq / (float)cols + eps);
-    for (int64_t c = 0; c < cols; c++) o[c] = hkv_weigh(bf16_to_f32(w[c]), v[c] * inv, w_fp32);
+    for (int64_t c = 0; c < cols; c++) o[c] = hkv_weigh(w[c], v[c] * inv, w_fp32);
 }
 
 #define HKV_ROW_STACK 8192 /* float32 row buffer on the stack; wider rows use the heap */
 
 /* RMSNorm of bfloat16 rows: x rows at x + r * x_stride, out: [rows, cols] contiguous. */
-void hkv_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out,
+void hkv_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const float *w, uint16_t *out,
                        int64_t rows, int64_t cols, float eps, int w_fp32) {
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
@@ -829,7 +830,7 @@ void hkv_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, u
 /* Residual add, then RMSNorm, on bfloat16 rows: sum = bf16(x + bf16(mult * h)) (no inner
  * rounding when mult == 1, as PyTorch skips the multiply), out = rms_norm(sum). x, h, sum, out:
  * [rows, cols] contiguous (sum may be x itself). */
-void hkv_add_rms_norm_bf16(const uint16_t *x, const uint16_t *h, float mult, const uint16_t *w,
+void hkv_add_rms_norm_bf16(const uint16_t *x, const uint16_t *h, float mult, const float *w,
                            uint16_t *sum, uint16_t *out, int64_t rows, int64_t cols, float eps,
                            int w_fp32) {
 #pragma omp parallel for schedule(static)
@@ -868,7 +869,7 @@ void hkv_silu_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64
  *   gate first:  out = weighted normalise(x * silu(z))
  *   norm first:  out = bf16(w * normalise(x) * silu(z))   (Falcon-H1; w_fp32 is implied) */
 void hkv_gated_rms_norm_bf16(const uint16_t *x, const uint16_t *z, int64_t z_stride,
-                             const uint16_t *w, uint16_t *out, int64_t rows, int64_t C,
+                             const float *w, uint16_t *out, int64_t rows, int64_t C,
                              int64_t group, float eps, int norm_before_gate, int w_fp32) {
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
@@ -876,7 +877,8 @@ void hkv_gated_rms_norm_bf16(const uint16_t *x, const uint16_t *z, int64_t z_str
         float *v = group <= HKV_ROW_STACK ? stack : malloc(sizeof(float) * (size_t)group);
         if (v == NULL) continue;
         for (int64_t g0 = 0; g0 < C; g0 += group) {
-            const uint16_t *xr = x + r * C + g0, *zr = z + r * z_stride + g0, *wr = w + g0;
+            const uint16_t *xr = x + r * C + g0, *zr = z + r * z_stride + g0;
+            const float *wr = w + g0;
             uint16_t *o = out + r * C + g0;
             for (int64_t c = 0; c < group; c++) {
                 const float xv = bf16_to_f32(xr[c]);
@@ -890,7 +892,7 @@ void hkv_gated_rms_norm_bf16(const uint16_t *x, const uint16_t *z, int64_t z_str
             for (int64_t c = 0; c < group; c++) sq += v[c] * v[c];
             const float inv = 1.0f / sqrtf(sq / (float)group + eps);
             for (int64_t c = 0; c < group; c++)
-                o[c] = f32_to_bf16(bf16_to_f32(wr[c]) * (v[c] * inv) * silu(bf16_to_f32(zr[c])));
+                o[c] = f32_to_bf16(wr[c] * (v[c] * inv) * silu(bf16_to_f32(zr[c])));
         }
         if (v != stack) free(v);
     }
