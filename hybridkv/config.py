@@ -9,6 +9,7 @@ from hybridkv.dtypes import STATE_DTYPES, canonical_dtype
 
 DEFAULT_MEMORY_BYTES = 4 * 2**30
 ALLOCATION_MODES = ("page", "block")
+QUANTIZATIONS = ("int8",)  # weight-only methods (hybridkv.layers.quantization)
 
 
 def _positive_or_none(name: str, value: int | None) -> None:
@@ -22,6 +23,13 @@ def check_bools(config: object, *names: str) -> None:
         value = getattr(config, name)
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def check_quantization(value: object) -> None:
+    """None or a supported method; anything else a one-line error naming what is allowed."""
+    if value is not None and value not in QUANTIZATIONS:
+        allowed = ", ".join(repr(q) for q in QUANTIZATIONS)
+        raise ValueError(f"quantization must be None or one of {allowed}, got {value!r}")
 
 
 def check_name(name: str, value: object) -> None:

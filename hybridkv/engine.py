@@ -43,6 +43,7 @@ from hybridkv.config import (
     ParallelConfig,
     SchedulerConfig,
     check_bools,
+    check_quantization,
     split_kwargs,
 )
 from hybridkv.core.coordinator import CacheManager
@@ -69,6 +70,7 @@ from hybridkv.kv.specs import (
 )
 from hybridkv.layers.attention.registry import BACKENDS, get_backend
 from hybridkv.layers.linear import prepack_linears
+from hybridkv.layers.quantization import QuantizationReport, quantize_model
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import HFConfig
 from hybridkv.models.loader import eos_token_ids, generation_config, iter_weights
@@ -103,6 +105,9 @@ class ModelConfig:
       or a bf16 state.
     - `keep_freed_memory`: CPU on glibc: reuse large freed blocks instead of returning them to
       the OS after every step (`hybridkv.worker.host_memory`; process-wide).
+    - `quantization`: None, or "int8": weight-only int8 linears with per-output-row scales,
+      computed from the loaded weights (`hybridkv.layers.quantization`; CPU only). The cache
+      (KV and states) keeps its dtypes.
     """
 
     model: str | None = None
@@ -112,6 +117,7 @@ class ModelConfig:
     prepack: bool = True
     compile: bool = False
     keep_freed_memory: bool = True
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str | Path):
@@ -134,6 +140,7 @@ class ModelConfig:
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        check_quantization(self.quantization)
 
     @property
     def folder(self) -> Path:
@@ -178,6 +185,12 @@ def resolve_runtime(
     if want == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but no CUDA device is available")
     device = torch.device(want)
+    if model_config.quantization is not None and device.type != "cpu":
+        raise ValueError(
+            f"quantization={model_config.quantization!r} runs on the CPU only (its kernel, "
+            f"torch's _weight_int8pack_mm, is a naive loop on CUDA); give device='cpu' or no "
+            "quantization"
+        )
     dtype = model_config.dtype
     dtype = model_dtype(hf_config) if dtype == "auto" else canonical_dtype(dtype)
     if cache.platform == "cpu" and device.type == "cuda":
@@ -365,6 +378,10 @@ class Engine:
         # (families that restack tensors while loading get them whole, and slice them)
         lazy = self.tp.size > 1 and type(model).load_weights is CausalLM.load_weights
         model.load_weights(iter_weights(folder, lazy=lazy))
+        # int8: each rank quantizes its own shard, before the float linears left are packed
+        self.quantization: QuantizationReport | None = None
+        if self.model_config.quantization == "int8":
+            self.quantization = quantize_model(model, self.tp)
         if self.device.type == "cpu" and self.model_config.prepack:
             prepack_linears(model)
         return model.eval()

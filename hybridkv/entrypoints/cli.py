@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from hybridkv.config import CacheConfig, ParallelConfig
+from hybridkv.config import CacheConfig, ParallelConfig, check_quantization
 from hybridkv.dtypes import parse_bytes
 
 EXIT_USAGE = 2
@@ -216,7 +216,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="cache budget, e.g. 2GiB (default: sized for max-num-seqs requests)",
     )
     p.add_argument("--allocation", default="block", choices=["block", "page"])
+    _add_quantization_arg(p)
     _add_parallel_args(p)
+
+
+def _add_quantization_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--quantization",
+        default=None,
+        help="int8: weight-only int8 linears, per-output-row scales computed at load time "
+        "(CPU; the cache keeps its dtypes); default: none",
+    )
+
+
+def _quantization(args: argparse.Namespace) -> str | None:
+    value = args.quantization
+    return None if value is None or value.lower() == "none" else value
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -245,6 +260,7 @@ def _load_engine(args: argparse.Namespace):
         "allocation": args.allocation,
         "tensor_parallel_size": args.tensor_parallel_size,
         "distributed_timeout_s": args.distributed_timeout,
+        "quantization": _quantization(args),
     }
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs
@@ -443,6 +459,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compare-transformers", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
+    _add_quantization_arg(p)
     _add_parallel_args(p)
     p.set_defaults(func=cmd_bench)
 
@@ -462,6 +479,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "--compare-transformers needs the transformers package, which is not installed "
             "(pip install transformers)"
         )
+    quantization = _quantization(args)
+    check_quantization(quantization)  # before any prompt is made
     folder = args.model or str(DEFAULT_MODEL)
     vocab = family_config(load_model_config(folder)).vocab_size
     prompts = random_prompts(vocab, args.requests, args.min_prompt, args.max_prompt, args.seed)
@@ -476,7 +495,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "tensor_parallel_size": args.tensor_parallel_size,
         "distributed_timeout_s": args.distributed_timeout,
     }
-    seconds = run_hybridkv(folder, prompts, args.new_tokens, dtype=args.dtype, **parallel)
+    seconds = run_hybridkv(
+        folder, prompts, args.new_tokens, dtype=args.dtype, quantization=quantization, **parallel
+    )
     rows = [("hybridkv", seconds)]
     if args.compare_transformers:
         rows.append(("transformers", run_transformers(folder, prompts, args.new_tokens)))

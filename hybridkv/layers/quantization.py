@@ -1,0 +1,242 @@
+"""int8 weight-only quantization of the model's linears (`LLM(..., quantization="int8")`).
+
+After the weights are loaded (and before the CPU linears are pre-packed), every `nn.Linear`
+worth it becomes an `Int8Linear`: weight int8 [out, in] with one symmetric scale per output
+row, computed from the loaded float weight,
+
+    scale[n] = max_k |w[n, k]| / 127      (rounded to bfloat16: the kernel's scale dtype)
+    q[n, k]  = clamp(round(w[n, k] / scale[n]), -127, 127)
+    w[n, k] ~ q[n, k] * scale[n]          (a zero row: scale 1, q 0)
+
+and the float weight is freed. Biases stay float (the model's dtype). What stays float:
+embeddings (a lookup), norms, convolutions, the state parameters (A_log, D, dt_bias), routers
+and gates that choose experts (llama.cpp's quantizer keeps `ffn_gate_inp` float too: a flipped
+expert choice costs more than the bytes saved), and the linears whose module reads `.weight`
+itself instead of calling the layer (Mamba1's `dt_proj`, MLA's `kv_b_proj`). The lm_head is
+quantized (llama.cpp's Q8_0 quantizes the output matrix too); with tied embeddings the
+embedding keeps its float weight for the lookup and the head gets its own int8 copy.
+docs/quantization.md has the measured accuracy, memory and speed.
+
+The matmul, `x [M, K] -> [M, N]`, runs in bfloat16 with float32 accumulation whatever the
+model's dtype (its inputs are rounded to bfloat16, its output cast back):
+
+    M <= SMALL_M   torch.ops.aten._weight_int8pack_mm(x_bf16, q, scale_bf16): reads the int8
+                   weight once per row of x (AVX-512; its float32 path is a scalar loop,
+                   10-50x slower, hence bfloat16 inputs for float32 models too)
+    M >  SMALL_M   dequantize-on-the-fly: q converted to bfloat16 in chunks of about
+                   CHUNK_ELEMENTS weights (L2-sized), a bfloat16 GEMM per chunk, the output
+                   scaled per column (the scale of an output row factors out of its dot
+                   product, so the chunk is only cast, never multiplied)
+
+The crossover (measured on the development CPU, Zen 5, 1 thread: benchmarks/quantization.py)
+sits between M = 16 and 32 for hidden-size 768 shapes and the 32000-row lm_head alike.
+
+Tensor parallel: each rank quantizes its shard after loading it. A column-parallel shard holds
+whole rows, so its scales are the full model's; a row-parallel one (its input dim split) holds
+part of every row, so the ranks take the max of their row maxima (one all-reduce for all of
+them): every rank's int8 weight is then exactly its slice of the single-process one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.config import QUANTIZATIONS, check_quantization  # noqa: F401 (re-exported)
+from hybridkv.distributed.layers import VocabParallelHead
+from hybridkv.distributed.parallel import SINGLE, TensorParallel
+from hybridkv.layers.linear import PackedLinear
+
+SMALL_M = 16  # rows of x up to which _weight_int8pack_mm beats dequantize + GEMM
+CHUNK_ELEMENTS = 1 << 20  # weights dequantized at once on the GEMM path (2 MiB of bfloat16)
+COMPUTE_DTYPE = torch.bfloat16
+# Linears that stay float, by their attribute name (see the module docstring); a linear
+# inside a module named `router` too (GraniteMoE's `router.layer`).
+FLOAT_LINEARS = frozenset({"router", "gate", "shared_expert_gate", "dt_proj", "kv_b_proj"})
+logger = logging.getLogger("hybridkv")
+
+
+def row_absmax(w: torch.Tensor) -> torch.Tensor:
+    """w [..., out, in] -> the largest |w| of every row, float32 [..., out]."""
+    return w.detach().abs().amax(dim=-1).float()
+
+
+def quantize_rows(
+    w: torch.Tensor, absmax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., out, in] float -> (q int8 [..., out, in], scale bfloat16 [..., out]), symmetric
+    per output row. `absmax`: the rows' max |w| when it spans more than w (a row-parallel
+    shard's full rows); default w's own."""
+    amax = row_absmax(w) if absmax is None else absmax.float()
+    # the bfloat16 scale is the one the kernel multiplies by, so q is rounded against it
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).to(COMPUTE_DTYPE)
+    q = torch.round(w.detach().float() / scale.float()[..., None]).clamp_(-127, 127)
+    return q.to(torch.int8), scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(q int8 [..., out, in], scale [..., out]) -> float32 [..., out, in]."""
+    return q.float() * scale.float()[..., None]
+
+
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float, q int8 [N, K], scale bfloat16 [N] -> x @ (q * scale).T [M, N] in x's
+    dtype, computed in bfloat16 with float32 accumulation (the module docstring)."""
+    xb = x.to(COMPUTE_DTYPE).contiguous()
+    m, (n, k) = xb.shape[0], q.shape
+    if m <= SMALL_M:
+        return torch.ops.aten._weight_int8pack_mm(xb, q, scale).to(x.dtype)
+    rows = max(1, CHUNK_ELEMENTS // k)
+    if rows >= n:
+        out = F.linear(xb, q.to(COMPUTE_DTYPE))
+    else:
+        out = torch.empty(m, n, dtype=COMPUTE_DTYPE, device=x.device)
+        for start in range(0, n, rows):
+            chunk = q[start : start + rows].to(COMPUTE_DTYPE)  # [rows, K], exact (|q| <= 127)
+            torch.mm(xb, chunk.T, out=out[:, start : start + rows])
+    return out.to(x.dtype).mul_(scale.to(x.dtype))
+
+
+class Int8Linear(nn.Module):
+    """A linear layer with an int8 weight [out, in] and per-output-row scales; the bias (if
+    any) stays in the model's dtype. Buffers, so `.to(device)` moves them; not persistent:
+    no checkpoint holds them."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+
+    def __init__(
+        self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.nn.Parameter | None
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight, persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.bias = bias
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, absmax: torch.Tensor | None = None) -> Int8Linear:
+        q, scale = quantize_rows(linear.weight, absmax)
+        return cls(q, scale, linear.bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 weight this layer multiplies by: q * scale [out, in]."""
+        return dequantize_rows(self.qweight, self.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] -> [..., out]
+        out = int8_matmul(x.reshape(-1, self.in_features), self.qweight, self.scale)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+class Int8VocabParallelHead(Int8Linear):
+    """`VocabParallelHead` with an int8 weight: this rank's vocabulary rows, logits gathered."""
+
+    def __init__(self, head: VocabParallelHead) -> None:
+        q, scale = quantize_rows(head.weight)
+        super().__init__(q, scale, head.bias)
+        self.tp, self.full_vocab = head.tp, head.full_vocab
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [n, hidden] -> rank 0: [n, vocab]; other ranks: their [n, rows]
+        return self.tp.gather_last_dim(super().forward(x), self.full_vocab)
+
+
+@dataclass(frozen=True)
+class QuantizationReport:
+    """What `quantize_model` did: layers made int8, what they weighed before and after, what
+    stayed float. `freed_bytes` < `float_bytes` where a weight is shared with a module that
+    keeps it (a tied embedding)."""
+
+    method: str
+    quantized: tuple[str, ...]  # module names now int8
+    kept_float: tuple[str, ...]  # linears left float (FLOAT_LINEARS; lm_head if asked)
+    float_bytes: int  # the quantized layers' float weights
+    int8_bytes: int  # their int8 weights and scales
+    freed_bytes: int  # float weight bytes no module references any more
+
+    def summary(self) -> str:
+        mib = 2**20
+        return (
+            f"{self.method}: {len(self.quantized)} linears quantized, their weights "
+            f"{self.float_bytes / mib:.1f} MiB -> {self.int8_bytes / mib:.1f} MiB "
+            f"({self.freed_bytes / mib:.1f} MiB freed); {len(self.kept_float)} kept float"
+        )
+
+
+def _row_parallel(linear: nn.Module) -> bool:
+    """True where this rank holds part of every row (its input dim split)."""
+    spec = linear.__dict__.get("_tp_shards", {}).get("weight")
+    return spec is not None and spec.dim == 1 and not spec.rank0_only
+
+
+def _full_row_absmax(
+    names: list[str], linears: dict[str, nn.Linear], tp: TensorParallel
+) -> dict[str, torch.Tensor]:
+    """Row maxima of every row-parallel linear over all ranks (one MAX all-reduce)."""
+    if tp.size == 1 or not names:
+        return {}
+    import torch.distributed as dist
+
+    maxima = [row_absmax(linears[n].weight) for n in names]
+    flat = torch.cat(maxima)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=tp.group)
+    return dict(zip(names, flat.split([m.numel() for m in maxima]), strict=True))
+
+
+def _keeps_float(name: str) -> bool:
+    parts = name.split(".")
+    return parts[-1] in FLOAT_LINEARS or (len(parts) > 1 and parts[-2] == "router")
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def quantize_model(
+    model: nn.Module, tp: TensorParallel = SINGLE, lm_head: bool = True
+) -> QuantizationReport:
+    """Replace the linears of a loaded `model` by `Int8Linear`s in place (see the module
+    docstring for which); `lm_head=False` keeps the output projection float. Every
+    tensor-parallel rank calls this in the same order (the row maxima are all-reduced)."""
+    linears: dict[str, nn.Linear] = {}
+    kept: list[str] = []
+    for name, module in model.named_modules():
+        if type(module) not in (nn.Linear, PackedLinear, VocabParallelHead):
+            continue
+        float_head = name == "lm_head" and not lm_head
+        if _keeps_float(name) or float_head or not module.weight.is_floating_point():
+            kept.append(name)
+        else:
+            linears[name] = module
+    row_parallel = [n for n, m in linears.items() if _row_parallel(m)]
+    absmax = _full_row_absmax(row_parallel, linears, tp)
+    float_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears.values())
+    before = {_storage_key(m.weight) for m in linears.values()}
+    int8_bytes = 0
+    for name, linear in linears.items():
+        if isinstance(linear, VocabParallelHead):
+            new: Int8Linear = Int8VocabParallelHead(linear)
+        else:
+            new = Int8Linear.from_linear(linear, absmax.get(name))
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, new)
+        int8_bytes += new.qweight.numel() + new.scale.numel() * new.scale.element_size()
+    still = {_storage_key(t) for t in list(model.parameters()) + list(model.buffers())}
+    freed = sum(
+        m.weight.numel() * m.weight.element_size()
+        for m in linears.values()
+        if _storage_key(m.weight) in before - still
+    )
+    report = QuantizationReport("int8", tuple(linears), tuple(kept), float_bytes, int8_bytes, freed)
+    logger.info("%s", report.summary())
+    return report
