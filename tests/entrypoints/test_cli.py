@@ -76,6 +76,9 @@ def test_generate_text_and_prompts_file(capsys, tiny_model_dir, tmp_path):
         (["serve", "--port", "0"], "--port must be in 1..65535"),
         (["serve", "--max-request-bytes", "lots"], "--max-request-bytes"),
         (["bench", "--requests", "0"], "--requests and --new-tokens must be >= 1"),
+        (["generate", "--quantization", "int4"], "quantization must be None or one of 'int8'"),
+        (["serve", "--quantization", "fp8"], "quantization must be None or one of 'int8'"),
+        (["bench", "--quantization", "q8_0"], "got 'q8_0'"),
     ],
 )
 def test_errors_are_one_line(capsys, tiny_model_dir, argv, message):
@@ -106,6 +109,15 @@ def test_bench(capsys, tiny_model_dir):
     assert code == 0
     (row,) = json.loads(out)
     assert row["engine"] == "hybridkv" and row["output_tokens"] == 12 and row["tokens_per_s"] > 0
+
+
+def test_generate_and_bench_int8(capsys, tiny_model_dir):
+    argv = ["--model", str(tiny_model_dir), "--quantization", "int8", "--dtype", "float32"]
+    code, out, _ = run(capsys, "generate", *argv, "--prompt", "t1 t2", "--max-tokens", "4")
+    assert code == 0 and out.startswith("t1 t2")
+    code, out, _ = run(capsys, "bench", *argv, "--requests", "2", "--new-tokens", "3",
+                       "--min-prompt", "4", "--max-prompt", "9", "--json")  # fmt: skip
+    assert code == 0 and json.loads(out)[0]["output_tokens"] == 6
 
 
 def test_generate_without_a_prompt_says_which_it_uses(capsys, tiny_model_dir):
