@@ -65,6 +65,24 @@ def llama(folder: Path) -> Path:
     return _save(LlamaForCausalLM(cfg), folder / "llama")
 
 
+def qwen3_next(folder: Path) -> Path:
+    """A random Qwen3-Next (8 layers: 6 gated delta net + 2 gated attention, hidden 512, 8
+    experts of which 2 per token plus the gated shared expert; 4 key / 8 value linear heads)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    cfg = Qwen3NextConfig(
+        vocab_size=4096, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
+        linear_key_head_dim=64, linear_value_head_dim=64, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=256, shared_expert_intermediate_size=512, decoder_sparse_step=1,
+        full_attention_interval=4, max_position_embeddings=2048,
+    )  # fmt: skip
+    return _save(Qwen3NextForCausalLM(cfg), folder / "qwen3-next")
+
+
+MODELS = {"granite-moe": granite_moe, "llama": llama, "qwen3-next": qwen3_next}
+
+
 def _save(model, folder: Path) -> Path:
     model.save_pretrained(folder)
     return folder
@@ -107,24 +125,32 @@ def main() -> int:
     parser.add_argument("--min-prompt", type=int, default=32)
     parser.add_argument("--max-prompt", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument(
+        "--sizes", nargs="*", type=int, default=[2, 4], help="sizes whose bytes are counted"
+    )
+    parser.add_argument(
+        "--timed-sizes", nargs="*", type=int, default=[2, 1], help="sizes whose tokens/s is timed"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for build in (granite_moe, llama):
+        for name in args.models:
             torch.manual_seed(0)
-            folder = build(Path(tmp))
+            folder = MODELS[name](Path(tmp))
             prompts = random_prompts(4096, args.requests, args.min_prompt, args.max_prompt, 0)
             tokens = args.requests * args.new_tokens
-            for size in (2, 1):
-                row = {"model": folder.name, "tensor_parallel_size": size}
-                if size > 1:
+            for size in sorted(set(args.sizes) | set(args.timed_sizes), reverse=True):
+                row: dict = {"model": folder.name, "tensor_parallel_size": size}
+                if size > 1 and size in args.sizes:
                     row.update(bytes_per_token(folder, size))
-                seconds = run_hybridkv(
-                    str(folder), prompts, args.new_tokens, repeat=args.repeat,
-                    tensor_parallel_size=size,
-                )  # fmt: skip
-                row["tokens_per_s"] = round(tokens / seconds, 1)
+                if size in args.timed_sizes:
+                    seconds = run_hybridkv(
+                        str(folder), prompts, args.new_tokens, repeat=args.repeat,
+                        tensor_parallel_size=size,
+                    )  # fmt: skip
+                    row["tokens_per_s"] = round(tokens / seconds, 1)
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
     if args.json:
@@ -134,7 +160,7 @@ def main() -> int:
           f"{'AR/decode':>9} {'logits B':>9}")  # fmt: skip
     for r in rows:
         print(
-            f"{r['model']:<12} {r['tensor_parallel_size']:>2} {r['tokens_per_s']:>8} "
+            f"{r['model']:<12} {r['tensor_parallel_size']:>2} {r.get('tokens_per_s', '-'):>8} "
             f"{r.get('prefill_bytes_per_token', 0):>14,.0f} "
             f"{r.get('decode_bytes_per_token', 0):>13,} {r.get('decode_all_reduces', 0):>9} "
             f"{r.get('logits_gathered_bytes', 0):>9,}"

@@ -300,9 +300,11 @@ class SparseMoe(nn.Module):
         top, experts = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             top = top / top.sum(dim=-1, keepdim=True)
-        out = self.tp.all_reduce(self.experts(x, experts, top.to(x.dtype)))  # partial sums
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out + shared
+        routed = self.experts(x, experts, top.to(x.dtype))  # this rank's partial sums
+        # the gate is replicated, so it scales the shared expert's partial sum before the one
+        # all-reduce of both
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, reduce=False)
+        return self.tp.all_reduce(routed + shared)
 
 
 class Qwen3NextDecoderLayer(nn.Module):

@@ -124,6 +124,21 @@ def qwen3_next_checkpoint(tmp_path_factory):
     return build(tmp_path_factory, "qwen3_next")
 
 
+def qwen3_checkpoint(tmp_path_factory):
+    """Qwen3 with per-head q/k norms and sliding-window layers (max_window_layers)."""
+    from tests.models.test_llama import build_qwen3
+
+    hf = build_qwen3(sliding=True)
+    return save_model(hf, tmp_path_factory.mktemp("qwen3-tp")), hf
+
+
+def qwen3_5_checkpoint(tmp_path_factory):
+    """Qwen3.5 dense: gated delta net with separate projections and a dense MLP."""
+    from tests.models.test_qwen3_next import build
+
+    return build(tmp_path_factory, "qwen3_5")
+
+
 def qwen3_5_moe_checkpoint(tmp_path_factory):
     """Qwen3.5 MoE: the gated delta net's separate qkv / z / b / a projections."""
     from tests.models.test_qwen3_next import build
@@ -178,11 +193,11 @@ def falcon_h1_checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "build",
-    [llama_checkpoint, bamba_checkpoint, qwen3_next_checkpoint, qwen3_5_moe_checkpoint,
-     nemotron_h_checkpoint, gemma3_checkpoint, gpt_oss_checkpoint, mamba2_checkpoint,
-     falcon_h1_checkpoint],
-    ids=["llama", "bamba", "qwen3_next", "qwen3_5_moe", "nemotron_h", "gemma3", "gpt_oss",
-         "mamba2", "falcon_h1"],
+    [llama_checkpoint, qwen3_checkpoint, bamba_checkpoint, qwen3_next_checkpoint,
+     qwen3_5_checkpoint, qwen3_5_moe_checkpoint, nemotron_h_checkpoint, gemma3_checkpoint,
+     gpt_oss_checkpoint, mamba2_checkpoint, falcon_h1_checkpoint],
+    ids=["llama", "qwen3", "bamba", "qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h",
+         "gemma3", "gpt_oss", "mamba2", "falcon_h1"],
 )  # fmt: skip
 def test_family_matches_transformers_and_tp1(build, tmp_path_factory) -> None:
     folder, hf = build(tmp_path_factory)
@@ -260,6 +275,24 @@ def test_collectives_are_counted(granite_family) -> None:
         # embedding + 4 mixers + 4 MLPs = 9 hidden vectors; 2 gated norms of 1 group each
         assert counter.all_reduce_bytes == 9 * hidden + 2 * 1 * 4
         assert prefill == 17 * counter.all_reduce_bytes
+    finally:
+        engine.shutdown()
+
+
+def test_qwen3_next_reduces_each_moe_once(tmp_path_factory) -> None:
+    """Every layer MoE: a decode step all-reduces the embedding, then per layer the mixer and
+    the routed experts with the gated shared expert together (the gate is replicated)."""
+    from tests.models.test_qwen3_next import build
+
+    folder, hf = build(tmp_path_factory, "qwen3_next_all_moe", seed=1)
+    engine = tp2(folder)
+    try:
+        counter = engine.tp.counter
+        engine.add_request(prompts(hf.config.vocab_size, [9])[0], None)
+        engine.step()  # prefill
+        counter.reset()
+        engine.step()  # one decode token
+        assert counter.all_reduce_calls == 1 + 2 * hf.config.num_hidden_layers
     finally:
         engine.shutdown()
 
