@@ -21,8 +21,9 @@ The matmul, `x [M, K] -> [M, N]`, runs in bfloat16 with float32 accumulation wha
 model's dtype (its inputs are rounded to bfloat16, its output cast back):
 
     M <= SMALL_M   torch.ops.aten._weight_int8pack_mm(x_bf16, q, scale_bf16): reads the int8
-                   weight once per row of x (AVX-512; its float32 path is a scalar loop,
-                   10-50x slower, hence bfloat16 inputs for float32 models too)
+                   weight once per 4 rows of x (AVX-512; its float32 path is a scalar loop,
+                   10-50x slower, hence bfloat16 inputs for float32 models too); in_features
+                   must be a multiple of 16 (KERNEL_K), else the GEMM path below
     M >  SMALL_M   dequantize-on-the-fly: q converted to bfloat16 in chunks of about
                    CHUNK_ELEMENTS weights (L2-sized), a bfloat16 GEMM per chunk, the output
                    scaled per column (the scale of an output row factors out of its dot
@@ -53,6 +54,10 @@ from hybridkv.layers.linear import PackedLinear
 
 SMALL_M = 16  # rows of x up to which _weight_int8pack_mm beats dequantize + GEMM
 CHUNK_ELEMENTS = 1 << 20  # weights dequantized at once on the GEMM path (2 MiB of bfloat16)
+# _weight_int8pack_mm's AVX-512 kernel steps over K by 16 with aligned loads of x (32 bytes)
+# and of the weight rows: another K reads past the rows (wrong sums or a crash), so those
+# layers (a tensor-parallel shard of 24 columns, say) take the GEMM path at every M
+KERNEL_K, KERNEL_ALIGN = 16, 32
 COMPUTE_DTYPE = torch.bfloat16
 # Linears that stay float, by their attribute name (see the module docstring); a linear
 # inside a module named `router` too (GraniteMoE's `router.layer`).
@@ -88,7 +93,9 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     dtype, computed in bfloat16 with float32 accumulation (the module docstring)."""
     xb = x.to(COMPUTE_DTYPE).contiguous()
     m, (n, k) = xb.shape[0], q.shape
-    if m <= SMALL_M:
+    if m <= SMALL_M and k % KERNEL_K == 0:
+        if xb.data_ptr() % KERNEL_ALIGN:  # a view at an odd offset: the kernel's loads align
+            xb = xb.clone()
         return torch.ops.aten._weight_int8pack_mm(xb, q, scale).to(x.dtype)
     rows = max(1, CHUNK_ELEMENTS // k)
     if rows >= n:

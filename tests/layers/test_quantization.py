@@ -57,29 +57,41 @@ def test_stacked_weights_quantize_per_expert_and_row():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 7, quant.SMALL_M, quant.SMALL_M + 1, 70])
-def test_matmul_equals_dequantized_weight_times_input(dtype, m, monkeypatch):
+@pytest.mark.parametrize("k", [48, 24])  # 24: not a multiple of KERNEL_K, the GEMM path
+def test_matmul_equals_dequantized_weight_times_input(dtype, m, k, monkeypatch):
     """Both kernel paths (M <= SMALL_M: _weight_int8pack_mm; above: chunked dequantize +
     GEMM, here in chunks of 5 rows) give x_bf16 @ (q * scale).T up to bfloat16 rounding of the
     output, so the int8 layer's error against the float layer is the dequantized weight's."""
-    monkeypatch.setattr(quant, "CHUNK_ELEMENTS", 5 * 48)  # 5 rows of K = 48 per chunk
-    w = weight(37, 48)
+    monkeypatch.setattr(quant, "CHUNK_ELEMENTS", 5 * k)  # 5 rows per chunk
+    w = weight(37, k)
     q, scale = quantize_rows(w)
-    x = torch.randn(m, 48, generator=torch.Generator().manual_seed(m)).to(dtype)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
     out = int8_matmul(x, q, scale)
     assert out.dtype == dtype and out.shape == (m, 37)
     xb = x.to(torch.bfloat16).double()  # the kernel's input rounding
     exact = xb @ dequantize_rows(q, scale).double().T
     # bf16 outputs: at most one rounding of the float32 sum, plus (GEMM path) the scale
     # multiply's; a float32 model's output is rounded once
-    ulps = 1 if dtype == torch.float32 or m <= quant.SMALL_M else 2
+    kernel = m <= quant.SMALL_M and k % quant.KERNEL_K == 0
+    ulps = 1 if dtype == torch.float32 or kernel else 2
     bound = ulps * BF16_ULP * exact.abs() + 1e-6 * exact.abs().max()
     assert bool(((out.double() - exact).abs() <= bound).all())
     # the zero row gives zeros; and the error against the float weight is the quantization
     # error, bounded by sum_k |x_k| * scale_n / 2
     assert float(out[:, 18].abs().max()) == 0
     float_out = xb @ w.double().T
-    quant_bound = xb.abs() @ (scale.double()[:, None] / 2).expand(37, 48).T
+    quant_bound = xb.abs() @ (scale.double()[:, None] / 2).expand(37, k).T
     assert bool(((exact - float_out).abs() <= quant_bound * (1 + 1e-6)).all())
+
+
+def test_kernel_input_at_an_unaligned_offset_is_copied():
+    """A bfloat16 x that views its storage at an offset the kernel's aligned loads cannot take
+    (16 bytes past a 32-byte boundary) gives the same result as an aligned copy."""
+    q, scale = quantize_rows(weight(20, 64))
+    flat = torch.randn(8 + 3 * 64).to(torch.bfloat16)
+    x = flat[8:].view(3, 64)  # 16 bytes into the storage
+    assert x.data_ptr() % quant.KERNEL_ALIGN
+    torch.testing.assert_close(int8_matmul(x, q, scale), int8_matmul(x.clone(), q, scale))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
