@@ -37,6 +37,77 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# Below this many pairs per expert one batched matmul over every expert (padded to the busiest
+# one) beats a loop of small ones; past it each expert's GEMM is large enough on its own.
+BATCHED_EXPERT_ROWS = 64
+
+
+def gated_experts(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """Routed SwiGLU experts: out[t] = sum_j weights[t, j] * E_{experts[t, j]}(x[t]) with
+    E_e(v) = down[e] @ (silu(g) * u), [g | u] = gate_up[e] @ v.
+
+    x: [T, H]; experts, weights: [T, k] (weights in x's dtype); gate_up: [E, 2I, H];
+    down: [E, H, I] -> [T, H] (tensor parallel: this rank's partial sum).
+
+    The T * k (token, expert) pairs are sorted by expert once:
+
+        pairs   (t0,e2) (t0,e0) (t1,e0) (t1,e1) ...  -> order ->  e0 e0 | e1 | e2 ...
+        tokens  the token of each sorted pair; counts[e] pairs per expert
+
+    Few pairs per expert (decode): one bmm over all experts, each group padded to the busiest
+    (rows of a zero token), and the weighted rows go back to their tokens in one index_add_;
+    many (prefill): per expert hit, gather its rows, two GEMMs, add them back. Either way a
+    token's outputs are added in expert order.
+    """
+    num_experts, k = gate_up.shape[0], experts.shape[1]
+    flat = experts.reshape(-1)  # [T * k]
+    order = torch.argsort(flat, stable=True)
+    tokens = order // k  # [T * k]: the token of each sorted pair
+    pair_weights = weights.reshape(-1)[order, None]  # [T * k, 1]
+    counts = torch.bincount(flat, minlength=num_experts)
+    busiest = int(counts.max()) if flat.numel() else 0
+    out = torch.zeros_like(x)
+    if 0 < busiest <= BATCHED_EXPERT_ROWS and num_experts * busiest <= 2 * flat.numel():
+        ys = _experts_batched(x, tokens, counts, busiest, gate_up, down)  # [T * k, H]
+        return out.index_add_(0, tokens, ys * pair_weights)
+    start = 0
+    for expert, count in enumerate(counts.tolist()):
+        if count == 0:
+            continue
+        rows = slice(start, start + count)
+        start += count
+        # gathered per expert, so a group's rows stay in cache through both GEMMs
+        h = silu_and_mul(F.linear(x[tokens[rows]], gate_up[expert]))  # [count, I]
+        out.index_add_(0, tokens[rows], F.linear(h, down[expert]) * pair_weights[rows])
+    return out
+
+
+def _experts_batched(
+    x: torch.Tensor,
+    tokens: torch.Tensor,
+    counts: torch.Tensor,
+    busiest: int,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """Every expert's pairs padded to `busiest` rows: [E, busiest, H] through two bmm ->
+    the real rows, [P, H], in sorted order (experts ascending, then pairs)."""
+    starts = torch.cumsum(counts, 0) - counts  # [E]: first sorted pair of each expert
+    slot = torch.arange(busiest, device=x.device)  # [busiest]
+    real = slot[None, :] < counts[:, None]  # [E, busiest]
+    pair = (starts[:, None] + slot[None, :]).clamp(max=tokens.shape[0] - 1)
+    row = torch.where(real, tokens[pair], x.shape[0])  # padding reads the zero row below
+    padded = torch.cat([x, x.new_zeros(1, x.shape[1])])[row]  # [E, busiest, H]
+    h = silu_and_mul(torch.bmm(padded, gate_up.transpose(1, 2)))  # [E, busiest, I]
+    return torch.bmm(h, down.transpose(1, 2))[real]  # [P, H]
+
+
 class FusedGateUpMLP(nn.Module):
     """SwiGLU with one fused [gate | up] projection (GraniteMoeHybrid's `shared_mlp`).
     Tensor parallel: each rank keeps its slice of the intermediate size (of gate and of up);
@@ -97,8 +168,7 @@ class GraniteMoE(nn.Module):
     """Top-k routed experts with stacked weights (checkpoint names `block_sparse_moe.*`).
 
     router logits -> top-k -> softmax over the k chosen -> each expert runs SwiGLU on the tokens
-    routed to it; outputs are summed weighted. Tokens are grouped by expert with one sort, then
-    one loop over the experts that received tokens (not over tokens).
+    routed to it; outputs are summed weighted (`gated_experts`).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int):
@@ -121,22 +191,9 @@ class GraniteMoE(nn.Module):
         logits = self.router.layer(x).float()
         top_logits, top_idx = logits.topk(self.top_k, dim=-1)  # [T, k]
         weights = torch.softmax(top_logits, dim=-1).to(x.dtype)
-        flat_expert = top_idx.reshape(-1)  # [T * k]
-        order = torch.argsort(flat_expert, stable=True)
-        token_of = order // self.top_k
-        counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = order[start : start + count]
-            tokens = token_of[start : start + count]
-            start += count
-            h = silu_and_mul(F.linear(x[tokens], self.input_linear.weight[expert]))
-            h = F.linear(h, self.output_linear.weight[expert])
-            out.index_add_(0, tokens, h * weights.reshape(-1)[rows, None])
-        return out
+        return gated_experts(
+            x, top_idx, weights, self.input_linear.weight, self.output_linear.weight
+        )
 
 
 class ZeroCenteredRMSNorm(RMSNorm):

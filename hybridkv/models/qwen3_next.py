@@ -35,7 +35,6 @@ import re
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.distributed.layers import vocab_embedding, vocab_head
@@ -43,7 +42,7 @@ from hybridkv.distributed.parallel import column, current, declare_shards, expli
 from hybridkv.layers.attention.layer import PagedAttention
 from hybridkv.layers.attention.self_attention import CosSin
 from hybridkv.layers.gated_delta_net import GatedDeltaNet
-from hybridkv.layers.mlp import GatedMLP, ZeroCenteredRMSNorm, silu_and_mul
+from hybridkv.layers.mlp import GatedMLP, ZeroCenteredRMSNorm, gated_experts
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig, layer_types
@@ -260,25 +259,8 @@ class Experts(nn.Module):
     def forward(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        """x: [T, H]; experts, weights: [T, k] -> the weighted sum of the experts' outputs.
-        The (token, expert) pairs are sorted by expert once; one loop over the experts hit."""
-        k = experts.shape[1]
-        flat = experts.reshape(-1)  # [T * k]
-        order = torch.argsort(flat, stable=True)
-        tokens = order // k
-        pair_weights = weights.reshape(-1)[order]  # [T * k]
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = slice(start, start + count)
-            start += count
-            h = silu_and_mul(F.linear(x[tokens[rows]], self.gate_up_proj[expert]))
-            h = F.linear(h, self.down_proj[expert]) * pair_weights[rows, None]
-            out.index_add_(0, tokens[rows], h.to(out.dtype))
-        return out
+        """x: [T, H]; experts, weights: [T, k] -> the weighted sum of the experts' outputs."""
+        return gated_experts(x, experts, weights, self.gate_up_proj, self.down_proj)
 
 
 class SparseMoe(nn.Module):

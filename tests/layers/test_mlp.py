@@ -35,3 +35,60 @@ def test_rms_norm_add_forward_equals_add_then_forward(kernels):
     total, normed = norm.add_forward(x, h, 0.5)
     torch.testing.assert_close(total, x + 0.5 * h, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(normed, norm(x + 0.5 * h), rtol=2e-6, atol=1e-6)
+
+
+def _expert_reference(x, experts, weights, gate_up, down):
+    """Token by token, in float64: sum_j w_j * down_e (silu(g) * u), [g | u] = gate_up_e x."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    inter = down.shape[2]
+    for t in range(x.shape[0]):
+        for e, w in zip(experts[t].tolist(), weights[t].tolist(), strict=True):
+            gu = gate_up[e].double() @ x[t].double()
+            out[t] += w * (down[e].double() @ (F.silu(gu[:inter]) * gu[inter:]))
+    return out
+
+
+@pytest.mark.parametrize(
+    "tokens,k,num_experts,skew",
+    [
+        (1, 2, 8, False),  # one decode token: 2 of 8 experts hit (padding all 8: looped)
+        (24, 2, 8, False),  # decode batch: batched (padded) path
+        (24, 3, 5, True),  # most pairs on expert 0: too much padding, looped path
+        (300, 2, 8, False),  # prefill: more than BATCHED_EXPERT_ROWS per expert, looped
+        (0, 2, 4, False),  # an empty step
+    ],
+)
+def test_gated_experts_match_a_per_token_reference(tokens, k, num_experts, skew, kernels):
+    from hybridkv.layers import mlp
+
+    g = torch.Generator().manual_seed(tokens + k)
+    hidden, inter = 24, 10
+    x = torch.randn(tokens, hidden, generator=g)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=g) / 4
+    down = torch.randn(num_experts, hidden, inter, generator=g) / 4
+    scores = torch.rand(tokens, num_experts, generator=g)
+    if skew:
+        scores[:, 0] += 1.0  # every token picks expert 0 first
+    weights, experts = scores.topk(k, dim=-1)
+    out = mlp.gated_experts(x, experts, weights, gate_up, down)
+    expected = _expert_reference(x, experts, weights, gate_up, down)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gated_experts_batched_and_looped_paths_agree(monkeypatch):
+    """The padded bmm and the per-expert loop compute the same sums (float32 rounding)."""
+    from hybridkv.layers import mlp
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 32, generator=g)
+    gate_up, down = torch.randn(6, 16, 32, generator=g), torch.randn(6, 32, 8, generator=g)
+    weights, experts = torch.rand(40, 6, generator=g).topk(2, dim=-1)
+    calls = []
+    batched_path = mlp._experts_batched
+    monkeypatch.setattr(mlp, "_experts_batched", lambda *a: calls.append(1) or batched_path(*a))
+    batched = mlp.gated_experts(x, experts, weights, gate_up, down)
+    assert calls, "40 tokens over 6 experts should take the batched path"
+    monkeypatch.setattr(mlp, "BATCHED_EXPERT_ROWS", 0)
+    looped = mlp.gated_experts(x, experts, weights, gate_up, down)
+    torch.testing.assert_close(batched, looped, rtol=1e-5, atol=1e-5)
