@@ -17,20 +17,26 @@ quantized (llama.cpp's Q8_0 quantizes the output matrix too); with tied embeddin
 embedding keeps its float weight for the lookup and the head gets its own int8 copy.
 docs/quantization.md has the measured accuracy, memory and speed.
 
-The matmul, `x [M, K] -> [M, N]`, runs in bfloat16 with float32 accumulation whatever the
-model's dtype (its inputs are rounded to bfloat16, its output cast back):
+The matmul, `x [M, K] -> [M, N]` (measured on the development CPU, Zen 5, one thread, for
+hidden-size 768 shapes and the 32000-row lm_head: benchmarks/quantization.py):
 
-    M <= SMALL_M   torch.ops.aten._weight_int8pack_mm(x_bf16, q, scale_bf16): reads the int8
-                   weight once per 4 rows of x (AVX-512; its float32 path is a scalar loop,
-                   10-50x slower, hence bfloat16 inputs for float32 models too); in_features
-                   must be a multiple of 16 (KERNEL_K), else the GEMM path below
-    M >  SMALL_M   dequantize-on-the-fly: q converted to bfloat16 in chunks of about
+    float32 x      the native kernel (`hybridkv/ops/native/int8_linear.c`, AVX-512): int8
+                   weights widened to float32 in registers and reused for 4 rows of x,
+                   float32 sums, the row's scale applied once. Exact float32 math (the error
+                   is the int8 weight's alone); 2.5x faster than the float32 layer at M = 1,
+                   as fast at M = 8-16, 15-20% slower at M = 64-512
+    bfloat16 x, or no native kernel (`HYBRIDKV_NATIVE=0`, no compiler, no AVX-512): in
+                   bfloat16 with float32 accumulation, the input rounded to bfloat16 and the
+                   output cast back:
+        M <= SMALL_M   torch.ops.aten._weight_int8pack_mm(x_bf16, q, scale_bf16): reads the
+                   int8 weight once per 4 rows of x (AVX-512; its float32 path is a scalar
+                   loop, 10-50x slower); in_features must be a multiple of 16 (KERNEL_K),
+                   else the GEMM path below
+        M >  SMALL_M   dequantize-on-the-fly: q converted to bfloat16 in chunks of about
                    CHUNK_ELEMENTS weights (L2-sized), a bfloat16 GEMM per chunk, the output
                    scaled per column (the scale of an output row factors out of its dot
-                   product, so the chunk is only cast, never multiplied)
-
-The crossover (measured on the development CPU, Zen 5, 1 thread: benchmarks/quantization.py)
-sits between M = 16 and 32 for hidden-size 768 shapes and the 32000-row lm_head alike.
+                   product, so the chunk is only cast, never multiplied); the crossover with
+                   the kernel sits between M = 16 and 32
 
 Tensor parallel: each rank quantizes its shard after loading it. A column-parallel shard holds
 whole rows, so its scales are the full model's; a row-parallel one (its input dim split) holds
@@ -51,6 +57,7 @@ from hybridkv.config import QUANTIZATIONS, check_quantization  # noqa: F401 (re-
 from hybridkv.distributed.layers import VocabParallelHead
 from hybridkv.distributed.parallel import SINGLE, TensorParallel
 from hybridkv.layers.linear import PackedLinear
+from hybridkv.ops.native import int8_linear as native_int8
 
 SMALL_M = 16  # rows of x up to which _weight_int8pack_mm beats dequantize + GEMM
 CHUNK_ELEMENTS = 1 << 20  # weights dequantized at once on the GEMM path (2 MiB of bfloat16)
@@ -90,7 +97,17 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] float, q int8 [N, K], scale bfloat16 [N] -> x @ (q * scale).T [M, N] in x's
-    dtype, computed in bfloat16 with float32 accumulation (the module docstring)."""
+    dtype: float32 x on the native kernel in float32 math; otherwise in bfloat16 with float32
+    accumulation (the module docstring)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu":
+        out = native_int8.int8_linear(x, q, scale)
+        if out is not None:
+            return out
+    return bf16_int8_matmul(x, q, scale)
+
+
+def bf16_int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`int8_matmul` on PyTorch's ops, in bfloat16 with float32 accumulation."""
     xb = x.to(COMPUTE_DTYPE).contiguous()
     m, (n, k) = xb.shape[0], q.shape
     if m <= SMALL_M and k % KERNEL_K == 0:

@@ -12,11 +12,13 @@ from hybridkv.layers import quantization as quant
 from hybridkv.layers.linear import PackedLinear, prepack_available, prepack_linears
 from hybridkv.layers.quantization import (
     Int8Linear,
+    bf16_int8_matmul,
     dequantize_rows,
     int8_matmul,
     quantize_model,
     quantize_rows,
 )
+from hybridkv.ops.native import int8_linear as native_int8
 
 BF16_ULP = 2.0**-8  # relative spacing of bfloat16 (8 significant bits)
 
@@ -55,20 +57,32 @@ def test_stacked_weights_quantize_per_expert_and_row():
         assert torch.equal(q[e], qe) and torch.equal(scale[e], se)
 
 
+def check_quantization_error(xd, q, scale, w, out, k) -> None:
+    """The zero row gives zeros, and the dequantized weight's error against the float weight
+    is the quantization error, bounded by sum_k |x_k| * scale_n / 2."""
+    assert float(out[:, 18].abs().max()) == 0
+    exact = xd @ dequantize_rows(q, scale).double().T
+    quant_bound = xd.abs() @ (scale.double()[:, None] / 2).expand(w.shape[0], k).T
+    assert bool(((exact - xd @ w.double().T).abs() <= quant_bound * (1 + 1e-6)).all())
+
+
+MS = [1, 3, 7, quant.SMALL_M, quant.SMALL_M + 1, 70]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 7, quant.SMALL_M, quant.SMALL_M + 1, 70])
+@pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("k", [48, 24])  # 24: not a multiple of KERNEL_K, the GEMM path
-def test_matmul_equals_dequantized_weight_times_input(dtype, m, k, monkeypatch):
-    """Both kernel paths (M <= SMALL_M: _weight_int8pack_mm; above: chunked dequantize +
-    GEMM, here in chunks of 5 rows) give x_bf16 @ (q * scale).T up to bfloat16 rounding of the
+def test_torch_path_equals_dequantized_weight_times_bf16_input(dtype, m, k, monkeypatch):
+    """PyTorch's paths (M <= SMALL_M: _weight_int8pack_mm; above: chunked dequantize + GEMM,
+    here in chunks of 5 rows) give x_bf16 @ (q * scale).T up to bfloat16 rounding of the
     output, so the int8 layer's error against the float layer is the dequantized weight's."""
     monkeypatch.setattr(quant, "CHUNK_ELEMENTS", 5 * k)  # 5 rows per chunk
     w = weight(37, k)
     q, scale = quantize_rows(w)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
-    out = int8_matmul(x, q, scale)
+    out = bf16_int8_matmul(x, q, scale)
     assert out.dtype == dtype and out.shape == (m, 37)
-    xb = x.to(torch.bfloat16).double()  # the kernel's input rounding
+    xb = x.to(torch.bfloat16).double()  # the path's input rounding
     exact = xb @ dequantize_rows(q, scale).double().T
     # bf16 outputs: at most one rounding of the float32 sum, plus (GEMM path) the scale
     # multiply's; a float32 model's output is rounded once
@@ -76,12 +90,33 @@ def test_matmul_equals_dequantized_weight_times_input(dtype, m, k, monkeypatch):
     ulps = 1 if dtype == torch.float32 or kernel else 2
     bound = ulps * BF16_ULP * exact.abs() + 1e-6 * exact.abs().max()
     assert bool(((out.double() - exact).abs() <= bound).all())
-    # the zero row gives zeros; and the error against the float weight is the quantization
-    # error, bounded by sum_k |x_k| * scale_n / 2
-    assert float(out[:, 18].abs().max()) == 0
-    float_out = xb @ w.double().T
-    quant_bound = xb.abs() @ (scale.double()[:, None] / 2).expand(37, k).T
-    assert bool(((exact - float_out).abs() <= quant_bound * (1 + 1e-6)).all())
+    check_quantization_error(xb, q, scale, w, out, k)
+
+
+@pytest.mark.skipif(not native_int8.available(), reason="no native AVX-512 int8 kernel here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("k", [48, 53, 5])  # 53 and 5: a masked tail of K % 16 values
+def test_native_kernel_equals_dequantized_weight_times_input(dtype, m, k):
+    """The native kernel: float32 math on the input as given (bfloat16 widened exactly), so
+    its output is x @ (q * scale).T to float32 rounding (bf16: one final rounding), every
+    tile shape included (M % 4 rows, 37 = 6 x 6 + 1 outputs)."""
+    w = weight(37, k)
+    q, scale = quantize_rows(w)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    out = native_int8.int8_linear(x, q, scale)
+    assert out is not None and out.dtype == dtype and out.shape == (m, 37)
+    xd = x.double()
+    exact = xd @ dequantize_rows(q, scale).double().T
+    magnitude = xd.abs() @ dequantize_rows(q, scale).double().abs().T
+    bound = 1e-6 * magnitude + (BF16_ULP * exact.abs() if dtype == torch.bfloat16 else 0)
+    assert bool(((out.double() - exact).abs() <= bound).all())
+    check_quantization_error(xd, q, scale, w, out, k)
+    if dtype == torch.float32:  # what the layer runs for a float32 model
+        assert torch.equal(int8_matmul(x, q, scale), out)
+    strided = torch.randn(m, k + 7).to(dtype)[:, 3 : 3 + k]  # rows at a stride
+    strided.copy_(x)
+    assert torch.equal(native_int8.int8_linear(strided, q, scale), out)
 
 
 def test_kernel_input_at_an_unaligned_offset_is_copied():
@@ -91,7 +126,7 @@ def test_kernel_input_at_an_unaligned_offset_is_copied():
     flat = torch.randn(8 + 3 * 64).to(torch.bfloat16)
     x = flat[8:].view(3, 64)  # 16 bytes into the storage
     assert x.data_ptr() % quant.KERNEL_ALIGN
-    torch.testing.assert_close(int8_matmul(x, q, scale), int8_matmul(x.clone(), q, scale))
+    torch.testing.assert_close(bf16_int8_matmul(x, q, scale), bf16_int8_matmul(x.clone(), q, scale))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
