@@ -46,7 +46,9 @@ class PackedLinear(nn.Linear):
             self.packed_weight = _OPS._reorder_linear_weight(self.weight.detach(), None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in] -> [..., out]
+        # x: [..., in] -> [..., out]; the engine's activations are [T, in] already
+        if x.dim() == 2:
+            return _OPS._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         flat = x.reshape(-1, self.in_features)
         out = _OPS._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)

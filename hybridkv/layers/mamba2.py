@@ -52,6 +52,7 @@ from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
 from hybridkv.layers.cache import CacheOwner, StateCache
 from hybridkv.layers.state_base import StateMetadata
 from hybridkv.ops import native
+from hybridkv.ops.derived import derived
 from hybridkv.ops.mamba2_ops import ScanParams, TorchMamba2Ops
 from hybridkv.ops.norm import _apply_weight as apply_norm_weight
 from hybridkv.ops.norm import gated_rms_norm
@@ -263,6 +264,7 @@ class Mamba2Mixer(CacheOwner):
             self.norm_group_size,
             norm_before_gate=self.norm_before_gate,
             weight_in_fp32=self.norm_weight_in_fp32,
+            out_dtype=gate.dtype,  # the model dtype: out_proj's input
         )
 
     def _spanning_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -311,7 +313,11 @@ class Mamba2Mixer(CacheOwner):
 
         # y: [T, n_heads, head_dim] in float32 (kept for the norm, as transformers' prefill does)
         params = ScanParams(
-            -torch.exp(self.A_log.float()), self.D, self.dt_bias, self.scan_chunk, self.dt_limit
+            derived(self.A_log, "neg_exp_f32", lambda a: -torch.exp(a.float())),
+            derived(self.D, "f32", torch.Tensor.float),
+            derived(self.dt_bias, "f32", torch.Tensor.float),
+            self.scan_chunk,
+            self.dt_limit,
         )
         y = ops.scan(
             x.reshape(num_tokens, self.n_heads, self.head_dim),

@@ -8,6 +8,7 @@ from torch import nn
 
 from hybridkv.distributed.parallel import column, current, declare_shards, rank0_bias
 from hybridkv.ops import native
+from hybridkv.ops.derived import derived
 from hybridkv.ops.norm import add_rms_norm, rms_norm
 
 
@@ -204,10 +205,13 @@ class ZeroCenteredRMSNorm(RMSNorm):
         super().__init__(hidden_size, eps, weight_in_fp32=True)
         nn.init.zeros_(self.weight)
 
+    def _scale(self) -> torch.Tensor:
+        return derived(self.weight, "one_plus_f32", lambda w: 1.0 + w.float())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, 1.0 + self.weight.float(), self.eps, weight_in_fp32=True)
+        return rms_norm(x, self._scale(), self.eps, weight_in_fp32=True)
 
     def add_forward(
         self, x: torch.Tensor, h: torch.Tensor, multiplier: float = 1.0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return add_rms_norm(x, h, multiplier, 1.0 + self.weight.float(), self.eps, True)
+        return add_rms_norm(x, h, multiplier, self._scale(), self.eps, True)

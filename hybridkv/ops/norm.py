@@ -77,8 +77,10 @@ def gated_rms_norm(
     group_size: int,
     norm_before_gate: bool = False,
     weight_in_fp32: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Gated, grouped RMSNorm of a Mamba2 mixer output.
+    """Gated, grouped RMSNorm of a Mamba2 mixer output, computed in x's dtype and returned in
+    `out_dtype` (default x's; a float32 scan output normed and cast to the model dtype).
 
     x, gate: [..., channels]; weight: [channels]; channels % group_size == 0 -> [..., channels].
     Default (Bamba, GraniteMoeHybrid, NemotronH, Zamba2): normalise(x * silu(gate)) per group of
@@ -87,10 +89,24 @@ def gated_rms_norm(
     """
     if gate is not None:
         out = native.gated_rms_norm(
-            x, gate, weight, eps, group_size, norm_before_gate, weight_in_fp32
+            x, gate, weight, eps, group_size, norm_before_gate, weight_in_fp32, out_dtype
         )
         if out is not None:
             return out
+    out = _gated_rms_norm(x, gate, weight, eps, group_size, norm_before_gate, weight_in_fp32)
+    return out if out_dtype is None else out.to(out_dtype)
+
+
+def _gated_rms_norm(
+    x: torch.Tensor,
+    gate: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    group_size: int,
+    norm_before_gate: bool,
+    weight_in_fp32: bool,
+) -> torch.Tensor:
+    """The PyTorch reference of `gated_rms_norm`, in x's dtype."""
     dtype = x.dtype
     xf = x.float()
     gate_f = None if gate is None else F.silu(gate.float())

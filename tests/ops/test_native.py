@@ -265,3 +265,37 @@ def test_bf16_norm_rows_round_where_pytorch_does(weight_in_fp32, weight_dtype, m
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7, atol=1e-6)
         assert (out == expected).float().mean() >= 0.98
+
+
+@needs_compiler
+@pytest.mark.parametrize("norm_before_gate", [False, True])
+@pytest.mark.parametrize(
+    "x_dtype,gate_dtype,out_dtype",
+    [
+        (torch.float32, torch.bfloat16, torch.bfloat16),  # a bf16 Mamba2 mixer: scan out, gate
+        (torch.float32, torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.float32, torch.bfloat16),
+        (torch.float32, torch.float32, torch.bfloat16),
+    ],
+)
+def test_gated_norm_mixed_dtypes_is_the_reference_then_the_cast(
+    x_dtype, gate_dtype, out_dtype, norm_before_gate, monkeypatch
+):
+    """x, gate and out of different dtypes: PyTorch's numbers (computed in x's dtype, then cast
+    to out's) but for last-bit flips where the float32 sums round apart."""
+    from hybridkv.ops import norm
+
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(9, 384, generator=g) * 3).to(x_dtype)
+    z = torch.randn(9, 384, generator=g).to(gate_dtype)
+    w = (torch.randn(384, generator=g) + 1).bfloat16()
+    args = (x, z, w, 1e-5, 128, norm_before_gate)
+    assert native.gated_rms_norm(*args, False, out_dtype) is not None  # the kernel takes these
+    fast = norm.gated_rms_norm(*args, out_dtype=out_dtype)
+    monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    ref = norm.gated_rms_norm(*args, out_dtype=out_dtype)
+    assert fast.dtype == ref.dtype == out_dtype
+    tol = 2**-7 if torch.bfloat16 in (x_dtype, out_dtype) else 2e-6
+    torch.testing.assert_close(fast.float(), ref.float(), rtol=tol, atol=1e-6)
+    if out_dtype == torch.bfloat16:
+        assert (fast == ref).float().mean() >= 0.98

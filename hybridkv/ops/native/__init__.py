@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from hybridkv.ops.derived import derived
+
 # every C file of this folder is compiled into one library: `kernels.c` holds the kernels
 # declared below, other files (one per op family) declare theirs with `declare`
 SOURCE = Path(__file__).with_name("kernels.c")
@@ -65,8 +67,8 @@ _SIGNATURES = {
     "hkv_rms_norm_bf16": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32, _int],
     "hkv_add_rms_norm_bf16": [_ptr, _ptr, _f32, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int],
     "hkv_silu_mul_bf16": [_ptr, _i64, _ptr, _i64, _i64],
-    "hkv_gated_rms_norm_bf16": [_ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _f32, _int,
-                                _int],
+    "hkv_gated_rms_norm_mixed": [_ptr, _int, _ptr, _int, _i64, _ptr, _ptr, _int, _i64, _i64,
+                                 _i64, _f32, _int, _int],
     "hkv_argmax_f32": [_ptr, _i64, _i64, _i64, _ptr],
     "hkv_gated_delta_rule": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
                              _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr,
@@ -165,24 +167,49 @@ def _is_bf16(t: torch.Tensor) -> int:
     return int(t.dtype == torch.bfloat16)
 
 
+def _contiguous_f32(t: torch.Tensor) -> torch.Tensor:
+    return t.float().contiguous()
+
+
 def _f32_rows(x: torch.Tensor) -> torch.Tensor:
     """A 2-D tensor as float32 rows with unit column stride (a view when it already is)."""
     x = x.float()
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+Spans = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# Step metadata `_spans` converted recently, by the ids of its three tensors: every state layer
+# of a group gets the same three tensors in a step, so the conversion runs once per group and
+# step instead of once per kernel call (groups interleave by layer, hence one entry per group).
+# The inputs are held (so their ids cannot be reused while cached) and, where they have one,
+# their version checked (an in-place change recomputes); the step metadata the engine builds is
+# made in inference mode (no version counter) and never written after.
+_SPANS_KEPT = 64
+_recent_spans: dict[tuple[int, ...], tuple[tuple[torch.Tensor, ...], tuple[int, ...], Spans]] = {}
+
+
 def _spans(
     state_pages: torch.Tensor, has_initial_state: torch.Tensor, query_start_loc: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Spans:
     """The per-request arrays the state kernels take: pages, has-initial flags (uint8), first
     token and token count, all contiguous int64 except the flags."""
+    inputs = (state_pages, has_initial_state, query_start_loc)
+    key = tuple(id(t) for t in inputs)
+    versions = tuple(-1 if t.is_inference() else t._version for t in inputs)
+    hit = _recent_spans.get(key)
+    if hit is not None and hit[1] == versions:
+        return hit[2]
     bounds = query_start_loc.to(torch.int64)
-    return (
+    spans = (
         state_pages.to(torch.int64).contiguous(),
         has_initial_state.to(torch.uint8).contiguous(),
         bounds[:-1].contiguous(),
         (bounds[1:] - bounds[:-1]).contiguous(),
     )
+    if len(_recent_spans) >= _SPANS_KEPT:
+        _recent_spans.clear()  # (last steps' metadata: let it go)
+    _recent_spans[key] = (inputs, versions, spans)
+    return spans
 
 
 def mamba2_scan(
@@ -409,8 +436,9 @@ def conv1d(
     if width - 1 > CONV_MAX_HISTORY or conv_state.stride()[1:] != (width - 1, 1):
         return None
     x = _f32_rows(x)  # bfloat16 inputs are widened here; the state stays in its dtype
-    wt = weight.t().float().contiguous()  # [K, C]: a tap's weights contiguous across channels
-    bias = None if bias is None else bias.float().contiguous()
+    # [K, C]: a tap's weights contiguous across channels (kept with the weight)
+    wt = derived(weight, "conv_taps_f32", lambda w: w.t().float().contiguous())
+    bias = None if bias is None else derived(bias, "f32", _contiguous_f32)
     pages, has, starts, lens = _spans(state_pages, has_initial_state, query_start_loc)
     y = torch.empty(x.shape, dtype=torch.float32)
     lib.hkv_conv1d(
@@ -479,7 +507,7 @@ def _row_weight(x: torch.Tensor, weight: torch.Tensor, cols: int) -> torch.Tenso
     if weight.device.type != "cpu" or weight.numel() != cols:
         return None
     if x.dtype == torch.bfloat16 and weight.dtype in FLOAT_DTYPES:
-        return weight.float().contiguous()
+        return derived(weight, "f32", _contiguous_f32)
     return weight.contiguous() if weight.dtype == x.dtype else None
 
 
@@ -555,29 +583,36 @@ def gated_rms_norm(
     group_size: int,
     norm_before_gate: bool,
     weight_in_fp32: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | None:
-    """The Mamba2 gated, grouped RMSNorm (ops.norm.gated_rms_norm) of float32 or bfloat16
-    tensors in one pass; None when not supported. x, gate: [..., C] (gate rows may be
-    strided)."""
+    """The Mamba2 gated, grouped RMSNorm (ops.norm.gated_rms_norm) in one pass, x, gate and the
+    result (`out_dtype`, default x's) each float32 or bfloat16; None when not supported.
+    x, gate: [..., C] (gate rows may be strided)."""
     lib, rows, gates = library(), _rows(x), _rows(gate)
-    if lib is None or rows is None or gates is None or gate.dtype != x.dtype:
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if lib is None or rows is None or gates is None or out_dtype not in FLOAT_DTYPES:
         return None
     channels = rows.shape[1]
     if gates.shape != rows.shape or channels % group_size:
         return None
-    w = _row_weight(x, weight, channels)  # (a weight of another size would be read past)
-    if w is None:
+    if weight.device.type != "cpu" or weight.numel() != channels:
+        return None  # (a weight of another size would be read past)
+    if weight.dtype not in FLOAT_DTYPES:
         return None
+    w = derived(weight, "f32", _contiguous_f32)  # both kernels take a float32 weight
     rows = rows.contiguous()
-    out = torch.empty(rows.shape, dtype=x.dtype)
-    args = (
-        rows.data_ptr(), gates.data_ptr(), gates.stride(0), w.data_ptr(), out.data_ptr(),
-        rows.shape[0], channels, group_size, eps, int(norm_before_gate),
-    )  # fmt: skip
-    if x.dtype == torch.bfloat16:
-        lib.hkv_gated_rms_norm_bf16(*args, int(weight_in_fp32))
+    out = torch.empty(rows.shape, dtype=out_dtype)
+    if x.dtype == gate.dtype == out_dtype == torch.float32:
+        lib.hkv_gated_rms_norm_f32(
+            rows.data_ptr(), gates.data_ptr(), gates.stride(0), w.data_ptr(), out.data_ptr(),
+            rows.shape[0], channels, group_size, eps, int(norm_before_gate),
+        )  # fmt: skip
     else:
-        lib.hkv_gated_rms_norm_f32(*args)
+        lib.hkv_gated_rms_norm_mixed(
+            rows.data_ptr(), _is_bf16(x), gates.data_ptr(), _is_bf16(gate), gates.stride(0),
+            w.data_ptr(), out.data_ptr(), _is_bf16(out), rows.shape[0], channels, group_size,
+            eps, int(norm_before_gate), int(weight_in_fp32),
+        )  # fmt: skip
     return out.reshape(x.shape)
 
 

@@ -865,34 +865,47 @@ void hkv_silu_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64
     }
 }
 
-/* The gated, grouped RMSNorm on bfloat16 rows; the gate's silu and the product stay float32:
- *   gate first:  out = weighted normalise(x * silu(z))
- *   norm first:  out = bf16(w * normalise(x) * silu(z))   (Falcon-H1; w_fp32 is implied) */
-void hkv_gated_rms_norm_bf16(const uint16_t *x, const uint16_t *z, int64_t z_stride,
-                             const float *w, uint16_t *out, int64_t rows, int64_t C,
-                             int64_t group, float eps, int norm_before_gate, int w_fp32) {
+/* The gated, grouped RMSNorm with x, the gate z and out each float32 or bfloat16 (x_bf16,
+ * z_bf16, out_bf16); w: [C] float32. The gate's silu and the products stay float32, and the
+ * result is rounded where PyTorch's reference (ops/norm.py), which computes in x's dtype, then
+ * casts to out's, rounds:
+ *   gate first:  out = weighted normalise(x * silu(z))   (the Llama-order bf16(x_hat) only for
+ *                                                          bfloat16 x without w_fp32)
+ *   norm first:  out = w * normalise(x) * silu(z)        (Falcon-H1; w_fp32 is implied)
+ * A float32 x (a Mamba2 scan's output) with a bfloat16 gate and out is the mixer's norm and
+ * its cast to the model dtype in one pass. x: [rows, C] contiguous; z rows at z + r *
+ * z_stride (elements); out: [rows, C]. */
+void hkv_gated_rms_norm_mixed(const void *x, int x_bf16, const void *z, int z_bf16,
+                              int64_t z_stride, const float *w, void *out, int out_bf16,
+                              int64_t rows, int64_t C, int64_t group, float eps,
+                              int norm_before_gate, int w_fp32) {
+    const int round_x_hat = x_bf16 && !w_fp32 && !norm_before_gate;
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        float stack[HKV_ROW_STACK];
-        float *v = group <= HKV_ROW_STACK ? stack : malloc(sizeof(float) * (size_t)group);
+        float stack[2 * HKV_ROW_STACK];
+        float *v = group <= HKV_ROW_STACK ? stack : malloc(sizeof(float) * 2 * (size_t)group);
         if (v == NULL) continue;
+        float *gate = v + group; /* silu(z) of the group */
         for (int64_t g0 = 0; g0 < C; g0 += group) {
-            const uint16_t *xr = x + r * C + g0, *zr = z + r * z_stride + g0;
-            const float *wr = w + g0;
-            uint16_t *o = out + r * C + g0;
-            for (int64_t c = 0; c < group; c++) {
-                const float xv = bf16_to_f32(xr[c]);
-                v[c] = norm_before_gate ? xv : xv * silu(bf16_to_f32(zr[c]));
-            }
-            if (!norm_before_gate) {
-                hkv_norm_row_bf16(v, wr, o, group, eps, w_fp32);
-                continue;
-            }
+            load_floats(x, x_bf16, r * C + g0, group, v);
+            load_floats(z, z_bf16, r * z_stride + g0, group, gate);
             float sq = 0.0f;
-            for (int64_t c = 0; c < group; c++) sq += v[c] * v[c];
+            for (int64_t c = 0; c < group; c++) {
+                gate[c] = silu(gate[c]);
+                if (!norm_before_gate) v[c] *= gate[c];
+                sq += v[c] * v[c];
+            }
             const float inv = 1.0f / sqrtf(sq / (float)group + eps);
-            for (int64_t c = 0; c < group; c++)
-                o[c] = f32_to_bf16(wr[c] * (v[c] * inv) * silu(bf16_to_f32(zr[c])));
+            const float *wr = w + g0;
+            for (int64_t c = 0; c < group; c++) {
+                float x_hat = v[c] * inv;
+                if (round_x_hat) x_hat = bf16_to_f32(f32_to_bf16(x_hat));
+                const float o = norm_before_gate ? wr[c] * x_hat * gate[c] : wr[c] * x_hat;
+                if (out_bf16)
+                    ((uint16_t *)out)[r * C + g0 + c] = f32_to_bf16(o);
+                else
+                    ((float *)out)[r * C + g0 + c] = o;
+            }
         }
         if (v != stack) free(v);
     }
