@@ -239,6 +239,10 @@ def paged_attention(
     its own (a loop over the step's prefill requests, usually a few: their query and context
     lengths differ, and padding them to a common shape would cost far more than the loop).
     """
+    if max_query_len == 1 and q.shape[0] == block_table.shape[0]:  # decodes only: one row each
+        return _grouped_decode_attention(
+            q, kv_cache, block_table, seq_lens, scale, sliding_window, sinks
+        )
     out = torch.empty_like(q)
     if q.shape[0] == 0:
         return out
