@@ -305,10 +305,11 @@ class Mamba2Mixer(CacheOwner):
         gn = self.n_groups * self.d_state
         gate, xbc, dt = self._project_in(hidden_states)
 
-        # xbc: [T, conv_dim] after the causal conv and activation
+        # xbc: [T, conv_dim] after the causal conv and activation, in float32: the scan's dtype
         xbc = ops.conv1d(
-            xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_state, meta, self.activation
-        )
+            xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_state, meta,
+            self.activation, torch.float32,
+        )  # fmt: skip
         x, B, C = xbc.split([self.intermediate_size, gn, gn], dim=-1)
 
         # y: [T, n_heads, head_dim] in float32 (kept for the norm, as transformers' prefill does)

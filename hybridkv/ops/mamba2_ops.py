@@ -51,12 +51,15 @@ class TorchMamba2Ops:
         conv_state: torch.Tensor,
         meta: StateMetadata,
         activation: str | None,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """x: [T, C]; weight: [C, K]; conv_state: [num_pages, C, K-1] -> [T, C] in x.dtype."""
-        return causal_conv1d_varlen(
+        """x: [T, C]; weight: [C, K]; conv_state: [num_pages, C, K-1] -> [T, C] in `out_dtype`
+        (default x.dtype; the Mamba2 mixer asks for float32, what its scan computes in)."""
+        y = causal_conv1d_varlen(
             x, weight, bias, conv_state, meta.state_pages, meta.has_initial_state,
             meta.query_start_loc, meta.max_query_len, activation,
         )  # fmt: skip
+        return y if out_dtype is None else y.to(out_dtype)
 
     def scan(
         self,
@@ -96,9 +99,13 @@ class NativeMamba2Ops(TorchMamba2Ops):
         conv_state: torch.Tensor,
         meta: StateMetadata,
         activation: str | None,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
+        """As TorchMamba2Ops.conv1d; the kernel computes in float32, so a float32 `out_dtype`
+        takes its result unrounded."""
+        out_dtype = x.dtype if out_dtype is None else out_dtype
         if x.shape[0] == 0:
-            return x.new_empty(x.shape)
+            return x.new_empty(x.shape, dtype=out_dtype)
         fused = activation in ("silu", "swish")  # the kernel applies silu itself
         y = native.conv1d(
             x, weight, bias, conv_state, meta.state_pages, meta.has_initial_state,
@@ -106,7 +113,7 @@ class NativeMamba2Ops(TorchMamba2Ops):
         )  # fmt: skip
         if y is None:
             raise RuntimeError(_declined("conv1d", x, conv_state))
-        return (y if fused else activate(y, activation)).to(x.dtype)
+        return (y if fused else activate(y, activation)).to(out_dtype)
 
     def scan(
         self,
@@ -151,14 +158,16 @@ class TritonMamba2Ops(TorchMamba2Ops):
         conv_state: torch.Tensor,
         meta: StateMetadata,
         activation: str | None,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         if is_decode(meta.max_query_len, x.shape[0], meta.state_pages):
             from hybridkv.ops import triton_mamba
 
-            return triton_mamba.conv1d_decode(
+            y = triton_mamba.conv1d_decode(
                 x, weight, bias, conv_state, meta.state_pages, meta.has_initial_state, activation
             )
-        return super().conv1d(x, weight, bias, conv_state, meta, activation)
+            return y if out_dtype is None else y.to(out_dtype)
+        return super().conv1d(x, weight, bias, conv_state, meta, activation, out_dtype)
 
     def decode_rows(self) -> Callable[..., torch.Tensor]:
         from hybridkv.ops import triton_mamba
