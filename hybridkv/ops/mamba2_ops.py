@@ -101,19 +101,23 @@ class NativeMamba2Ops(TorchMamba2Ops):
         activation: str | None,
         out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """As TorchMamba2Ops.conv1d; the kernel computes in float32, so a float32 `out_dtype`
-        takes its result unrounded."""
+        """As TorchMamba2Ops.conv1d. The kernel computes in float32; a float32 `out_dtype` for a
+        bfloat16 x takes its result with bfloat16 values (the kernel rounds them), the numbers
+        the model gives in its dtype, without a bfloat16 tensor to widen again."""
         out_dtype = x.dtype if out_dtype is None else out_dtype
         if x.shape[0] == 0:
             return x.new_empty(x.shape, dtype=out_dtype)
         fused = activation in ("silu", "swish")  # the kernel applies silu itself
+        rounded = fused and x.dtype == torch.bfloat16 and out_dtype == torch.float32
         y = native.conv1d(
             x, weight, bias, conv_state, meta.state_pages, meta.has_initial_state,
-            meta.query_start_loc, fused,
+            meta.query_start_loc, fused, rounded,
         )  # fmt: skip
         if y is None:
             raise RuntimeError(_declined("conv1d", x, conv_state))
-        return (y if fused else activate(y, activation)).to(out_dtype)
+        if rounded:
+            return y
+        return (y if fused else activate(y, activation)).to(x.dtype).to(out_dtype)
 
     def scan(
         self,

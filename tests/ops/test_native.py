@@ -299,3 +299,30 @@ def test_gated_norm_mixed_dtypes_is_the_reference_then_the_cast(
     torch.testing.assert_close(fast.float(), ref.float(), rtol=tol, atol=1e-6)
     if out_dtype == torch.bfloat16:
         assert (fast == ref).float().mean() >= 0.98
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary_dim", [32, 16])  # full and partial rotary
+def test_rope_is_the_pytorch_rotation(dtype, rotary_dim, monkeypatch):
+    """The native rotary embedding equals `layers.rotary._rotate`'s PyTorch ops (bfloat16: the
+    same roundings, so bit for bit), on a strided view such as a slice of a fused projection."""
+    from hybridkv.layers.rotary import _rotate
+
+    g = torch.Generator().manual_seed(rotary_dim)
+    fused = torch.randn(7, 5 * 32 + 8, generator=g).to(dtype)  # [T, q (3 heads) | k (2) | ...]
+    k = fused[:, 96:160].view(7, 2, 32)  # a strided view of 2 heads
+    q = fused[:, :96].view(7, 3, 32)
+    angles = torch.randn(7, rotary_dim // 2, generator=g)
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
+    assert native.rope(k, cos, sin, rotary_dim) is not None
+    fast = [_rotate(t, cos, sin, rotary_dim) for t in (q, k)]
+    monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    ref = [_rotate(t, cos, sin, rotary_dim) for t in (q, k)]
+    for a, b in zip(fast, ref, strict=True):
+        assert a.shape == b.shape and a.dtype == dtype
+        if dtype == torch.bfloat16:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

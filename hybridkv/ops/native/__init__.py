@@ -57,7 +57,7 @@ _SIGNATURES = {
     "hkv_mamba2_scan": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
                         _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
     "hkv_conv1d": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr,
-                   _ptr, _int, _ptr],
+                   _ptr, _int, _int, _ptr],
     "hkv_paged_decode": [_ptr, _ptr, _int, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64,
                              _f32, _ptr, _ptr],
     "hkv_rms_norm_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32],
@@ -69,6 +69,7 @@ _SIGNATURES = {
     "hkv_silu_mul_bf16": [_ptr, _i64, _ptr, _i64, _i64],
     "hkv_gated_rms_norm_mixed": [_ptr, _int, _ptr, _int, _i64, _ptr, _ptr, _int, _i64, _i64,
                                  _i64, _f32, _int, _int],
+    "hkv_rope": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64],
     "hkv_argmax_f32": [_ptr, _i64, _i64, _i64, _ptr],
     "hkv_gated_delta_rule": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
                              _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr,
@@ -419,9 +420,11 @@ def conv1d(
     has_initial_state: torch.Tensor,
     query_start_loc: torch.Tensor,
     silu: bool = False,
+    round_bf16: bool = False,
 ) -> torch.Tensor | None:
     """Causal conv1d of packed requests (prefill chunks and decode steps) natively, through silu
-    when `silu` (else no activation); None when the kernels or these tensors are not supported.
+    when `silu` (else no activation), its float32 results rounded to bfloat16 values when
+    `round_bf16`; None when the kernels or these tensors are not supported.
 
     x: [T, C] (rows may be strided; float32 or bfloat16, widened here); weight: [C, K]; bias:
     [C] or None; conv_state:
@@ -445,7 +448,7 @@ def conv1d(
         conv_state.data_ptr(), conv_state.stride(0), _is_bf16(conv_state), pages.data_ptr(),
         has.data_ptr(), starts.data_ptr(), lens.data_ptr(), pages.shape[0], channels, width,
         x.data_ptr(), x.stride(0), wt.data_ptr(), None if bias is None else bias.data_ptr(),
-        int(silu), y.data_ptr(),
+        int(silu), int(round_bf16), y.data_ptr(),
     )  # fmt: skip
     return y
 
@@ -573,6 +576,31 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     kernel = lib.hkv_silu_mul_bf16 if x.dtype == torch.bfloat16 else lib.hkv_silu_mul_f32
     kernel(rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[0], inter)
     return out.reshape(*x.shape[:-1], inter)
+
+
+def rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int
+) -> torch.Tensor | None:
+    """The rotary embedding of `layers.rotary._rotate` in one pass: x [T, H, D] (channels
+    contiguous, tokens and heads at any stride), cos, sin [T, rotary_dim] of x's dtype (float32
+    or bfloat16) -> [T, H, D] contiguous; None when not supported."""
+    lib = library()
+    if lib is None or x.dim() != 3 or not _is_float_cpu(x) or x.stride(2) != 1:
+        return None
+    tokens, heads, dim = x.shape
+    if rotary_dim % 2 or not 0 < rotary_dim <= dim or tokens == 0:
+        return None
+    if cos.dtype != x.dtype or sin.dtype != x.dtype or cos.shape != (tokens, rotary_dim):
+        return None
+    if sin.shape != cos.shape or cos.device.type != "cpu" or sin.device.type != "cpu":
+        return None
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    lib.hkv_rope(
+        x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+        _is_bf16(x), tokens, heads, dim, rotary_dim,
+    )  # fmt: skip
+    return out
 
 
 def gated_rms_norm(

@@ -355,8 +355,9 @@ void hkv_paged_decode(const void *q, const void *cache, int bf16, int64_t kbs, i
  * decode steps alike), state in place.
  *
  * Request r owns tokens starts[r] .. starts[r] + lens[r] - 1; x row t at x + t * x_stride;
- * wt: the weight transposed, [K, C]; bias: [C] or NULL; y: [T, C], through silu when
- * act_silu (else no activation).
+ * wt: the weight transposed, [K, C]; bias: [C] or NULL; y: [T, C] float32, through silu when
+ * act_silu (else no activation), rounded to bfloat16 values when round_bf16 (what a bf16
+ * model's conv gives, without a bf16 tensor to widen again).
  * A request without an initial state (has_initial[r] == 0) starts from zero columns (its page is
  * never read: it may hold NaN bit patterns). After its tokens, its page holds its last K - 1
  * inputs (old columns shifted in when it had fewer than K - 1 tokens); lens[r] == 0 leaves the
@@ -368,7 +369,7 @@ void hkv_paged_decode(const void *q, const void *cache, int bf16, int64_t kbs, i
 void hkv_conv1d(void *state, int64_t page_stride, int state_bf16, const int64_t *pages,
                 const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
                 int64_t R, int64_t C, int64_t K, const float *x, int64_t x_stride,
-                const float *wt, const float *bias, int act_silu, float *y) {
+                const float *wt, const float *bias, int act_silu, int round_bf16, float *y) {
     const int64_t hist_len = K - 1, blocks = (C + HKV_CONV_CHANNELS - 1) / HKV_CONV_CHANNELS;
 #pragma omp parallel for collapse(2) schedule(guided)
     for (int64_t r = 0; r < R; r++) {
@@ -401,6 +402,8 @@ void hkv_conv1d(void *state, int64_t page_stride, int state_bf16, const int64_t 
 #pragma omp simd
                     for (int64_t c = 0; c < nc; c++) yt[c] = silu(yt[c]);
                 }
+                if (round_bf16) /* the bfloat16 model's value, kept as float32 for the scan */
+                    for (int64_t c = 0; c < nc; c++) yt[c] = bf16_to_f32(f32_to_bf16(yt[c]));
             }
             /* the new state: the last K - 1 inputs (old columns when len < K - 1) */
             for (int64_t j = 0; j < hist_len; j++) {
@@ -755,6 +758,46 @@ void hkv_silu_mul_f32(const float *x, int64_t x_stride, float *out, int64_t rows
         float *o = out + r * I;
 #pragma omp simd
         for (int64_t i = 0; i < I; i++) o[i] = silu(g[i]) * u[i];
+    }
+}
+
+/* Rotary embedding over the first R of D channels of every head, the rest copied:
+ *   out[i] = x[i] * cos[i] + r[i] * sin[i],  r = (-x[R/2 .. R), x[0 .. R/2))
+ * x: [T, H, D] at x + t * tok_stride + h * head_stride (elements, channels contiguous);
+ * cos, sin: [T, R]; out: [T, H, D] contiguous; all float32 (bf16 == 0) or all bfloat16. In
+ * bfloat16 each product and the sum are rounded, as PyTorch computes the reference in bf16. */
+void hkv_rope(const void *x, int64_t tok_stride, int64_t head_stride, const void *cos,
+              const void *sin, void *out, int bf16, int64_t T, int64_t H, int64_t D,
+              int64_t R) {
+    const int64_t half = R / 2;
+#pragma omp parallel for schedule(static) if (T * H * D > 65536)
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t src = t * tok_stride + h * head_stride, dst = (t * H + h) * D;
+            if (!bf16) {
+                const float *xs = (const float *)x + src, *c = (const float *)cos + t * R;
+                const float *sn = (const float *)sin + t * R;
+                float *o = (float *)out + dst;
+                for (int64_t i = 0; i < R; i++) {
+                    const float r = i < half ? -xs[i + half] : xs[i - half];
+                    const float a = xs[i] * c[i], b = r * sn[i];
+                    o[i] = a + b;
+                }
+                for (int64_t i = R; i < D; i++) o[i] = xs[i];
+                continue;
+            }
+            const uint16_t *xs = (const uint16_t *)x + src, *c = (const uint16_t *)cos + t * R;
+            const uint16_t *sn = (const uint16_t *)sin + t * R;
+            uint16_t *o = (uint16_t *)out + dst;
+            for (int64_t i = 0; i < R; i++) {
+                const float xv = bf16_to_f32(xs[i]);
+                const float r = i < half ? -bf16_to_f32(xs[i + half]) : bf16_to_f32(xs[i - half]);
+                const float a = bf16_to_f32(f32_to_bf16(xv * bf16_to_f32(c[i])));
+                const float b = bf16_to_f32(f32_to_bf16(r * bf16_to_f32(sn[i])));
+                o[i] = f32_to_bf16(a + b);
+            }
+            for (int64_t i = R; i < D; i++) o[i] = xs[i];
+        }
     }
 }
 
