@@ -14,8 +14,8 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """Keyword arguments are the fields of ModelConfig (dtype, device, seed), CacheConfig
-    (allocation, kernel_block_size, enable_prefix_caching, memory_bytes, ...),
+    """Keyword arguments are the fields of ModelConfig (dtype, device, seed, quantization),
+    CacheConfig (allocation, kernel_block_size, enable_prefix_caching, memory_bytes, ...),
     SchedulerConfig (max_num_seqs, max_num_batched_tokens, max_model_len) and ParallelConfig
     (tensor_parallel_size, distributed_timeout_s: the LLM starts the other ranks itself)."""
 

@@ -68,6 +68,7 @@ KERNEL_K, KERNEL_ALIGN = 16, 32
 COMPUTE_DTYPE = torch.bfloat16
 # Linears that stay float, by their attribute name (see the module docstring); a linear
 # inside a module named `router` too (GraniteMoE's `router.layer`).
+QUANTIZE_LM_HEAD = True  # the engine's choice for the output projection (module docstring)
 FLOAT_LINEARS = frozenset({"router", "gate", "shared_expert_gate", "dt_proj", "kv_b_proj"})
 logger = logging.getLogger("hybridkv")
 
@@ -100,9 +101,9 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     dtype: float32 x on the native kernel in float32 math; otherwise in bfloat16 with float32
     accumulation (the module docstring)."""
     if x.dtype == torch.float32 and x.device.type == "cpu":
-        out = native_int8.int8_linear(x, q, scale)
-        if out is not None:
-            return out
+        fn = native_int8.kernel()
+        if fn is not None and native_int8.weights_fit(q, scale):
+            return native_int8.run(fn, x, q, scale)
     return bf16_int8_matmul(x, q, scale)
 
 
@@ -141,6 +142,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", qweight, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
         self.bias = bias
+        self.native_fits = native_int8.weights_fit(qweight, scale)  # checked once
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, absmax: torch.Tensor | None = None) -> Int8Linear:
@@ -152,11 +154,16 @@ class Int8Linear(nn.Module):
         return dequantize_rows(self.qweight, self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in] -> [..., out]
-        out = int8_matmul(x.reshape(-1, self.in_features), self.qweight, self.scale)
+        # x: [..., in] -> [..., out]; the engine's activations are [T, in] already
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        fn = native_int8.kernel() if x.dtype == torch.float32 else None
+        if fn is not None and x.device.type == "cpu" and self.native_fits:
+            out = native_int8.run(fn, flat, self.qweight, self.scale)  # float32 models
+        else:
+            out = int8_matmul(flat, self.qweight, self.scale)
         if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+            out += self.bias
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
@@ -227,11 +234,14 @@ def _storage_key(t: torch.Tensor) -> int:
 
 
 def quantize_model(
-    model: nn.Module, tp: TensorParallel = SINGLE, lm_head: bool = True
+    model: nn.Module, tp: TensorParallel = SINGLE, lm_head: bool | None = None
 ) -> QuantizationReport:
     """Replace the linears of a loaded `model` by `Int8Linear`s in place (see the module
-    docstring for which); `lm_head=False` keeps the output projection float. Every
+    docstring for which); `lm_head=False` keeps the output projection float (None:
+    QUANTIZE_LM_HEAD, read at the call). Every
     tensor-parallel rank calls this in the same order (the row maxima are all-reduced)."""
+    if lm_head is None:
+        lm_head = QUANTIZE_LM_HEAD
     linears: dict[str, nn.Linear] = {}
     kept: list[str] = []
     for name, module in model.named_modules():

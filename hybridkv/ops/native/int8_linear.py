@@ -5,6 +5,7 @@ ctypes signature and the checks that keep it inside its tensors.
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -16,44 +17,58 @@ native.declare({
 })  # fmt: skip
 
 DTYPES = (torch.float32, torch.bfloat16)  # of x and y
+_kernel: Any = None  # the ctypes function, once looked up
 _vectorized: bool | None = None
 
 
 def available() -> bool:
     """The kernels load and this build has the AVX-512 tiles (the plain-loop build is slower
     than PyTorch's int8 path, so callers keep that one instead)."""
-    global _vectorized
+    return kernel() is not None
+
+
+def kernel() -> Any:
+    """The ctypes function `hkv_int8_linear`, or None (no library, no AVX-512 build, or
+    `HYBRIDKV_NATIVE=0`)."""
+    global _kernel, _vectorized
     lib = native.library()
     if lib is None:
-        return False
+        return None
     if _vectorized is None:
         fn = lib.hkv_int8_vectorized
         fn.argtypes, fn.restype = [], ctypes.c_int
-        _vectorized = bool(fn())
-    return _vectorized
+        _vectorized, _kernel = bool(fn()), lib.hkv_int8_linear
+    return _kernel if _vectorized else None
+
+
+def weights_fit(q: torch.Tensor, scale: torch.Tensor) -> bool:
+    """The kernel takes this weight: int8 [N, K] and bfloat16 [N], contiguous, on the CPU."""
+    return (
+        q.dim() == 2 and q.dtype == torch.int8 and q.is_contiguous() and q.device.type == "cpu"
+        and scale.shape == (q.shape[0],) and scale.dtype == torch.bfloat16
+        and scale.is_contiguous() and scale.device.type == "cpu"
+    )  # fmt: skip
+
+
+def run(fn: Any, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The kernel on checked weights (`weights_fit`) and x [M, K] float32/bfloat16 on the
+    CPU: [M, N] in x's dtype. The per-call path of the int8 layers (few checks)."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, n = x.shape[0], q.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype)
+    bf16 = int(x.dtype == torch.bfloat16)
+    fn(x.data_ptr(), x.stride(0), bf16, q.data_ptr(), scale.data_ptr(), m, n, q.shape[1],
+       y.data_ptr(), n, bf16)  # fmt: skip
+    return y
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
     """x [M, K] float32/bfloat16, q int8 [N, K], scale bfloat16 [N] -> x @ (q * scale).T
     [M, N] in x's dtype (float32 math); None when the kernels or these tensors don't fit."""
-    if not available() or x.dim() != 2 or q.dim() != 2 or x.dtype not in DTYPES:
+    fn = kernel()
+    if fn is None or not weights_fit(q, scale) or x.dim() != 2 or x.dtype not in DTYPES:
         return None
-    if any(t.device.type != "cpu" for t in (x, q, scale)) or q.dtype != torch.int8:
+    if x.device.type != "cpu" or x.shape[1] != q.shape[1]:
         return None
-    m, k = x.shape
-    n = q.shape[0]
-    if q.shape[1] != k or scale.shape != (n,) or scale.dtype != torch.bfloat16:
-        return None
-    if not (q.is_contiguous() and scale.is_contiguous()):
-        return None
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    y = torch.empty(m, n, dtype=x.dtype)
-    bf16 = int(x.dtype == torch.bfloat16)
-    lib = native.library()
-    assert lib is not None
-    lib.hkv_int8_linear(
-        x.data_ptr(), x.stride(0), bf16, q.data_ptr(), scale.data_ptr(), m, n, k,
-        y.data_ptr(), n, bf16,
-    )  # fmt: skip
-    return y
+    return run(fn, x, q, scale)
