@@ -53,7 +53,8 @@ llama.cpp set-up (the converter is not in the wheel; take it from the sdist):
 `gguf-py` is put on the path), run by `--llamacpp-convert-python` (default: this Python, which
 has torch, transformers, safetensors and numpy). It converts a converter-friendly copy of the
 checkpoint (`converter_copy`: config.json's layer types renamed to the `mamba` / `attention`
-the converter knows, a dense model's `intermediate_size` set to `shared_intermediate_size`, a
+the converter knows, a dense model's `intermediate_size` set to `shared_intermediate_size` and
+its `num_experts_per_tok` to 0 (llama.cpp asserts at most as many as the 0 experts), a
 one-line merges.txt because llama.cpp's BPE vocabulary refuses a file without merges; token ids
 are fed directly, nothing is tokenized) and patches two things in the converter's process only
 (`CONVERT_RUNNER`): an unknown pre-tokenizer hash is taken as `gpt-2` (the word-level tokenizer
