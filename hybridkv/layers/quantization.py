@@ -20,14 +20,16 @@ docs/quantization.md has the measured accuracy, memory and speed.
 The matmul, `x [M, K] -> [M, N]` (measured on the development CPU, Zen 5, one thread, for
 hidden-size 768 shapes and the 32000-row lm_head: benchmarks/quantization.py):
 
-    float32 x      the native kernel (`hybridkv/ops/native/int8_linear.c`, AVX-512): int8
-                   weights widened to float32 in registers and reused for 4 rows of x,
-                   float32 sums, the row's scale applied once. Exact float32 math (the error
-                   is the int8 weight's alone); 2.5x faster than the float32 layer at M = 1,
-                   as fast at M = 8-16, 15-20% slower at M = 64-512
-    bfloat16 x, or no native kernel (`HYBRIDKV_NATIVE=0`, no compiler, no AVX-512): in
-                   bfloat16 with float32 accumulation, the input rounded to bfloat16 and the
-                   output cast back:
+    native kernel  `hybridkv/ops/native/int8_linear.c` (AVX-512): the int8 weights widened in
+                   registers and reused for 4 rows of x, float32 sums, the row's scale applied
+                   once, one rounding to x's dtype. float32 x: float32 FMAs, exact float32
+                   math (the error is the int8 weight's alone), at every M: 2-3x faster than
+                   the float32 layer at M = 1, as fast at M = 8-16, 15-25% slower at M = 64-512.
+                   bfloat16 x (AVX512-BF16 pair products): up to M = SMALL_M rows, where it
+                   beats the path below (decode of the 100m model at batch 1: +25%)
+    PyTorch        bfloat16 x above SMALL_M rows, or no native kernel (`HYBRIDKV_NATIVE=0`,
+                   no compiler, no AVX-512): in bfloat16 with float32 accumulation (a float32
+                   input rounded to bfloat16, the output cast back):
         M <= SMALL_M   torch.ops.aten._weight_int8pack_mm(x_bf16, q, scale_bf16): reads the
                    int8 weight once per 4 rows of x (AVX-512; its float32 path is a scalar
                    loop, 10-50x slower); in_features must be a multiple of 16 (KERNEL_K),
@@ -35,8 +37,8 @@ hidden-size 768 shapes and the 32000-row lm_head: benchmarks/quantization.py):
         M >  SMALL_M   dequantize-on-the-fly: q converted to bfloat16 in chunks of about
                    CHUNK_ELEMENTS weights (L2-sized), a bfloat16 GEMM per chunk, the output
                    scaled per column (the scale of an output row factors out of its dot
-                   product, so the chunk is only cast, never multiplied); the crossover with
-                   the kernel sits between M = 16 and 32
+                   product, so the chunk is only cast, never multiplied); within 10-25% of
+                   the bfloat16 layer at M = 64-512
 
 Tensor parallel: each rank quantizes its shard after loading it. A column-parallel shard holds
 whole rows, so its scales are the full model's; a row-parallel one (its input dim split) holds
@@ -59,7 +61,7 @@ from hybridkv.distributed.parallel import SINGLE, TensorParallel
 from hybridkv.layers.linear import PackedLinear
 from hybridkv.ops.native import int8_linear as native_int8
 
-SMALL_M = 16  # rows of x up to which _weight_int8pack_mm beats dequantize + GEMM
+SMALL_M = 16  # rows of x up to which the kernels beat dequantize + bfloat16 GEMM
 CHUNK_ELEMENTS = 1 << 20  # weights dequantized at once on the GEMM path (2 MiB of bfloat16)
 # _weight_int8pack_mm's AVX-512 kernel steps over K by 16 with aligned loads of x (32 bytes)
 # and of the weight rows: another K reads past the rows (wrong sums or a crash), so those
@@ -96,13 +98,19 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float()[..., None]
 
 
-def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def int8_matmul(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, native_fits: bool | None = None
+) -> torch.Tensor:
     """x [M, K] float, q int8 [N, K], scale bfloat16 [N] -> x @ (q * scale).T [M, N] in x's
-    dtype: float32 x on the native kernel in float32 math; otherwise in bfloat16 with float32
-    accumulation (the module docstring)."""
-    if x.dtype == torch.float32 and x.device.type == "cpu":
+    dtype: on the native kernel (float32 x; bfloat16 x up to SMALL_M rows), else on PyTorch's
+    bfloat16 path (the module docstring). `native_fits`: `weights_fit(q, scale)`, if known."""
+    if x.device.type == "cpu" and (
+        x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and x.shape[0] <= SMALL_M)
+    ):
         fn = native_int8.kernel()
-        if fn is not None and native_int8.weights_fit(q, scale):
+        if native_fits is None:
+            native_fits = native_int8.weights_fit(q, scale)
+        if fn is not None and native_fits:
             return native_int8.run(fn, x, q, scale)
     return bf16_int8_matmul(x, q, scale)
 
@@ -156,11 +164,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]; the engine's activations are [T, in] already
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        fn = native_int8.kernel() if x.dtype == torch.float32 else None
-        if fn is not None and x.device.type == "cpu" and self.native_fits:
-            out = native_int8.run(fn, flat, self.qweight, self.scale)  # float32 models
-        else:
-            out = int8_matmul(flat, self.qweight, self.scale)
+        out = int8_matmul(flat, self.qweight, self.scale, self.native_fits)
         if self.bias is not None:
             out += self.bias
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
