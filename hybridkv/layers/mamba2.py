@@ -53,7 +53,7 @@ from hybridkv.layers.cache import CacheOwner, StateCache
 from hybridkv.layers.state_base import StateMetadata
 from hybridkv.ops import native
 from hybridkv.ops.derived import derived
-from hybridkv.ops.mamba2_ops import ScanParams, TorchMamba2Ops
+from hybridkv.ops.mamba2_ops import NormArgs, ScanParams, TorchMamba2Ops
 from hybridkv.ops.norm import _apply_weight as apply_norm_weight
 from hybridkv.ops.norm import gated_rms_norm
 from hybridkv.worker.batch import ForwardBatch
@@ -236,10 +236,8 @@ class Mamba2Mixer(CacheOwner):
         ]
         return torch.cat(parts)  # [projection_size]
 
-    def _project_in(
-        self, hidden_states: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[T, hidden] -> gate [T, I], xBC [T, conv_dim], dt [T, H]."""
+    def _project_in(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> zxbcdt [T, I + conv_dim + H]: gate | xBC | dt."""
         if self.in_multiplier != 1.0:
             hidden_states = hidden_states * self.in_multiplier
         zxbcdt = self.in_proj(hidden_states)  # [T, I + conv_dim + H]
@@ -247,8 +245,7 @@ class Mamba2Mixer(CacheOwner):
             if self.mup_vector.device != zxbcdt.device:
                 self.mup_vector = self.mup_vector.to(zxbcdt.device)
             zxbcdt = zxbcdt * self.mup_vector.to(zxbcdt.dtype)
-        gate, xbc, dt = zxbcdt.split([self.intermediate_size, self.conv_dim, self.n_heads], -1)
-        return gate, xbc, dt
+        return zxbcdt
 
     def _output_gate(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """Gated RMSNorm (or plain silu gating when the family has no norm). y: [T, I] fp32."""
@@ -301,25 +298,39 @@ class Mamba2Mixer(CacheOwner):
         """hidden_states: [T, hidden]; conv_state: [num_pages, conv_dim, d_conv - 1];
         ssm_state: [num_pages, n_heads, head_dim, d_state] (both updated in place) -> [T, hidden].
         """
-        num_tokens = hidden_states.shape[0]
-        gn = self.n_groups * self.d_state
-        gate, xbc, dt = self._project_in(hidden_states)
+        zxbcdt = self._project_in(hidden_states)  # [T, I + conv_dim + H]
+        params = self._scan_params()
+        if self.fusable:  # the ops may run the whole mixer in one call
+            y = ops.fused_mix(
+                zxbcdt, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_state, ssm_state,
+                meta, params, self._norm_args(), self.n_groups,
+            )  # fmt: skip
+            if y is not None:
+                return self.out_proj(y)
+        gate, xbc, dt = zxbcdt.split([self.intermediate_size, self.conv_dim, self.n_heads], -1)
+        y = self._conv_and_scan(xbc, dt, conv_state, ssm_state, meta, params, ops)
+        y = self._output_gate(y, gate)
+        return self.out_proj(y.to(hidden_states.dtype))
 
+    def _conv_and_scan(
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+        meta: StateMetadata,
+        params: ScanParams,
+        ops: TorchMamba2Ops,
+    ) -> torch.Tensor:
+        """xbc: [T, conv_dim], dt: [T, H] raw -> y: [T, I] float32 (kept for the norm, as
+        transformers' prefill does); both states updated in place."""
+        num_tokens, gn = xbc.shape[0], self.n_groups * self.d_state
         # xbc: [T, conv_dim] after the causal conv and activation, in float32: the scan's dtype
         xbc = ops.conv1d(
             xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_state, meta,
             self.activation, torch.float32,
         )  # fmt: skip
         x, B, C = xbc.split([self.intermediate_size, gn, gn], dim=-1)
-
-        # y: [T, n_heads, head_dim] in float32 (kept for the norm, as transformers' prefill does)
-        params = ScanParams(
-            derived(self.A_log, "neg_exp_f32", lambda a: -torch.exp(a.float())),
-            derived(self.D, "f32", torch.Tensor.float),
-            derived(self.dt_bias, "f32", torch.Tensor.float),
-            self.scan_chunk,
-            self.dt_limit,
-        )
         y = ops.scan(
             x.reshape(num_tokens, self.n_heads, self.head_dim),
             dt,
@@ -330,5 +341,27 @@ class Mamba2Mixer(CacheOwner):
             params,
             torch.float32,
         )
-        y = self._output_gate(y.reshape(num_tokens, self.intermediate_size), gate)
-        return self.out_proj(y.to(hidden_states.dtype))
+        return y.reshape(num_tokens, self.intermediate_size)
+
+    def _scan_params(self) -> ScanParams:
+        return ScanParams(
+            derived(self.A_log, "neg_exp_f32", lambda a: -torch.exp(a.float())),
+            derived(self.D, "f32", torch.Tensor.float),
+            derived(self.dt_bias, "f32", torch.Tensor.float),
+            self.scan_chunk,
+            self.dt_limit,
+        )
+
+    def _norm_args(self) -> NormArgs:
+        return NormArgs(
+            self.norm.weight, self.norm_group_size, self.norm_eps, self.norm_before_gate,
+            self.norm_weight_in_fp32,
+        )  # fmt: skip
+
+    @property
+    def fusable(self) -> bool:
+        """Whether the whole mixer may run as one op (`fused_mix`): silu conv, a gated norm
+        local to this rank."""
+        return self.gated_norm and not self.norm_spans_ranks and self.activation in (
+            "silu", "swish",
+        )  # fmt: skip

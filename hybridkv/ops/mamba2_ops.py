@@ -6,7 +6,9 @@ route, never a chain of attempts:
 
     backend    causal conv1d                       scan
     torch      PyTorch (ops.conv1d)                PyTorch chunked SSD + one-step (ops.mamba2)
-    native     C kernel, state in place            C kernel, state in place (ops.native)
+    native     C kernel, state in place            C kernel, state in place (ops.native); with
+                                                   the gated norm, the whole mixer in one call
+                                                   (`fused_mix`)
     triton     Triton for decode steps, else torch  Triton for one-token requests, else torch
     compiled   PyTorch                             torch.compile'd decode step when every
                                                    request decodes from a state, else torch
@@ -38,10 +40,37 @@ class ScanParams(NamedTuple):
     dt_limit: tuple[float, float]
 
 
+class NormArgs(NamedTuple):
+    """A Mamba2 layer's gated RMSNorm (`ops.norm.gated_rms_norm`'s arguments)."""
+
+    weight: torch.Tensor  # [I]
+    group_size: int
+    eps: float
+    norm_before_gate: bool
+    weight_in_fp32: bool
+
+
 class TorchMamba2Ops:
     """The PyTorch reference ops (any platform, any dtype)."""
 
     name = "torch"
+
+    def fused_mix(
+        self,
+        zxbcdt: torch.Tensor,
+        conv_weight: torch.Tensor,
+        conv_bias: torch.Tensor | None,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+        meta: StateMetadata,
+        p: ScanParams,
+        norm: NormArgs,
+        n_groups: int,
+    ) -> torch.Tensor | None:
+        """The whole mixer between its projections in one call (conv + silu, dt, scan, gated
+        norm; states in place) -> [T, I] in zxbcdt's dtype, where a backend offers it; None
+        here: the layer runs the ops one by one."""
+        return None
 
     def conv1d(
         self,
@@ -118,6 +147,29 @@ class NativeMamba2Ops(TorchMamba2Ops):
         if rounded:
             return y
         return (y if fused else activate(y, activation)).to(x.dtype).to(out_dtype)
+
+    def fused_mix(
+        self,
+        zxbcdt: torch.Tensor,
+        conv_weight: torch.Tensor,
+        conv_bias: torch.Tensor | None,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+        meta: StateMetadata,
+        p: ScanParams,
+        norm: NormArgs,
+        n_groups: int,
+    ) -> torch.Tensor | None:
+        """One native call (`native.mamba2_mix`): the kernels the separate ops run, with their
+        numbers, without the small tensor ops and checks between them."""
+        y = native.mamba2_mix(
+            zxbcdt, conv_weight, conv_bias, conv_state, ssm_state, meta.state_pages,
+            meta.has_initial_state, meta.query_start_loc, (p.A, p.D, p.dt_bias, p.dt_limit),
+            tuple(norm), n_groups, zxbcdt.dtype,
+        )  # fmt: skip
+        if y is None:
+            raise RuntimeError(_declined("mamba2 mixer", zxbcdt, ssm_state))
+        return y
 
     def scan(
         self,

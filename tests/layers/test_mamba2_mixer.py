@@ -239,3 +239,45 @@ def test_bf16_weights_with_bf16_conv_and_fp32_ssm_pages():
     assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
     assert rel_err(out.float(), ref) < 5e-2
     torch.testing.assert_close(ssm[[1, 0]], pages.ssm[[1, 0]], rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["granitemoehybrid", "nemotron_h", "falcon_h1_rmsnorm"])
+def test_fused_native_mixer_equals_the_native_ops_one_by_one(family, dtype, monkeypatch):
+    """`NativeMamba2Ops.fused_mix` (one call: conv, dt, scan, gated norm) gives the numbers of
+    the native ops run one at a time, through prefill chunks and decodes from NaN pages, with
+    states of the model dtype; and the states it leaves are theirs."""
+    from hybridkv.ops import native
+    from hybridkv.ops.mamba2_ops import NativeMamba2Ops
+
+    if native.library() is None:
+        pytest.skip("native kernels unavailable here (no C compiler)")
+    _, ours = build(family, seed=2)
+    ours = ours.to(dtype)
+    assert ours.fusable
+    g = torch.Generator().manual_seed(4)
+    steps = [([9, 4], [3, 1], [False, False]), ([1, 1], [3, 1], [True, True]),
+             ([6, 1], [3, 1], [True, True])]  # fmt: skip
+
+    def run(ops):
+        conv = torch.full((5, ours.conv_dim, ours.d_conv - 1), float("nan"), dtype=dtype)
+        ssm = torch.full((5, ours.n_heads, ours.head_dim, ours.d_state), float("nan"), dtype=dtype)
+        outs = []
+        with torch.no_grad():
+            for lens, pages, has in steps:
+                x = torch.randn(sum(lens), HIDDEN, generator=g.manual_seed(sum(lens))).to(dtype)
+                outs.append(ours.mix(x, conv, ssm, meta_for(lens, pages, has), ops))
+        return outs, conv[[3, 1]], ssm[[3, 1]]
+
+    calls = []
+    fused_mix = NativeMamba2Ops.fused_mix
+    monkeypatch.setattr(NativeMamba2Ops, "fused_mix", lambda *a: calls.append(1) or fused_mix(*a))
+    fused = run(NativeMamba2Ops())
+    assert len(calls) == len(steps)
+    monkeypatch.setattr(NativeMamba2Ops, "fused_mix", lambda *a: None)
+    separate = run(NativeMamba2Ops())
+    for a, b in zip(fused[0], separate[0], strict=True):
+        assert a.dtype == dtype and not a.isnan().any()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # (softplus: libm vs PyTorch)
+    for a, b in zip(fused[1:], separate[1:], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -55,7 +55,7 @@ _i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_
 _SIGNATURES = {
     # argument types in the C order; `# fmt: skip` keeps them one list per kernel
     "hkv_mamba2_scan": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
-                        _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
+                        _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
     "hkv_conv1d": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr,
                    _ptr, _int, _int, _ptr],
     "hkv_paged_decode": [_ptr, _ptr, _int, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64,
@@ -70,6 +70,9 @@ _SIGNATURES = {
     "hkv_gated_rms_norm_mixed": [_ptr, _int, _ptr, _int, _i64, _ptr, _ptr, _int, _i64, _i64,
                                  _i64, _f32, _int, _int],
     "hkv_rope": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64],
+    "hkv_mamba2_mix": [_ptr, _int, _i64, _ptr, _i64, _int, _ptr, _ptr, _i64, _int, _ptr, _i64,
+                       _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr,
+                       _ptr, _ptr, _f32, _f32, _ptr, _i64, _f32, _int, _int, _ptr, _int],
     "hkv_argmax_f32": [_ptr, _i64, _i64, _i64, _ptr],
     "hkv_gated_delta_rule": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
                              _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr,
@@ -78,6 +81,7 @@ _SIGNATURES = {
                         _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr,
                         _ptr, _ptr],
 }  # fmt: skip
+_RESTYPES = {"hkv_mamba2_mix": _int}  # the others return nothing
 
 
 def declare(signatures: dict[str, list]) -> None:
@@ -87,7 +91,7 @@ def declare(signatures: dict[str, list]) -> None:
     if _lib is not None:
         for name, argtypes in signatures.items():
             fn = getattr(_lib, name)
-            fn.argtypes, fn.restype = argtypes, None
+            fn.argtypes, fn.restype = argtypes, _RESTYPES.get(name)
 
 
 def enabled() -> bool:
@@ -146,7 +150,7 @@ def library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(path))
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, None
+            fn.argtypes, fn.restype = argtypes, _RESTYPES.get(name)
         _lib = lib
     except (OSError, AttributeError):  # unloadable, or a build without a symbol we call
         _lib = None
@@ -246,8 +250,8 @@ def mamba2_scan(
     lib.hkv_mamba2_scan(
         ssm_state.data_ptr(), ssm_state.stride(0), _is_bf16(ssm_state), pages.data_ptr(),
         has.data_ptr(), starts.data_ptr(), lens.data_ptr(), pages.shape[0], heads, head_dim,
-        d_state, B.shape[1], x.data_ptr(), dt.data_ptr(), A.data_ptr(), B.data_ptr(),
-        C.data_ptr(), D.data_ptr(), y.data_ptr(),
+        d_state, B.shape[1], x.data_ptr(), heads * head_dim, dt.data_ptr(), A.data_ptr(),
+        B.data_ptr(), C.data_ptr(), B.shape[1] * d_state, D.data_ptr(), y.data_ptr(),
     )  # fmt: skip
     return y
 
@@ -451,6 +455,66 @@ def conv1d(
         int(silu), int(round_bf16), y.data_ptr(),
     )  # fmt: skip
     return y
+
+
+def mamba2_mix(
+    zxbcdt: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_pages: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scan: tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[float, float]],
+    norm: tuple[torch.Tensor, int, float, bool, bool],
+    n_groups: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor | None:
+    """A whole Mamba2 mixer between its projections in one native call (hkv_mamba2_mix: conv,
+    dt, scan, gated norm; states in place); None when not supported.
+
+    zxbcdt: [T, I + conv_dim + H] in_proj output (float32 or bfloat16, unit column stride);
+    conv_weight: [conv_dim, K]; conv_state: [num_pages, conv_dim, K - 1]; ssm_state: [num_pages,
+    H, P, N] (each float32 or bfloat16, pages contiguous); scan: (A, D, dt_bias, dt_limit) with
+    [H] tensors; norm: (weight [I], group_size, eps, norm_before_gate, weight_in_fp32)
+    -> [T, I] in out_dtype (a bf16 model's conv results rounded to bf16 values, as its conv).
+    """
+    lib = library()
+    if lib is None or zxbcdt.dim() != 2 or zxbcdt.stride(1) != 1 or out_dtype not in FLOAT_DTYPES:
+        return None
+    tensors = (zxbcdt, conv_weight, conv_state, ssm_state)
+    if not _is_float_cpu(*tensors) or (conv_bias is not None and not _is_float_cpu(conv_bias)):
+        return None
+    _, heads, head_dim, d_state = ssm_state.shape
+    (conv_dim, width), inner = conv_weight.shape, heads * head_dim
+    A, D, dt_bias, (dt_min, dt_max) = scan
+    weight, group_size, eps, norm_before_gate, weight_in_fp32 = norm
+    if zxbcdt.shape[1] != inner + conv_dim + heads or conv_dim != inner + 2 * n_groups * d_state:
+        return None
+    if width - 1 > CONV_MAX_HISTORY or conv_state.stride()[1:] != (width - 1, 1):
+        return None
+    if ssm_state.stride()[1:] != (head_dim * d_state, d_state, 1) or inner % group_size:
+        return None
+    if weight.numel() != inner or any(t.numel() != heads for t in (A, D, dt_bias)):
+        return None
+    f32 = [derived(t, "f32", _contiguous_f32) for t in (A, D, dt_bias, weight)]
+    wt = derived(conv_weight, "conv_taps_f32", lambda w: w.t().float().contiguous())
+    bias = None if conv_bias is None else derived(conv_bias, "f32", _contiguous_f32)
+    pages, has, starts, lens = _spans(state_pages, has_initial_state, query_start_loc)
+    tokens = zxbcdt.shape[0]
+    out = torch.empty(tokens, inner, dtype=out_dtype)
+    failed = lib.hkv_mamba2_mix(
+        zxbcdt.data_ptr(), _is_bf16(zxbcdt), zxbcdt.stride(0), conv_state.data_ptr(),
+        conv_state.stride(0), _is_bf16(conv_state), wt.data_ptr(),
+        None if bias is None else bias.data_ptr(), width, _is_bf16(zxbcdt), ssm_state.data_ptr(),
+        ssm_state.stride(0), _is_bf16(ssm_state), pages.data_ptr(), has.data_ptr(),
+        starts.data_ptr(), lens.data_ptr(), pages.shape[0], tokens, heads, head_dim, d_state,
+        n_groups, f32[0].data_ptr(), f32[1].data_ptr(), f32[2].data_ptr(), dt_min, dt_max,
+        f32[3].data_ptr(), group_size, eps, int(norm_before_gate), int(weight_in_fp32),
+        out.data_ptr(), _is_bf16(out),
+    )  # fmt: skip
+    return None if failed else out
 
 
 def paged_decode_attention(

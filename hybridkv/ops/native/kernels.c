@@ -44,6 +44,11 @@ static inline float silu(float v) {
     return (v < 0.0f ? v * z : v) / (1.0f + z);
 }
 
+/* Work (elements touched) below which a row kernel runs on the calling thread: waking the
+ * OpenMP team costs microseconds, more than a decode step's few rows take, and on a shared
+ * machine a team waits for the thread that lost its core. */
+#define HKV_PARALLEL_MIN 32768
+
 /* bfloat16 <-> float32 (the top half of a float32's bits). */
 static inline float bf16_to_f32(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
@@ -107,8 +112,9 @@ static inline void storev(float *p, hkv_vf v) { *(hkv_vfu *)p = v; }
  * reads the segment's x, B and C again, from L2 (B and C of 256 tokens are 128 KB for N = 64).
  */
 static void scan_blocked(float *s, int init, int64_t tok0, int64_t len, int64_t h, int64_t H,
-                         int64_t P, int64_t N, int64_t G, const float *x, const float *dt,
-                         float A, const float *B, const float *C, float D, float *y) {
+                         int64_t P, int64_t N, int64_t G, const float *x, int64_t x_ts,
+                         const float *dt, float A, const float *B, const float *C,
+                         int64_t bc_ts, float D, float *y) {
     float st[HKV_SCAN_MAX_STATE] __attribute__((aligned(64)));
     float decay[HKV_SCAN_SEGMENT], step[HKV_SCAN_SEGMENT];
     const int64_t group = h / (H / G);
@@ -127,9 +133,9 @@ static void scan_blocked(float *s, int init, int64_t tok0, int64_t len, int64_t 
                 for (int j = 0; j < HKV_SCAN_ROWS; j++) v[j] = loadv(st + (n0 + j) * P + p0);
                 for (int64_t i = 0; i < count; i++) {
                     const int64_t tok = seg + i;
-                    const float *b = B + (tok * G + group) * N + n0;
-                    const float *c = C + (tok * G + group) * N + n0;
-                    const hkv_vf xv = loadv(x + (tok * H + h) * P + p0);
+                    const float *b = B + tok * bc_ts + group * N + n0;
+                    const float *c = C + tok * bc_ts + group * N + n0;
+                    const hkv_vf xv = loadv(x + tok * x_ts + h * P + p0);
                     const hkv_vf xdt = xv * step[i];
                     float *yt = y + (tok * H + h) * P + p0;
                     /* two sums: halves the chain of dependent adds */
@@ -154,17 +160,18 @@ static void scan_blocked(float *s, int init, int64_t tok0, int64_t len, int64_t 
 /* The token-by-token loop for short spans (decode steps) and shapes the blocked path does
  * not take: the state stays in its page (in L1 for the span), four rows at a time. */
 static void scan_rows(float *s, int init, int64_t tok0, int64_t len, int64_t h, int64_t H,
-                      int64_t P, int64_t N, int64_t G, const float *x, const float *dt, float A,
-                      const float *B, const float *C, float D, float *y) {
+                      int64_t P, int64_t N, int64_t G, const float *x, int64_t x_ts,
+                      const float *dt, float A, const float *B, const float *C, int64_t bc_ts,
+                      float D, float *y) {
     const int64_t group = h / (H / G);
     if (!init)
         for (int64_t i = 0; i < P * N; i++) s[i] = 0.0f;
     for (int64_t tok = tok0; tok < tok0 + len; tok++) {
         const float step = dt[tok * H + h];
         const float decay = expf(step * A);
-        const float *b = B + (tok * G + group) * N;
-        const float *c = C + (tok * G + group) * N;
-        const float *xh = x + (tok * H + h) * P;
+        const float *b = B + tok * bc_ts + group * N;
+        const float *c = C + tok * bc_ts + group * N;
+        const float *xh = x + tok * x_ts + h * P;
         float *yh = y + (tok * H + h) * P;
         int64_t p = 0;
         /* four rows at a time: four independent reductions keep the FMA units busy
@@ -215,8 +222,9 @@ static void scan_rows(float *s, int init, int64_t tok0, int64_t len, int64_t h, 
  *   for each token t of a request:
  *       h = exp(dt_t * A) * h + (dt_t * x_t) outer B_t        y_t = h . C_t + D * x_t
  *
- * Request r owns tokens starts[r] .. starts[r] + lens[r] - 1 of x: [T, H, P], dt: [T, H]
- * (softplus'd and clamped), B, C: [T, G, N]; y: [T, H, P]; A, D: [H]. Heads h of group
+ * Request r owns tokens starts[r] .. starts[r] + lens[r] - 1 of x: [T, H, P] (token t at
+ * x + t * x_ts), dt: [T, H] (softplus'd and clamped), B, C: [T, G, N] (token t at + t * bc_ts:
+ * all three may be column slices of one conv output); y: [T, H, P]; A, D: [H]. Heads h of group
  * h / (H / G) share B and C. A request without an initial state (has_initial[r] == 0) starts
  * from zeros: its page is overwritten, never read (it may hold NaN bit patterns). lens[r] == 0
  * leaves the page untouched. One task per (request, head). Spans of HKV_SCAN_LONG tokens or
@@ -229,8 +237,8 @@ static void scan_rows(float *s, int init, int64_t tok0, int64_t len, int64_t h, 
 void hkv_mamba2_scan(void *state, int64_t page_stride, int state_bf16, const int64_t *pages,
                      const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
                      int64_t R, int64_t H, int64_t P, int64_t N, int64_t G, const float *x,
-                     const float *dt, const float *A, const float *B, const float *C,
-                     const float *D, float *y) {
+                     int64_t x_ts, const float *dt, const float *A, const float *B,
+                     const float *C, int64_t bc_ts, const float *D, float *y) {
     const int blockable =
         P % HKV_LANES == 0 && N % HKV_SCAN_ROWS == 0 && P * N <= HKV_SCAN_MAX_STATE;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
@@ -247,11 +255,11 @@ void hkv_mamba2_scan(void *state, int64_t page_stride, int state_bf16, const int
                 if (has_initial[r]) load_floats(state, 1, at, size, s);
             }
             if (blockable && lens[r] >= HKV_SCAN_LONG)
-                scan_blocked(s, has_initial[r], starts[r], lens[r], h, H, P, N, G, x, dt, A[h],
-                             B, C, D[h], y);
+                scan_blocked(s, has_initial[r], starts[r], lens[r], h, H, P, N, G, x, x_ts, dt,
+                             A[h], B, C, bc_ts, D[h], y);
             else
-                scan_rows(s, has_initial[r], starts[r], lens[r], h, H, P, N, G, x, dt, A[h], B,
-                          C, D[h], y);
+                scan_rows(s, has_initial[r], starts[r], lens[r], h, H, P, N, G, x, x_ts, dt,
+                          A[h], B, C, bc_ts, D[h], y);
             if (state_bf16) {
                 uint16_t *page = (uint16_t *)state + at;
                 for (int64_t i = 0; i < size; i++) page[i] = f32_to_bf16(s[i]);
@@ -371,7 +379,9 @@ void hkv_conv1d(void *state, int64_t page_stride, int state_bf16, const int64_t 
                 int64_t R, int64_t C, int64_t K, const float *x, int64_t x_stride,
                 const float *wt, const float *bias, int act_silu, int round_bf16, float *y) {
     const int64_t hist_len = K - 1, blocks = (C + HKV_CONV_CHANNELS - 1) / HKV_CONV_CHANNELS;
-#pragma omp parallel for collapse(2) schedule(guided)
+    int64_t tokens = 0;
+    for (int64_t r = 0; r < R; r++) tokens += lens[r];
+#pragma omp parallel for collapse(2) schedule(guided) if (tokens * C * K >= HKV_PARALLEL_MIN)
     for (int64_t r = 0; r < R; r++) {
         for (int64_t blk = 0; blk < blocks; blk++) {
             if (lens[r] == 0) continue;
@@ -715,7 +725,7 @@ void hkv_gated_delta_rule(void *state, int64_t page_stride, int state_bf16,
  * out: [rows, cols] contiguous; w: [cols]. */
 void hkv_rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out,
                       int64_t rows, int64_t cols, float eps) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * cols >= HKV_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * x_stride;
         float *o = out + r * cols;
@@ -732,7 +742,7 @@ void hkv_rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *o
  * x, h, sum, out: [rows, cols] contiguous (sum may be x itself). */
 void hkv_add_rms_norm_f32(const float *x, const float *h, float mult, const float *w,
                           float *sum, float *out, int64_t rows, int64_t cols, float eps) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * cols >= HKV_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * cols, *hr = h + r * cols;
         float *sr = sum + r * cols, *o = out + r * cols;
@@ -752,7 +762,7 @@ void hkv_add_rms_norm_f32(const float *x, const float *h, float mult, const floa
 /* SwiGLU's activation: out[r][i] = silu(x[r][i]) * x[r][I + i]; x rows (gate | up) at
  * x + r * x_stride, out: [rows, I]. */
 void hkv_silu_mul_f32(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t I) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * I >= HKV_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = x + r * x_stride, *u = g + I;
         float *o = out + r * I;
@@ -770,7 +780,7 @@ void hkv_rope(const void *x, int64_t tok_stride, int64_t head_stride, const void
               const void *sin, void *out, int bf16, int64_t T, int64_t H, int64_t D,
               int64_t R) {
     const int64_t half = R / 2;
-#pragma omp parallel for schedule(static) if (T * H * D > 65536)
+#pragma omp parallel for schedule(static) if (T * H * D >= HKV_PARALLEL_MIN)
     for (int64_t t = 0; t < T; t++) {
         for (int64_t h = 0; h < H; h++) {
             const int64_t src = t * tok_stride + h * head_stride, dst = (t * H + h) * D;
@@ -808,7 +818,7 @@ void hkv_rope(const void *x, int64_t tok_stride, int64_t head_stride, const void
 void hkv_gated_rms_norm_f32(const float *x, const float *z, int64_t z_stride, const float *w,
                             float *out, int64_t rows, int64_t C, int64_t group, float eps,
                             int norm_before_gate) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * C >= HKV_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t g0 = 0; g0 < C; g0 += group) {
             const float *xr = x + r * C + g0, *zr = z + r * z_stride + g0, *wr = w + g0;
@@ -859,7 +869,7 @@ static inline void hkv_norm_row_bf16(const float *v, const float *w, uint16_t *o
 /* RMSNorm of bfloat16 rows: x rows at x + r * x_stride, out: [rows, cols] contiguous. */
 void hkv_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const float *w, uint16_t *out,
                        int64_t rows, int64_t cols, float eps, int w_fp32) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * cols >= HKV_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         float stack[HKV_ROW_STACK];
         float *v = cols <= HKV_ROW_STACK ? stack : malloc(sizeof(float) * (size_t)cols);
@@ -876,7 +886,7 @@ void hkv_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const float *w, uint
 void hkv_add_rms_norm_bf16(const uint16_t *x, const uint16_t *h, float mult, const float *w,
                            uint16_t *sum, uint16_t *out, int64_t rows, int64_t cols, float eps,
                            int w_fp32) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * cols >= HKV_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         float stack[HKV_ROW_STACK];
         float *v = cols <= HKV_ROW_STACK ? stack : malloc(sizeof(float) * (size_t)cols);
@@ -897,7 +907,7 @@ void hkv_add_rms_norm_bf16(const uint16_t *x, const uint16_t *h, float mult, con
 /* SwiGLU's activation on bfloat16 rows: out = bf16(bf16(silu(gate)) * up). */
 void hkv_silu_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t rows,
                        int64_t I) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * I >= HKV_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = x + r * x_stride, *u = g + I;
         uint16_t *o = out + r * I;
@@ -923,7 +933,7 @@ void hkv_gated_rms_norm_mixed(const void *x, int x_bf16, const void *z, int z_bf
                               int64_t rows, int64_t C, int64_t group, float eps,
                               int norm_before_gate, int w_fp32) {
     const int round_x_hat = x_bf16 && !w_fp32 && !norm_before_gate;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * C >= HKV_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         float stack[2 * HKV_ROW_STACK];
         float *v = group <= HKV_ROW_STACK ? stack : malloc(sizeof(float) * 2 * (size_t)group);
@@ -1297,3 +1307,63 @@ void hkv_mamba1_scan(void *state, int64_t page_stride, int state_bf16, const int
     free(At);
 }
 #pragma GCC pop_options
+
+/* One Mamba2 mixer between its two projections, in one call (prefill chunks and decode steps
+ * alike), from the in_proj output to out_proj's input:
+ *
+ *   zxbcdt row t:  [ z (I) | x (I) | B (G N) | C (G N) | dt (H) ]      (float32 or bfloat16)
+ *                         \________ xBC: conv_dim ________/
+ *   xBC  -> causal conv + silu (conv state in place; rounded to bf16 values when round_conv)
+ *   dt   -> clamp(softplus(dt + dt_bias), dt_min, dt_max)
+ *   x, B, C, dt -> selective scan (ssm state in place) -> y [T, I] float32
+ *   out  =  gated RMSNorm(y, z) in out's dtype (hkv_gated_rms_norm_mixed's rules)
+ *
+ * Each step is the kernel the separate ops call (hkv_conv1d, hkv_mamba2_scan,
+ * hkv_gated_rms_norm_mixed), with the same numbers; one call saves the dozens of small tensor
+ * ops and wrapper checks between them, which at batch 1 cost more than the arithmetic.
+ * Scratch (the widened xBC of a bf16 model, the conv output, dt, y) is malloc'd here.
+ * Returns 0, or -1 when scratch could not be allocated (nothing written then). */
+int hkv_mamba2_mix(const void *zx, int zx_bf16, int64_t zx_stride, void *conv_state,
+                   int64_t conv_page_stride, int conv_bf16, const float *conv_wt,
+                   const float *conv_bias, int64_t K, int round_conv, void *ssm_state,
+                   int64_t ssm_page_stride, int ssm_bf16, const int64_t *pages,
+                   const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
+                   int64_t R, int64_t T, int64_t H, int64_t P, int64_t N, int64_t G,
+                   const float *A, const float *D, const float *dt_bias, float dt_min,
+                   float dt_max, const float *norm_w, int64_t norm_group, float eps,
+                   int norm_before_gate, int w_fp32, void *out, int out_bf16) {
+    const int64_t I = H * P, conv_dim = I + 2 * G * N;
+    const size_t need = (size_t)T * (size_t)((zx_bf16 ? conv_dim : 0) + conv_dim + H + I);
+    float *scratch = malloc(sizeof(float) * (need ? need : 1));
+    if (scratch == NULL) return -1;
+    float *xin = scratch, *conv_y = xin + (zx_bf16 ? T * conv_dim : 0);
+    float *dtp = conv_y + T * conv_dim, *y = dtp + T * H;
+    /* the conv's input: xBC in place when float32, widened when bfloat16 */
+    const float *conv_in = (const float *)zx + I;
+    int64_t conv_in_stride = zx_stride;
+    if (zx_bf16) {
+        for (int64_t t = 0; t < T; t++)
+            load_floats(zx, 1, t * zx_stride + I, conv_dim, xin + t * conv_dim);
+        conv_in = xin;
+        conv_in_stride = conv_dim;
+    }
+    hkv_conv1d(conv_state, conv_page_stride, conv_bf16, pages, has_initial, starts, lens, R,
+               conv_dim, K, conv_in, conv_in_stride, conv_wt, conv_bias, 1, round_conv, conv_y);
+    for (int64_t t = 0; t < T; t++) /* softplus as PyTorch's (threshold 20), then the limits */
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t at = t * zx_stride + I + conv_dim + h;
+            const float raw = zx_bf16 ? bf16_to_f32(((const uint16_t *)zx)[at])
+                                      : ((const float *)zx)[at];
+            const float v = raw + dt_bias[h];
+            float sp = v > 20.0f ? v : log1pf(expf(v));
+            sp = sp < dt_min ? dt_min : sp;
+            dtp[t * H + h] = sp > dt_max ? dt_max : sp;
+        }
+    hkv_mamba2_scan(ssm_state, ssm_page_stride, ssm_bf16, pages, has_initial, starts, lens, R,
+                    H, P, N, G, conv_y, conv_dim, dtp, A, conv_y + I, conv_y + I + G * N,
+                    conv_dim, D, y);
+    hkv_gated_rms_norm_mixed(y, 0, zx, zx_bf16, zx_stride, norm_w, out, out_bf16, T, I,
+                             norm_group, eps, norm_before_gate, w_fp32);
+    free(scratch);
+    return 0;
+}
