@@ -20,6 +20,7 @@
  * same libgomp). Without AVX-512 a plain loop (hkv_int8_vectorized() says which was built, so
  * the caller can keep PyTorch's path instead). */
 
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -30,6 +31,8 @@
 #define I8_AVX512 0
 #endif
 
+#define I8_CHUNK_BYTES (256 * 1024) /* int8 weights per chunk when M spans several tiles */
+#define I8_M_CHUNK 32 /* rows of x (and y) per pass over the weights */
 #define I8_MB 4 /* rows of x per register tile */
 #define I8_NB 6 /* weight rows (outputs) per register tile */
 #define I8_INLINE static inline __attribute__((always_inline))
@@ -77,11 +80,20 @@ I8_INLINE __m512 i8_load_w(const int8_t *q, int64_t i, __mmask16 mask) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, q + i)));
 }
 
+/* The next block's weight rows, one cache line each, while the first rows of x run on this
+ * block: with more than one tile of rows per block the hardware prefetcher loses the weight
+ * streams (a 32000-row lm_head at M = 8 ran 5x slower than two calls of M = 4). Prefetches past
+ * the last row are harmless (they never fault). */
+#define I8_PREFETCH_NEXT(K_)                                                                 \
+    I8_UNROLL for (int j = 0; j < I8_NB; j++)                                                \
+        _mm_prefetch((const char *)(q + (n0 + I8_NB + j) * K + (K_)), _MM_HINT_T0)
+
 /* acc[i][j] += x[m0 + i, k ..] . w[j] for 16 (or `mask`) values of k */
 #define I8_STEP(MASK)                                                                        \
     do {                                                                                     \
         __m512 w[I8_NB];                                                                     \
         I8_UNROLL for (int j = 0; j < nb; j++) w[j] = i8_load_w(q, (n0 + j) * K + k, MASK);  \
+        if (first && (k & 63) == 0) I8_PREFETCH_NEXT(k);                                     \
         I8_UNROLL for (int i = 0; i < mb; i++) {                                             \
             const __m512 xv = i8_load_x(x, xbf16, (m0 + i) * ldx + k, MASK);                 \
             I8_UNROLL for (int j = 0; j < nb; j++) acc[i][j] =                               \
@@ -110,6 +122,7 @@ I8_INLINE __m512bh i8_load_x_bf16(const void *x, int64_t i, __mmask32 mask) {
         __m512bh w[I8_NB];                                                                   \
         I8_UNROLL for (int j = 0; j < nb; j++) w[j] =                                        \
             i8_load_w_bf16(q, (n0 + j) * K + k, MASK);                                       \
+        if (first && (k & 63) == 0) I8_PREFETCH_NEXT(k);                                     \
         I8_UNROLL for (int i = 0; i < mb; i++) {                                             \
             const __m512bh xv = i8_load_x_bf16(x, (m0 + i) * ldx + k, MASK);                 \
             I8_UNROLL for (int j = 0; j < nb; j++) acc[i][j] =                               \
@@ -124,7 +137,7 @@ I8_INLINE __m512bh i8_load_x_bf16(const void *x, int64_t i, __mmask32 mask) {
  * mb and nb are constants at every call, so the tile's sums stay in registers */
 I8_INLINE void i8_tile(const void *x, int64_t ldx, const int xbf16, const int8_t *q,
                        const uint16_t *scale, int64_t K, void *y, int64_t ldy, int ybf16,
-                       int64_t m0, int64_t n0, const int mb, const int nb) {
+                       int64_t m0, int64_t n0, const int mb, const int nb, const int first) {
     __m512 acc[I8_MB][I8_NB];
     I8_UNROLL for (int i = 0; i < mb; i++) I8_UNROLL for (int j = 0; j < nb; j++) acc[i][j] =
         _mm512_setzero_ps();
@@ -145,13 +158,13 @@ I8_INLINE void i8_tile(const void *x, int64_t ldx, const int xbf16, const int8_t
 }
 
 #define I8_TILE(XBF16, MB, NB)                                                               \
-    i8_tile(x, ldx, XBF16, q, scale, K, y, ldy, ybf16, m0, n, MB, NB)
+    i8_tile(x, ldx, XBF16, q, scale, K, y, ldy, ybf16, m0, n, MB, NB, m0 == m_lo)
 
 /* every mb, for one input dtype: a full block of I8_NB outputs, or the last few one by one */
 #define I8_ROWS(XBF16)                                                                       \
     do {                                                                                     \
-        for (int64_t m0 = 0; m0 < M; m0 += I8_MB) {                                          \
-            const int64_t mb = M - m0 < I8_MB ? M - m0 : I8_MB;                              \
+        for (int64_t m0 = m_lo; m0 < m_hi; m0 += I8_MB) {                                    \
+            const int64_t mb = m_hi - m0 < I8_MB ? m_hi - m0 : I8_MB;                        \
             if (nb == I8_NB) {                                                               \
                 const int64_t n = n0;                                                        \
                 switch (mb) {                                                                \
@@ -173,9 +186,10 @@ I8_INLINE void i8_tile(const void *x, int64_t ldx, const int xbf16, const int8_t
         }                                                                                    \
     } while (0)
 
+/* rows m_lo .. m_hi - 1 of y, outputs n0 .. n0 + nb - 1 */
 static void i8_block(const void *x, int64_t ldx, int xbf16, const int8_t *q,
-                     const uint16_t *scale, int64_t M, int64_t K, void *y, int64_t ldy,
-                     int ybf16, int64_t n0, int64_t nb) {
+                     const uint16_t *scale, int64_t m_lo, int64_t m_hi, int64_t K, void *y,
+                     int64_t ldy, int ybf16, int64_t n0, int64_t nb) {
     if (xbf16)
         I8_ROWS(1);
     else
@@ -185,9 +199,9 @@ static void i8_block(const void *x, int64_t ldx, int xbf16, const int8_t *q,
 #else /* no AVX-512: one output at a time */
 
 static void i8_block(const void *x, int64_t ldx, int xbf16, const int8_t *q,
-                     const uint16_t *scale, int64_t M, int64_t K, void *y, int64_t ldy,
-                     int ybf16, int64_t n0, int64_t nb) {
-    for (int64_t m = 0; m < M; m++)
+                     const uint16_t *scale, int64_t m_lo, int64_t m_hi, int64_t K, void *y,
+                     int64_t ldy, int ybf16, int64_t n0, int64_t nb) {
+    for (int64_t m = m_lo; m < m_hi; m++)
         for (int64_t n = n0; n < n0 + nb; n++) {
             float sum = 0.0f;
             for (int64_t k = 0; k < K; k++) sum += i8_load1(x, xbf16, m * ldx + k) * q[n * K + k];
@@ -200,11 +214,30 @@ static void i8_block(const void *x, int64_t ldx, int xbf16, const int8_t *q,
 void hkv_int8_linear(const void *x, int64_t ldx, int xbf16, const int8_t *q,
                      const uint16_t *scale, int64_t M, int64_t N, int64_t K, void *y,
                      int64_t ldy, int ybf16) {
-    const int64_t blocks = (N + I8_NB - 1) / I8_NB;
+    const int64_t blocks = (N + I8_NB - 1) / I8_NB; /* of I8_NB weight rows */
+    /* More than one tile of rows: the blocks go in chunks of about I8_CHUNK_BYTES of weights,
+     * each chunk's blocks once per tile of rows, so a chunk read from memory for the first
+     * tile stays in L2 for the others (at least two chunks per thread); and at most
+     * I8_M_CHUNK rows at a time, so that the rows of y being written (a power-of-two stride
+     * maps them to few cache sets) stay in cache */
+    int64_t per = M <= I8_MB ? 1 : I8_CHUNK_BYTES / (K * I8_NB);
+    const int64_t spread = (blocks + 2 * omp_get_max_threads() - 1) / (2 * omp_get_max_threads());
+    per = per > spread ? spread : per;
+    per = per < 1 ? 1 : per;
+    const int64_t chunks = (blocks + per - 1) / per;
+    for (int64_t m_c = 0; m_c < M; m_c += I8_M_CHUNK) {
+        const int64_t m_end = M - m_c < I8_M_CHUNK ? M : m_c + I8_M_CHUNK;
 #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t n0 = b * I8_NB;
-        const int64_t nb = N - n0 < I8_NB ? N - n0 : I8_NB;
-        i8_block(x, ldx, xbf16, q, scale, M, K, y, ldy, ybf16, n0, nb);
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t last = (c + 1) * per < blocks ? (c + 1) * per : blocks;
+            for (int64_t m_lo = m_c; m_lo < m_end; m_lo += I8_MB) {
+                const int64_t m_hi = m_end - m_lo < I8_MB ? m_end : m_lo + I8_MB;
+                for (int64_t b = c * per; b < last; b++) {
+                    const int64_t n0 = b * I8_NB;
+                    const int64_t nb = N - n0 < I8_NB ? N - n0 : I8_NB;
+                    i8_block(x, ldx, xbf16, q, scale, m_lo, m_hi, K, y, ldy, ybf16, n0, nb);
+                }
+            }
+        }
     }
 }
