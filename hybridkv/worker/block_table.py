@@ -86,6 +86,20 @@ class BlockTable:
 
     # -- slot mapping --------------------------------------------------------------------------
 
+    def host_table(self) -> np.ndarray | None:
+        """The table as a NumPy array sharing its memory (a CPU table), else None."""
+        return self.table.numpy() if self.device.type == "cpu" else None
+
+    def slot_mapping_host(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """`slot_mapping` of a CPU table in NumPy (tiny arrays cost microseconds there, tens
+        of microseconds as tensor ops). rows, positions: [num_tokens] int64."""
+        kbs, table = self.kernel_block_size, self.table.numpy()
+        safe_rows = np.maximum(rows, 0)
+        block_idx = np.maximum(positions, 0) // kbs
+        valid = (rows >= 0) & (positions >= 0) & (block_idx < self.num_blocks[safe_rows])
+        kb = table[safe_rows, np.where(valid, block_idx, 0)].astype(np.int64)
+        return np.where(valid, kb * kbs + positions % kbs, PAD_SLOT)
+
     def slot_mapping(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Slots for tokens given as (row, position) pairs; row -1 marks padding (slot -1).
 

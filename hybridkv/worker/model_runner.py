@@ -21,6 +21,7 @@ import importlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from hybridkv.core.managers import StateCopy
@@ -162,36 +163,38 @@ class ModelRunner:
     # -- batch ---------------------------------------------------------------------------------
 
     def build_batch(self, chunks: Sequence[ScheduledChunk]) -> ForwardBatch:
+        """The step's immutable description. The per-token index math runs in NumPy on the
+        host (a decode step's arrays are a few elements: microseconds in NumPy, tens of them as
+        tensor ops) and each array crosses to the device once."""
         dev = self.device
-        starts = torch.tensor([c.start for c in chunks], dtype=torch.int64)
-        q_lens = torch.tensor([c.num_tokens for c in chunks], dtype=torch.int64)
-        rows = torch.tensor([self.rows[c.request_id] for c in chunks], dtype=torch.int64)
-        qsl = torch.zeros(len(chunks) + 1, dtype=torch.int64)
-        torch.cumsum(q_lens, 0, out=qsl[1:])
-        ids = [t for c in chunks for t in c.token_ids]
+        starts = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
+        q_lens = np.fromiter((c.num_tokens for c in chunks), np.int64, len(chunks))
+        rows = np.fromiter((self.rows[c.request_id] for c in chunks), np.int64, len(chunks))
+        qsl = np.zeros(len(chunks) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
         num_tokens = int(qsl[-1])
         # position of every token: its request's start + its index inside the chunk
-        seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), q_lens)
-        positions = starts[seq_of_token] + torch.arange(num_tokens) - qsl[:-1][seq_of_token]
-        seq_lens = (starts + q_lens).to(torch.int32)
-        max_q = int(q_lens.max())
-        token_rows = rows[seq_of_token]
-        qsl_dev = qsl.to(dev, torch.int32)
+        seq_of_token = np.repeat(np.arange(len(chunks)), q_lens)
+        positions = starts[seq_of_token] + np.arange(num_tokens) - qsl[:-1][seq_of_token]
+        seq_lens_np = (starts + q_lens).astype(np.int32)
+        max_q, token_rows = int(q_lens.max()), rows[seq_of_token]
+        qsl_dev = _to(qsl.astype(np.int32), dev)
+        seq_lens = _to(seq_lens_np, dev)
         attention = {
             gid: AttentionMetadata(
-                block_table=table.table.index_select(0, rows.to(dev)),
-                slot_mapping=table.slot_mapping(token_rows, positions),
+                block_table=self._gather_rows(table, rows),
+                slot_mapping=self._slots(table, token_rows, positions),
                 query_start_loc=qsl_dev,
-                seq_lens=seq_lens.to(dev),
+                seq_lens=seq_lens,
                 max_query_len=max_q,
-                max_seq_len=int(seq_lens.max()),
+                max_seq_len=int(seq_lens_np.max()),
             )
             for gid, table in self.tables.items()
         }
-        has_initial_state = (starts > 0).to(dev)
+        has_initial_state = _to(starts > 0, dev)
         state = {
             gid: StateMetadata(
-                state_pages=pages.index_select(0, rows).to(dev),
+                state_pages=_to(pages.numpy()[rows], dev),
                 has_initial_state=has_initial_state,
                 query_start_loc=qsl_dev,
                 max_query_len=max_q,
@@ -199,16 +202,29 @@ class ModelRunner:
             for gid, pages in self.state_pages.items()
         }
         sampling = [i for i, c in enumerate(chunks) if c.samples]
+        ids = [t for c in chunks for t in c.token_ids]
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=positions.to(dev),
+            positions=_to(positions, dev),
             query_start_loc=qsl_dev,
-            seq_lens=seq_lens.to(dev),
+            seq_lens=seq_lens,
             max_query_len=max_q,
-            logits_indices=(qsl[1:] - 1)[sampling].to(dev),
+            logits_indices=_to((qsl[1:] - 1)[sampling], dev),
             attention=attention,
             state=state,
         )
+
+    def _gather_rows(self, table: BlockTable, rows: np.ndarray) -> torch.Tensor:
+        """[num_seqs, max_blocks] int32: the table rows of this step's requests."""
+        host = table.host_table()
+        if host is not None:
+            return torch.from_numpy(host[rows])
+        return table.table.index_select(0, torch.from_numpy(rows).to(self.device))
+
+    def _slots(self, table: BlockTable, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        if table.host_table() is not None:
+            return torch.from_numpy(table.slot_mapping_host(rows, positions))
+        return table.slot_mapping(torch.from_numpy(rows), torch.from_numpy(positions))
 
     # -- step ----------------------------------------------------------------------------------
 
@@ -247,3 +263,9 @@ class ModelRunner:
 def _load_attention_backend(group: GroupPlan) -> AttentionImpl:
     assert group.backend is not None
     return get_backend(group.backend).load()()
+
+
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor on `device` (shared memory on the CPU)."""
+    t = torch.from_numpy(np.ascontiguousarray(array))
+    return t if device.type == "cpu" else t.to(device)
