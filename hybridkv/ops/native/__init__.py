@@ -561,7 +561,7 @@ def paged_decode_attention(
 def _rows(x: torch.Tensor) -> torch.Tensor | None:
     """x as [rows, cols] with unit column stride (a view when possible), None unless float32 or
     bfloat16."""
-    if not _is_float_cpu(x):
+    if x.dtype not in FLOAT_DTYPES or x.device.type != "cpu":
         return None
     rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     return rows if rows.stride(-1) == 1 else rows.contiguous()
@@ -596,7 +596,7 @@ def rms_norm(
         lib.hkv_rms_norm_bf16(*args, int(weight_in_fp32))
     else:
         lib.hkv_rms_norm_f32(*args)
-    return out.reshape(x.shape)
+    return out if x.dim() == 2 else out.reshape(x.shape)
 
 
 def add_rms_norm(
@@ -639,7 +639,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(rows.shape[0], inter, dtype=x.dtype)
     kernel = lib.hkv_silu_mul_bf16 if x.dtype == torch.bfloat16 else lib.hkv_silu_mul_f32
     kernel(rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[0], inter)
-    return out.reshape(*x.shape[:-1], inter)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], inter)
 
 
 def rope(
