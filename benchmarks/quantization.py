@@ -18,8 +18,9 @@ Memory: the quantized linears' weight bytes before and after, the bytes freed (a
 float weight stays: the embedding looks it up), and the model's parameter + buffer bytes.
 
 Speed (`--skip-speed`): output tokens/s for 64 prompt + 64 new tokens at batch 1 and batch 8
-(greedy, EOS ignored, prefix caching off; median of `--repeat` runs after a warm-up), each
-configuration in a fresh process; int8 with the lm_head int8 (the default) and float.
+(greedy, EOS ignored, prefix caching off): `--rounds` sweeps over every configuration, each run
+in a fresh process (the median of `--repeat` timed runs after a warm-up), the median over the
+sweeps; int8 with the lm_head int8 (the default) and float.
 
 Accuracy and speed run with `--threads` intra-op threads (OMP_NUM_THREADS: the engine does not
 adapt them, so float sums keep their order from run to run; default 1, because on a shared
@@ -35,7 +36,7 @@ its float32 path is a scalar loop, shown at M = 1 and 8 only), and dequantize + 
 The machine is shared: the load average is printed before and after; read ratios, not
 absolutes.
 
-    python benchmarks/quantization.py [--models default 100m] [--threads 1] [--repeat 3]
+    python benchmarks/quantization.py [--models default 100m] [--threads 1] [--rounds 3]
         [--skip-accuracy] [--skip-speed] [--skip-gemm] [--json]
 """
 
@@ -202,31 +203,41 @@ def speed_child(job: dict) -> None:
     print("RESULT " + json.dumps({"seconds": seconds}), flush=True)
 
 
-def speed(name: str, folder: Path | None, threads: int, repeat: int) -> list[dict]:
+def speed(name: str, folder: Path | None, threads: int, repeat: int, rounds: int) -> list[dict]:
+    """Tokens/s of every precision and batch: `rounds` sweeps over all of them, a fresh
+    process per run, the median over the sweeps (a neighbour's burst hits one sweep's run of
+    one configuration, not all of one configuration's runs)."""
+    from hybridkv.engine import DEFAULT_MODEL
     from hybridkv.kv.presets import load_model_config
     from hybridkv.models.registry import family_config
 
     path = None if folder is None else str(folder)
-    from hybridkv.engine import DEFAULT_MODEL
-
     vocab = family_config(load_model_config(path or str(DEFAULT_MODEL))).vocab_size
+    seconds: dict[tuple[str, int], list[float]] = {}
+    for _ in range(rounds):
+        for precision, (dtype, quantization, head) in PRECISIONS.items():
+            for batch in SPEED_BATCHES:
+                job = {"model": path, "dtype": dtype, "quantization": quantization,
+                       "lm_head_int8": head, "batch": batch, "repeat": repeat,
+                       "vocab": vocab}  # fmt: skip
+                env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--child", json.dumps(job)],
+                    capture_output=True, text=True, env=env, timeout=900,
+                )  # fmt: skip
+                line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                if proc.returncode or not line:
+                    raise RuntimeError(f"{precision} batch {batch} failed: {proc.stderr[-500:]}")
+                seconds.setdefault((precision, batch), []).append(
+                    json.loads(line[0][7:])["seconds"]
+                )
     rows = []
-    for precision, (dtype, quantization, head) in PRECISIONS.items():
-        row = {"model": name, "precision": precision}
+    for precision in PRECISIONS:
+        row: dict = {"model": name, "precision": precision}
         for batch in SPEED_BATCHES:
-            job = {"model": path, "dtype": dtype, "quantization": quantization,
-                   "lm_head_int8": head, "batch": batch, "repeat": repeat,
-                   "vocab": vocab}  # fmt: skip
-            env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-            proc = subprocess.run(
-                [sys.executable, __file__, "--child", json.dumps(job)],
-                capture_output=True, text=True, env=env, timeout=900,
-            )  # fmt: skip
-            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            if proc.returncode or not line:
-                raise RuntimeError(f"{precision} batch {batch} failed: {proc.stderr[-500:]}")
-            seconds = json.loads(line[0][7:])["seconds"]
-            row[f"batch{batch}_tok_s"] = batch * SPEED_NEW / seconds
+            row[f"batch{batch}_tok_s"] = (
+                batch * SPEED_NEW / statistics.median(seconds[(precision, batch)])
+            )
         rows.append(row)
     return rows
 
@@ -341,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         "a second thread waits for a busy CPU at every op)",
     )  # fmt: skip
     parser.add_argument("--gemm-threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=2, help="timed runs per process")
+    parser.add_argument("--rounds", type=int, default=3, help="sweeps over the configurations")
     parser.add_argument("--skip-accuracy", action="store_true")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-gemm", action="store_true")
@@ -405,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_speed:
             rows = []
             for name, folder in folders.items():
-                rows += speed(name, folder, args.threads, args.repeat)
+                rows += speed(name, folder, args.threads, args.repeat, args.rounds)
             for row in rows:
                 base = next(r for r in rows if r["model"] == row["model"] and
                             r["precision"] == "fp32")  # fmt: skip

@@ -276,6 +276,8 @@ def _load_engine(args: argparse.Namespace):
         file=sys.stderr,
         flush=True,
     )
+    if getattr(engine, "quantization", None) is not None:
+        print(engine.quantization.summary(), file=sys.stderr, flush=True)
     return engine
 
 

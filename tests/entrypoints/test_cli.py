@@ -113,8 +113,10 @@ def test_bench(capsys, tiny_model_dir):
 
 def test_generate_and_bench_int8(capsys, tiny_model_dir):
     argv = ["--model", str(tiny_model_dir), "--quantization", "int8", "--dtype", "float32"]
-    code, out, _ = run(capsys, "generate", *argv, "--prompt", "t1 t2", "--max-tokens", "4")
+    code, out, err = run(capsys, "generate", *argv, "--prompt", "t1 t2", "--max-tokens", "4")
     assert code == 0 and out.startswith("t1 t2")
+    # 2 Mamba2 x 2 + 2 attention x 4 + 4 shared MLPs x 2 + the head; the 4 routers stay float
+    assert "int8: 21 linears quantized" in err and "4 kept float" in err
     code, out, _ = run(capsys, "bench", *argv, "--requests", "2", "--new-tokens", "3",
                        "--min-prompt", "4", "--max-prompt", "9", "--json")  # fmt: skip
     assert code == 0 and json.loads(out)[0]["output_tokens"] == 6
