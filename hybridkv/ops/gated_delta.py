@@ -40,6 +40,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from hybridkv.ops.derived import derived
 from hybridkv.ops.mamba2 import _ChunkLayout as ChunkLayout
 from hybridkv.ops.mamba2 import _exp_decay, _split_by_length
 
@@ -55,7 +56,8 @@ def gdn_gates(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """a, b: [T, Hv] -> g = -exp(A_log) * softplus(a + dt_bias) (the log decay, <= 0) and
     beta = sigmoid(b), both float32 [T, Hv]."""
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    decay_rate = derived(A_log, "neg_exp_f32", lambda t: -torch.exp(t.float()))  # [Hv]
+    g = decay_rate * F.softplus(a.float() + derived(dt_bias, "f32", torch.Tensor.float))
     return g, b.float().sigmoid()
 
 

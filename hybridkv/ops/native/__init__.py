@@ -191,6 +191,7 @@ Spans = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 # made in inference mode (no version counter) and never written after.
 _SPANS_KEPT = 64
 _recent_spans: dict[tuple[int, ...], tuple[tuple[torch.Tensor, ...], tuple[int, ...], Spans]] = {}
+_span_bounds: dict[tuple[int, ...], tuple[int, int, int, int]] = {}  # by the same keys
 
 
 def _spans(
@@ -213,8 +214,37 @@ def _spans(
     )
     if len(_recent_spans) >= _SPANS_KEPT:
         _recent_spans.clear()  # (last steps' metadata: let it go)
+        _span_bounds.clear()
     _recent_spans[key] = (inputs, versions, spans)
+    _span_bounds.pop(key, None)
     return spans
+
+
+def _spans_inside(
+    state_pages: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_pages: int,
+    num_tokens: int,
+) -> bool:
+    """Whether every request's page lies in [0, num_pages) and its tokens in [0, num_tokens)
+    (a kernel would read and write out of bounds otherwise). Reduced once per metadata, as
+    `_spans` converts it; a kernel call then compares four ints."""
+    pages, _, starts, lens = _spans(state_pages, has_initial_state, query_start_loc)
+    key = tuple(id(t) for t in (state_pages, has_initial_state, query_start_loc))
+    bounds = _span_bounds.get(key)
+    if bounds is None:
+        if pages.shape[0] != lens.shape[0]:
+            return False
+        empty = pages.numel() == 0
+        bounds = (
+            0 if empty else int(pages.min()), -1 if empty else int(pages.max()),
+            0 if empty else int(lens.min()), 0 if empty else int((starts + lens).max()),
+        )  # fmt: skip
+        if key in _recent_spans:
+            _span_bounds[key] = bounds
+    page_min, page_max, len_min, end_max = bounds
+    return page_min >= 0 and page_max < num_pages and len_min >= 0 and end_max <= num_tokens
 
 
 def mamba2_scan(
@@ -306,13 +336,9 @@ def gated_delta_rule(
     if state.stride()[1:] != (dim_k * dim_v, dim_v, 1):
         return None
     o = torch.empty(tokens, heads_v, dim_v, dtype=torch.float32)
+    if not _spans_inside(state_pages, has_initial_state, query_start_loc, state.shape[0], tokens):
+        return None  # (pages and tokens must lie inside the state, q, k, v and o)
     pages, has, starts, lens = _spans(state_pages, has_initial_state, query_start_loc)
-    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= state.shape[0]):
-        return None  # (a page out of range would be read and written out of bounds)
-    if pages.shape[0] != lens.shape[0]:
-        return None
-    if lens.numel() and (int(lens.min()) < 0 or int((starts + lens).max()) > tokens):
-        return None  # (nor may a request's tokens lie outside q, k, v and o)
     if tokens == 0 or pages.numel() == 0:
         return o
     q, k, v = _head_rows(q), _head_rows(k), _head_rows(v)
@@ -383,13 +409,11 @@ def mamba1_scan(
         return None  # (a vector of another size would be read out of bounds)
     if ssm_state.shape[1:] != (channels, d_state) or ssm_state.stride()[1:] != (d_state, 1):
         return None
+    if not _spans_inside(
+        state_pages, has_initial_state, query_start_loc, ssm_state.shape[0], tokens
+    ):
+        return None  # (pages and tokens must lie inside the state, x and y)
     pages, has, starts, lens = _spans(state_pages, has_initial_state, query_start_loc)
-    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= ssm_state.shape[0]):
-        return None  # (a page out of range would be read and written out of bounds)
-    if pages.shape[0] != lens.shape[0]:
-        return None
-    if lens.numel() and (int(lens.min()) < 0 or int((starts + lens).max()) > tokens):
-        return None  # (nor may a request's tokens lie outside x and y)
     y = torch.zeros(tokens, channels, dtype=torch.float32)
     if tokens == 0 or pages.numel() == 0 or channels == 0:
         return y

@@ -69,16 +69,11 @@ def kda_rule(
         return None
     tokens, heads, dim_k = q.shape
     dim_v = v.shape[2]
-    bounds = query_start_loc.to(torch.int64)
-    pages = state_pages.to(torch.int64).contiguous()
-    has = has_initial_state.to(torch.uint8).contiguous()
-    starts, lens = bounds[:-1].contiguous(), (bounds[1:] - bounds[:-1]).contiguous()
-    if pages.shape[0] != lens.shape[0]:
-        return None
-    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= state.shape[0]):
-        return None  # a page out of range would be read and written out of bounds
-    if lens.numel() and (int(lens.min()) < 0 or int((starts + lens).max()) > tokens):
-        return None  # nor may a request's tokens lie outside q, k, v and o
+    if not native._spans_inside(
+        state_pages, has_initial_state, query_start_loc, state.shape[0], tokens
+    ):
+        return None  # pages and tokens must lie inside the state, q, k, v and o
+    pages, has, starts, lens = native._spans(state_pages, has_initial_state, query_start_loc)
     o = torch.empty(tokens, heads, dim_v, dtype=torch.float32)
     if tokens == 0 or pages.numel() == 0:
         return o
