@@ -38,6 +38,8 @@ def write_kv_cache(
     k, v: [num_tokens, kv_heads, head_dim]; slot_mapping: [num_tokens] int64
     kv_cache: [num_kernel_blocks, 2, kernel_block_size, kv_heads, head_dim]
     """
+    if native.write_kv_cache(k, v, kv_cache, slot_mapping):  # one pass on the CPU
+        return
     kbs = kv_cache.shape[2]
     valid = slot_mapping >= 0
     if not bool(valid.all()):

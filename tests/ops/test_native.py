@@ -326,3 +326,27 @@ def test_rope_is_the_pytorch_rotation(dtype, rotary_dim, monkeypatch):
             assert torch.equal(a, b)
         else:
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_puts_every_row_where_the_pytorch_path_does(dtype, monkeypatch):
+    """k and v as column slices of one fused projection (strided tokens), padding slots (-1)
+    skipped, NaN elsewhere untouched: the cache equals the PyTorch path's, bit for bit."""
+    from hybridkv.ops.attention import write_kv_cache
+
+    g = torch.Generator().manual_seed(2)
+    fused = torch.randn(6, 3 * 2 * 4 + 5, generator=g).to(dtype)  # [T, q | k | v | ...]
+    k, v = fused[:, 8:16].view(6, 2, 4), fused[:, 16:24].view(6, 2, 4)
+    slots = torch.tensor([5, -1, 0, 11, 7, -1])
+    caches = []
+    for native_on in ("1", "0"):
+        monkeypatch.setenv("HYBRIDKV_NATIVE", native_on)
+        cache = torch.full((4, 2, 3, 2, 4), float("nan"), dtype=dtype)
+        write_kv_cache(k, v, cache, slots)
+        caches.append(cache)
+    monkeypatch.setenv("HYBRIDKV_NATIVE", "1")
+    assert native.write_kv_cache(k, v, caches[0].clone(), slots)  # the kernel takes these
+    assert torch.equal(caches[0].isnan(), caches[1].isnan())
+    assert torch.equal(caches[0].nan_to_num(), caches[1].nan_to_num())
+    assert (~caches[0].isnan()).sum() == 4 * 2 * 2 * 4  # four slots, K and V, 2 heads of 4

@@ -73,6 +73,7 @@ _SIGNATURES = {
     "hkv_mamba2_mix": [_ptr, _int, _i64, _ptr, _i64, _int, _ptr, _ptr, _i64, _int, _ptr, _i64,
                        _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr,
                        _ptr, _ptr, _f32, _f32, _ptr, _i64, _f32, _int, _int, _ptr, _int],
+    "hkv_write_kv": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
     "hkv_argmax_f32": [_ptr, _i64, _i64, _i64, _ptr],
     "hkv_gated_delta_rule": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
                              _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr,
@@ -539,6 +540,35 @@ def mamba2_mix(
         out.data_ptr(), _is_bf16(out),
     )  # fmt: skip
     return None if failed else out
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> bool:
+    """`ops.attention.write_kv_cache` in one pass: k, v [T, kv_heads, head_dim] (each token's
+    heads contiguous, tokens at any stride) of the cache's dtype (float32 or bfloat16);
+    kv_cache [num_kernel_blocks, 2, kbs, kv_heads, head_dim] contiguous; slot_mapping [T]
+    int64. False (nothing written) when not supported."""
+    lib = library()
+    if lib is None or k.dtype not in FLOAT_DTYPES or not k.dtype == v.dtype == kv_cache.dtype:
+        return False
+    if k.device.type != "cpu" or v.device.type != "cpu" or kv_cache.device.type != "cpu":
+        return False
+    if k.dim() != 3 or k.shape != v.shape or k.shape[1:] != kv_cache.shape[3:]:
+        return False
+    heads, dim = k.shape[1:]
+    if k.stride()[1:] != (dim, 1) or v.stride()[1:] != (dim, 1) or not kv_cache.is_contiguous():
+        return False
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (k.shape[0],):
+        return False
+    slots = slot_mapping.contiguous()
+    kbs = kv_cache.shape[2]
+    lib.hkv_write_kv(
+        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), kv_cache.data_ptr(),
+        slots.data_ptr(), k.shape[0], kbs, heads * dim, k.element_size(),
+        kv_cache.shape[0] * kbs,
+    )  # fmt: skip
+    return True
 
 
 def paged_decode_attention(

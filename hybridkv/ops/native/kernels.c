@@ -269,6 +269,25 @@ void hkv_mamba2_scan(void *state, int64_t page_stride, int state_bf16, const int
     }
 }
 
+/* New keys and values into their cache slots (slot -1: padding, skipped):
+ *   cache: [num_kernel_blocks, 2, kbs, row] (K at 0, V at 1), row = kv_heads * head_dim
+ *   slot s -> kernel block s / kbs, offset s % kbs
+ * k, v: token t's row at + t * k_stride / v_stride (elements; the row contiguous), of the
+ * cache's element size (elem: 2 or 4 bytes); slots beyond num_slots are skipped too. */
+void hkv_write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *cache,
+                  const int64_t *slots, int64_t T, int64_t kbs, int64_t row, int64_t elem,
+                  int64_t num_slots) {
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t s = slots[t];
+        if (s < 0 || s >= num_slots) continue;
+        const int64_t at = ((s / kbs) * 2 * kbs + s % kbs) * row;
+        char *base = (char *)cache;
+        memcpy(base + at * elem, (const char *)k + t * k_stride * elem, (size_t)(row * elem));
+        memcpy(base + (at + kbs * row) * elem, (const char *)v + t * v_stride * elem,
+               (size_t)(row * elem));
+    }
+}
+
 /* Decode attention of S requests (one query each) straight from the paged cache.
  *
  *   cache: [num_kernel_blocks, 2, kbs, KVH, Dh] (K at 0, V at 1)
