@@ -7,12 +7,26 @@ batch sizes (M = 64: 1.6-1.9x). Accumulation stays float32 (error ~1e-6 relative
 
 Parameters are shared, not copied, so names, state dicts and tied weights are unchanged; the
 packed weight is an extra, non-persistent tensor. Anything unsupported keeps `nn.Linear`.
+
+bfloat16 weights at small batches (x of up to `bf16_linear.SMALL_M` rows: decode steps) run on
+the native kernel instead (`hybridkv/ops/native/bf16_linear.c`: the weight itself, unpacked,
+streamed once per call with AVX512-BF16 pair products; float32 sums rounded once, as oneDNN's).
+A decode step's linears are bound by streaming their weights, and oneDNN's packed bf16 linear
+streams them at 60-75% of a plain read at M = 1 and further below at M = 8, where the kernel
+reaches 85-100% (benchmarks/README.md, "bf16 linear for small batches"). The choice is by the
+number of rows alone; without the kernel (`HYBRIDKV_NATIVE=0`, no compiler, a CPU without
+AVX512-BF16) every call stays on oneDNN. float32 weights always take oneDNN, which streams them
+at a plain read's speed already.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+
+from hybridkv.ops.native import bf16_linear as native_bf16
 
 _OPS = getattr(torch.ops, "mkldnn", None)
 
@@ -30,6 +44,7 @@ class PackedLinear(nn.Linear):
     """An `nn.Linear` whose forward runs oneDNN on a pre-packed copy of its weight."""
 
     packed_weight: torch.Tensor
+    small_kernel: Any  # the native bf16 kernel for x of up to SMALL_M rows, or None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> PackedLinear:
@@ -44,14 +59,24 @@ class PackedLinear(nn.Linear):
         """Re-pack after the weight changed (weights are packed once, after loading)."""
         with torch.no_grad():
             self.packed_weight = _OPS._reorder_linear_weight(self.weight.detach(), None)
+        weight = self.weight.detach()
+        bias = None if self.bias is None else self.bias.detach()
+        fits = weight.dtype == torch.bfloat16 and native_bf16.weight_fits(weight, bias)
+        self.small_kernel = native_bf16.kernel() if fits else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]; the engine's activations are [T, in] already
-        if x.dim() == 2:
-            return _OPS._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        flat = x.reshape(-1, self.in_features)
-        out = _OPS._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], self.out_features)
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if (
+            self.small_kernel is not None
+            and flat.shape[0] <= native_bf16.SMALL_M
+            and flat.dtype == torch.bfloat16
+            and not torch.is_grad_enabled()  # the kernel records no autograd graph
+        ):
+            out = native_bf16.run(self.small_kernel, flat, self.weight, self.bias)
+        else:
+            out = _OPS._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
 
 def prepack_linears(model: nn.Module) -> int:
