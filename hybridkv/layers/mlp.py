@@ -9,6 +9,7 @@ from torch import nn
 from hybridkv.distributed.parallel import column, current, declare_shards, rank0_bias
 from hybridkv.ops import native
 from hybridkv.ops.derived import derived
+from hybridkv.ops.native import bf16_linear as native_bf16
 from hybridkv.ops.norm import add_rms_norm, rms_norm
 
 
@@ -61,10 +62,11 @@ def gated_experts(
         pairs   (t0,e2) (t0,e0) (t1,e0) (t1,e1) ...  -> order ->  e0 e0 | e1 | e2 ...
         tokens  the token of each sorted pair; counts[e] pairs per expert
 
-    Few pairs per expert (decode): one bmm over all experts, each group padded to the busiest
-    (rows of a zero token), and the weighted rows go back to their tokens in one index_add_;
-    many (prefill): per expert hit, gather its rows, two GEMMs, add them back. Either way a
-    token's outputs are added in expert order.
+    Few pairs per expert (decode): in bfloat16 on the CPU, per expert hit the native small-batch
+    kernel (its weights streamed once); otherwise one bmm over all experts, each group padded to
+    the busiest (rows of a zero token), and the weighted rows go back to their tokens in one
+    index_add_. Many (prefill): per expert hit, gather its rows, two GEMMs, add them back.
+    Either way a token's outputs are added in expert order.
     """
     num_experts, k = gate_up.shape[0], experts.shape[1]
     flat = experts.reshape(-1)  # [T * k]
@@ -74,9 +76,12 @@ def gated_experts(
     counts = torch.bincount(flat, minlength=num_experts)
     busiest = int(counts.max()) if flat.numel() else 0
     out = torch.zeros_like(x)
-    if 0 < busiest <= BATCHED_EXPERT_ROWS and num_experts * busiest <= 2 * flat.numel():
+    small = busiest <= native_bf16.SMALL_M and _small_kernel_fits(x, gate_up, down)
+    batched = 0 < busiest <= BATCHED_EXPERT_ROWS and num_experts * busiest <= 2 * flat.numel()
+    if batched and not small:
         ys = _experts_batched(x, tokens, counts, busiest, gate_up, down)  # [T * k, H]
         return out.index_add_(0, tokens, ys * pair_weights)
+    linear = native_bf16.bf16_linear if small else F.linear
     start = 0
     for expert, count in enumerate(counts.tolist()):
         if count == 0:
@@ -84,9 +89,19 @@ def gated_experts(
         rows = slice(start, start + count)
         start += count
         # gathered per expert, so a group's rows stay in cache through both GEMMs
-        h = silu_and_mul(F.linear(x[tokens[rows]], gate_up[expert]))  # [count, I]
-        out.index_add_(0, tokens[rows], F.linear(h, down[expert]) * pair_weights[rows])
+        h = silu_and_mul(linear(x[tokens[rows]], gate_up[expert]))  # [count, I]
+        out.index_add_(0, tokens[rows], linear(h, down[expert]) * pair_weights[rows])
     return out
+
+
+def _small_kernel_fits(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether the experts' GEMMs of a few rows each take the native bf16 kernel (which streams
+    each expert's weights once, where a bmm of padded groups runs far below that)."""
+    return (
+        x.dtype == torch.bfloat16 and gate_up.dtype == down.dtype == torch.bfloat16
+        and gate_up.is_contiguous() and down.is_contiguous() and x.device.type == "cpu"
+        and not torch.is_grad_enabled() and native_bf16.kernel() is not None
+    )  # fmt: skip
 
 
 def _experts_batched(

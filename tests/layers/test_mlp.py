@@ -92,3 +92,29 @@ def test_gated_experts_batched_and_looped_paths_agree(monkeypatch):
     monkeypatch.setattr(mlp, "BATCHED_EXPERT_ROWS", 0)
     looped = mlp.gated_experts(x, experts, weights, gate_up, down)
     torch.testing.assert_close(batched, looped, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 24, 300])  # decode (native small kernel) and prefill
+def test_gated_experts_bf16_match_the_reference(tokens, monkeypatch):
+    """bfloat16 experts (the native small-batch kernel for few rows per expert, where it
+    exists) stay within bfloat16 rounding of the float64 per-token reference."""
+    from hybridkv.layers import mlp
+
+    calls = []
+    kernel = mlp.native_bf16.bf16_linear
+    monkeypatch.setattr(mlp.native_bf16, "bf16_linear", lambda *a: calls.append(1) or kernel(*a))
+
+    g = torch.Generator().manual_seed(tokens)
+    hidden, inter, num_experts = 48, 16, 8
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=g) / 4).bfloat16()
+    down = (torch.randn(num_experts, hidden, inter, generator=g) / 4).bfloat16()
+    weights, experts = torch.rand(tokens, num_experts, generator=g).topk(2, dim=-1)
+    with torch.inference_mode():
+        out = mlp.gated_experts(x, experts, weights.bfloat16(), gate_up, down)
+    expected = _expert_reference(x, experts, weights.bfloat16().double(), gate_up, down)
+    assert out.dtype == torch.bfloat16
+    if mlp.native_bf16.kernel() is not None:  # a CPU with AVX512-BF16: decodes take it
+        assert bool(calls) == (tokens <= 24)
+    scale = expected.abs().max()
+    assert (out.double() - expected).abs().max() <= 0.03 * scale
