@@ -96,10 +96,20 @@ def make_family(folder: Path, hf_model, vocab: int) -> Family:
 
 
 def check_case(family: Family, case: Case, **engine_kwargs: Any) -> None:
+    """One conformance case; `engine_kwargs` override the case's (tensor_parallel_size=2 runs
+    it over two ranks, which are stopped at the end whatever happens)."""
     engine = Engine(str(family.folder), dtype="float32", **{**case.kwargs, **engine_kwargs})
-    if case.expect_preemption and not engine.plan.attention_groups:
-        check_small_state_pool(family, case, len(engine.plan.groups), **engine_kwargs)
-        return
+    try:
+        if case.expect_preemption and not engine.plan.attention_groups:
+            engine.shutdown()
+            check_small_state_pool(family, case, len(engine.plan.groups), **engine_kwargs)
+            return
+        _check_engine(family, case, engine)
+    finally:
+        engine.shutdown()
+
+
+def _check_engine(family: Family, case: Case, engine: Engine) -> None:
     if case.shared_prefix:
         first = engine_greedy(engine, family.shared[:3], NEW_TOKENS)
         assert first == family.shared_ref[:3]
