@@ -177,3 +177,16 @@ def test_greedy_matches_transformers(family: Family, case: Case, monkeypatch) ->
     for name, value in case.env.items():
         monkeypatch.setenv(name, value)
     check_case(family, case)
+
+
+@pytest.mark.parametrize("blocks_per_page", [1, 2, 3])
+def test_kernel_blocks_of_64(family: Family, blocks_per_page: int) -> None:
+    """Kernel blocks of 64 tokens (the size FlashMLA takes) with pages of one, two and three of
+    them, on this machine's backend: the prompts and answers span several kernel blocks."""
+    engine = Engine(
+        str(family.folder), dtype="float32", kernel_block_size=64, page_tokens=64 * blocks_per_page
+    )
+    groups = engine.plan.attention_groups
+    assert {(g.kernel_block_size, g.blocks_per_page) for g in groups} == {(64, blocks_per_page)}
+    new = NEW_TOKENS // 2
+    assert engine_greedy(engine, family.plain, new) == [t[:new] for t in family.plain_ref]

@@ -20,7 +20,12 @@ from hybridkv.engine import Engine
 from hybridkv.kv.specs import ConfigError, MLASpec
 from hybridkv.models.deepseek_v3 import DeepseekV3Config
 
-from .conformance import check_prefill_logits, family, test_greedy_matches_transformers  # noqa: F401
+from .conformance import (  # noqa: F401
+    check_prefill_logits,
+    family,
+    test_greedy_matches_transformers,
+    test_kernel_blocks_of_64,
+)
 from .utils import (
     check_bf16_as_close_as_transformers,
     engine_greedy,

@@ -19,7 +19,12 @@ from hybridkv.kv.specs import kda_state
 from hybridkv.models.kimi_linear import KimiLinearConfig
 from hybridkv.ops import native
 
-from .conformance import check_prefill_logits, family, test_greedy_matches_transformers  # noqa: F401
+from .conformance import (  # noqa: F401
+    check_prefill_logits,
+    family,
+    test_greedy_matches_transformers,
+    test_kernel_blocks_of_64,
+)
 from .utils import (
     check_bf16_as_close_as_transformers,
     check_config_errors,
