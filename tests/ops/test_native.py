@@ -3,6 +3,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hybridkv.ops import native
 from hybridkv.ops.mamba2 import ssd_step
@@ -193,6 +194,37 @@ def test_conv1d_bf16_state_and_input_is_the_float32_conv_rounded():
     assert y.dtype == torch.float32 and torch.equal(y, ref)
     assert torch.equal(state[pages], wide[pages].bfloat16())
     assert state[[0, 2, 3]].isnan().all()
+
+
+@needs_compiler
+@pytest.mark.parametrize("k", [2, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv1d_long_chunks_wide_rows_against_float64(k: int, dtype: torch.dtype):
+    """Requests longer than a task's run of tokens (tasks split them), single-token requests
+    (the one-pass decode of d_conv 4), requests shorter than the history, mixed initial
+    states; 600 channels (a bfloat16 page is widened 512 at a time); rows strided."""
+    g = torch.Generator().manual_seed(k)
+    C, lens, has_list = 600, [40, 1, 2, 1, 17, 1], [True, True, True, False, False, True]
+    S, T = len(lens), sum(lens)
+    state = torch.full((9, C, k - 1), float("nan"), dtype=dtype)
+    pages = torch.tensor([7, 0, 3, 5, 2, 8])
+    state[pages] = torch.randn(S, C, k - 1, generator=g).to(dtype)
+    x = torch.randn(T, C + 5, generator=g).to(dtype)[:, 3 : 3 + C]
+    weight, bias = torch.randn(C, k, generator=g), torch.randn(C, generator=g)
+    has = torch.tensor(has_list)
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    old = state.double()
+    y = native.conv1d(x, weight, bias, state, pages, has, qsl, silu=True)
+    for s in range(S):
+        hist = old[pages[s]] if has[s] else torch.zeros(C, k - 1, dtype=torch.float64)
+        window = torch.cat([hist, x[qsl[s] : qsl[s + 1]].double().t()], dim=1)  # [C, k-1+L]
+        ref = torch.stack([(window[:, t : t + k] * weight.double()).sum(-1) for t in
+                           range(lens[s])]) + bias.double()  # fmt: skip
+        torch.testing.assert_close(y[qsl[s] : qsl[s + 1]].double(), F.silu(ref), rtol=1e-5,
+                                   atol=1e-5)  # fmt: skip
+        assert torch.equal(state[pages[s]].double(), window[:, -(k - 1) :].to(dtype).double())
+    untouched = [p for p in range(9) if p not in pages.tolist()]
+    assert state[untouched].isnan().all()
 
 
 @needs_compiler  # without the library every call declines: nothing to test

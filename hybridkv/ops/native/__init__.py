@@ -56,8 +56,8 @@ _SIGNATURES = {
     # argument types in the C order; `# fmt: skip` keeps them one list per kernel
     "hkv_mamba2_scan": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
                         _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
-    "hkv_conv1d": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr,
-                   _ptr, _int, _int, _ptr],
+    "hkv_conv1d": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _int,
+                   _ptr, _ptr, _int, _int, _ptr],
     "hkv_paged_decode": [_ptr, _ptr, _int, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64,
                              _f32, _ptr, _ptr],
     "hkv_rms_norm_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32],
@@ -82,7 +82,7 @@ _SIGNATURES = {
                         _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr,
                         _ptr, _ptr],
 }  # fmt: skip
-_RESTYPES = {"hkv_mamba2_mix": _int}  # the others return nothing
+_RESTYPES = {"hkv_mamba2_mix": _int, "hkv_conv1d": _int}  # the others return nothing
 
 
 def declare(signatures: dict[str, list]) -> None:
@@ -455,7 +455,7 @@ def conv1d(
     when `silu` (else no activation), its float32 results rounded to bfloat16 values when
     `round_bf16`; None when the kernels or these tensors are not supported.
 
-    x: [T, C] (rows may be strided; float32 or bfloat16, widened here); weight: [C, K]; bias:
+    x: [T, C] (rows may be strided; float32 or bfloat16, read in place); weight: [C, K]; bias:
     [C] or None; conv_state:
     [num_pages, C, K - 1] float32 or bfloat16 (page-strided, each page contiguous); state_pages,
     has_initial_state: [S]; query_start_loc: [S + 1] -> y [T, C] float32.
@@ -467,18 +467,21 @@ def conv1d(
     channels, width = weight.shape
     if width - 1 > CONV_MAX_HISTORY or conv_state.stride()[1:] != (width - 1, 1):
         return None
-    x = _f32_rows(x)  # bfloat16 inputs are widened here; the state stays in its dtype
+    if x.stride(-1) != 1:
+        x = x.contiguous()  # rows may be strided; float32 or bfloat16 rows are read in place
     # [K, C]: a tap's weights contiguous across channels (kept with the weight)
     wt = derived(weight, "conv_taps_f32", lambda w: w.t().float().contiguous())
     bias = None if bias is None else derived(bias, "f32", _contiguous_f32)
     pages, has, starts, lens = _spans(state_pages, has_initial_state, query_start_loc)
     y = torch.empty(x.shape, dtype=torch.float32)
-    lib.hkv_conv1d(
+    failed = lib.hkv_conv1d(
         conv_state.data_ptr(), conv_state.stride(0), _is_bf16(conv_state), pages.data_ptr(),
         has.data_ptr(), starts.data_ptr(), lens.data_ptr(), pages.shape[0], channels, width,
-        x.data_ptr(), x.stride(0), wt.data_ptr(), None if bias is None else bias.data_ptr(),
-        int(silu), int(round_bf16), y.data_ptr(),
+        x.data_ptr(), x.stride(0), _is_bf16(x), wt.data_ptr(),
+        None if bias is None else bias.data_ptr(), int(silu), int(round_bf16), y.data_ptr(),
     )  # fmt: skip
+    if failed:
+        raise MemoryError("the native conv1d could not allocate its work space")
     return y
 
 

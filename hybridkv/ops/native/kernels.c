@@ -376,78 +376,261 @@ void hkv_paged_decode(const void *q, const void *cache, int bf16, int64_t kbs, i
 }
 
 #define HKV_CONV_MAX_HISTORY 8 /* K - 1 columns kept per channel; d_conv is 4 in practice */
-#define HKV_CONV_CHANNELS 64   /* channels per task: a vector-friendly block */
+#define HKV_CONV_TOKENS 16      /* tokens per task: whole rows, read and written in order */
+
+/* The conv's input row i of a request (i < 0: from its history), float32 or bfloat16. */
+struct conv_src {
+    const void *x;
+    int64_t x_stride;
+    int x_bf16;
+    const float *hist; /* [hist_len][C] float32: the inputs before the request's first token */
+    int64_t hist_len, C, first;
+};
+
+static inline const void *conv_row(const struct conv_src *s, int64_t i, int *bf16) {
+    if (i < 0) {
+        *bf16 = 0;
+        return s->hist + (s->hist_len + i) * s->C;
+    }
+    *bf16 = s->x_bf16;
+    const int64_t at = (s->first + i) * s->x_stride;
+    return s->x_bf16 ? (const void *)((const uint16_t *)s->x + at)
+                     : (const void *)((const float *)s->x + at);
+}
+
+/* y[c] += w[c] * in[c] over a row, in float32 or bfloat16 */
+static inline void conv_tap(float *restrict y, const float *restrict w, const void *in,
+                            int in_bf16, int64_t C) {
+    if (in_bf16) {
+        const uint16_t *v = in;
+#pragma omp simd
+        for (int64_t c = 0; c < C; c++) y[c] += w[c] * bf16_to_f32(v[c]);
+    } else {
+        const float *v = in;
+#pragma omp simd
+        for (int64_t c = 0; c < C; c++) y[c] += w[c] * v[c];
+    }
+}
+
+/* Output row i of a request with d_conv 4 and every input in x (i >= 3): the four taps summed
+ * in registers, one pass over the row (the common case: every prefill token but a request's
+ * first three). */
+static inline void conv_row4(float *restrict y, const float *restrict wt, const float *bias,
+                             const struct conv_src *s, int64_t i) {
+    const int64_t C = s->C, st = s->x_stride;
+    if (s->x_bf16) {
+        const uint16_t *x3 = (const uint16_t *)s->x + (s->first + i) * st;
+        const uint16_t *x0 = x3 - 3 * st, *x1 = x3 - 2 * st, *x2 = x3 - st;
+#pragma omp simd
+        for (int64_t c = 0; c < C; c++)
+            y[c] = (bias != NULL ? bias[c] : 0.0f) + wt[c] * bf16_to_f32(x0[c])
+                   + wt[C + c] * bf16_to_f32(x1[c]) + wt[2 * C + c] * bf16_to_f32(x2[c])
+                   + wt[3 * C + c] * bf16_to_f32(x3[c]);
+    } else {
+        const float *x3 = (const float *)s->x + (s->first + i) * st;
+        const float *x0 = x3 - 3 * st, *x1 = x3 - 2 * st, *x2 = x3 - st;
+#pragma omp simd
+        for (int64_t c = 0; c < C; c++)
+            y[c] = (bias != NULL ? bias[c] : 0.0f) + wt[c] * x0[c] + wt[C + c] * x1[c]
+                   + wt[2 * C + c] * x2[c] + wt[3 * C + c] * x3[c];
+    }
+}
+
+#define HKV_CONV_DECODE_BLOCK 512 /* channels of a bfloat16 page widened at a time */
+
+/* conv_decode4 on float32 columns st [n][3] of channels c0 .. c0 + n - 1 */
+static inline void conv_decode4_f32(float *restrict st, int has, const struct conv_src *s,
+                                    int64_t c0, int64_t n, const float *wt, const float *bias,
+                                    float *restrict y) {
+    const int64_t C = s->C;
+    int bf16;
+    const void *in = conv_row(s, 0, &bf16);
+    const float *w0 = wt + c0, *w1 = w0 + C, *w2 = w1 + C, *w3 = w2 + C;
+    const float *b = bias != NULL ? bias + c0 : NULL;
+    const uint16_t *x16 = (const uint16_t *)in + c0;
+    const float *x32 = (const float *)in + c0;
+    if (!has)
+        for (int64_t i = 0; i < 3 * n; i++) st[i] = 0.0f;
+#pragma omp simd
+    for (int64_t c = 0; c < n; c++) {
+        const float xv = bf16 ? bf16_to_f32(x16[c]) : x32[c];
+        const float s0 = st[3 * c], s1 = st[3 * c + 1], s2 = st[3 * c + 2];
+        y[c0 + c] = (b != NULL ? b[c] : 0.0f) + w0[c] * s0 + w1[c] * s1 + w2[c] * s2
+                    + w3[c] * xv;
+        st[3 * c] = s1;
+        st[3 * c + 1] = s2;
+        st[3 * c + 2] = xv;
+    }
+}
+
+/* A decode step of d_conv 4 (one token, page read and written once): per channel c the page
+ * holds the last three inputs s0 s1 s2 (oldest first); y = b + w0 s0 + w1 s1 + w2 s2 + w3 x,
+ * and the page becomes s1 s2 x. Without an initial state the s are zeros (page not read). A
+ * bfloat16 page is widened a block of channels at a time (contiguous, so both conversions
+ * vectorise), updated as float32 and rounded back. */
+static void conv_decode4(void *state, int state_bf16, int64_t page, int has,
+                         const struct conv_src *s, const float *wt, const float *bias,
+                         float *restrict y) {
+    const int64_t C = s->C;
+    if (!state_bf16) {
+        conv_decode4_f32((float *)state + page, has, s, 0, C, wt, bias, y);
+        return;
+    }
+    float buf[3 * HKV_CONV_DECODE_BLOCK];
+    for (int64_t c0 = 0; c0 < C; c0 += HKV_CONV_DECODE_BLOCK) {
+        const int64_t n = C - c0 < HKV_CONV_DECODE_BLOCK ? C - c0 : HKV_CONV_DECODE_BLOCK;
+        uint16_t *st = (uint16_t *)state + page + 3 * c0;
+        if (has) load_floats(st, 1, 0, 3 * n, buf);
+        conv_decode4_f32(buf, has, s, c0, n, wt, bias, y);
+#pragma omp simd
+        for (int64_t i = 0; i < 3 * n; i++) st[i] = f32_to_bf16(buf[i]);
+    }
+}
+
+/* A request's K - 1 inputs before its first token as rows [hist_len][C] (zeros without an
+ * initial state: the page is not read), from its channel-major page [C][hist_len]. */
+static void conv_history(const void *state, int state_bf16, int64_t page, int has,
+                         int64_t C, int64_t hist_len, float *hist) {
+    if (!has) {
+        memset(hist, 0, sizeof(float) * (size_t)(hist_len * C));
+        return;
+    }
+    for (int64_t c = 0; c < C; c++)
+        for (int64_t j = 0; j < hist_len; j++) {
+            const int64_t at = page + c * hist_len + j;
+            hist[j * C + c] = state_bf16 ? bf16_to_f32(((const uint16_t *)state)[at])
+                                         : ((const float *)state)[at];
+        }
+}
+
+/* An output row through silu (act_silu) and rounded to bfloat16 values (round_bf16: the
+ * bfloat16 model's value, kept as float32 for the scan). */
+static inline void conv_finish(float *yt, int64_t C, int act_silu, int round_bf16) {
+    if (act_silu) {
+#pragma omp simd
+        for (int64_t c = 0; c < C; c++) yt[c] = silu(yt[c]);
+    }
+    if (round_bf16)
+#pragma omp simd
+        for (int64_t c = 0; c < C; c++) yt[c] = bf16_to_f32(f32_to_bf16(yt[c]));
+}
+
+/* Rows a .. b - 1 of one request's output (one task). */
+static void conv_task(const struct conv_src *s, int64_t K, int64_t a, int64_t b,
+                      const float *wt, const float *bias, int act_silu, int round_bf16,
+                      float *y) {
+    const int64_t C = s->C;
+    for (int64_t i = a; i < b; i++) {
+        float *yt = y + (s->first + i) * C;
+        if (K == 4 && i >= 3) {
+            conv_row4(yt, wt, bias, s, i);
+        } else {
+            for (int64_t c = 0; c < C; c++) yt[c] = bias != NULL ? bias[c] : 0.0f;
+            for (int64_t j = 0; j < K; j++) { /* tap j reads input i - (K - 1) + j */
+                int bf16;
+                const void *in = conv_row(s, i - (K - 1) + j, &bf16);
+                conv_tap(yt, wt + j * C, in, bf16, C);
+            }
+        }
+        conv_finish(yt, C, act_silu, round_bf16);
+    }
+}
+
+/* The request's page after its len tokens: its last K - 1 inputs, channel-major (old columns
+ * shifted in when len < K - 1: column j takes old column j + len, read before it is
+ * overwritten as j ascends). */
+static void conv_new_state(void *state, int state_bf16, int64_t page, const struct conv_src *s,
+                           int64_t len) {
+    const int64_t C = s->C, hist_len = s->hist_len;
+    for (int64_t j = 0; j < hist_len; j++) {
+        int bf16;
+        const void *in = conv_row(s, len - hist_len + j, &bf16);
+        for (int64_t c = 0; c < C; c++) {
+            const float v = bf16 ? bf16_to_f32(((const uint16_t *)in)[c]) : ((const float *)in)[c];
+            const int64_t at = page + c * hist_len + j;
+            if (state_bf16)
+                ((uint16_t *)state)[at] = f32_to_bf16(v);
+            else
+                ((float *)state)[at] = v;
+        }
+    }
+}
 
 /* Causal conv1d of R packed requests (any number of tokens each: prefill chunks and
  * decode steps alike), state in place.
  *
- * Request r owns tokens starts[r] .. starts[r] + lens[r] - 1; x row t at x + t * x_stride;
- * wt: the weight transposed, [K, C]; bias: [C] or NULL; y: [T, C] float32, through silu when
- * act_silu (else no activation), rounded to bfloat16 values when round_bf16 (what a bf16
- * model's conv gives, without a bf16 tensor to widen again).
+ * Request r owns tokens starts[r] .. starts[r] + lens[r] - 1; x row t at x + t * x_stride,
+ * float32 or (x_bf16) bfloat16; wt: the weight transposed, [K, C]; bias: [C] or NULL; y: [T, C]
+ * float32, through silu when act_silu (else no activation), rounded to bfloat16 values when
+ * round_bf16 (what a bf16 model's conv gives, without a bf16 tensor to widen again).
  * A request without an initial state (has_initial[r] == 0) starts from zero columns (its page is
  * never read: it may hold NaN bit patterns). After its tokens, its page holds its last K - 1
  * inputs (old columns shifted in when it had fewer than K - 1 tokens); lens[r] == 0 leaves the
- * page untouched. The state is float32 or (state_bf16) bfloat16; x, weights and math are
- * float32. One task per (request, block of 64 channels), vectorised across channels, reading
- * each input row in place (no shifting window: 2.6x faster on a prefill chunk); guided
- * scheduling, as a decode step has thousands of tiny tasks (dynamic, 1 was 1.7x slower).
+ * page untouched. The state is float32 or (state_bf16) bfloat16; the math is float32.
+ *
+ * Tasks are (request, run of HKV_CONV_TOKENS tokens) over whole rows: x and y are read and
+ * written in order. (Tasks of 64 channels walking all of a request's tokens read 256 bytes per
+ * row at the row stride: every access a new page and the same few L1 sets, 5-8x slower on a
+ * 2048-token chunk.) The histories are gathered from the pages first, the outputs computed in
+ * parallel, then the pages written, so no task reads a page another has written.
+ * Returns 0, or -1 when the history buffer could not be allocated (nothing written then).
  */
-void hkv_conv1d(void *state, int64_t page_stride, int state_bf16, const int64_t *pages,
-                const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
-                int64_t R, int64_t C, int64_t K, const float *x, int64_t x_stride,
-                const float *wt, const float *bias, int act_silu, int round_bf16, float *y) {
-    const int64_t hist_len = K - 1, blocks = (C + HKV_CONV_CHANNELS - 1) / HKV_CONV_CHANNELS;
-    int64_t tokens = 0;
-    for (int64_t r = 0; r < R; r++) tokens += lens[r];
-#pragma omp parallel for collapse(2) schedule(guided) if (tokens * C * K >= HKV_PARALLEL_MIN)
+int hkv_conv1d(void *state, int64_t page_stride, int state_bf16, const int64_t *pages,
+                   const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
+                   int64_t R, int64_t C, int64_t K, const void *x, int64_t x_stride, int x_bf16,
+                   const float *wt, const float *bias, int act_silu, int round_bf16, float *y) {
+    const int64_t hist_len = K - 1;
+    int64_t tokens = 0, tasks = 0;
     for (int64_t r = 0; r < R; r++) {
-        for (int64_t blk = 0; blk < blocks; blk++) {
-            if (lens[r] == 0) continue;
-            const int64_t c0 = blk * HKV_CONV_CHANNELS;
-            const int64_t nc = C - c0 < HKV_CONV_CHANNELS ? C - c0 : HKV_CONV_CHANNELS;
-            const int64_t page = pages[r] * page_stride;
-            const int64_t first = starts[r], len = lens[r];
-            /* hist[j][c]: the input hist_len - j steps before the first token, oldest first */
-            float hist[HKV_CONV_MAX_HISTORY][HKV_CONV_CHANNELS];
-            for (int64_t j = 0; j < hist_len; j++)
-                for (int64_t c = 0; c < nc; c++) {
-                    const int64_t at = page + (c0 + c) * hist_len + j;
-                    hist[j][c] = !has_initial[r] ? 0.0f
-                                 : state_bf16    ? bf16_to_f32(((const uint16_t *)state)[at])
-                                                 : ((const float *)state)[at];
-                }
-            /* input i of the request (i < 0: from the old state), 64 channels from c0 */
-#define HKV_CONV_INPUT(i) ((i) >= 0 ? x + (first + (i)) * x_stride + c0 : hist[hist_len + (i)])
-            for (int64_t i = 0; i < len; i++) {
-                float *yt = y + (first + i) * C + c0;
-                for (int64_t c = 0; c < nc; c++) yt[c] = bias != NULL ? bias[c0 + c] : 0.0f;
-                for (int64_t j = 0; j < K; j++) { /* tap j reads input i - (K - 1) + j */
-                    const float *in = HKV_CONV_INPUT(i - hist_len + j), *w = wt + j * C + c0;
-#pragma omp simd
-                    for (int64_t c = 0; c < nc; c++) yt[c] += w[c] * in[c];
-                }
-                if (act_silu) {
-#pragma omp simd
-                    for (int64_t c = 0; c < nc; c++) yt[c] = silu(yt[c]);
-                }
-                if (round_bf16) /* the bfloat16 model's value, kept as float32 for the scan */
-                    for (int64_t c = 0; c < nc; c++) yt[c] = bf16_to_f32(f32_to_bf16(yt[c]));
+        tokens += lens[r];
+        tasks += (lens[r] + HKV_CONV_TOKENS - 1) / HKV_CONV_TOKENS;
+    }
+    float *hist = malloc(sizeof(float) * (size_t)(R * hist_len * C + 1));
+    int64_t *task_at = malloc(sizeof(int64_t) * (size_t)(2 * tasks + 1));
+    if (hist == NULL || task_at == NULL) {
+        free(hist);
+        free(task_at);
+        return -1;
+    }
+    for (int64_t r = 0, n = 0; r < R; r++) /* task n: request task_at[2n], first row [2n+1] */
+        for (int64_t a = 0; a < lens[r]; a += HKV_CONV_TOKENS, n++) {
+            task_at[2 * n] = r;
+            task_at[2 * n + 1] = a;
+        }
+    const int parallel = tokens * C * K >= HKV_PARALLEL_MIN;
+    const int decode4 = K == 4; /* one-token requests of d_conv 4: conv_decode4 */
+#pragma omp parallel if (parallel)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; r++)
+            if (lens[r] > 0 && !(decode4 && lens[r] == 1))
+                conv_history(state, state_bf16, pages[r] * page_stride, has_initial[r], C,
+                             hist_len, hist + r * hist_len * C);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t n = 0; n < tasks; n++) {
+            const int64_t r = task_at[2 * n], a = task_at[2 * n + 1];
+            const int64_t b = a + HKV_CONV_TOKENS < lens[r] ? a + HKV_CONV_TOKENS : lens[r];
+            const struct conv_src s = {x, x_stride, x_bf16, hist + r * hist_len * C,
+                                       hist_len, C, starts[r]};
+            if (decode4 && lens[r] == 1) { /* the output, then the page, in one pass */
+                conv_decode4(state, state_bf16, pages[r] * page_stride, has_initial[r], &s, wt,
+                             bias, y + starts[r] * C);
+                conv_finish(y + starts[r] * C, C, act_silu, round_bf16);
+            } else {
+                conv_task(&s, K, a, b, wt, bias, act_silu, round_bf16, y);
             }
-            /* the new state: the last K - 1 inputs (old columns when len < K - 1) */
-            for (int64_t j = 0; j < hist_len; j++) {
-                const float *in = HKV_CONV_INPUT(len - hist_len + j);
-                for (int64_t c = 0; c < nc; c++) {
-                    const int64_t at = page + (c0 + c) * hist_len + j;
-                    if (state_bf16)
-                        ((uint16_t *)state)[at] = f32_to_bf16(in[c]);
-                    else
-                        ((float *)state)[at] = in[c];
-                }
-            }
-#undef HKV_CONV_INPUT
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; r++) {
+            if (lens[r] == 0 || (decode4 && lens[r] == 1)) continue; /* written above */
+            const struct conv_src s = {x, x_stride, x_bf16, hist + r * hist_len * C,
+                                       hist_len, C, starts[r]};
+            conv_new_state(state, state_bf16, pages[r] * page_stride, &s, lens[r]);
         }
     }
+    free(hist);
+    free(task_at);
+    return 0;
 }
 
 /* ---- The gated delta rule (Qwen3-Next, Qwen3.5 linear attention), state in place.
@@ -1340,7 +1523,7 @@ void hkv_mamba1_scan(void *state, int64_t page_stride, int state_bf16, const int
  * Each step is the kernel the separate ops call (hkv_conv1d, hkv_mamba2_scan,
  * hkv_gated_rms_norm_mixed), with the same numbers; one call saves the dozens of small tensor
  * ops and wrapper checks between them, which at batch 1 cost more than the arithmetic.
- * Scratch (the widened xBC of a bf16 model, the conv output, dt, y) is malloc'd here.
+ * Scratch (the conv output, dt, y) is malloc'd here; the conv reads a bf16 xBC in place.
  * Returns 0, or -1 when scratch could not be allocated (nothing written then). */
 int hkv_mamba2_mix(const void *zx, int zx_bf16, int64_t zx_stride, void *conv_state,
                    int64_t conv_page_stride, int conv_bf16, const float *conv_wt,
@@ -1352,22 +1535,19 @@ int hkv_mamba2_mix(const void *zx, int zx_bf16, int64_t zx_stride, void *conv_st
                    float dt_max, const float *norm_w, int64_t norm_group, float eps,
                    int norm_before_gate, int w_fp32, void *out, int out_bf16) {
     const int64_t I = H * P, conv_dim = I + 2 * G * N;
-    const size_t need = (size_t)T * (size_t)((zx_bf16 ? conv_dim : 0) + conv_dim + H + I);
+    const size_t need = (size_t)T * (size_t)(conv_dim + H + I);
     float *scratch = malloc(sizeof(float) * (need ? need : 1));
     if (scratch == NULL) return -1;
-    float *xin = scratch, *conv_y = xin + (zx_bf16 ? T * conv_dim : 0);
-    float *dtp = conv_y + T * conv_dim, *y = dtp + T * H;
-    /* the conv's input: xBC in place when float32, widened when bfloat16 */
-    const float *conv_in = (const float *)zx + I;
-    int64_t conv_in_stride = zx_stride;
-    if (zx_bf16) {
-        for (int64_t t = 0; t < T; t++)
-            load_floats(zx, 1, t * zx_stride + I, conv_dim, xin + t * conv_dim);
-        conv_in = xin;
-        conv_in_stride = conv_dim;
+    float *conv_y = scratch, *dtp = conv_y + T * conv_dim, *y = dtp + T * H;
+    /* the conv reads xBC in place, float32 or bfloat16 */
+    const void *conv_in = zx_bf16 ? (const void *)((const uint16_t *)zx + I)
+                                  : (const void *)((const float *)zx + I);
+    if (hkv_conv1d(conv_state, conv_page_stride, conv_bf16, pages, has_initial, starts, lens,
+                       R, conv_dim, K, conv_in, zx_stride, zx_bf16, conv_wt, conv_bias, 1,
+                       round_conv, conv_y)) {
+        free(scratch);
+        return -1;
     }
-    hkv_conv1d(conv_state, conv_page_stride, conv_bf16, pages, has_initial, starts, lens, R,
-               conv_dim, K, conv_in, conv_in_stride, conv_wt, conv_bias, 1, round_conv, conv_y);
     for (int64_t t = 0; t < T; t++) /* softplus as PyTorch's (threshold 20), then the limits */
         for (int64_t h = 0; h < H; h++) {
             const int64_t at = t * zx_stride + I + conv_dim + h;
