@@ -94,6 +94,29 @@ typedef float hkv_vfu __attribute__((vector_size(HKV_LANES * 4), aligned(4)));
 
 static inline hkv_vf loadv(const float *p) { return *(const hkv_vfu *)p; }
 static inline void storev(float *p, hkv_vf v) { *(hkv_vfu *)p = v; }
+typedef uint16_t hkv_vh __attribute__((vector_size(HKV_LANES * 2), aligned(2)));
+typedef uint32_t hkv_vu __attribute__((vector_size(HKV_LANES * 4)));
+
+/* HKV_LANES bfloat16 numbers at p as float32. */
+static inline hkv_vf m1_load_bf16(const uint16_t *p) {
+    const hkv_vu bits = __builtin_convertvector(*(const hkv_vh *)p, hkv_vu) << 16;
+    return (hkv_vf)bits;
+}
+
+/* The sum of v's lanes (a tree of shuffles). */
+static inline float hsum(hkv_vf v) {
+#if HKV_LANES == 16
+    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+#else
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+#endif
+    return v[0];
+}
 
 #define HKV_SCAN_SEGMENT 256      /* tokens whose decays are computed at once */
 #define HKV_SCAN_MAX_STATE 16384  /* P * N floats of the transposed copy (64 KB) */
@@ -288,6 +311,77 @@ void hkv_write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stri
     }
 }
 
+/* Cache element offset of position pos's row (all KV heads) in a request's kernel blocks. */
+static inline int64_t decode_row_at(const int32_t *table, int64_t pos, int64_t kbs,
+                                    int64_t row) {
+    return ((int64_t)table[pos / kbs] * 2 * kbs + pos % kbs) * row;
+}
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast") /* the passes' multiply-adds as FMAs */
+
+/* Pass 1 in vectors: scores[h][t] = q_h . k_t * scale, one vector sum per head (a register:
+ * an array of the group's sums lived on the stack, 3x slower), the key chunks re-read from L1
+ * for each head of their group, one horizontal sum per (head, token). qs: [H][Dh] float32. */
+static void decode_scores_vec(const float *qs, const void *cache, int bf16, int64_t kbs,
+                              int64_t KVH, int64_t Dh, int64_t group, const int32_t *table,
+                              int64_t t0, int64_t len, float scale, float *scores) {
+    const int64_t row = KVH * Dh, H = KVH * group;
+    for (int64_t t = 0; t < len; t++) {
+        const int64_t at = decode_row_at(table, t0 + t, kbs, row);
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t off = at + (h / group) * Dh;
+            const float *qh = qs + h * Dh;
+            hkv_vf acc = {0};
+            if (bf16) {
+                const uint16_t *k = (const uint16_t *)cache + off;
+                for (int64_t d = 0; d < Dh; d += HKV_LANES)
+                    acc += loadv(qh + d) * m1_load_bf16(k + d);
+            } else {
+                const float *k = (const float *)cache + off;
+                for (int64_t d = 0; d < Dh; d += HKV_LANES) acc += loadv(qh + d) * loadv(k + d);
+            }
+            scores[h * len + t] = hsum(acc) * scale;
+        }
+    }
+}
+
+#define HKV_DECODE_HEADS 4 /* query heads of a group summed in registers together */
+
+/* Pass 2 in vectors: out_h = sum_t p_h[t] * v_t, one HKV_LANES chunk of the head dim at a time
+ * over all tokens with up to HKV_DECODE_HEADS heads of a group in registers (the value chunk
+ * loaded, and widened, once for them); the sums are stored once. os: [H][Dh]. */
+static void decode_values_vec(const float *scores, const void *cache, int bf16, int64_t kbs,
+                              int64_t KVH, int64_t Dh, int64_t group, const int32_t *table,
+                              int64_t t0, int64_t len, float *os) {
+    const int64_t row = KVH * Dh, half = kbs * row;
+    for (int64_t g = 0; g < KVH; g++)
+        for (int64_t j0 = 0; j0 < group; j0 += HKV_DECODE_HEADS) {
+            const int64_t nj = group - j0 < HKV_DECODE_HEADS ? group - j0 : HKV_DECODE_HEADS;
+            const float *p0 = scores + (g * group + j0) * len, *p1 = p0 + len;
+            const float *p2 = p1 + len, *p3 = p2 + len;
+            for (int64_t d = 0; d < Dh; d += HKV_LANES) {
+                hkv_vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                for (int64_t t = 0; t < len; t++) {
+                    const int64_t off = decode_row_at(table, t0 + t, kbs, row) + half + g * Dh + d;
+                    const hkv_vf v = bf16 ? m1_load_bf16((const uint16_t *)cache + off)
+                                          : loadv((const float *)cache + off);
+                    a0 += p0[t] * v;
+                    if (nj > 1) a1 += p1[t] * v;
+                    if (nj > 2) a2 += p2[t] * v;
+                    if (nj > 3) a3 += p3[t] * v;
+                }
+                float *o = os + (g * group + j0) * Dh + d;
+                storev(o, a0);
+                if (nj > 1) storev(o + Dh, a1);
+                if (nj > 2) storev(o + 2 * Dh, a2);
+                if (nj > 3) storev(o + 3 * Dh, a3);
+            }
+        }
+}
+
+#pragma GCC pop_options
+
 /* Decode attention of S requests (one query each) straight from the paged cache.
  *
  *   cache: [num_kernel_blocks, 2, kbs, KVH, Dh] (K at 0, V at 1)
@@ -302,7 +396,8 @@ void hkv_write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stri
  * stride over the other heads' bytes.
  * sinks: [H] or NULL (gpt-oss): one more logit per head in the softmax denominator, no value.
  * q and the cache are float32, or both bfloat16 (bf16: widened as read; the math and out are
- * float32 either way).
+ * float32 either way). Head dims that are a multiple of HKV_LANES take the vector passes
+ * (decode_scores_vec, decode_values_vec); others the loops below.
  */
 void hkv_paged_decode(const void *q, const void *cache, int bf16, int64_t kbs, int64_t KVH,
                       int64_t Dh, int64_t H, const int32_t *block_table, int64_t table_stride,
@@ -333,8 +428,12 @@ void hkv_paged_decode(const void *q, const void *cache, int bf16, int64_t kbs, i
              (const float *)kw)                                                               \
           : (const float *)cache + ((int64_t)table[(pos) / kbs] * 2 * kbs + (pos) % kbs) * row \
                 + (part))
+        const int vec = Dh % HKV_LANES == 0;
+        if (vec)
+            decode_scores_vec(qs, cache, bf16, kbs, KVH, Dh, group, table, t0, len, scale,
+                              scores);
         /* pass 1: scores[h][t] = q_h . k_t * scale (a token's row holds every KV head) */
-        for (int64_t t = 0; t < len; t++) {
+        for (int64_t t = 0; t < len && !vec; t++) {
             const float *k = HKV_TOKEN_ROW(t0 + t, 0);
             for (int64_t h = 0; h < H; h++) {
                 const float *qh = qs + h * Dh, *kh = k + (h / group) * Dh;
@@ -359,8 +458,10 @@ void hkv_paged_decode(const void *q, const void *cache, int bf16, int64_t kbs, i
             const float inv = 1.0f / total;
             for (int64_t t = 0; t < len; t++) sh[t] *= inv;
         }
+        if (vec)
+            decode_values_vec(scores, cache, bf16, kbs, KVH, Dh, group, table, t0, len, os);
         /* pass 2: out_h = sum_t p_h[t] * v_t */
-        for (int64_t t = 0; t < len; t++) {
+        for (int64_t t = 0; t < len && !vec; t++) {
             const float *v = HKV_TOKEN_ROW(t0 + t, half);
             for (int64_t h = 0; h < H; h++) {
                 const float p = scores[h * len + t];
@@ -1247,8 +1348,6 @@ static inline void m1_load(const void *x, int bf16, int64_t i, int64_t n, float 
  * compilers copy element-wise. */
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
 #define HKV_M1_TILES 1
-typedef uint16_t hkv_vh __attribute__((vector_size(HKV_LANES * 2), aligned(2)));
-typedef uint32_t hkv_vu __attribute__((vector_size(HKV_LANES * 4)));
 #define M1_LO(j, b) (((j) & (b)) ? HKV_LANES + (j) - (b) : (j))
 #define M1_HI(j, b) (((j) & (b)) ? HKV_LANES + (j) : (j) + (b))
 #if HKV_LANES == 16
@@ -1275,11 +1374,6 @@ static inline void m1_transpose_tile(hkv_vf *r) {
 #endif
 }
 
-/* HKV_LANES bfloat16 numbers at p as float32. */
-static inline hkv_vf m1_load_bf16(const uint16_t *p) {
-    const hkv_vu bits = __builtin_convertvector(*(const hkv_vh *)p, hkv_vu) << 16;
-    return (hkv_vf)bits;
-}
 
 /* v rounded to bfloat16 at p, as f32_to_bf16 (NaN -> 0x7fc0). */
 static inline void m1_store_bf16(uint16_t *p, hkv_vf v) {
