@@ -17,7 +17,6 @@ Block mode and chunked prefill are in the family tests of the two other files.""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.distributed import test_tensor_parallel as dense
 from tests.distributed import test_tp_mla as mla
@@ -36,13 +35,7 @@ FAMILIES = {
 SETTINGS = {case.name: case for case in CASES if case.name in ("multi-turn-page", "preempt")}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread per process: both ranks share this machine's cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+one_thread = state.one_thread  # one intra-op thread per process (autouse)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

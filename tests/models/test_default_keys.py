@@ -25,20 +25,10 @@ def nemotron_h():
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     return NemotronHForCausalLM, NemotronHConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        hybrid_override_pattern="M*M-",
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=48,
-        mamba_num_heads=8,
-        mamba_head_dim=16,
-        ssm_state_size=8,
-        chunk_size=16,
-        time_step_min=0.05,
-        initializer_range=0.1,
-        max_position_embeddings=512,
+        vocab_size=VOCAB, hidden_size=64, hybrid_override_pattern="M*M-", num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=48, mamba_num_heads=8,
+        mamba_head_dim=16, ssm_state_size=8, chunk_size=16, time_step_min=0.05,
+        initializer_range=0.1, max_position_embeddings=512,
     )  # fmt: skip  (n_groups: the default 8)
 
 
@@ -46,13 +36,8 @@ def qwen3():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     return Qwen3ForCausalLM, Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.1,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
         max_position_embeddings=512,
     )  # fmt: skip  (head_dim: the default 128)
 
@@ -61,19 +46,10 @@ def granite():
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     return GraniteMoeHybridForCausalLM, GraniteMoeHybridConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=32,
-        shared_intermediate_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        layer_types=["mamba", "attention", "mamba"],
-        mamba_n_heads=8,
-        mamba_d_state=8,
-        mamba_chunk_size=16,
-        initializer_range=0.1,
-        max_position_embeddings=512,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, shared_intermediate_size=48,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["mamba", "attention", "mamba"], mamba_n_heads=8, mamba_d_state=8,
+        mamba_chunk_size=16, initializer_range=0.1, max_position_embeddings=512,
     )  # fmt: skip  (num_local_experts: the default 8; mamba_d_head: "auto")
 
 
@@ -81,17 +57,9 @@ def bamba():
     from transformers import BambaConfig, BambaForCausalLM
 
     return BambaForCausalLM, BambaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        attn_layer_indices=[1],
-        mamba_n_heads=8,
-        mamba_d_state=8,
-        mamba_chunk_size=16,
-        initializer_range=0.1,
-        max_position_embeddings=512,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=8, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_state=8,
+        mamba_chunk_size=16, initializer_range=0.1, max_position_embeddings=512,
     )  # fmt: skip  (num_key_value_heads: the default 8)
 
 
@@ -99,13 +67,8 @@ def llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaForCausalLM, LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        initializer_range=0.1,
-        max_position_embeddings=512,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, initializer_range=0.1, max_position_embeddings=512,
     )  # fmt: skip  (num_key_value_heads: None, so the heads)
 
 
@@ -113,17 +76,9 @@ def qwen3_next():
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     return Qwen3NextForCausalLM, Qwen3NextConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        intermediate_size=48,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-        initializer_range=0.1,
-        max_position_embeddings=512,
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        intermediate_size=48, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, initializer_range=0.1, max_position_embeddings=512,
     )  # fmt: skip  (head_dim 256, 16 key / 32 value heads of 128, partial rotary 0.25)
 
 

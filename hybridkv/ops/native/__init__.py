@@ -177,12 +177,6 @@ def _contiguous_f32(t: torch.Tensor) -> torch.Tensor:
     return t.float().contiguous()
 
 
-def _f32_rows(x: torch.Tensor) -> torch.Tensor:
-    """A 2-D tensor as float32 rows with unit column stride (a view when it already is)."""
-    x = x.float()
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 Spans = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 # Step metadata `_spans` converted recently, by the ids of its three tensors: every state layer
 # of a group gets the same three tensors in a step, so the conversion runs once per group and
