@@ -197,12 +197,13 @@ def test_conv1d_bf16_state_and_input_is_the_float32_conv_rounded():
 
 
 @needs_compiler
-@pytest.mark.parametrize("k", [2, 4, 5])
+@pytest.mark.parametrize("k", [2, 3, 4, 5, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv1d_long_chunks_wide_rows_against_float64(k: int, dtype: torch.dtype):
     """Requests longer than a task's run of tokens (tasks split them), single-token requests
-    (the one-pass decode of d_conv 4), requests shorter than the history, mixed initial
-    states; 600 channels (a bfloat16 page is widened 512 at a time); rows strided."""
+    (the one-pass decode of d_conv 2..5; 6 takes the general path), requests shorter than the
+    history, mixed initial states; 600 channels (a bfloat16 page is widened 512 at a time);
+    rows strided."""
     g = torch.Generator().manual_seed(k)
     C, lens, has_list = 600, [40, 1, 2, 1, 17, 1], [True, True, True, False, False, True]
     S, T = len(lens), sum(lens)

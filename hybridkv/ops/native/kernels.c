@@ -92,6 +92,8 @@ static inline void load_floats(const void *x, int bf16, int64_t i, int64_t n, fl
 typedef float hkv_vf __attribute__((vector_size(HKV_LANES * 4)));
 typedef float hkv_vfu __attribute__((vector_size(HKV_LANES * 4), aligned(4)));
 
+#define HKV_INLINE static inline __attribute__((always_inline))
+
 static inline hkv_vf loadv(const float *p) { return *(const hkv_vfu *)p; }
 static inline void storev(float *p, hkv_vf v) { *(hkv_vfu *)p = v; }
 typedef uint16_t hkv_vh __attribute__((vector_size(HKV_LANES * 2), aligned(2)));
@@ -538,9 +540,45 @@ static inline void conv_row4(float *restrict y, const float *restrict wt, const 
 }
 
 #define HKV_CONV_DECODE_BLOCK 512 /* channels of a bfloat16 page widened at a time */
+#define HKV_CONV_DECODE_MAX 5      /* d_conv up to which a decode step takes conv_decode */
 
-/* conv_decode4 on float32 columns st [n][3] of channels c0 .. c0 + n - 1 */
-static inline void conv_decode4_f32(float *restrict st, int has, const struct conv_src *s,
+/* conv_decode on float32 columns st [n][hl] of channels c0 .. c0 + n - 1; hl = d_conv - 1 is a
+ * constant where this is inlined (its loops unrolled, so the channel loop vectorises). */
+HKV_INLINE void conv_decode_cols(const int64_t hl, float *restrict st, int has,
+                                 const struct conv_src *s, int64_t c0, int64_t n,
+                                 const float *wt, const float *bias, float *restrict y) {
+    const int64_t C = s->C;
+    int bf16;
+    const void *in = conv_row(s, 0, &bf16);
+    const float *b = bias != NULL ? bias + c0 : NULL;
+    const uint16_t *x16 = (const uint16_t *)in + c0;
+    const float *x32 = (const float *)in + c0;
+    /* tap j's weights for these channels (w[hl]: the new input's) */
+    const float *w0 = wt + c0, *w1 = w0 + C, *w2 = w1 + C, *w3 = w2 + C, *wx = w0 + hl * C;
+    if (!has)
+        for (int64_t i = 0; i < hl * n; i++) st[i] = 0.0f;
+#pragma omp simd
+    for (int64_t c = 0; c < n; c++) {
+        const float xv = bf16 ? bf16_to_f32(x16[c]) : x32[c];
+        /* the columns as named scalars, all read before any is written (an array, or reads
+           between the writes, vectorised 2-4x slower); the hl tests fold away */
+        const float s0 = st[hl * c], s1 = hl > 1 ? st[hl * c + 1] : 0.0f;
+        const float s2 = hl > 2 ? st[hl * c + 2] : 0.0f, s3 = hl > 3 ? st[hl * c + 3] : 0.0f;
+        float acc = (b != NULL ? b[c] : 0.0f) + w0[c] * s0 + wx[c] * xv;
+        if (hl > 1) acc += w1[c] * s1;
+        if (hl > 2) acc += w2[c] * s2;
+        if (hl > 3) acc += w3[c] * s3;
+        y[c0 + c] = acc;
+        if (hl > 1) st[hl * c] = s1;
+        if (hl > 2) st[hl * c + 1] = s2;
+        if (hl > 3) st[hl * c + 2] = s3;
+        st[hl * c + hl - 1] = xv;
+    }
+}
+
+/* conv_decode_cols for d_conv 4 (three columns), written out: GCC vectorised the generic form
+ * 4-5x slower at three columns (64 decodes of 2048 channels: 54-67 vs 250-340 us). */
+static inline void conv_decode3_cols(float *restrict st, int has, const struct conv_src *s,
                                     int64_t c0, int64_t n, const float *wt, const float *bias,
                                     float *restrict y) {
     const int64_t C = s->C;
@@ -564,27 +602,40 @@ static inline void conv_decode4_f32(float *restrict st, int has, const struct co
     }
 }
 
-/* A decode step of d_conv 4 (one token, page read and written once): per channel c the page
- * holds the last three inputs s0 s1 s2 (oldest first); y = b + w0 s0 + w1 s1 + w2 s2 + w3 x,
- * and the page becomes s1 s2 x. Without an initial state the s are zeros (page not read). A
- * bfloat16 page is widened a block of channels at a time (contiguous, so both conversions
- * vectorise), updated as float32 and rounded back. */
-static void conv_decode4(void *state, int state_bf16, int64_t page, int has,
-                         const struct conv_src *s, const float *wt, const float *bias,
-                         float *restrict y) {
-    const int64_t C = s->C;
+
+/* conv_decode_cols with d_conv - 1 as a constant */
+static void conv_decode_block(int64_t hl, float *st, int has, const struct conv_src *s,
+                              int64_t c0, int64_t n, const float *wt, const float *bias,
+                              float *y) {
+    switch (hl) {
+    case 1: conv_decode_cols(1, st, has, s, c0, n, wt, bias, y); break;
+    case 2: conv_decode_cols(2, st, has, s, c0, n, wt, bias, y); break;
+    case 3: conv_decode3_cols(st, has, s, c0, n, wt, bias, y); break;
+    default: conv_decode_cols(4, st, has, s, c0, n, wt, bias, y); break;
+    }
+}
+
+/* A decode step (one token, d_conv 2 .. HKV_CONV_DECODE_MAX; the page read and written once):
+ * per channel c the page holds the last hl = d_conv - 1 inputs s_0 .. s_{hl-1} (oldest first);
+ * y = b + sum_j w_j s_j + w_hl x, and the page becomes s_1 .. s_{hl-1} x. Without an initial
+ * state the s are zeros (page not read). A bfloat16 page is widened a block of channels at a
+ * time (contiguous, so both conversions vectorise), updated as float32 and rounded back. */
+static void conv_decode(void *state, int state_bf16, int64_t page, int has,
+                        const struct conv_src *s, const float *wt, const float *bias,
+                        float *restrict y) {
+    const int64_t C = s->C, hl = s->hist_len;
     if (!state_bf16) {
-        conv_decode4_f32((float *)state + page, has, s, 0, C, wt, bias, y);
+        conv_decode_block(hl, (float *)state + page, has, s, 0, C, wt, bias, y);
         return;
     }
-    float buf[3 * HKV_CONV_DECODE_BLOCK];
+    float buf[(HKV_CONV_DECODE_MAX - 1) * HKV_CONV_DECODE_BLOCK];
     for (int64_t c0 = 0; c0 < C; c0 += HKV_CONV_DECODE_BLOCK) {
         const int64_t n = C - c0 < HKV_CONV_DECODE_BLOCK ? C - c0 : HKV_CONV_DECODE_BLOCK;
-        uint16_t *st = (uint16_t *)state + page + 3 * c0;
-        if (has) load_floats(st, 1, 0, 3 * n, buf);
-        conv_decode4_f32(buf, has, s, c0, n, wt, bias, y);
+        uint16_t *st = (uint16_t *)state + page + hl * c0;
+        if (has) load_floats(st, 1, 0, hl * n, buf);
+        conv_decode_block(hl, buf, has, s, c0, n, wt, bias, y);
 #pragma omp simd
-        for (int64_t i = 0; i < 3 * n; i++) st[i] = f32_to_bf16(buf[i]);
+        for (int64_t i = 0; i < hl * n; i++) st[i] = f32_to_bf16(buf[i]);
     }
 }
 
@@ -699,12 +750,13 @@ int hkv_conv1d(void *state, int64_t page_stride, int state_bf16, const int64_t *
             task_at[2 * n + 1] = a;
         }
     const int parallel = tokens * C * K >= HKV_PARALLEL_MIN;
-    const int decode4 = K == 4; /* one-token requests of d_conv 4: conv_decode4 */
+    /* one-token requests take conv_decode (output and page in one pass) */
+    const int decode = K >= 2 && K <= HKV_CONV_DECODE_MAX;
 #pragma omp parallel if (parallel)
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++)
-            if (lens[r] > 0 && !(decode4 && lens[r] == 1))
+            if (lens[r] > 0 && !(decode && lens[r] == 1))
                 conv_history(state, state_bf16, pages[r] * page_stride, has_initial[r], C,
                              hist_len, hist + r * hist_len * C);
 #pragma omp for schedule(dynamic, 1)
@@ -713,9 +765,9 @@ int hkv_conv1d(void *state, int64_t page_stride, int state_bf16, const int64_t *
             const int64_t b = a + HKV_CONV_TOKENS < lens[r] ? a + HKV_CONV_TOKENS : lens[r];
             const struct conv_src s = {x, x_stride, x_bf16, hist + r * hist_len * C,
                                        hist_len, C, starts[r]};
-            if (decode4 && lens[r] == 1) { /* the output, then the page, in one pass */
-                conv_decode4(state, state_bf16, pages[r] * page_stride, has_initial[r], &s, wt,
-                             bias, y + starts[r] * C);
+            if (decode && lens[r] == 1) { /* the output, then the page, in one pass */
+                conv_decode(state, state_bf16, pages[r] * page_stride, has_initial[r], &s, wt,
+                            bias, y + starts[r] * C);
                 conv_finish(y + starts[r] * C, C, act_silu, round_bf16);
             } else {
                 conv_task(&s, K, a, b, wt, bias, act_silu, round_bf16, y);
@@ -723,7 +775,7 @@ int hkv_conv1d(void *state, int64_t page_stride, int state_bf16, const int64_t *
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) {
-            if (lens[r] == 0 || (decode4 && lens[r] == 1)) continue; /* written above */
+            if (lens[r] == 0 || (decode && lens[r] == 1)) continue; /* written above */
             const struct conv_src s = {x, x_stride, x_bf16, hist + r * hist_len * C,
                                        hist_len, C, starts[r]};
             conv_new_state(state, state_bf16, pages[r] * page_stride, &s, lens[r]);
@@ -769,7 +821,6 @@ int hkv_conv1d(void *state, int64_t page_stride, int state_bf16, const int64_t *
 #define HKV_GDN_EPS 1e-6f            /* of the L2 norm, as transformers' l2norm */
 #define HKV_GDN_MIN_LOG_DECAY -80.0f /* as ops.mamba2._MIN_LOG_DECAY: no denormal decays */
 #define HKV_GDN_AHEAD 4 /* tokens ahead whose rows are prefetched */
-#define HKV_INLINE static inline __attribute__((always_inline))
 
 /* Elements i .. i + n - 1 (1 <= n <= HKV_LANES) of such an array in a vector, zeros after. */
 static inline hkv_vf load_lanes(const void *x, int bf16, int64_t i, int64_t n) {
