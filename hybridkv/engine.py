@@ -108,6 +108,9 @@ class ModelConfig:
     - `quantization`: None, or "int8": weight-only int8 linears with per-output-row scales,
       computed from the loaded weights (`hybridkv.layers.quantization`; CPU only). The cache
       (KV and states) keeps its dtypes.
+    - `max_capture_size`: CPU, one process: decode steps of up to this many requests are
+      captured as native programs and replayed without Python (`hybridkv.worker.graphs`);
+      0 runs every step eagerly. `enforce_eager=True` (vLLM's name) does the same.
     """
 
     model: str | None = None
@@ -118,6 +121,8 @@ class ModelConfig:
     compile: bool = False
     keep_freed_memory: bool = True
     quantization: str | None = None
+    max_capture_size: int = 16
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str | Path):
@@ -126,7 +131,10 @@ class ModelConfig:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
         if self.seed > MAX_SEED:
             raise ValueError(f"seed must be at most {MAX_SEED}, got {self.seed}")
-        check_bools(self, "prepack", "compile", "keep_freed_memory")
+        check_bools(self, "prepack", "compile", "keep_freed_memory", "enforce_eager")
+        size = self.max_capture_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"max_capture_size must be an integer >= 0, got {size!r}")
         if not isinstance(self.dtype, str) or not isinstance(self.device, str):
             raise ValueError(f"dtype and device must be names, got {self.dtype!r}, {self.device!r}")
         allowed = ("float32", "bfloat16", "float16")
@@ -326,7 +334,15 @@ class Engine:
             self.device,
             self.model_config.seed,
             driver=self.tp.rank == 0,
+            max_capture_size=self._capture_size(),
         )
+
+    def _capture_size(self) -> int:
+        """Decode steps up to this batch size are captured (CPU, one process, not eager)."""
+        cfg = self.model_config
+        if cfg.enforce_eager or self.device.type != "cpu" or self.tp.size > 1:
+            return 0
+        return cfg.max_capture_size
 
     def _serve_as_worker(self, runner: ModelRunner) -> None:
         """Ranks 1..N-1: run the steps rank 0 broadcasts until it stops, then end the process

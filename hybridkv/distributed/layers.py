@@ -1,7 +1,8 @@
 """Vocabulary-parallel embedding and lm_head (each rank holds ceil(vocab / size) rows).
 
-At size 1 `vocab_embedding` and `vocab_head` return plain `nn.Embedding` / `nn.Linear`, so the
-single-process model is unchanged (and its lm_head is pre-packed on the CPU).
+At size 1 `vocab_embedding` and `vocab_head` return an `Embedding` (nn.Embedding with a native
+lookup) and a plain `nn.Linear`, so the single-process model is unchanged (and its lm_head is
+pre-packed on the CPU).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.distributed.parallel import ShardSpec, TensorParallel, current, declare_shards
+from hybridkv.ops.native import elementwise as native_ew
 
 
 def _vocab_rows(tp: TensorParallel, vocab: int) -> tuple[int, int]:
@@ -54,10 +56,23 @@ class VocabParallelHead(nn.Linear):
         return self.tp.gather_last_dim(super().forward(x), self.full_vocab)
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding whose lookup (and an optional scale, a family's embedding multiplier) is one
+    native kernel call on the CPU, so that a decode step stays capturable."""
+
+    def forward(self, ids: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        # ids: [T] -> [T, hidden]; the product rounded to the weight's dtype, as `* scale`
+        out = native_ew.embedding(ids, self.weight, scale)
+        if out is not None:
+            return out
+        out = F.embedding(ids, self.weight)
+        return out if scale == 1.0 else out * scale
+
+
 def vocab_embedding(vocab: int, hidden: int) -> nn.Embedding:
     tp = current()
     if tp.size == 1:
-        return nn.Embedding(vocab, hidden)
+        return Embedding(vocab, hidden)
     return VocabParallelEmbedding(vocab, hidden, tp)
 
 

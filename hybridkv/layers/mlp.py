@@ -164,7 +164,9 @@ class GatedMLP(nn.Module):
         declare_shards(self.down_proj, bias=rank0_bias(tp) if bias else None)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        act = native.silu_mul(gate, up)  # one pass on the CPU, rounded as the line below
+        out = self.down_proj(act if act is not None else F.silu(gate) * up)
         return self.tp.all_reduce(out) if reduce else out
 
 

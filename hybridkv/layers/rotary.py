@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from hybridkv.ops import native
+from hybridkv.ops.native import elementwise as native_ew
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -136,6 +137,9 @@ class RotaryEmbedding(nn.Module):
         """positions: [num_tokens] -> cos, sin: [num_tokens, rotary_dim] in `dtype`."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
+        out = native_ew.rope_cos_sin(positions, self.inv_freq, self.attention_scaling, dtype)
+        if out is not None:  # (one kernel call: the same values, a step stays capturable)
+            return out
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()

@@ -21,6 +21,7 @@ from hybridkv.distributed.parallel import read_full, read_shard, shard_specs
 from hybridkv.kv.specs import CacheDtypes, CacheLayer
 from hybridkv.layers.cache import CacheOwner, LayerCache
 from hybridkv.models.hf_config import HFConfig
+from hybridkv.ops.elementwise import logits_float32
 from hybridkv.worker.batch import ForwardBatch
 
 
@@ -118,7 +119,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] -> logits: [n, vocab] float32."""
-        return self.lm_head(hidden).float()
+        return logits_float32(self.lm_head(hidden))
 
 
 def check_no_unloaded_buffers(model: nn.Module) -> None:

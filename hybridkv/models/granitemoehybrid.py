@@ -25,6 +25,7 @@ from hybridkv.layers.mlp import FusedGateUpMLP, GraniteMoE, RMSNorm
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig, config_float, layer_types
+from hybridkv.ops.elementwise import logits_float32, residual_add
 from hybridkv.worker.batch import ForwardBatch
 
 
@@ -166,10 +167,7 @@ class GraniteDecoderLayer(nn.Module):
         out = self.shared_mlp(h, reduce=False)  # tensor parallel: partial sums, reduced once
         if self.block_sparse_moe is not None:
             out = self.block_sparse_moe(h) + out
-        out = self.tp.all_reduce(out)
-        if self.residual_multiplier == 1.0:
-            return x + out
-        return x + out * self.residual_multiplier
+        return residual_add(x, self.tp.all_reduce(out), self.residual_multiplier)
 
 
 class GraniteModel(nn.Module):
@@ -199,12 +197,11 @@ class GraniteMoeHybridForCausalLM(CausalLM):
             self.rotary = RotaryEmbedding(config.head_dim, config.rope)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids) * self.embedding_multiplier
+        x = self.model.embed_tokens(batch.input_ids, self.embedding_multiplier)
         cos_sin = self.rotary.cos_sin(batch.positions, x.dtype) if self.rotary else None
         for layer in self.model.layers:
             x = layer(x, batch, self.rotary, cos_sin)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
-        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
+        return logits_float32(self.lm_head(hidden), self.logits_scaling)

@@ -24,6 +24,7 @@ from hybridkv.layers.mlp import GatedMLP, RMSNorm
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig, layer_types
+from hybridkv.ops.elementwise import residual_add
 from hybridkv.worker.batch import ForwardBatch
 
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
@@ -154,7 +155,7 @@ class LlamaDecoderLayer(nn.Module):
         """x: [T, hidden] -> [T, hidden] (pre-norm residual blocks)."""
         h = self.self_attn(self.input_layernorm(x), batch, rotary, cos_sin)
         x, h = self.post_attention_layernorm.add_forward(x, h)
-        return x + self.mlp(h)
+        return residual_add(x, self.mlp(h))
 
 
 class LlamaModel(nn.Module):

@@ -7,7 +7,8 @@ One step, in order:
     3. append new kernel-block ids to each attention group's table row; record new
        running-state pages in each state group's page table
     4. copy prefix-hit snapshots into running-state pages        (before the forward)
-    5. build the immutable ForwardBatch, run the model, compute logits, sample
+    5. build the immutable ForwardBatch, run the model, compute logits, sample (a decode step
+       of a captured size replays its native program instead: hybridkv.worker.graphs)
     6. copy running states into new snapshot pages               (after the forward)
 
 Everything it needs comes in the step description (`SchedulerOutput`: plain ids and values);
@@ -33,9 +34,11 @@ from hybridkv.layers.attention.registry import get_backend
 from hybridkv.layers.cache import AttentionCache, LayerCache, StateCache
 from hybridkv.layers.state_base import StateMetadata
 from hybridkv.models.base import CausalLM
+from hybridkv.ops import native
 from hybridkv.worker.batch import ForwardBatch
 from hybridkv.worker.block_table import BlockTable
 from hybridkv.worker.buffers import CacheBuffers
+from hybridkv.worker.graphs import DecodeGraphs
 from hybridkv.worker.sampler import Sample, Sampler
 
 
@@ -62,9 +65,12 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         driver: bool = True,
+        max_capture_size: int = 0,
     ) -> None:
         """`driver`: this runner samples (rank 0 of a tensor-parallel group, or the only one);
-        the other ranks run their shard of the forward and of the logits, and sample nothing."""
+        the other ranks run their shard of the forward and of the logits, and sample nothing.
+        `max_capture_size`: decode steps of up to this many requests are captured and replayed
+        natively (`hybridkv.worker.graphs`; CPU, one process); 0: every step runs eagerly."""
         self.model = model
         self.driver = driver
         self.plan = plan
@@ -93,6 +99,8 @@ class ModelRunner:
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.generators: dict[str, torch.Generator] = {}
         self.sampler = Sampler(seed)
+        capturable = max_capture_size > 0 and device.type == "cpu" and native.library() is not None
+        self.graphs = DecodeGraphs(self, max_capture_size) if capturable else None
 
     def _layer_caches(self) -> dict[str, LayerCache]:
         caches: dict[str, LayerCache] = {}
@@ -191,16 +199,24 @@ class ModelRunner:
             )
             for gid, table in self.tables.items()
         }
-        has_initial_state = _to(starts > 0, dev)
-        state = {
-            gid: StateMetadata(
+        has = starts > 0
+        has_initial_state = _to(has, dev)
+        state = {}
+        for gid, pages in self.state_pages.items():
+            meta = StateMetadata(
                 state_pages=_to(pages.numpy()[rows], dev),
                 has_initial_state=has_initial_state,
                 query_start_loc=qsl_dev,
                 max_query_len=max_q,
             )
-            for gid, pages in self.state_pages.items()
-        }
+            if dev.type == "cpu":  # the native state kernels' arrays, converted here once
+                spans = (meta.state_pages, torch.from_numpy(has.view(np.uint8)),
+                         torch.from_numpy(qsl[:-1]), torch.from_numpy(q_lens))  # fmt: skip
+                native.provide_spans(
+                    meta.state_pages, has_initial_state, qsl_dev, spans,
+                    (int(spans[0].min()), int(spans[0].max()), int(q_lens.min()), num_tokens),
+                )  # fmt: skip
+            state[gid] = meta
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         ids = [t for c in chunks for t in c.token_ids]
         return ForwardBatch(
@@ -235,20 +251,29 @@ class ModelRunner:
         if out.is_empty:
             return {}
         self._apply_allocations(out)
-        batch = self.build_batch(out.chunks)
-        hidden = self.model(batch)
+        # a captured decode step replays (hybridkv.worker.graphs); any other step runs eagerly
+        logits = self.graphs.logits(out.chunks) if self.graphs is not None else None
+        if logits is None:
+            logits = self._forward(out.chunks)
         samplers = [(c.request_id, c.sampling) for c in out.chunks if c.sampling is not None]
         samples: list[Sample] = []
-        if samplers:
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
-            if not self.driver:  # its part of the logits went to rank 0 (which samples)
-                self._copy_states([op for c in out.chunks for op in c.allocation.snapshots])
-                return {}
+        if samplers and self.driver:  # (other ranks sent their part of the logits to rank 0)
             params = [p for _, p in samplers]
             gens = [self._generator(rid, p.seed) for rid, p in samplers]
             samples = self.sampler(logits, params, gens)
         self._copy_states([op for c in out.chunks for op in c.allocation.snapshots])
         return {rid: s for (rid, _), s in zip(samplers, samples, strict=True)}
+
+    def _forward(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
+        """The model on one step: the logits of its sampling requests ([num_sampled, vocab]
+        float32), None when none samples."""
+        batch = self.build_batch(chunks)
+        hidden = self.model(batch)
+        if batch.logits_indices.shape[0] == 0:
+            return None
+        if batch.logits_indices.shape[0] != hidden.shape[0]:  # (else every token samples)
+            hidden = hidden[batch.logits_indices]
+        return self.model.compute_logits(hidden)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:

@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -48,7 +50,7 @@ def sources() -> list[Path]:
 
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
-_lib: ctypes.CDLL | None = None
+_lib: Library | None = None
 _tried = False
 
 _i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
@@ -58,15 +60,15 @@ _SIGNATURES = {
                         _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
     "hkv_conv1d": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _int,
                    _ptr, _ptr, _int, _int, _ptr],
-    "hkv_paged_decode": [_ptr, _ptr, _int, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64,
-                             _f32, _ptr, _ptr],
+    "hkv_paged_decode": [_ptr, _ptr, _int, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64,
+                         _f32, _ptr, _ptr],
     "hkv_rms_norm_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32],
     "hkv_add_rms_norm_f32": [_ptr, _ptr, _f32, _ptr, _ptr, _ptr, _i64, _i64, _f32],
-    "hkv_silu_mul_f32": [_ptr, _i64, _ptr, _i64, _i64],
+    "hkv_silu_mul_f32": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64],
     "hkv_gated_rms_norm_f32": [_ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _f32, _int],
     "hkv_rms_norm_bf16": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32, _int],
     "hkv_add_rms_norm_bf16": [_ptr, _ptr, _f32, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int],
-    "hkv_silu_mul_bf16": [_ptr, _i64, _ptr, _i64, _i64],
+    "hkv_silu_mul_bf16": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64],
     "hkv_gated_rms_norm_mixed": [_ptr, _int, _ptr, _int, _i64, _ptr, _ptr, _int, _i64, _i64,
                                  _i64, _f32, _int, _int],
     "hkv_rope": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64],
@@ -87,12 +89,62 @@ _RESTYPES = {"hkv_mamba2_mix": _int, "hkv_conv1d": _int}  # the others return no
 
 def declare(signatures: dict[str, list]) -> None:
     """Add the argument types of kernels in another C file of this folder (called when the
-    module that wraps them is imported; before or after the library is loaded)."""
+    module that wraps them is imported; `library()` imports every module of this folder before
+    it builds, so that each declared kernel also gets its replay adapter)."""
     _SIGNATURES.update(signatures)
     if _lib is not None:
-        for name, argtypes in signatures.items():
-            fn = getattr(_lib, name)
-            fn.argtypes, fn.restype = argtypes, _RESTYPES.get(name)
+        for name in signatures:
+            _lib.add(name)
+
+
+def returns_status(*names: str) -> None:
+    """These declared kernels return an int status (non-zero: they failed); a replay stops at
+    the first that fails."""
+    for name in names:
+        _RESTYPES[name] = _int
+        if _lib is not None:
+            _lib.add(name)
+
+
+class Kernel:
+    """One declared kernel, called like the ctypes function it wraps. While a `Tape` records
+    (`hybridkv.ops.native.program.recording`), each call is also written down by name and
+    argument values, so that a decode step can be replayed without Python (its `index` is its
+    replay adapter's, -1 where the library was built without one)."""
+
+    __slots__ = ("name", "fn", "argtypes", "index")
+
+    def __init__(self, name: str, fn: Any, argtypes: list, index: int) -> None:
+        self.name, self.fn, self.argtypes, self.index = name, fn, argtypes, index
+
+    def __call__(self, *args: Any) -> Any:
+        if _tape is not None:
+            _tape.record(self, args)
+        return self.fn(*args)
+
+
+class Library:
+    """The loaded kernels: each declared one as a `Kernel` attribute; other symbols (feature
+    probes such as `hkv_bf16_linear_fast`) as plain ctypes functions."""
+
+    def __init__(self, cdll: ctypes.CDLL, adapters: list[str]) -> None:
+        self.cdll = cdll
+        self.adapter_index = {name: i for i, name in enumerate(adapters)}
+        for name in _SIGNATURES:
+            self.add(name)
+
+    def add(self, name: str) -> None:
+        fn = getattr(self.cdll, name)
+        fn.argtypes, fn.restype = _SIGNATURES[name], _RESTYPES.get(name)
+        index = self.adapter_index.get(name, -1)
+        setattr(self, name, Kernel(name, fn, _SIGNATURES[name], index))
+
+    def __getattr__(self, name: str) -> Any:  # (only for what is not an attribute already)
+        return getattr(self.cdll, name)
+
+
+# The tape recording kernel calls, while one is open (`program.recording`); else None.
+_tape: Any = None
 
 
 def enabled() -> bool:
@@ -109,16 +161,54 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _library_path() -> Path:
+def _declare_all() -> None:
+    """Import every module of this folder: each declares the kernels of its C file."""
+    for module in sorted(SOURCE.parent.glob("*.py")):
+        if module.stem != "__init__":
+            importlib.import_module(f"{__name__}.{module.stem}")
+
+
+# C types of the ctypes argument kinds, and how an adapter reads each from its argument slot
+_C_TYPES = {_ptr: ("void *", "(void *)a[{}].i"), _i64: ("int64_t", "a[{}].i"),
+            _int: ("int", "(int)a[{}].i"), _f32: ("float", "(float)a[{}].f")}  # fmt: skip
+
+
+def _adapters_source(names: list[str]) -> str:
+    """C source of one replay adapter per kernel: `int64_t a(const hkv_arg *args)` calls the
+    kernel with its arguments read from consecutive slots (program.c runs them in order); a
+    kernel without a result returns 0. Generated from the ctypes signatures, so a kernel
+    declared once is both callable from Python and replayable."""
+    lines = ["#include <stdint.h>", "typedef union { int64_t i; double f; } hkv_arg;"]
+    for name in names:
+        argtypes, returns = _SIGNATURES[name], _RESTYPES.get(name) is not None
+        params = ", ".join(_C_TYPES[t][0] for t in argtypes) or "void"
+        args = ", ".join(_C_TYPES[t][1].format(i) for i, t in enumerate(argtypes))
+        call = f"return (int64_t){name}({args});" if returns else f"{name}({args}); return 0;"
+        lines += [f"{'int' if returns else 'void'} {name}({params});",
+                  f"static int64_t hkv_adapt_{name}(const hkv_arg *a) {{ {call} }}"]  # fmt: skip
+    table = ", ".join(f"hkv_adapt_{name}" for name in names)
+    lines += ["typedef int64_t (*hkv_adapter)(const hkv_arg *);",
+              f"const hkv_adapter hkv_program_adapters[] = {{{table}}};",
+              f"const int64_t hkv_program_num_adapters = {len(names)};"]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _library_path(adapters: str | None = None) -> Path:
+    """Where the build of these sources, adapters (default: every declared kernel's), flags
+    and CPU lives."""
+    if adapters is None:
+        _declare_all()
+        adapters = _adapters_source(sorted(_SIGNATURES))
     key = hashlib.sha256()
     for part in [*(f.read_bytes() for f in sources()), " ".join(CFLAGS).encode()]:
         key.update(part)
+    key.update(adapters.encode())
     key.update(_cpu_flags().encode())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hybridkv"
     return cache / f"native-{key.hexdigest()[:16]}.so"
 
 
-def _build(target: Path) -> bool:
+def _build(target: Path, adapters: str) -> bool:
     compiler = shutil.which(os.environ.get("CC", "gcc"))
     if compiler is None or not sys.platform.startswith("linux"):
         return False
@@ -126,17 +216,21 @@ def _build(target: Path) -> bool:
     # build beside the target, then rename: concurrent builders never load a partial file
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
-    cmd = [compiler, *CFLAGS, *map(str, sources()), "-o", str(partial), "-lm"]
+    generated = partial.with_suffix(".adapters.c")
+    generated.write_text(adapters)
+    cmd = [compiler, *CFLAGS, *map(str, sources()), str(generated), "-o", str(partial), "-lm"]
     try:
-        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        subprocess.run(cmd, check=True, capture_output=True, timeout=180)
         partial.replace(target)
         return True
     except (OSError, subprocess.SubprocessError):
         partial.unlink(missing_ok=True)
         return False
+    finally:
+        generated.unlink(missing_ok=True)
 
 
-def library() -> ctypes.CDLL | None:
+def library() -> Library | None:
     """The loaded kernels, building them on first use; None when unavailable."""
     global _lib, _tried
     if not enabled():
@@ -145,14 +239,13 @@ def library() -> ctypes.CDLL | None:
         return _lib
     _tried = True
     try:
-        path = _library_path()
-        if not path.is_file() and not _build(path):
+        _declare_all()
+        names = sorted(_SIGNATURES)
+        adapters = _adapters_source(names)
+        path = _library_path(adapters)
+        if not path.is_file() and not _build(path, adapters):
             return None
-        lib = ctypes.CDLL(str(path))
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, _RESTYPES.get(name)
-        _lib = lib
+        _lib = Library(ctypes.CDLL(str(path)), names)
     except (OSError, AttributeError):  # unloadable, or a build without a symbol we call
         _lib = None
     return _lib
@@ -213,6 +306,27 @@ def _spans(
     _recent_spans[key] = (inputs, versions, spans)
     _span_bounds.pop(key, None)
     return spans
+
+
+def provide_spans(
+    state_pages: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    spans: Spans,
+    bounds: tuple[int, int, int, int],
+) -> None:
+    """Hand the state kernels a step's spans converted by the caller (the model runner builds
+    them in NumPy with the step): `_spans` and `_spans_inside` then find them instead of
+    converting the metadata with tensor ops. bounds: (min page, max page, min request length,
+    max request end), as `_spans_inside` computes them."""
+    inputs = (state_pages, has_initial_state, query_start_loc)
+    key = tuple(id(t) for t in inputs)
+    versions = tuple(-1 if t.is_inference() else t._version for t in inputs)
+    if len(_recent_spans) >= _SPANS_KEPT:
+        _recent_spans.clear()
+        _span_bounds.clear()
+    _recent_spans[key] = (inputs, versions, spans)
+    _span_bounds[key] = bounds
 
 
 def _spans_inside(
@@ -593,20 +707,19 @@ def paged_decode_attention(
         return None
     num_seqs, num_heads, head_dim = q.shape
     kbs, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    lens = seq_lens.to(torch.int64).contiguous()
-    if sliding_window is None:
-        first = torch.zeros_like(lens)
-    else:
-        first = (lens - sliding_window).clamp(min=0)
+    if seq_lens.shape != (num_seqs,) or block_table.shape[0] != num_seqs:
+        return None
+    lens = seq_lens.to(torch.int32).contiguous()  # (the step's own int32 lengths: a view)
+    window = 0 if sliding_window is None else int(sliding_window)
     q = q.contiguous()
-    out = torch.empty(q.shape, dtype=torch.float32)
-    sink = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype)
+    sink = None if sinks is None else derived(sinks, "f32", _contiguous_f32)
     lib.hkv_paged_decode(
         q.data_ptr(), kv_cache.data_ptr(), _is_bf16(q), kbs, kv_heads, head_dim, num_heads,
-        block_table.data_ptr(), block_table.stride(0), first.data_ptr(), lens.data_ptr(),
-        num_seqs, scale, None if sink is None else sink.data_ptr(), out.data_ptr(),
+        block_table.data_ptr(), block_table.stride(0), lens.data_ptr(), window, num_seqs, scale,
+        None if sink is None else sink.data_ptr(), out.data_ptr(),
     )  # fmt: skip
-    return out.to(q.dtype)
+    return out
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor | None:
@@ -683,14 +796,34 @@ def add_rms_norm(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """[..., 2I] = [gate | up] -> silu(gate) * up: [..., I] for float32 or bfloat16 x
     (bfloat16: silu rounded before the product, as PyTorch); None when not supported."""
-    lib, rows = library(), _rows(x)
-    if lib is None or rows is None or x.shape[-1] % 2:
+    rows = _rows(x)
+    if rows is None or x.shape[-1] % 2:
         return None
     inter = x.shape[-1] // 2
-    out = torch.empty(rows.shape[0], inter, dtype=x.dtype)
-    kernel = lib.hkv_silu_mul_bf16 if x.dtype == torch.bfloat16 else lib.hkv_silu_mul_f32
-    kernel(rows.data_ptr(), rows.stride(0), out.data_ptr(), rows.shape[0], inter)
-    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], inter)
+    out = _silu_mul_rows(rows[:, :inter], rows[:, inter:])
+    return out if out is None or x.dim() == 2 else out.reshape(*x.shape[:-1], inter)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up for float32 or bfloat16 gate and up of one shape and dtype (separate
+    gate and up projections), rounded as PyTorch's `F.silu(gate) * up`; None when not
+    supported."""
+    g, u = _rows(gate), _rows(up)
+    if g is None or u is None or gate.shape != up.shape or gate.dtype != up.dtype:
+        return None
+    out = _silu_mul_rows(g, u)
+    return out if out is None or gate.dim() == 2 else out.reshape(gate.shape)
+
+
+def _silu_mul_rows(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """g, u: [rows, I] with unit column stride, any row stride -> silu(g) * u [rows, I]."""
+    lib = library()
+    if lib is None:
+        return None
+    out = torch.empty(g.shape, dtype=g.dtype)
+    kernel = lib.hkv_silu_mul_bf16 if g.dtype == torch.bfloat16 else lib.hkv_silu_mul_f32
+    kernel(g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), out.data_ptr(), *g.shape)
+    return out
 
 
 def rope(

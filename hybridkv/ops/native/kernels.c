@@ -389,36 +389,44 @@ static void decode_values_vec(const float *scores, const void *cache, int bf16, 
  *   cache: [num_kernel_blocks, 2, kbs, KVH, Dh] (K at 0, V at 1)
  *   position t of request s -> block block_table[s * table_stride + t / kbs], offset t % kbs
  *
- * Request s attends to positions first[s] .. seq_lens[s] - 1 (first > 0 under a sliding
- * window); no other slot is read, so whatever other slots hold (NaN included) cannot leak.
+ * Request s attends to positions seq_lens[s] - window .. seq_lens[s] - 1 (from 0 when window
+ * is 0, no sliding window, or reaches past the start); no other slot is read, so whatever
+ * other slots hold (NaN included) cannot leak.
  * q, out: [S, H, Dh]; the H / KVH query heads of a KV head share its keys and values.
  * One task per request, two passes over its positions: scores of every head, then the
  * softmax-weighted sum of V (exact softmax, no running rescale). Each pass reads a token's whole
  * row (all KV heads, contiguous): 3x faster than one task per (request, KV head), whose reads
  * stride over the other heads' bytes.
  * sinks: [H] or NULL (gpt-oss): one more logit per head in the softmax denominator, no value.
- * q and the cache are float32, or both bfloat16 (bf16: widened as read; the math and out are
- * float32 either way). Head dims that are a multiple of HKV_LANES take the vector passes
- * (decode_scores_vec, decode_values_vec); others the loops below.
+ * q, the cache and out are float32, or all bfloat16 (bf16: widened as read, out rounded once
+ * from the float32 sums; the math is float32 either way). Head dims that are a multiple of
+ * HKV_LANES take the vector passes (decode_scores_vec, decode_values_vec); others the loops
+ * below.
  */
 void hkv_paged_decode(const void *q, const void *cache, int bf16, int64_t kbs, int64_t KVH,
                       int64_t Dh, int64_t H, const int32_t *block_table, int64_t table_stride,
-                      const int64_t *first, const int64_t *seq_lens, int64_t S, float scale,
-                      const float *sinks, float *out) {
+                      const int32_t *seq_lens, int64_t window, int64_t S, float scale,
+                      const float *sinks, void *out) {
     const int64_t group = H / KVH;
     const int64_t row = KVH * Dh;   /* elements per cached token (all KV heads) */
     const int64_t half = kbs * row; /* K part of a block -> its V part */
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t s = 0; s < S; s++) {
-        const int64_t t0 = first[s], len = seq_lens[s] - first[s];
+        const int64_t end = seq_lens[s];
+        const int64_t t0 = window > 0 && end > window ? end - window : 0, len = end - t0;
         const int32_t *table = block_table + s * table_stride;
-        float *os = out + s * H * Dh;
-        for (int64_t i = 0; i < H * Dh; i++) os[i] = 0.0f;
-        if (len <= 0) continue;
-        /* scores [H][len], then (bfloat16) the query and one token's row widened to float32 */
-        float *scores = malloc(sizeof(float) * (size_t)(H * len + (bf16 ? H * Dh + row : 0)));
+        if (len <= 0) {
+            memset((char *)out + s * H * Dh * (bf16 ? 2 : 4), 0, (size_t)(H * Dh * (bf16 ? 2 : 4)));
+            continue;
+        }
+        /* scores [H][len], then (bfloat16) the query, one token's row widened to float32 and
+         * the float32 sums of out */
+        const int64_t extra = bf16 ? 2 * H * Dh + row : 0;
+        float *scores = malloc(sizeof(float) * (size_t)(H * len + extra));
         if (scores == NULL) continue;
         float *qw = scores + H * len, *kw = qw + H * Dh;
+        float *os = bf16 ? kw + row : (float *)out + s * H * Dh;
+        for (int64_t i = 0; i < H * Dh; i++) os[i] = 0.0f;
         const float *qs = (const float *)q + s * H * Dh;
         if (bf16) {
             load_floats(q, 1, s * H * Dh, H * Dh, qw);
@@ -474,6 +482,10 @@ void hkv_paged_decode(const void *q, const void *cache, int bf16, int64_t kbs, i
             }
         }
 #undef HKV_TOKEN_ROW
+        if (bf16) {
+            uint16_t *ob = (uint16_t *)out + s * H * Dh;
+            for (int64_t i = 0; i < H * Dh; i++) ob[i] = f32_to_bf16(os[i]);
+        }
         free(scores);
     }
 }
@@ -1113,12 +1125,13 @@ void hkv_add_rms_norm_f32(const float *x, const float *h, float mult, const floa
     }
 }
 
-/* SwiGLU's activation: out[r][i] = silu(x[r][i]) * x[r][I + i]; x rows (gate | up) at
- * x + r * x_stride, out: [rows, I]. */
-void hkv_silu_mul_f32(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t I) {
+/* SwiGLU's activation: out[r][i] = silu(gate[r][i]) * up[r][i]; gate and up rows at their
+ * row strides (one fused [gate | up] projection: up = gate + I), out: [rows, I]. */
+void hkv_silu_mul_f32(const float *gate, int64_t g_stride, const float *up, int64_t u_stride,
+                      float *out, int64_t rows, int64_t I) {
 #pragma omp parallel for schedule(static) if (rows * I >= HKV_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
-        const float *g = x + r * x_stride, *u = g + I;
+        const float *g = gate + r * g_stride, *u = up + r * u_stride;
         float *o = out + r * I;
 #pragma omp simd
         for (int64_t i = 0; i < I; i++) o[i] = silu(g[i]) * u[i];
@@ -1259,11 +1272,11 @@ void hkv_add_rms_norm_bf16(const uint16_t *x, const uint16_t *h, float mult, con
 }
 
 /* SwiGLU's activation on bfloat16 rows: out = bf16(bf16(silu(gate)) * up). */
-void hkv_silu_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t rows,
-                       int64_t I) {
+void hkv_silu_mul_bf16(const uint16_t *gate, int64_t g_stride, const uint16_t *up,
+                       int64_t u_stride, uint16_t *out, int64_t rows, int64_t I) {
 #pragma omp parallel for schedule(static) if (rows * I >= HKV_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *g = x + r * x_stride, *u = g + I;
+        const uint16_t *g = gate + r * g_stride, *u = up + r * u_stride;
         uint16_t *o = out + r * I;
         for (int64_t i = 0; i < I; i++) {
             const float a = bf16_to_f32(f32_to_bf16(silu(bf16_to_f32(g[i]))));

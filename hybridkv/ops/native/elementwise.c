@@ -1,0 +1,135 @@
+/* The small element-wise steps of a forward pass between the kernels that do the real work:
+ * the embedding lookup, a residual add, the rotary cos/sin of the step's positions and the
+ * float32 logits. Each is a handful of PyTorch ops, microseconds apiece at decode sizes; here
+ * they are kernel calls, so that a decode step is nothing but kernel calls and can be replayed
+ * without the interpreter (program.c). Wrapped by hybridkv/ops/native/elementwise.py.
+ *
+ * Every result is rounded where PyTorch's ops round it (float32 math, bfloat16 results
+ * rounded to nearest even), so a step computes the same values with or without them. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define EW_PARALLEL_MIN 32768 /* elements below which a second thread does not pay */
+
+static inline float ew_from_bf16(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t ew_to_bf16(float f) { /* nearest even; NaN -> 0x7fc0, as torch */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* out[i, :] = table[ids[i], :], times `scale` when `scaled` (embedding(ids) * scale: the
+ * product rounded to the table's dtype).
+ *   ids [n] int64; table [rows, cols] float32 or bfloat16 (bf16), contiguous; out [n, cols].
+ * An id outside [0, rows) gets a zero row; the result is how many there were. */
+int hkv_embedding(const int64_t *ids, int64_t n, const void *table, int64_t rows, int64_t cols,
+                  int bf16, float scale, int scaled, void *out) {
+    const size_t size = bf16 ? 2 : 4, row_bytes = size * (size_t)cols;
+    int bad = 0;
+#pragma omp parallel for schedule(static) reduction(+ : bad) if (n * cols >= EW_PARALLEL_MIN)
+    for (int64_t i = 0; i < n; i++) {
+        char *dst = (char *)out + (size_t)i * row_bytes;
+        if (ids[i] < 0 || ids[i] >= rows) {
+            memset(dst, 0, row_bytes);
+            bad++;
+            continue;
+        }
+        const char *src = (const char *)table + (size_t)ids[i] * row_bytes;
+        if (!scaled) {
+            memcpy(dst, src, row_bytes);
+        } else if (bf16) {
+            const uint16_t *s = (const uint16_t *)src;
+            uint16_t *d = (uint16_t *)dst;
+            for (int64_t c = 0; c < cols; c++) d[c] = ew_to_bf16(ew_from_bf16(s[c]) * scale);
+        } else {
+            const float *s = (const float *)src;
+            float *d = (float *)dst;
+            for (int64_t c = 0; c < cols; c++) d[c] = s[c] * scale;
+        }
+    }
+    return bad;
+}
+
+/* out = x + h * mult over n elements of float32 or bfloat16 (bf16) arrays, as PyTorch's
+ * `x + h * mult` rounds (the product first, then the sum); mult == 1 adds h itself. */
+void hkv_add_scaled(const void *x, const void *h, float mult, void *out, int64_t n, int bf16) {
+    const int scaled = mult != 1.0f;
+    if (bf16) {
+        const uint16_t *xs = (const uint16_t *)x, *hs = (const uint16_t *)h;
+        uint16_t *o = (uint16_t *)out;
+#pragma omp parallel for schedule(static) if (n >= EW_PARALLEL_MIN)
+        for (int64_t i = 0; i < n; i++) {
+            float v = ew_from_bf16(hs[i]);
+            if (scaled) v = ew_from_bf16(ew_to_bf16(v * mult));
+            o[i] = ew_to_bf16(ew_from_bf16(xs[i]) + v);
+        }
+    } else {
+        const float *xs = (const float *)x, *hs = (const float *)h;
+        float *o = (float *)out;
+#pragma omp parallel for schedule(static) if (n >= EW_PARALLEL_MIN)
+        for (int64_t i = 0; i < n; i++) {
+            const float v = scaled ? hs[i] * mult : hs[i]; /* (ISO C: no fused multiply-add) */
+            o[i] = xs[i] + v;
+        }
+    }
+}
+
+/* Rotary cos and sin of n positions, as RotaryEmbedding.cos_sin computes them:
+ *   angle[t, i] = float(positions[t]) * inv_freq[i % half]        (i < 2 * half: two halves)
+ *   cos[t, i] = cos(angle) * scaling, sin likewise (scaling == 1: unscaled), float32 math,
+ *   rounded to bfloat16 when bf16.
+ * cos, sin: [n, 2 * half] of that dtype. */
+void hkv_rope_cos_sin(const int64_t *positions, int64_t n, const float *inv_freq, int64_t half,
+                      float scaling, int bf16, void *cos_out, void *sin_out) {
+    const int64_t width = 2 * half;
+    for (int64_t t = 0; t < n; t++) {
+        const float p = (float)positions[t];
+        for (int64_t i = 0; i < half; i++) {
+            const float angle = p * inv_freq[i];
+            float c = cosf(angle), s = sinf(angle);
+            if (scaling != 1.0f) {
+                c *= scaling;
+                s *= scaling;
+            }
+            const int64_t at = t * width + i;
+            if (bf16) {
+                uint16_t *co = (uint16_t *)cos_out, *so = (uint16_t *)sin_out;
+                co[at] = co[at + half] = ew_to_bf16(c);
+                so[at] = so[at + half] = ew_to_bf16(s);
+            } else {
+                float *co = (float *)cos_out, *so = (float *)sin_out;
+                co[at] = co[at + half] = c;
+                so[at] = so[at + half] = s;
+            }
+        }
+    }
+}
+
+/* Float32 logits from the lm_head's rows: out = float(x) / divisor (divisor == 1: widened
+ * only). x: [rows, cols] float32 or bfloat16 at a row stride; out: [rows, cols] contiguous. */
+void hkv_logits_f32(const void *x, int64_t x_stride, int bf16, float *out, int64_t rows,
+                    int64_t cols, float divisor) {
+    const int divide = divisor != 1.0f;
+#pragma omp parallel for schedule(static) if (rows * cols >= 4 * EW_PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        float *o = out + r * cols;
+        if (bf16) {
+            const uint16_t *xr = (const uint16_t *)x + r * x_stride;
+            for (int64_t c = 0; c < cols; c++) o[c] = ew_from_bf16(xr[c]);
+        } else {
+            memcpy(o, (const float *)x + r * x_stride, sizeof(float) * (size_t)cols);
+        }
+        if (divide)
+            for (int64_t c = 0; c < cols; c++) o[c] = o[c] / divisor;
+    }
+}

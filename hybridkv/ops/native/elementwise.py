@@ -1,0 +1,99 @@
+"""The element-wise steps between a forward pass's kernels (`elementwise.c`): embedding lookup,
+residual add, rotary cos/sin, float32 logits. Each returns None when the native library or
+these tensors are not supported; `hybridkv.ops.elementwise` falls back to PyTorch then."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from hybridkv.ops import native
+
+_i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+native.declare({
+    "hkv_embedding": [_ptr, _i64, _ptr, _i64, _i64, _int, _f32, _int, _ptr],
+    "hkv_add_scaled": [_ptr, _ptr, _f32, _ptr, _i64, _int],
+    "hkv_rope_cos_sin": [_ptr, _i64, _ptr, _i64, _f32, _int, _ptr, _ptr],
+    "hkv_logits_f32": [_ptr, _i64, _int, _ptr, _i64, _i64, _f32],
+})  # fmt: skip
+native.returns_status("hkv_embedding")
+
+
+def _float_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype in native.FLOAT_DTYPES for t in tensors)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> torch.Tensor | None:
+    """weight[ids] (* scale, rounded to weight's dtype): ids [n] int64, weight [rows, cols]
+    float32 or bfloat16 contiguous -> [n, cols]. An id outside the table raises IndexError."""
+    lib = native.library()
+    if lib is None or not _float_cpu(weight) or not weight.is_contiguous() or weight.dim() != 2:
+        return None
+    if ids.dim() != 1 or ids.dtype != torch.int64 or ids.device.type != "cpu":
+        return None
+    ids = ids.contiguous()
+    rows, cols = weight.shape
+    out = torch.empty(ids.shape[0], cols, dtype=weight.dtype)
+    bad = lib.hkv_embedding(
+        ids.data_ptr(), ids.shape[0], weight.data_ptr(), rows, cols, native._is_bf16(weight),
+        scale, int(scale != 1.0), out.data_ptr(),
+    )  # fmt: skip
+    if bad:
+        raise IndexError(f"{bad} token ids outside the embedding's {rows} rows")
+    return out
+
+
+def add_scaled(x: torch.Tensor, h: torch.Tensor, multiplier: float = 1.0) -> torch.Tensor | None:
+    """x + h * multiplier (rounded as PyTorch rounds it) for float32 or bfloat16 x and h of one
+    shape and dtype; None when not supported."""
+    lib = native.library()
+    if lib is None or not _float_cpu(x) or x.dtype != h.dtype or x.shape != h.shape:
+        return None
+    if h.device.type != "cpu":
+        return None
+    x, h = x.contiguous(), h.contiguous()
+    out = torch.empty_like(x)
+    lib.hkv_add_scaled(
+        x.data_ptr(), h.data_ptr(), multiplier, out.data_ptr(), x.numel(), native._is_bf16(x)
+    )
+    return out
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cos, sin [n, 2 * len(inv_freq)] of positions [n] int64 (float32 angles, times scaling,
+    in `dtype`: float32 or bfloat16); None when not supported."""
+    lib = native.library()
+    if lib is None or dtype not in native.FLOAT_DTYPES or positions.dim() != 1:
+        return None
+    if positions.dtype != torch.int64 or positions.device.type != "cpu":
+        return None
+    if inv_freq.dtype != torch.float32 or inv_freq.device.type != "cpu" or inv_freq.dim() != 1:
+        return None
+    positions, inv_freq = positions.contiguous(), inv_freq.contiguous()
+    n, half = positions.shape[0], inv_freq.shape[0]
+    cos = torch.empty(n, 2 * half, dtype=dtype)
+    sin = torch.empty(n, 2 * half, dtype=dtype)
+    lib.hkv_rope_cos_sin(
+        positions.data_ptr(), n, inv_freq.data_ptr(), half, scaling,
+        int(dtype == torch.bfloat16), cos.data_ptr(), sin.data_ptr(),
+    )  # fmt: skip
+    return cos, sin
+
+
+def logits_f32(x: torch.Tensor, divisor: float = 1.0) -> torch.Tensor | None:
+    """x.float() / divisor for float32 or bfloat16 x [rows, cols] (unit column stride); a
+    float32 x with divisor 1 is returned as it is. None when not supported."""
+    if x.dtype == torch.float32 and divisor == 1.0:
+        return x
+    lib = native.library()
+    if lib is None or not _float_cpu(x) or x.dim() != 2 or x.stride(1) != 1:
+        return None
+    out = torch.empty(x.shape, dtype=torch.float32)
+    lib.hkv_logits_f32(
+        x.data_ptr(), x.stride(0), native._is_bf16(x), out.data_ptr(), x.shape[0], x.shape[1],
+        divisor,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,168 @@
+"""Record the native kernel calls of a function and replay them without Python (`program.c`).
+
+A decode step at batch 1 makes about a hundred small calls (a norm of one 768-wide row, a
+projection, a Mamba2 mixer ...). Each costs the interpreter, ctypes and tensor allocation
+10-30 us on top of its work, and at batch 1 that adds up to a quarter of the step. When every
+operation of the step is a native kernel, the step is fully described by the list of calls
+with their argument values (pointers into fixed buffers, sizes, constants), and it can be made
+again by a loop in C. This is what CUDA graphs do for GPU launches; `capture` is the CPU
+equivalent:
+
+    result, program, why_not = capture(lambda: model_step(static_inputs))
+    ...                        # later steps: write new values into static_inputs in place,
+    program.run()              # then the same calls on the same buffers, no Python between
+
+`capture` runs the function once for real (its result is valid), recording every kernel call
+(`native.Kernel` writes to the open tape) while a dispatch mode watches PyTorch: any op that
+computes (anything but allocating or viewing memory) would not be replayed, so the capture is
+refused (`program` None, `why_not` names the op) and the caller keeps running eagerly. Every
+tensor allocated during the capture is kept by the program: the recorded pointers stay valid.
+What the function does in Python (branches, sizes) is frozen: the caller replays a program only
+for inputs of the shapes and kinds it was captured with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import struct
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from hybridkv.ops import native
+
+T = TypeVar("T")
+
+# ATen ops that only allocate or describe memory: they may run during a capture (their results
+# are kept); every other op computes something a replay would not redo.
+NO_COMPUTE = frozenset({
+    "empty", "empty_strided", "empty_like", "view", "_unsafe_view", "alias", "slice", "select",
+    "split", "split_with_sizes", "unbind", "t", "transpose", "permute", "unsqueeze", "squeeze",
+    "expand", "as_strided", "detach", "_reshape_alias", "narrow", "lift_fresh", "view_as",
+})  # fmt: skip
+
+
+# Ops that return their input itself when it already is what they were asked for (`.to` of
+# the tensor's own dtype, `.contiguous()` of a contiguous one, a reshape that is a view).
+MAY_ALIAS = frozenset({"to", "contiguous", "reshape", "flatten", "type_as"})
+
+
+def _aliases(out: object, args: tuple) -> bool:
+    """Whether the op's result is its first argument's memory (nothing was computed)."""
+    first = args[0] if args else None
+    return (
+        isinstance(out, torch.Tensor) and isinstance(first, torch.Tensor)
+        and out.data_ptr() == first.data_ptr() and out.dtype == first.dtype
+    )  # fmt: skip
+
+
+class Tape:
+    """The kernel calls recorded so far: (adapter index, argument values, kernel name)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, list[int | float], str]] = []
+        self.unreplayable: str | None = None  # why these calls cannot be replayed, if so
+
+    def record(self, kernel: native.Kernel, args: tuple[Any, ...]) -> None:
+        if kernel.index < 0:
+            self.unreplayable = f"{kernel.name} has no replay adapter in this build"
+            return
+        values: list[int | float] = []
+        for kind, value in zip(kernel.argtypes, args, strict=True):
+            if kind is ctypes.c_float:
+                values.append(float(value))
+            elif value is None:
+                values.append(0)
+            elif isinstance(value, int):
+                values.append(int(value))
+            else:
+                self.unreplayable = f"{kernel.name} got a {type(value).__name__} argument"
+                return
+        self.calls.append((kernel.index, values, kernel.name))
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Tape]:
+    """Record every native kernel call made inside the block (one tape at a time)."""
+    if native._tape is not None:
+        raise RuntimeError("a tape is already recording")
+    tape = Tape()
+    native._tape = tape
+    try:
+        yield tape
+    finally:
+        native._tape = None
+
+
+class Program:
+    """Recorded calls, ready to run again in C. `keep`: the tensors whose memory they use."""
+
+    def __init__(self, tape: Tape, lib: native.Library, keep: list[torch.Tensor]) -> None:
+        n = len(tape.calls)
+        self.kernel_names = [name for _, _, name in tape.calls]
+        self._ops = (ctypes.c_int32 * n)(*(index for index, _, _ in tape.calls))
+        starts, slots = [], []
+        for _, values, _ in tape.calls:
+            starts.append(len(slots))
+            slots.extend(_slot(v) for v in values)
+        self._starts = (ctypes.c_int64 * n)(*starts)
+        self._args = (ctypes.c_int64 * max(1, len(slots)))(*slots)
+        self._count = n
+        self._run = lib.cdll.hkv_program_run
+        self._run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        self._run.restype = ctypes.c_int64
+        self.keep = keep
+
+    def __len__(self) -> int:
+        return self._count
+
+    def run(self) -> None:
+        failed = self._run(self._ops, self._starts, self._args, self._count)
+        if failed:
+            raise RuntimeError(f"native kernel {self.kernel_names[failed - 1]} failed in replay")
+
+
+def _slot(value: int | float) -> int:
+    """An argument slot (hkv_arg in program.c): an int as int64, a float as a double's bits."""
+    if isinstance(value, float):
+        return struct.unpack("<q", struct.pack("<d", value))[0]
+    return value
+
+
+class _ComputeWatch(TorchDispatchMode):
+    """Keeps every tensor an op makes, and the names of the ops that compute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keep: list[torch.Tensor] = []
+        self.computed: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name not in NO_COMPUTE and not (name in MAY_ALIAS and _aliases(out, args)):
+            self.computed.append(str(func))
+        self.keep.extend(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def capture(fn: Callable[[], T]) -> tuple[T, Program | None, str | None]:
+    """Run fn once, recording its kernel calls: (its result, the program or None, why not)."""
+    lib = native.library()
+    if lib is None:
+        return fn(), None, "no native library"
+    watch = _ComputeWatch()
+    with recording() as tape, watch:
+        result = fn()
+    if watch.computed:
+        ops = ", ".join(dict.fromkeys(watch.computed))  # (each op once, in order)
+        return result, None, f"computes outside native kernels: {ops}"
+    if tape.unreplayable is not None:
+        return result, None, tape.unreplayable
+    if not tape.calls:
+        return result, None, "no native kernel calls"
+    return result, Program(tape, lib, watch.keep), None

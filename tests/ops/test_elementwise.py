@@ -1,0 +1,105 @@
+"""The element-wise kernels (hybridkv.ops.native.elementwise) against the PyTorch expressions
+they replace: the same values, rounded where PyTorch rounds."""
+
+import math
+
+import pytest
+import torch
+
+from hybridkv.layers.rotary import RotaryEmbedding
+from hybridkv.ops import native
+from hybridkv.ops.elementwise import logits_float32, residual_add
+from hybridkv.ops.native import elementwise as ew
+from tests.ops.test_native import needs_compiler
+
+pytestmark = needs_compiler
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [1.0, 0.37, 12.0])
+def test_embedding_is_the_lookup_times_the_scale(dtype, scale):
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(50, 37, generator=g).to(dtype)
+    ids = torch.tensor([3, 0, 49, 3, 17])
+    want = torch.nn.functional.embedding(ids, table)
+    want = want if scale == 1.0 else want * scale
+    assert torch.equal(ew.embedding(ids, table, scale), want)
+
+
+def test_embedding_refuses_ids_outside_the_table():
+    with pytest.raises(IndexError, match="50 rows"):
+        ew.embedding(torch.tensor([1, 50]), torch.randn(50, 4))
+    with pytest.raises(IndexError):
+        ew.embedding(torch.tensor([-1]), torch.randn(50, 4))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mult", [1.0, 0.37, -2.5])
+def test_residual_add_rounds_as_pytorch(dtype, mult):
+    g = torch.Generator().manual_seed(1)
+    x, h = (torch.randn(5, 1000, generator=g).to(dtype) for _ in range(2))
+    want = x + h if mult == 1.0 else x + h * mult
+    assert torch.equal(ew.add_scaled(x, h, mult), want)
+    assert torch.equal(residual_add(x, h, mult), want)
+
+
+def test_residual_add_of_many_rows_runs_in_parallel_and_agrees():
+    x, h = torch.randn(64, 4096), torch.randn(64, 4096)
+    assert torch.equal(ew.add_scaled(x, h, 0.5), x + h * 0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("divisor", [1.0, 8.0, 0.3])
+def test_logits_float32(dtype, divisor):
+    x = torch.randn(3, 1001).to(dtype)
+    want = x.float() if divisor == 1.0 else x.float() / divisor
+    assert torch.equal(ew.logits_f32(x, divisor), want)
+    assert torch.equal(logits_float32(x, divisor), want)
+    strided = torch.randn(3, 2000).to(dtype)[:, :1001]
+    assert torch.equal(ew.logits_f32(strided, divisor), strided.float() / divisor)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scaling", [1.0, 1.2])
+def test_rope_cos_sin_against_float64(dtype, scaling):
+    positions = torch.tensor([0, 1, 7, 63, 4095, 131071])
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    cos, sin = ew.rope_cos_sin(positions, inv_freq, scaling, dtype)
+    angles = positions.float()[:, None] * inv_freq[None, :]  # float32 angles, as PyTorch
+    emb = torch.cat([angles, angles], dim=-1).double()
+    tol = 2e-7 if dtype == torch.float32 else 2**-8  # float32 cos/sin, or one bf16 step
+    torch.testing.assert_close(cos.double(), emb.cos() * scaling, rtol=tol, atol=tol)
+    torch.testing.assert_close(sin.double(), emb.sin() * scaling, rtol=tol, atol=tol)
+    assert cos.dtype == dtype and cos.shape == (6, 64)
+
+
+def test_rotary_embedding_uses_the_kernel_and_matches_pytorch():
+    rope = RotaryEmbedding(32, {"rope_type": "default", "rope_theta": 10000.0})
+    positions = torch.arange(0, 300, 7)
+    cos, sin = rope.cos_sin(positions, torch.float32)
+    freqs = positions.float()[:, None] * rope.inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    torch.testing.assert_close(cos, emb.cos(), rtol=0, atol=3e-7)
+    torch.testing.assert_close(sin, emb.sin(), rtol=0, atol=3e-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_of_separate_projections(dtype):
+    gate, up = torch.randn(3, 300).to(dtype), torch.randn(3, 300).to(dtype)
+    out = native.silu_mul(gate, up)
+    want = torch.nn.functional.silu(gate) * up
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(out, want, rtol=tol, atol=tol)
+    fused = torch.cat([gate, up], dim=-1)
+    assert torch.equal(native.silu_and_mul(fused), out)  # the same kernel either way
+
+
+def test_unsupported_inputs_are_left_to_pytorch():
+    assert ew.embedding(torch.tensor([1], dtype=torch.int32), torch.randn(4, 4)) is None
+    assert ew.add_scaled(torch.randn(4), torch.randn(5)) is None
+    assert ew.add_scaled(torch.randn(4).half(), torch.randn(4).half()) is None
+    assert ew.rope_cos_sin(torch.tensor([1]), torch.ones(4).double(), 1.0, torch.float32) is None
+    x = torch.randn(2, 3)
+    assert ew.logits_f32(x) is x  # float32, nothing to divide: the tensor itself
+    assert math.isfinite(float(residual_add(torch.ones(2).half(), torch.ones(2).half())[0]))
