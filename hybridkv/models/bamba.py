@@ -23,6 +23,7 @@ from hybridkv.layers.mlp import GatedMLP, RMSNorm
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.granitemoehybrid import Mamba2HybridConfig
+from hybridkv.ops.elementwise import residual_add
 from hybridkv.worker.batch import ForwardBatch
 
 # transformers' BambaConfig forces a partial rotary factor of 0.5 when none is given
@@ -101,7 +102,7 @@ class BambaDecoderLayer(nn.Module):
             assert rotary is not None and cos_sin is not None
             h = self.self_attn(h, batch, rotary, cos_sin)
         x, h = self.pre_ff_layernorm.add_forward(x, h)
-        return x + self.feed_forward(h)
+        return residual_add(x, self.feed_forward(h))
 
 
 class BambaModel(nn.Module):

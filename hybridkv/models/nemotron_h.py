@@ -46,6 +46,8 @@ from hybridkv.layers.mamba2 import Mamba2Mixer
 from hybridkv.layers.mlp import RMSNorm
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import HFConfig, layer_types
+from hybridkv.ops.elementwise import residual_add
+from hybridkv.ops.native import elementwise as native_ew
 from hybridkv.worker.batch import ForwardBatch
 
 # default layout of transformers' NemotronHConfig when config.json gives none
@@ -58,7 +60,8 @@ EXPERT_WEIGHT = re.compile(
 
 
 def _relu2(x: torch.Tensor) -> torch.Tensor:
-    return F.relu(x).square()
+    out = native_ew.relu2(x)  # (one kernel call: a decode step stays capturable)
+    return out if out is not None else F.relu(x).square()
 
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -341,7 +344,7 @@ class NemotronHBlock(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         h = self.norm(x)  # [T, hidden]
         h = self.mixer(h, batch) if self.takes_batch else self.mixer(h)
-        return x + h
+        return residual_add(x, h)
 
 
 class NemotronHBackbone(nn.Module):

@@ -22,6 +22,7 @@ from hybridkv.distributed.layers import vocab_embedding, vocab_head
 from hybridkv.layers.cache import CacheOwner
 from hybridkv.layers.mlp import RMSNorm
 from hybridkv.models.base import CausalLM
+from hybridkv.ops.elementwise import residual_add
 from hybridkv.worker.batch import ForwardBatch
 
 
@@ -45,7 +46,9 @@ class StateBlock(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, dtype: torch.dtype) -> torch.Tensor:
         # x: [T, hidden], float32 when residual_in_fp32 (as transformers keeps the residual)
         h = self.mixer(self.norm(x.to(dtype)), batch)
-        return (x.float() if self.residual_in_fp32 else x) + h
+        if self.residual_in_fp32 and h.dtype != torch.float32:
+            return x.float() + h  # (a bfloat16 model's float32 residual: promoted)
+        return residual_add(x, h)
 
 
 class StateBackbone(nn.Module):

@@ -2,11 +2,19 @@ import pytest
 
 from hybridkv.models.bamba import BambaConfig
 
-from .conformance import check_prefill_logits, family, test_greedy_matches_transformers  # noqa: F401
+from .conformance import (  # noqa: F401
+    check_prefill_logits,
+    family,
+    test_captured_decode_equals_eager,
+    test_greedy_matches_transformers,
+)
 from .utils import (
     save_model,
     seeded,
 )
+
+# checkpoints whose decode steps must be captured (test_captured_decode_equals_eager)
+CAPTURED = ("half", "quarter")
 
 VOCAB = 96
 # "half": transformers' default (partial_rotary_factor 0.5 written into rope_parameters), untied

@@ -23,6 +23,7 @@ from hybridkv.models.deepseek_v3 import DeepseekV3Config
 from .conformance import (  # noqa: F401
     check_prefill_logits,
     family,
+    test_captured_decode_equals_eager,
     test_greedy_matches_transformers,
     test_kernel_blocks_of_64,
 )

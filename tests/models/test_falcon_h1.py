@@ -23,7 +23,12 @@ import torch
 
 from hybridkv.engine import Engine
 
-from .conformance import check_prefill_logits, family, test_greedy_matches_transformers  # noqa: F401
+from .conformance import (  # noqa: F401
+    check_prefill_logits,
+    family,
+    test_captured_decode_equals_eager,
+    test_greedy_matches_transformers,
+)
 from .utils import engine_greedy, prompts, reference_greedy, save_model, seeded
 
 VOCAB = 96

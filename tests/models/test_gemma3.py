@@ -21,7 +21,12 @@ import torch
 
 from hybridkv.engine import Engine
 
-from .conformance import check_prefill_logits, family, test_greedy_matches_transformers  # noqa: F401
+from .conformance import (  # noqa: F401
+    check_prefill_logits,
+    family,
+    test_captured_decode_equals_eager,
+    test_greedy_matches_transformers,
+)
 from .utils import engine_greedy, prompts, save_model, save_tokenizer, seeded
 
 VOCAB = 96

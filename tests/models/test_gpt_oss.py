@@ -20,7 +20,12 @@ from hybridkv.kv.specs import ConfigError
 from hybridkv.layers.rotary import yarn_inv_freq
 from hybridkv.models.gpt_oss import GptOssConfig, GptOssForCausalLM
 
-from .conformance import check_prefill_logits, family, test_greedy_matches_transformers  # noqa: F401
+from .conformance import (  # noqa: F401
+    check_prefill_logits,
+    family,
+    test_captured_decode_equals_eager,
+    test_greedy_matches_transformers,
+)
 from .utils import engine_greedy, save_model, seeded
 
 VOCAB = 96

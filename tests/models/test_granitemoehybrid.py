@@ -1,10 +1,18 @@
 import pytest
 
-from .conformance import check_prefill_logits, family, test_greedy_matches_transformers  # noqa: F401
+from .conformance import (  # noqa: F401
+    check_prefill_logits,
+    family,
+    test_captured_decode_equals_eager,
+    test_greedy_matches_transformers,
+)
 from .utils import (
     save_model,
     seeded,
 )
+
+# checkpoints whose decode steps must be captured (test_captured_decode_equals_eager)
+CAPTURED = (0,)  # the dense checkpoint (MoE routing runs in PyTorch)
 
 VOCAB = 96
 

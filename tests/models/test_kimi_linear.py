@@ -22,6 +22,7 @@ from hybridkv.ops import native
 from .conformance import (  # noqa: F401
     check_prefill_logits,
     family,
+    test_captured_decode_equals_eager,
     test_greedy_matches_transformers,
     test_kernel_blocks_of_64,
 )

@@ -18,7 +18,12 @@ import torch
 
 from hybridkv.engine import Engine
 
-from .conformance import check_prefill_logits, family, test_greedy_matches_transformers  # noqa: F401
+from .conformance import (  # noqa: F401
+    check_prefill_logits,
+    family,
+    test_captured_decode_equals_eager,
+    test_greedy_matches_transformers,
+)
 from .utils import (
     check_bf16_as_close_as_transformers,
     check_config_errors,

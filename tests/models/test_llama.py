@@ -7,11 +7,19 @@ the plan holds a full-attention group next to sliding ones.
 
 import pytest
 
-from .conformance import check_prefill_logits, family, test_greedy_matches_transformers  # noqa: F401
+from .conformance import (  # noqa: F401
+    check_prefill_logits,
+    family,
+    test_captured_decode_equals_eager,
+    test_greedy_matches_transformers,
+)
 from .utils import (
     save_model,
     seeded,
 )
+
+# checkpoints whose decode steps must be captured (test_captured_decode_equals_eager)
+CAPTURED = ("llama3", "qwen3", "qwen3-sliding")
 
 VOCAB = 96
 # head_dim 16: wavelengths 6 .. 2e4 tokens hit the kept, blended and slowed bands of llama3

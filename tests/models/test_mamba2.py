@@ -17,8 +17,16 @@ from hybridkv.engine import Engine
 from hybridkv.models.hf_config import ConfigError
 from hybridkv.models.mamba2 import Mamba2Config
 
-from .conformance import check_prefill_logits, family, test_greedy_matches_transformers  # noqa: F401
+from .conformance import (  # noqa: F401
+    check_prefill_logits,
+    family,
+    test_captured_decode_equals_eager,
+    test_greedy_matches_transformers,
+)
 from .utils import engine_greedy, prompts, reference_greedy, save_model, seeded
+
+# checkpoints whose decode steps must be captured (test_captured_decode_equals_eager)
+CAPTURED = ("defaults", "odd_heads")
 
 VOCAB = 96
 

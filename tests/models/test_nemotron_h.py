@@ -7,11 +7,19 @@ from hybridkv.engine import Engine
 from hybridkv.models.loader import iter_weights
 from hybridkv.models.nemotron_h import NemotronHForCausalLM
 
-from .conformance import check_prefill_logits, family, test_greedy_matches_transformers  # noqa: F401
+from .conformance import (  # noqa: F401
+    check_prefill_logits,
+    family,
+    test_captured_decode_equals_eager,
+    test_greedy_matches_transformers,
+)
 from .utils import (
     save_model,
     seeded,
 )
+
+# checkpoints whose decode steps must be captured (test_captured_decode_equals_eager)
+CAPTURED = ("dense",)  # (its MoE routing runs in PyTorch)
 
 VOCAB = 96
 # "latent": MoE experts between fc1/fc2_latent_proj (moe_latent_size); prefill test only

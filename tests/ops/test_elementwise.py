@@ -103,3 +103,9 @@ def test_unsupported_inputs_are_left_to_pytorch():
     x = torch.randn(2, 3)
     assert ew.logits_f32(x) is x  # float32, nothing to divide: the tensor itself
     assert math.isfinite(float(residual_add(torch.ones(2).half(), torch.ones(2).half())[0]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_relu2_rounds_as_pytorch(dtype):
+    x = torch.randn(7, 333).to(dtype)
+    assert torch.equal(ew.relu2(x), torch.nn.functional.relu(x).square())

@@ -133,3 +133,17 @@ void hkv_logits_f32(const void *x, int64_t x_stride, int bf16, float *out, int64
             for (int64_t c = 0; c < cols; c++) o[c] = o[c] / divisor;
     }
 }
+
+/* relu(x)^2 over n elements (Nemotron-H's MLP activation): the square of the float32 value,
+ * rounded once to bfloat16 when bf16, as F.relu(x).square() does. */
+void hkv_relu2(const void *x, void *out, int64_t n, int bf16) {
+#pragma omp parallel for schedule(static) if (n >= EW_PARALLEL_MIN)
+    for (int64_t i = 0; i < n; i++) {
+        float v = bf16 ? ew_from_bf16(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+        v = v > 0.0f ? v * v : 0.0f;
+        if (bf16)
+            ((uint16_t *)out)[i] = ew_to_bf16(v);
+        else
+            ((float *)out)[i] = v;
+    }
+}

@@ -16,6 +16,7 @@ native.declare({
     "hkv_add_scaled": [_ptr, _ptr, _f32, _ptr, _i64, _int],
     "hkv_rope_cos_sin": [_ptr, _i64, _ptr, _i64, _f32, _int, _ptr, _ptr],
     "hkv_logits_f32": [_ptr, _i64, _int, _ptr, _i64, _i64, _f32],
+    "hkv_relu2": [_ptr, _ptr, _i64, _int],
 })  # fmt: skip
 native.returns_status("hkv_embedding")
 
@@ -96,4 +97,16 @@ def logits_f32(x: torch.Tensor, divisor: float = 1.0) -> torch.Tensor | None:
         x.data_ptr(), x.stride(0), native._is_bf16(x), out.data_ptr(), x.shape[0], x.shape[1],
         divisor,
     )  # fmt: skip
+    return out
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor | None:
+    """relu(x) ** 2 of float32 or bfloat16 x (rounded as `F.relu(x).square()`); None when
+    not supported."""
+    lib = native.library()
+    if lib is None or not _float_cpu(x):
+        return None
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    lib.hkv_relu2(x.data_ptr(), out.data_ptr(), x.numel(), native._is_bf16(x))
     return out
