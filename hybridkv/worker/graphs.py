@@ -37,7 +37,7 @@ from hybridkv.core.scheduler import ScheduledChunk
 from hybridkv.layers.attention.base import AttentionMetadata
 from hybridkv.layers.state_base import StateMetadata
 from hybridkv.ops import native
-from hybridkv.ops.native.program import Program, capture
+from hybridkv.ops.native.program import Arena, Program, capture
 from hybridkv.worker.batch import ForwardBatch
 
 if TYPE_CHECKING:
@@ -66,7 +66,9 @@ class StaticInputs:
 class CapturedStep:
     inputs: StaticInputs
     program: Program
-    logits: torch.Tensor  # [S, vocab] float32: what the program writes
+    # [S, vocab] float32: what the program writes, in the arena the captured sizes share (read
+    # it before the next step)
+    logits: torch.Tensor
 
 
 def is_decode_step(chunks: Sequence[ScheduledChunk]) -> bool:
@@ -84,6 +86,8 @@ class DecodeGraphs:
         self.seen: dict[int, int] = {}
         self.disabled: str | None = None  # why this model's steps cannot be captured
         self.replays = 0
+        # what the captured steps allocate: one step runs at a time, so all sizes share it
+        self.arena = Arena()
 
     def logits(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
         """The logits of a decode step ([S, vocab] float32, one row per chunk), from its
@@ -108,7 +112,9 @@ class DecodeGraphs:
         self._fill(inputs, chunks)
         self._provide_spans(inputs)
         model = self.runner.model
-        logits, program, why = capture(lambda: model.compute_logits(model(inputs.batch)))
+        logits, program, why = capture(
+            lambda: model.compute_logits(model(inputs.batch)), self.arena
+        )
         if program is None:
             self.disabled = why
             logger.info("decode steps of this model run eagerly: %s", why)

@@ -91,3 +91,36 @@ def test_one_tape_at_a_time():
     with prog.recording(), pytest.raises(RuntimeError, match="already"), prog.recording():
         pass
     assert native._tape is None
+
+
+def test_programs_sharing_an_arena_reuse_its_memory():
+    """Two captures on one arena: each allocates from its start, so the arena is as large as
+    the larger capture, and each program, run alone, computes its own step."""
+    arena = prog.Arena()
+    w = torch.randn(64)
+    xs = {n: torch.randn(n, 64) for n in (1, 5)}
+    programs = {}
+    for n, x in xs.items():
+        out, program, why = prog.capture(lambda x=x: native.rms_norm(x, w, 1e-5), arena)
+        assert why is None
+        programs[n] = (program, out)
+    assert programs[1][1].data_ptr() == programs[5][1].data_ptr()  # the same bytes
+    assert len(arena.chunks) == 1
+    for n in (5, 1, 5):
+        xs[n].copy_(torch.randn(n, 64))
+        program, out = programs[n]
+        program.run()
+        assert torch.equal(out, native.rms_norm(xs[n], w, 1e-5))
+
+
+def test_arena_allocations_keep_shape_strides_and_alignment():
+    arena = prog.Arena()
+    a = arena.allocate(torch.empty(3, 5, dtype=torch.bfloat16))
+    b = arena.allocate(torch.empty_strided((4, 3), (1, 4)))
+    big = arena.allocate(torch.empty(prog.Arena.CHUNK_BYTES // 4 + 7))  # past the first chunk
+    assert a.shape == (3, 5) and a.dtype == torch.bfloat16 and a.is_contiguous()
+    assert b.stride() == (1, 4) and b.data_ptr() % prog.Arena.ALIGN == 0
+    assert b.data_ptr() >= a.data_ptr() + a.numel() * 2  # no overlap
+    assert len(arena.chunks) == 2 and big.numel() == prog.Arena.CHUNK_BYTES // 4 + 7
+    arena.rewind()
+    assert arena.allocate(torch.empty(2)).data_ptr() == a.data_ptr()

@@ -17,6 +17,7 @@ equivalent:
 computes (anything but allocating or viewing memory) would not be replayed, so the capture is
 refused (`program` None, `why_not` names the op) and the caller keeps running eagerly. Every
 tensor allocated during the capture is kept by the program: the recorded pointers stay valid.
+Programs that never run at the same time can share their allocations (`Arena`).
 What the function does in Python (branches, sizes) is frozen: the caller replays a program only
 for inputs of the shapes and kinds it was captured with.
 """
@@ -133,29 +134,85 @@ def _slot(value: int | float) -> int:
     return value
 
 
-class _ComputeWatch(TorchDispatchMode):
-    """Keeps every tensor an op makes, and the names of the ops that compute."""
+class Arena:
+    """Memory for the tensors that captures allocate, shared by every program captured with
+    it: programs that never run at the same time (a runner replays one decode step at a time)
+    reuse the same bytes, so capturing 16 batch sizes costs the memory of the largest, and a
+    replay's buffers lie close together. A capture takes its allocations one after the other
+    from the start (`rewind`), in chunks of at least CHUNK_BYTES added as needed."""
+
+    CHUNK_BYTES = 4 << 20
+    ALIGN = 64  # bytes: a cache line, and any dtype's alignment
 
     def __init__(self) -> None:
+        self.chunks: list[torch.Tensor] = []
+        self.rewind()
+
+    def rewind(self) -> None:
+        self._chunk, self._offset = 0, 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.numel() for c in self.chunks)
+
+    def allocate(self, like: torch.Tensor) -> torch.Tensor:
+        """A tensor of `like`'s shape, strides and dtype in the arena (contents undefined)."""
+        span = 1 + sum((n - 1) * st for n, st in zip(like.shape, like.stride(), strict=True))
+        size = like.element_size() * (span if like.numel() else 0)
+        while True:
+            if self._chunk == len(self.chunks):
+                self.chunks.append(torch.empty(max(self.CHUNK_BYTES, size), dtype=torch.uint8))
+            chunk = self.chunks[self._chunk]
+            if self._offset + size <= chunk.numel():
+                break
+            self._chunk, self._offset = self._chunk + 1, 0
+        raw = chunk[self._offset : self._offset + size]
+        self._offset += -(-size // self.ALIGN) * self.ALIGN
+        flat = raw.view(like.dtype) if size else torch.empty(0, dtype=like.dtype)
+        return flat.as_strided(like.shape, like.stride())
+
+
+ALLOCATIONS = frozenset({"empty", "empty_strided", "empty_like"})
+
+
+def _on_cpu(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "cpu"
+
+
+class _ComputeWatch(TorchDispatchMode):
+    """Keeps every tensor an op makes (allocations from the arena, if given), and the names of
+    the ops that compute."""
+
+    def __init__(self, arena: Arena | None) -> None:
         super().__init__()
+        self.arena = arena
         self.keep: list[torch.Tensor] = []
         self.computed: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
+        arena = self.arena
+        if arena is not None and name in ALLOCATIONS and _on_cpu(out):
+            out = arena.allocate(out)
         if name not in NO_COMPUTE and not (name in MAY_ALIAS and _aliases(out, args)):
             self.computed.append(str(func))
         self.keep.extend(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
 
 
-def capture(fn: Callable[[], T]) -> tuple[T, Program | None, str | None]:
-    """Run fn once, recording its kernel calls: (its result, the program or None, why not)."""
+def capture(
+    fn: Callable[[], T], arena: Arena | None = None
+) -> tuple[T, Program | None, str | None]:
+    """Run fn once, recording its kernel calls: (its result, the program or None, why not).
+    `arena`: where the tensors fn allocates live (shared with the programs captured before;
+    only one of them may run at a time), else ordinary allocations."""
     lib = native.library()
     if lib is None:
         return fn(), None, "no native library"
-    watch = _ComputeWatch()
+    if arena is not None:
+        arena.rewind()
+    watch = _ComputeWatch(arena)
     with recording() as tape, watch:
         result = fn()
     if watch.computed:
