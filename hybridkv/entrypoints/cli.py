@@ -216,6 +216,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="cache budget, e.g. 2GiB (default: sized for max-num-seqs requests)",
     )
     p.add_argument("--allocation", default="block", choices=["block", "page"])
+    p.add_argument(
+        "--max-capture-size",
+        type=int,
+        default=None,
+        help="CPU: decode steps of up to this many requests are captured and replayed "
+        "natively (default 16; 0: none)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CPU: run every step eagerly (no captured decode steps)",
+    )
     _add_quantization_arg(p)
     _add_parallel_args(p)
 
@@ -261,7 +273,10 @@ def _load_engine(args: argparse.Namespace):
         "tensor_parallel_size": args.tensor_parallel_size,
         "distributed_timeout_s": args.distributed_timeout,
         "quantization": _quantization(args),
+        "enforce_eager": args.enforce_eager,
     }
+    if args.max_capture_size is not None:
+        kwargs["max_capture_size"] = args.max_capture_size
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.memory is not None:

@@ -79,6 +79,7 @@ def test_generate_text_and_prompts_file(capsys, tiny_model_dir, tmp_path):
         (["generate", "--quantization", "int4"], "quantization must be None or one of 'int8'"),
         (["serve", "--quantization", "fp8"], "quantization must be None or one of 'int8'"),
         (["bench", "--quantization", "q8_0"], "got 'q8_0'"),
+        (["generate", "--max-capture-size", "-1"], "max_capture_size must be an integer >= 0"),
     ],
 )
 def test_errors_are_one_line(capsys, tiny_model_dir, argv, message):
@@ -199,3 +200,16 @@ def test_serve_subprocess(tiny_model_dir):
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_generate_eager_and_captured_agree(capsys, tiny_model_dir):
+    """--enforce-eager runs every step in Python; the default replays captured decode steps:
+    the same greedy tokens."""
+    outs = []
+    for flags in (["--enforce-eager"], ["--max-capture-size", "2"]):
+        argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "t1 t2", "--prompt",
+                "t5", "--max-tokens", "12", "--temperature", "0", "--json", *flags]  # fmt: skip
+        code, out, _ = run(capsys, *argv)
+        assert code == 0
+        outs.append([json.loads(line)["token_ids"] for line in out.splitlines()])
+    assert outs[0] == outs[1] and all(len(t) > 4 for t in outs[0])
