@@ -388,7 +388,9 @@ def quiet(level, text, user_data):
     pass
 L.llama_log_set(quiet, ctypes.c_void_p())
 L.llama_backend_init()
-model = L.llama_model_load_from_file(job["model"].encode(), L.llama_model_default_params())
+model_params = L.llama_model_default_params()
+model_params.use_extra_bufts = job["extra_bufts"]
+model = L.llama_model_load_from_file(job["model"].encode(), model_params)
 if not model:
     sys.exit("llama.cpp could not load " + job["model"])
 n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
@@ -473,9 +475,12 @@ def run_llamacpp(
     threads: int = 2,
     mode: str = "time",
     kv_unified: bool = False,
+    extra_bufts: bool = True,
 ):
     """llama.cpp in `python` (with llama-cpp-python) on `gguf`: median seconds (mode "time")
-    or each prompt's greedy tokens (mode "tokens")."""
+    or each prompt's greedy tokens (mode "tokens"). A run that dies of a signal with llama.cpp's
+    extra buffer types (its weight repacking, the AMX kernels) runs again without them, and
+    says so: on an AMX machine (2026-12-02) a Q8_0 model crashed in its first decode there."""
     with tempfile.TemporaryDirectory() as tmp:
         prompt_file = Path(tmp) / "prompts.json"
         prompt_file.write_text(json.dumps(prompts))
@@ -487,11 +492,20 @@ def run_llamacpp(
             "threads": threads,
             "mode": mode,
             "kv_unified": kv_unified,
+            "extra_bufts": extra_bufts,
         }
         proc = subprocess.run(
             [python, "-c", LLAMACPP_RUNNER, json.dumps(job)], capture_output=True, text=True,
             cwd=tmp,
         )  # fmt: skip
+    if proc.returncode < 0 and extra_bufts:
+        print(
+            f"llama.cpp on {gguf.name} died of signal {-proc.returncode} with its extra buffer "
+            "types; running it again without them (use_extra_bufts=False)",
+            file=sys.stderr,
+        )
+        return run_llamacpp(python, gguf, prompts, new_tokens, repeat, threads, mode,
+                            kv_unified, extra_bufts=False)  # fmt: skip
     for line in proc.stdout.splitlines():
         if line.startswith("HYBRIDKV_RESULT "):
             result = json.loads(line.split(" ", 1)[1])
