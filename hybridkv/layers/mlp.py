@@ -10,6 +10,7 @@ from hybridkv.distributed.parallel import column, current, declare_shards, rank0
 from hybridkv.ops import native
 from hybridkv.ops.derived import derived
 from hybridkv.ops.native import bf16_linear as native_bf16
+from hybridkv.ops.native import moe as native_moe
 from hybridkv.ops.norm import add_rms_norm, rms_norm
 
 
@@ -67,7 +68,14 @@ def gated_experts(
     the busiest (rows of a zero token), and the weighted rows go back to their tokens in one
     index_add_. Many (prefill): per expert hit, gather its rows, two GEMMs, add them back.
     Either way a token's outputs are added in expert order.
+
+    bfloat16 on a CPU with AMX: all of it in one native call (`ops.native.moe`: the pairs
+    sorted, each expert's groups of up to 32 pairs through both GEMMs on AMX tiles, the same
+    roundings as the paths below), at every batch size.
     """
+    routed = native_moe.routed_experts(x, experts, weights, gate_up, down)
+    if routed is not None:
+        return routed
     num_experts, k = gate_up.shape[0], experts.shape[1]
     flat = experts.reshape(-1)  # [T * k]
     order = torch.argsort(flat, stable=True)

@@ -46,11 +46,16 @@ from hybridkv.layers.mlp import GatedMLP, ZeroCenteredRMSNorm, gated_experts
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig, layer_types
+from hybridkv.ops.native import moe as native_moe
 from hybridkv.worker.batch import ForwardBatch
 
 logger = logging.getLogger("hybridkv")
 # transformers' default partial rotary factor for these families ("assign default for BC")
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.25
+# Tokens up to which the shared expert runs on the native AMX kernel (at decode sizes it streams
+# the weights once for all rows, with its gate and the add to the routed sum fused); above,
+# oneDNN's linears (benchmarks/README.md, Qwen3-Next section).
+NATIVE_SHARED_ROWS = 256
 EXPERT_WEIGHT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -282,11 +287,36 @@ class SparseMoe(nn.Module):
         top, experts = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             top = top / top.sum(dim=-1, keepdim=True)
-        routed = self.experts(x, experts, top.to(x.dtype))  # this rank's partial sums
+        weights = top.to(x.dtype)
         # the gate is replicated, so it scales the shared expert's partial sum before the one
         # all-reduce of both
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, reduce=False)
+        scale = torch.sigmoid(self.shared_expert_gate(x))  # [T, 1]
+        fused = self._native(x, experts, weights, scale)
+        if fused is not None:
+            return self.tp.all_reduce(fused)
+        routed = self.experts(x, experts, weights)  # this rank's partial sums
+        shared = scale * self.shared_expert(x, reduce=False)
         return self.tp.all_reduce(routed + shared)
+
+    def _native(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor
+    ) -> torch.Tensor | None:
+        """bfloat16 on a CPU with AMX (`ops.native.moe`): routed + shared in one pass over the
+        tokens, the same roundings as the PyTorch path. The shared expert runs on AMX too for
+        up to NATIVE_SHARED_ROWS tokens (decode steps: its weights streamed once), on oneDNN's
+        linears above (larger GEMMs, where they are faster)."""
+        if not native_moe.available() or x.dtype != torch.bfloat16:
+            return None
+        mlp = self.shared_expert
+        shared = None
+        if x.shape[0] <= NATIVE_SHARED_ROWS and mlp.gate_proj.bias is None:
+            shared = native_moe.swiglu_expert(
+                x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, scale
+            )
+        if shared is None:
+            shared = scale * mlp(x, reduce=False)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        return native_moe.routed_experts(x, experts, weights, gate_up, down, extra=shared)
 
 
 class Qwen3NextDecoderLayer(nn.Module):

@@ -1,0 +1,208 @@
+/* The gated delta rule's decode step (Qwen3-Next, Qwen3.5): one token per request, each state
+ * read once from memory and written once. hybridkv/ops/native/gdn_decode.py declares it;
+ * hybridkv/ops/gdn_ops.py (NativeGDNOps) calls it for steps of one-token requests only (the
+ * general kernel, hkv_gated_delta_rule in kernels.c, takes every other step). Compiled into the
+ * one native library with the other C files of this folder.
+ *
+ * Per request and value head, S [K, V] its state, qn = q / |q| / sqrt(K), kn = k / |k|:
+ *
+ *     S' = e^g S + kn (outer) delta,    delta = beta (v - e^g S^T kn)
+ *     o  = S'^T qn = e^g (S^T qn) + (kn . qn) delta
+ *
+ * so one read of S gives both S^T kn and S^T qn (pass 1), delta and o follow from them, and a
+ * second pass writes S' (pass 2). The general kernel reads the state into a float32 copy (for
+ * bfloat16 states or a V that is not a multiple of 16), sweeps it twice and writes it back: four
+ * passes over 64 KiB (K = V = 128) where L1 holds 48. Here the columns are taken 128 at a time
+ * (K rows of 128 bfloat16 values: 32 KiB, in L1 for pass 2), 8 vectors of sums in registers.
+ * The new state is the general kernel's (decay * s + kn * delta, fused, rounded to bfloat16 as
+ * torch rounds); o differs from it by float32 rounding (summed from S, not S').
+ *
+ * Arguments are hkv_gated_delta_rule's (same layouts): requests with lens[r] != 1 are left alone
+ * (the caller sends only one-token requests). The math is float32. *failed: 1 when K exceeds
+ * GD_MAX_K (nothing done), else 0.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&                 \
+    defined(__AVX512BF16__)
+#include <immintrin.h>
+#define GD_FAST 1
+#else
+#define GD_FAST 0
+#endif
+
+#define GD_EPS 1e-6f            /* of the L2 norm, as transformers' l2norm */
+#define GD_MIN_LOG_DECAY -80.0f /* as the general kernel: no denormal decays */
+#define GD_MAX_K 1024           /* the normalised q and k on the stack */
+
+static inline float gd_bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t gd_f32_to_bf16(float f) { /* round to nearest even, as torch */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float gd_load(const void *x, int bf16, int64_t i) {
+    return bf16 ? gd_bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+/* out = x[i .. i + n) / sqrt(|x|^2 + eps) * scale */
+static void gd_normalise(const void *x, int bf16, int64_t i, int64_t n, float scale,
+                         float *out) {
+    float sq = 0.0f;
+    for (int64_t l = 0; l < n; l++) {
+        out[l] = gd_load(x, bf16, i + l);
+        sq += out[l] * out[l];
+    }
+    const float inv = 1.0f / sqrtf(sq + GD_EPS) * scale;
+    for (int64_t l = 0; l < n; l++) out[l] *= inv;
+}
+
+int hkv_gdn_decode_fast(void) { return GD_FAST; }
+
+#if GD_FAST
+
+#define GD_NV 8 /* vectors of 16 columns per block: 128 columns */
+#define GD_UNROLL _Pragma("GCC unroll 8")
+
+static inline __mmask16 gd_mask(int64_t n) {
+    return n <= 0 ? 0 : n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+}
+
+static inline __m512 gd_load16(const void *p, int bf16, __mmask16 m) {
+    if (!bf16) return _mm512_maskz_loadu_ps(m, p);
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+static inline void gd_store16(void *p, int bf16, __m512 v, __mmask16 m) {
+    if (bf16)
+        _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+    else
+        _mm512_mask_storeu_ps(p, m, v);
+}
+
+/* One (request, value head): S [K, V] at `head` (float32, or bfloat16 when sb), not read when
+ * !init (it starts at zero). qn, kn: [K]; vrow: the token's [V] values (bf16 when vb); o: [V]. */
+static void gd_head(void *head, int sb, int init, int64_t K, int64_t V, const float *qn,
+                    const float *kn, float qk, const void *vrow, int vb, float decay, float beta,
+                    float *o, const char *next) {
+    const int64_t elem = sb ? 2 : 4;
+    /* the next task's state, prefetched during pass 2: lines per row, so that it is all asked
+     * for by the last row */
+    const int64_t next_lines = next == NULL ? 0 : (K * V * elem + 63) / 64;
+    int64_t next_done = 0;
+    for (int64_t c0 = 0; c0 < V; c0 += GD_NV * 16) {
+        __mmask16 m[GD_NV];
+        __m512 p[GD_NV], s_q[GD_NV], delta[GD_NV];
+        GD_UNROLL for (int j = 0; j < GD_NV; j++) {
+            m[j] = gd_mask(V - c0 - 16 * j);
+            p[j] = s_q[j] = _mm512_setzero_ps();
+        }
+        char *base = (char *)head + c0 * elem;
+        if (init) { /* pass 1: S^T kn and S^T qn */
+            for (int64_t k = 0; k < K; k++) {
+                const char *row = base + k * V * elem;
+                const __m512 kk = _mm512_set1_ps(kn[k]), qq = _mm512_set1_ps(qn[k]);
+                GD_UNROLL for (int j = 0; j < GD_NV; j++) {
+                    const __m512 s = gd_load16(row + 16 * j * elem, sb, m[j]);
+                    p[j] = _mm512_fmadd_ps(s, kk, p[j]);
+                    s_q[j] = _mm512_fmadd_ps(s, qq, s_q[j]);
+                }
+            }
+        }
+        const __m512 dv = _mm512_set1_ps(decay), bv = _mm512_set1_ps(beta);
+        const __m512 qkv = _mm512_set1_ps(qk);
+        GD_UNROLL for (int j = 0; j < GD_NV; j++) { /* delta, o */
+            const __m512 v = gd_load16((const char *)vrow + (c0 + 16 * j) * (vb ? 2 : 4), vb,
+                                       m[j]);
+            delta[j] = _mm512_mul_ps(_mm512_sub_ps(v, _mm512_mul_ps(p[j], dv)), bv);
+            const __m512 out = _mm512_add_ps(_mm512_mul_ps(s_q[j], dv),
+                                             _mm512_mul_ps(delta[j], qkv));
+            _mm512_mask_storeu_ps(o + c0 + 16 * j, m[j], out);
+        }
+        const int64_t per_row = (next_lines + K * ((V + 127) / 128) - 1) / (K * ((V + 127) / 128));
+        for (int64_t k = 0; k < K; k++) { /* pass 2: S' = decay S + kn delta */
+            char *row = base + k * V * elem;
+            const __m512 kk = _mm512_set1_ps(kn[k]);
+            for (int64_t l = 0; l < per_row && next_done < next_lines; l++, next_done++)
+                _mm_prefetch(next + 64 * next_done, _MM_HINT_T0);
+            GD_UNROLL for (int j = 0; j < GD_NV; j++) {
+                if (!m[j]) continue;
+                char *at = row + 16 * j * elem;
+                const __m512 s = init ? gd_load16(at, sb, m[j]) : _mm512_setzero_ps();
+                gd_store16(at, sb, _mm512_fmadd_ps(delta[j], kk, _mm512_mul_ps(s, dv)), m[j]);
+            }
+        }
+    }
+}
+
+#else /* plain C: the same passes, one column at a time */
+
+static void gd_head(void *head, int sb, int init, int64_t K, int64_t V, const float *qn,
+                    const float *kn, float qk, const void *vrow, int vb, float decay, float beta,
+                    float *o, const char *next) {
+    (void)next;
+    for (int64_t c = 0; c < V; c++) {
+        float p = 0.0f, s_q = 0.0f;
+        if (init)
+            for (int64_t k = 0; k < K; k++) {
+                const float s = gd_load(head, sb, k * V + c);
+                p += s * kn[k], s_q += s * qn[k];
+            }
+        const float delta = (gd_load(vrow, vb, c) - p * decay) * beta;
+        o[c] = s_q * decay + delta * qk;
+        for (int64_t k = 0; k < K; k++) {
+            const float s = init ? gd_load(head, sb, k * V + c) : 0.0f;
+            const float n = s * decay + delta * kn[k];
+            if (sb)
+                ((uint16_t *)head)[k * V + c] = gd_f32_to_bf16(n);
+            else
+                ((float *)head)[k * V + c] = n;
+        }
+    }
+}
+
+#endif
+
+void hkv_gdn_decode(void *state, int64_t page_stride, int state_bf16, const int64_t *pages,
+                    const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
+                    int64_t R, int64_t Hk, int64_t Hv, int64_t K, int64_t V, const void *q,
+                    int64_t q_stride, const void *k, int64_t k_stride, const void *v,
+                    int64_t v_stride, int in_bf16, const float *g, const float *beta, float *o,
+                    int *failed) {
+    const int64_t elem = state_bf16 ? 2 : 4, group = Hv / Hk;
+    *failed = K > GD_MAX_K;
+    if (*failed) return;
+#pragma omp parallel for collapse(2) schedule(static) if (R * Hv > 1)
+    for (int64_t r = 0; r < R; r++) {
+        for (int64_t h = 0; h < Hv; h++) {
+            if (lens[r] != 1) continue;
+            /* the task after this one (the same thread's next, in a static schedule) */
+            const int64_t nr = h + 1 < Hv ? r : r + 1, nh = h + 1 < Hv ? h + 1 : 0;
+            const char *next = nr < R && lens[nr] == 1 && has_initial[nr]
+                ? (const char *)state + (pages[nr] * page_stride + nh * K * V) * elem : NULL;
+            const int64_t t = starts[r], kh = h / group, th = t * Hv + h;
+            float qn[GD_MAX_K], kn[GD_MAX_K];
+            gd_normalise(q, in_bf16, t * q_stride + kh * K, K, 1.0f / sqrtf((float)K), qn);
+            gd_normalise(k, in_bf16, t * k_stride + kh * K, K, 1.0f, kn);
+            float qk = 0.0f;
+            for (int64_t l = 0; l < K; l++) qk += qn[l] * kn[l];
+            const float log_decay = g[th] < GD_MIN_LOG_DECAY ? GD_MIN_LOG_DECAY : g[th];
+            char *head = (char *)state + (pages[r] * page_stride + h * K * V) * elem;
+            const char *vrow = (const char *)v + (t * v_stride + h * V) * (in_bf16 ? 2 : 4);
+            gd_head(head, state_bf16, has_initial[r], K, V, qn, kn, qk, vrow, in_bf16,
+                    expf(log_decay), beta[th], o + th * V, next);
+        }
+    }
+}

@@ -1,0 +1,89 @@
+"""The gated delta rule's decode step natively (`gdn_decode.c`, compiled into the one native
+library): its ctypes signature and the checks that keep it inside its tensors.
+`hybridkv.ops.gdn_ops.NativeGDNOps` calls it for steps whose requests all have one token (the
+general `native.gated_delta_rule` takes the others); `hybridkv.ops.gated_delta` is the
+reference of the tests."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from hybridkv.ops import native
+
+_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+native.declare({
+    "hkv_gdn_decode": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
+                       _ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr],
+})  # fmt: skip
+
+DTYPES = (torch.float32, torch.bfloat16)  # of q, k, v and of the state
+MAX_K = 1024  # the kernel's limit on the key head dim (its normalised q and k on the stack)
+
+
+def _head_rows(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D] with each token's heads contiguous (a view when they are)."""
+    if x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2]):
+        return x
+    return x.contiguous()
+
+
+def gdn_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    state_pages: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> torch.Tensor | None:
+    """One decode step of the gated delta rule for requests of one token each (token s is
+    request s), states read and written in their pages; None when the kernel or these tensors
+    are not supported (the arguments are `native.gated_delta_rule`'s).
+
+    q, k: [T, Hk, K] raw (normalised in the kernel); v: [T, Hv, V]; q, k, v all float32 or all
+    bfloat16; g, beta: [T, Hv] float32; state: [num_pages, Hv, K, V] float32 or bfloat16 (each
+    page contiguous); state_pages, has_initial_state: [T]; query_start_loc: [T + 1]
+    -> o [T, Hv, V] float32.
+    """
+    lib = native.library()
+    if lib is None or q.dim() != 3 or v.dim() != 3 or q.shape != k.shape:
+        return None
+    if any(t.device.type != "cpu" for t in (q, k, v, g, beta, state)):
+        return None
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in DTYPES or state.dtype not in DTYPES:
+        return None
+    tokens, heads_k, dim_k = q.shape
+    heads_v, dim_v = v.shape[1:]
+    if v.shape[0] != tokens or heads_k == 0 or heads_v % heads_k or dim_k > MAX_K:
+        return None
+    if g.shape != (tokens, heads_v) or beta.shape != g.shape or state_pages.shape != (tokens,):
+        return None
+    if state.shape[1:] != (heads_v, dim_k, dim_v):
+        return None
+    if state.stride()[1:] != (dim_k * dim_v, dim_v, 1):
+        return None
+    if not native._spans_inside(
+        state_pages, has_initial_state, query_start_loc, state.shape[0], tokens
+    ):
+        return None  # (pages and tokens must lie inside the state, q, k, v and o)
+    o = torch.empty(tokens, heads_v, dim_v, dtype=torch.float32)
+    if tokens == 0:
+        return o
+    pages, has, starts, lens = native._spans(state_pages, has_initial_state, query_start_loc)
+    q, k, v = _head_rows(q), _head_rows(k), _head_rows(v)
+    g, beta = g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous()
+    failed = torch.empty(1, dtype=torch.int32)  # always written
+    lib.hkv_gdn_decode(
+        state.data_ptr(), state.stride(0), int(state.dtype == torch.bfloat16), pages.data_ptr(),
+        has.data_ptr(), starts.data_ptr(), lens.data_ptr(), pages.shape[0], heads_k, heads_v,
+        dim_k, dim_v, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+        v.stride(0), int(q.dtype == torch.bfloat16), g.data_ptr(), beta.data_ptr(), o.data_ptr(),
+        failed.data_ptr(),
+    )  # fmt: skip
+    if int(failed):
+        raise ValueError(f"the native gated delta rule decode takes K <= {MAX_K}")
+    return o

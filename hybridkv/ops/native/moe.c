@@ -1,0 +1,448 @@
+/* SwiGLU experts in bfloat16 on AMX tiles (Intel AMX-BF16): every (token, expert) pair of a
+ * step through its expert's two GEMMs, and the weighted outputs summed per token, in one call.
+ * hybridkv/ops/native/moe.py declares it and packs the weights; hybridkv/layers/mlp.py
+ * (`gated_experts`: routed experts) and hybridkv/models/qwen3_next.py (a shared expert: one
+ * expert that every token takes, its weight the sigmoid gate) call it. Compiled into the one
+ * native library with the other C files of this folder.
+ *
+ *     x        [T, H] bfloat16 rows at a row stride (unit column stride)
+ *     experts  [T, k] int64, weights [T, k] bfloat16 (the router's choice)
+ *     gate_up  expert e's [2I, H] weight ([gate | up] rows), packed (below)
+ *     down     expert e's [H, I] weight, packed
+ *     extra    NULL, or [T, H] bfloat16 rows at a row stride: added last (a shared expert)
+ *     out      [T, H] bfloat16 rows at a row stride
+ *
+ *     out[t] = sum over j, in ascending expert order, of
+ *              w[t, j] * down_e (silu(gate_e x[t]) * up_e x[t]),   e = experts[t, j]
+ *              (+ extra[t])
+ *
+ * rounded as the PyTorch path rounds it (`gated_experts` with bfloat16 linears; Qwen3-Next's
+ * `routed + sigmoid(g) * shared_expert(x)`): each GEMM's float32 sums rounded to bfloat16, silu
+ * rounded before the product with up, the product rounded, the down projection's output
+ * rounded, times the pair's weight rounded, and the token's sum rounded after each addition
+ * (index_add_ in bfloat16, experts in order; then + extra). Only the order of the float32 sums
+ * inside a GEMM differs from oneDNN's.
+ *
+ * Packed weights (moe.py packs them once per weight): I padded to Ip, a multiple of 16; gate_up
+ * reordered so that 16-row blocks alternate gate and up ([gate 0..15 | up 0..15 | gate 16..31 |
+ * ...], zero rows past I in each), down's columns padded to Kp2 (a multiple of 32) with zeros;
+ * then [E, N, K] -> tiles: N padded to a multiple of 16 and K to one of 32 with zeros; tile
+ * (nb, kb) of expert e holds rows nb*16 .. +15 and columns kb*32 .. +31 as AMX wants its B
+ * operand (pairs of k side by side): element [kp][n][p] = W[nb*16 + n][kb*32 + 2*kp + p], 1 KiB;
+ * an expert's tiles in the order (nb, kb).
+ *
+ * The pairs are sorted by expert (a counting sort: pair order within an expert is token order,
+ * as PyTorch's stable argsort) and cut into blocks of up to MOE_BLOCK pairs of one expert. Two
+ * phases, each a loop of tasks shared among the OpenMP threads (the libgomp torch loaded:
+ * torch.set_num_threads applies); a task is a block and a range of output columns (columns are
+ * split only when there are too few blocks for the threads: decode steps):
+ *   A: the block's rows of x gathered into a [rows, Kp1] buffer (zeros past H and past the
+ *      last row), then per 16 columns of I and 32 rows, gate and up on 2 x 2 tiles of 16 x 16
+ *      float32 sums (the weight tiles of those columns reused by every 32 rows of the block):
+ *      h = bf16(bf16(silu(bf16(gate))) * bf16(up)) into h [P, Kp2] (sorted pairs)
+ *   B: per 32 columns of H and 32 rows, h @ down^T on 2 x 2 tiles (h read in place):
+ *      Y[pair] = bf16(bf16(sum) * w)  (or straight into out when k == 1 and no extra)
+ * then each token sums its pairs' rows of Y in sorted (= expert) order.
+ *
+ * A build without AMX (or a kernel that refuses the tile data permission) reports no kernel:
+ * hkv_moe_amx_ready() returns 0 and the callers keep their PyTorch path.
+ */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) &&                 \
+    defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define MOE_AMX 1
+#else
+#define MOE_AMX 0
+#endif
+
+#define MOE_BLOCK 128      /* pairs per block: the rows a weight tile is reused for */
+#define MOE_TILE_K 32      /* bfloat16 values of k per tile row */
+#define MOE_TILE_N 16      /* float32 sums per tile row */
+#define MOE_TILE_ELEMS 512 /* bfloat16 values in one packed B tile (16 x 32) */
+#define MOE_TASKS_PER_THREAD 4 /* column splits aim at this many tasks per thread */
+#define MOE_INLINE static inline __attribute__((always_inline))
+
+static inline int64_t moe_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+#if MOE_AMX
+
+/* 16 bfloat16 values (the lanes of m; zeros elsewhere) as float32 */
+MOE_INLINE __m512 moe_load16(const uint16_t *p, __mmask16 m) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* 16 float32 rounded to bfloat16 (nearest even, as torch; vcvtneps2bf16), stored (lanes of m) */
+MOE_INLINE void moe_store16(uint16_t *p, __m512 v, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* v rounded to bfloat16 values, kept in float32 */
+MOE_INLINE __m512 moe_round16(__m512 v) {
+    const __m512i wide = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* e^x for x <= 0 and silu(v) = v / (1 + e^-v), 16 lanes: kernels.c's formulas (its silu
+ * behind hkv_silu_mul_bf16) with the same operations in the same order (no fused
+ * multiply-adds), so that h is the value the PyTorch path's native silu_and_mul gives. */
+MOE_INLINE __m512 moe_exp_nonpositive(__m512 x) {
+#define MOE_C(v) _mm512_set1_ps(v)
+    x = _mm512_max_ps(x, MOE_C(-87.0f));
+    const __m512 shift = MOE_C(12582912.0f);
+    const __m512 k = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, MOE_C(1.44269504f)), shift),
+                                   shift);
+    const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(k, MOE_C(0.693145751953125f))),
+                                   _mm512_mul_ps(k, MOE_C(1.42860677e-6f)));
+    __m512 p = _mm512_add_ps(MOE_C(8.3333338e-3f), _mm512_mul_ps(r, MOE_C(1.3888889e-3f)));
+    p = _mm512_add_ps(MOE_C(4.1666668e-2f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(MOE_C(1.6666667e-1f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(MOE_C(0.5f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(MOE_C(1.0f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(MOE_C(1.0f), _mm512_mul_ps(r, p));
+    const __m512i bits = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+MOE_INLINE __m512 moe_silu(__m512 v) {
+    const __mmask16 neg = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 z =
+        moe_exp_nonpositive(_mm512_mask_blend_ps(neg, _mm512_sub_ps(MOE_C(0.0f), v), v));
+    const __m512 num = _mm512_mask_mul_ps(v, neg, v, z);
+    return _mm512_div_ps(num, _mm512_add_ps(MOE_C(1.0f), z));
+#undef MOE_C
+}
+
+/* the lanes below n (n <= 16) */
+static inline __mmask16 moe_mask(int64_t n) {
+    return n <= 0 ? 0 : n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+}
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+int hkv_moe_amx_ready(void) {
+    static int ready = -1;
+    if (ready < 0) ready = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return ready;
+}
+
+struct moe_tilecfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* every tile 16 rows of 64 bytes: A (16 x 32 bfloat16), B (16 k pairs x 16 x 2), C (16 x 16
+ * float32) */
+static void moe_load_tiles(void) {
+    struct moe_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+/* Sums of 32 rows (16 when !two_rows) of A (row stride lda values) by one or two column tiles
+ * (B0, B1: Kb packed tiles each, consecutive in k) into C (row stride 32 floats: [32, 32], the
+ * first tile's columns then the second's). Tiles 0-3: sums (row tile i, column tile j at
+ * 2i + j), 4-5: A, 6-7: B. two_rows and two_cols are constants where inlined. */
+MOE_INLINE void moe_block(const int two_rows, const int two_cols, const uint16_t *A, int64_t lda,
+                          const uint16_t *B0, const uint16_t *B1, int64_t Kb, float *C) {
+    const int64_t sa = lda * 2;
+    _tile_zero(0);
+    if (two_cols) _tile_zero(1);
+    if (two_rows) _tile_zero(2);
+    if (two_rows && two_cols) _tile_zero(3);
+    for (int64_t kb = 0; kb < Kb; kb++) {
+        _tile_loadd(4, A + kb * MOE_TILE_K, sa);
+        _tile_loadd(6, B0 + kb * MOE_TILE_ELEMS, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two_cols) {
+            _tile_loadd(7, B1 + kb * MOE_TILE_ELEMS, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (two_rows) {
+            _tile_loadd(5, A + 16 * lda + kb * MOE_TILE_K, sa);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two_cols) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, C, 128);
+    if (two_cols) _tile_stored(1, C + 16, 128);
+    if (two_rows) _tile_stored(2, C + 16 * 32, 128);
+    if (two_rows && two_cols) _tile_stored(3, C + 16 * 32 + 16, 128);
+}
+
+static void moe_block_any(int rows, int cols, const uint16_t *A, int64_t lda, const uint16_t *B0,
+                          const uint16_t *B1, int64_t Kb, float *C) {
+    if (rows > 16 && cols > 1)
+        moe_block(1, 1, A, lda, B0, B1, Kb, C);
+    else if (rows > 16)
+        moe_block(1, 0, A, lda, B0, B1, Kb, C);
+    else if (cols > 1)
+        moe_block(0, 1, A, lda, B0, B1, Kb, C);
+    else
+        moe_block(0, 0, A, lda, B0, B1, Kb, C);
+}
+
+/* What both phases read. */
+struct moe_args {
+    const uint16_t *x, *weights, *gate_up, *down, *extra;
+    int64_t x_stride, extra_stride, out_stride, T, H, k, E, Ip;
+    int64_t Kb1, Kp1, Kb2, Kp2, Nb2, per1, per2; /* tiles; per1, per2: values per expert */
+    const int64_t *order;                        /* sorted position -> flat pair */
+    uint16_t *h, *Y, *out;                       /* h [P + 32, Kp2]; Y [P, H] or NULL */
+};
+
+/* A thread's buffers, kept between calls (grown when a call needs more). */
+struct moe_work {
+    uint16_t *a; /* [MOE_BLOCK, Kp1] gathered rows of x */
+    float *c;    /* [32, 32] sums of a 2 x 2 tile block */
+    size_t bytes;
+};
+
+static _Thread_local struct moe_work moe_tls;
+
+static int moe_reserve(struct moe_work *w, int64_t Kp1) {
+    const size_t a = (size_t)(MOE_BLOCK * Kp1 * 2), bytes = a + 32 * 32 * 4;
+    if (bytes > w->bytes) {
+        free(w->a);
+        w->a = aligned_alloc(64, bytes);
+        w->bytes = w->a == NULL ? 0 : bytes;
+        if (w->a == NULL) return 0;
+    }
+    w->c = (float *)((char *)w->a + a);
+    return 1;
+}
+
+/* Phase A of a block (expert e, sorted positions p0 .. p0 + rows - 1), 16-column blocks j0 .. j1
+ * - 1 of I: h rows of those columns. */
+static void moe_phase_a(const struct moe_args *s, int64_t e, int64_t p0, int rows, int64_t j0,
+                        int64_t j1, struct moe_work *w) {
+    const int64_t Kp1 = s->Kp1, H = s->H;
+    const int tile_rows = (int)moe_up(rows, 16);
+    for (int r = 0; r < tile_rows; r++) { /* gather, zeros past H and past the block's rows */
+        uint16_t *dst = w->a + r * Kp1;
+        if (r < rows) {
+            memcpy(dst, s->x + (s->order[p0 + r] / s->k) * s->x_stride, (size_t)H * 2);
+            memset(dst + H, 0, (size_t)(Kp1 - H) * 2);
+        } else {
+            memset(dst, 0, (size_t)Kp1 * 2);
+        }
+    }
+    const uint16_t *W = s->gate_up + e * s->per1;
+    for (int64_t j = j0; j < j1; j++) {
+        const uint16_t *Bg = W + 2 * j * s->Kb1 * MOE_TILE_ELEMS, *Bu = Bg + s->Kb1 * MOE_TILE_ELEMS;
+        for (int r0 = 0; r0 < rows; r0 += 32) {
+            const int n = rows - r0 < 32 ? rows - r0 : 32;
+            moe_block_any(n, 2, w->a + r0 * Kp1, Kp1, Bg, Bu, s->Kb1, w->c);
+            for (int r = 0; r < n; r++) { /* h = bf16(bf16(silu(bf16(g))) * bf16(u)) */
+                const __m512 g = moe_round16(_mm512_loadu_ps(w->c + r * 32));
+                const __m512 u = moe_round16(_mm512_loadu_ps(w->c + r * 32 + 16));
+                moe_store16(s->h + (p0 + r0 + r) * s->Kp2 + j * 16,
+                            _mm512_mul_ps(moe_round16(moe_silu(g)), u), 0xffff);
+            }
+        }
+    }
+}
+
+/* Phase B of a block, 32-column blocks c0 .. c1 - 1 of H: Y (or out) rows of those columns. */
+static void moe_phase_b(const struct moe_args *s, int64_t e, int64_t p0, int rows, int64_t c0,
+                        int64_t c1, struct moe_work *w) {
+    const int64_t Kb2 = s->Kb2, H = s->H;
+    const uint16_t *W = s->down + e * s->per2;
+    for (int64_t c = c0; c < c1; c++) {
+        const int64_t nb = 2 * c, cols = nb + 1 < s->Nb2 ? 2 : 1;
+        const uint16_t *B0 = W + nb * Kb2 * MOE_TILE_ELEMS, *B1 = B0 + Kb2 * MOE_TILE_ELEMS;
+        for (int r0 = 0; r0 < rows; r0 += 32) {
+            const int n = rows - r0 < 32 ? rows - r0 : 32;
+            /* (rows past the block read other pairs' h, or the zero rows past P: dropped) */
+            moe_block_any(n, (int)cols, s->h + (p0 + r0) * s->Kp2, s->Kp2, B0, B1, Kb2, w->c);
+            for (int r = 0; r < n; r++) { /* Y = bf16(bf16(sum) * w) */
+                const int64_t pair = s->order[p0 + r0 + r];
+                const float wt = _mm512_cvtss_f32(moe_load16(s->weights + pair, 1));
+                const __m512 wv = _mm512_set1_ps(wt);
+                uint16_t *dst = s->Y ? s->Y + (p0 + r0 + r) * H : s->out + pair * s->out_stride;
+                for (int64_t t = 0; t < cols; t++) {
+                    const int64_t col = nb * 16 + t * 16;
+                    const __mmask16 m = moe_mask(H - col);
+                    const __m512 v = moe_round16(_mm512_loadu_ps(w->c + r * 32 + t * 16));
+                    moe_store16(dst + col, _mm512_mul_ps(v, wv), m);
+                }
+            }
+        }
+    }
+}
+
+/* Tasks of a phase: every block, its columns (`ncols` units) cut into `split` ranges;
+ * task[i] = (expert, first position, rows, first unit, end unit). */
+static int64_t moe_tasks(const int64_t *offsets, int64_t E, int64_t ncols, int threads,
+                         int64_t *tasks) {
+    int64_t blocks = 0;
+    for (int64_t e = 0; e < E; e++) blocks += (offsets[e + 1] - offsets[e] + MOE_BLOCK - 1) / MOE_BLOCK;
+    int64_t split = (MOE_TASKS_PER_THREAD * threads + blocks - 1) / (blocks ? blocks : 1);
+    split = split < 1 ? 1 : split > ncols ? ncols : split;
+    int64_t n = 0;
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t p = offsets[e]; p < offsets[e + 1]; p += MOE_BLOCK)
+            for (int64_t part = 0; part < split; part++) {
+                const int64_t left = offsets[e + 1] - p;
+                int64_t *t = tasks + 5 * n++;
+                t[0] = e, t[1] = p, t[2] = left < MOE_BLOCK ? left : MOE_BLOCK;
+                t[3] = ncols * part / split, t[4] = ncols * (part + 1) / split;
+            }
+    return n;
+}
+
+/* See the top of this file. Returns 0, -1 for an expert id outside 0 .. E - 1 (out untouched),
+ * -2 when a work space could not be allocated. */
+static int moe_run(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
+                   const int64_t *experts, const uint16_t *weights, int64_t k, int64_t E,
+                   const uint16_t *gate_up, const uint16_t *down, int64_t Ip,
+                   const uint16_t *extra, int64_t extra_stride, uint16_t *out,
+                   int64_t out_stride) {
+    const int64_t P = T * k;
+    if (P == 0) return 0;
+    struct moe_args s = {0};
+    s.x = x, s.weights = weights, s.gate_up = gate_up, s.down = down, s.extra = extra;
+    s.x_stride = x_stride, s.extra_stride = extra_stride, s.out_stride = out_stride;
+    s.T = T, s.H = H, s.k = k, s.E = E, s.Ip = Ip;
+    s.Kb1 = (H + MOE_TILE_K - 1) / MOE_TILE_K, s.Kp1 = s.Kb1 * MOE_TILE_K;
+    s.Kb2 = (Ip + MOE_TILE_K - 1) / MOE_TILE_K, s.Kp2 = s.Kb2 * MOE_TILE_K;
+    s.Nb2 = (H + MOE_TILE_N - 1) / MOE_TILE_N;
+    s.per1 = (2 * Ip / MOE_TILE_N) * s.Kb1 * MOE_TILE_ELEMS;
+    s.per2 = s.Nb2 * s.Kb2 * MOE_TILE_ELEMS;
+    const int threads = omp_get_max_threads();
+    const int64_t max_tasks = (P / MOE_BLOCK + E + 1) * (MOE_TASKS_PER_THREAD * threads + 1);
+    /* offsets [E + 1], order [P] (sorted position -> flat pair), pos [P] (flat pair -> sorted
+     * position), tasks */
+    int64_t *ints = malloc(sizeof(int64_t) * (size_t)(E + 1 + 2 * P + 5 * max_tasks));
+    const int direct = k == 1 && extra == NULL; /* Y rows straight into out */
+    const size_t h_bytes = sizeof(uint16_t) * (size_t)((P + 32) * s.Kp2);
+    const size_t y_bytes = direct ? 0 : sizeof(uint16_t) * (size_t)(P * H);
+    char *buf = malloc(h_bytes + y_bytes);
+    if (ints == NULL || buf == NULL) {
+        free(ints), free(buf);
+        return -2;
+    }
+    int64_t *offsets = ints, *order = offsets + E + 1, *pos = order + P, *tasks = pos + P;
+    s.order = order, s.h = (uint16_t *)buf, s.Y = direct ? NULL : (uint16_t *)(buf + h_bytes);
+    s.out = out;
+    memset(offsets, 0, sizeof(int64_t) * (size_t)(E + 1));
+    for (int64_t i = 0; i < P; i++) {
+        if (experts[i] < 0 || experts[i] >= E) {
+            free(ints), free(buf);
+            return -1;
+        }
+        offsets[experts[i] + 1]++;
+    }
+    for (int64_t e = 0; e < E; e++) offsets[e + 1] += offsets[e];
+    for (int64_t i = 0; i < P; i++) { /* offsets[e] walks expert e's positions ... */
+        const int64_t p = offsets[experts[i]]++;
+        order[p] = i, pos[i] = p;
+    }
+    for (int64_t e = E; e > 0; e--) offsets[e] = offsets[e - 1]; /* ... and is put back */
+    offsets[0] = 0;
+    memset(s.h + P * s.Kp2, 0, sizeof(uint16_t) * (size_t)(32 * s.Kp2)); /* rows past P */
+    if (s.Kp2 > Ip) /* h's columns past Ip meet zero weights, but must not be NaN */
+        for (int64_t p = 0; p < P; p++) memset(s.h + p * s.Kp2 + Ip, 0, 2 * (size_t)(s.Kp2 - Ip));
+    int failed = 0;
+    int64_t num_tasks = 0;
+#pragma omp parallel
+    {
+        struct moe_work *w = &moe_tls;
+        const int ok = moe_reserve(w, s.Kp1);
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            moe_load_tiles();
+        }
+#pragma omp single
+        num_tasks = moe_tasks(offsets, E, Ip / MOE_TILE_N, threads, tasks);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < num_tasks; i++) {
+            const int64_t *t = tasks + 5 * i;
+            if (ok) moe_phase_a(&s, t[0], t[1], (int)t[2], t[3], t[4], w);
+        }
+#pragma omp single
+        num_tasks = moe_tasks(offsets, E, (s.Nb2 + 1) / 2, threads, tasks);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < num_tasks; i++) {
+            const int64_t *t = tasks + 5 * i;
+            if (ok) moe_phase_b(&s, t[0], t[1], (int)t[2], t[3], t[4], w);
+        }
+        if (ok) _tile_release();
+    }
+    if (failed || direct) {
+        free(ints), free(buf);
+        return failed ? -2 : 0;
+    }
+    /* each token's rows of Y in sorted (expert) order, rounded after each addition; + extra */
+    const uint16_t *Y = s.Y;
+#pragma omp parallel for schedule(static) if (T * H >= 32768)
+    for (int64_t t = 0; t < T; t++) {
+        int64_t stack[16] = {0};
+        int64_t *mine = k <= 16 ? stack : malloc(sizeof(int64_t) * (size_t)k);
+        if (mine == NULL) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        const int64_t *ps = pos + t * k;
+        for (int64_t j = 0; j < k; j++) { /* insertion sort: k is small */
+            int64_t v = ps[j], i = j;
+            for (; i > 0 && mine[i - 1] > v; i--) mine[i] = mine[i - 1];
+            mine[i] = v;
+        }
+        uint16_t *o = out + t * out_stride;
+        const uint16_t *ex = extra ? extra + t * extra_stride : NULL;
+        for (int64_t c = 0; c < H; c += 16) { /* 0 + y, then + y rounded after each */
+            const __mmask16 m = moe_mask(H - c);
+            __m512 acc = _mm512_add_ps(_mm512_setzero_ps(), moe_load16(Y + mine[0] * H + c, m));
+            for (int64_t j = 1; j < k; j++)
+                acc = _mm512_add_ps(moe_round16(acc), moe_load16(Y + mine[j] * H + c, m));
+            if (ex) acc = _mm512_add_ps(moe_round16(acc), moe_load16(ex + c, m));
+            moe_store16(o + c, acc, m);
+        }
+        if (mine != stack) free(mine);
+    }
+    free(ints), free(buf);
+    return failed ? -2 : 0;
+}
+
+void hkv_moe_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
+                  const int64_t *experts, const uint16_t *weights, int64_t k, int64_t E,
+                  const uint16_t *gate_up, const uint16_t *down, int64_t Ip,
+                  const uint16_t *extra, int64_t extra_stride, uint16_t *out, int64_t out_stride,
+                  int *status) {
+    *status = moe_run(x, x_stride, T, H, experts, weights, k, E, gate_up, down, Ip, extra,
+                      extra_stride, out, out_stride);
+}
+
+#else /* no AMX: no kernel */
+
+int hkv_moe_amx_ready(void) { return 0; }
+
+void hkv_moe_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
+                  const int64_t *experts, const uint16_t *weights, int64_t k, int64_t E,
+                  const uint16_t *gate_up, const uint16_t *down, int64_t Ip,
+                  const uint16_t *extra, int64_t extra_stride, uint16_t *out, int64_t out_stride,
+                  int *status) {
+    (void)x, (void)x_stride, (void)T, (void)H, (void)experts, (void)weights, (void)k, (void)E;
+    (void)gate_up, (void)down, (void)Ip, (void)extra, (void)extra_stride, (void)out;
+    (void)out_stride;
+    *status = -3;
+}
+
+#endif

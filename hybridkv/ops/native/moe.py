@@ -1,0 +1,170 @@
+"""SwiGLU experts in bfloat16 on AMX tiles (`moe.c`, compiled into the one native library): its
+ctypes signature, the weight packing, the checks that keep it inside its tensors.
+
+- `routed_experts`: `hybridkv.layers.mlp.gated_experts` for bfloat16 experts (its PyTorch path
+  where this returns None);
+- `swiglu_expert`: one SwiGLU MLP (gate, up, down weights) scaled per token, as Qwen3-Next's
+  gated shared expert, `sigmoid(g) * down(silu(gate x) * up x)`.
+
+Both round as the PyTorch paths they replace (see moe.c); the tests compare them with a float64
+reference and with those paths."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from hybridkv.ops import native
+from hybridkv.ops.derived import derived
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+native.declare({
+    "hkv_moe_bf16": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr,
+                     _i64, _ptr, _i64, _ptr],
+})  # fmt: skip
+
+TILE_N, TILE_K = 16, 32  # a packed tile: 16 output rows x 32 values of k
+
+_ready: bool | None = None
+
+
+def available() -> bool:
+    """The library is built with AMX-BF16 and the kernel granted this process the tile data
+    (`HYBRIDKV_NATIVE=0`, no compiler or a CPU without AMX: False)."""
+    global _ready
+    lib = native.library()
+    if lib is None:
+        return False
+    if _ready is None:
+        fn = lib.hkv_moe_amx_ready  # a feature probe: a plain ctypes function
+        fn.argtypes, fn.restype = [], ctypes.c_int
+        _ready = bool(fn())
+    return _ready
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def _tiles(w: torch.Tensor) -> torch.Tensor:
+    """w: [E, N, K] (y = x @ w[e]^T) -> AMX B tiles [E, N/16, K/32, 16, 16, 2], N and K padded
+    with zeros: element [e, nb, kb, kp, n, p] = w[e, nb*16 + n, kb*32 + 2*kp + p]."""
+    e, n, k = w.shape
+    w = F.pad(w, (0, -k % TILE_K, 0, -n % TILE_N))
+    nb, kb = w.shape[1] // TILE_N, w.shape[2] // TILE_K
+    tiles = w.reshape(e, nb, TILE_N, kb, TILE_K // 2, 2).permute(0, 1, 3, 4, 2, 5)
+    return tiles.contiguous()
+
+
+def pack_gate_up(gate_up: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, H] ([gate | up] rows) -> tiles of [E, 2Ip, H], Ip = I rounded up to 16: 16-row
+    blocks alternating gate and up (zero rows past I in each)."""
+    e, two_i, h = gate_up.shape
+    inter = two_i // 2
+    pad = _round_up(inter, TILE_N) - inter
+    gate, up = (F.pad(w, (0, 0, 0, pad)) for w in gate_up.detach().split(inter, dim=1))
+    blocks = torch.stack([gate.reshape(e, -1, TILE_N, h), up.reshape(e, -1, TILE_N, h)], dim=2)
+    return _tiles(blocks.reshape(e, -1, h))
+
+
+def pack_down(down: torch.Tensor) -> torch.Tensor:
+    """[E, H, I] -> tiles of [E, H, Kp2], Kp2 = I rounded up to 16, then to 32 (zeros)."""
+    inter = down.shape[2]
+    return _tiles(F.pad(down.detach(), (0, _round_up(inter, TILE_N) - inter)))
+
+
+def _version(t: torch.Tensor) -> int:
+    return -1 if t.is_inference() else t._version
+
+
+def _bf16_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
+
+
+def _run(x, experts, weights, gate_up_tiles, down_tiles, num_experts, inter, extra=None):
+    """The kernel on checked tensors -> [T, H] bfloat16."""
+    tokens, k = experts.shape
+    hidden = x.shape[1]
+    out = torch.empty(tokens, hidden, dtype=torch.bfloat16)
+    if tokens == 0 or k == 0:
+        return out.zero_() if extra is None else out.copy_(extra)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if extra is not None and extra.stride(1) != 1:
+        extra = extra.contiguous()
+    experts, weights = experts.contiguous(), weights.contiguous()
+    status = torch.empty(1, dtype=torch.int32)  # always written
+    native.library().hkv_moe_bf16(
+        x.data_ptr(), x.stride(0), tokens, hidden, experts.data_ptr(), weights.data_ptr(), k,
+        num_experts, gate_up_tiles.data_ptr(), down_tiles.data_ptr(),
+        _round_up(inter, TILE_N), None if extra is None else extra.data_ptr(),
+        0 if extra is None else extra.stride(0), out.data_ptr(), out.stride(0),
+        status.data_ptr(),
+    )  # fmt: skip
+    code = int(status)
+    if code == -1:
+        raise ValueError(f"expert ids must lie in 0..{num_experts - 1}")
+    if code != 0:
+        raise MemoryError("the native experts could not allocate their work space")
+    return out
+
+
+def routed_experts(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    extra: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """`layers.mlp.gated_experts` on AMX tiles: x [T, H]; experts (int64), weights [T, k];
+    gate_up [E, 2I, H]; down [E, H, I]; extra: None or [T, H], added last -> [T, H] bfloat16,
+    rounded as the PyTorch path rounds (see moe.c); None when the kernel or these tensors don't
+    fit (all bfloat16 on the CPU, no autograd)."""
+    if not available() or torch.is_grad_enabled():
+        return None
+    if x.dim() != 2 or experts.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
+        return None
+    if not _bf16_cpu(x, weights, gate_up, down) or experts.dtype != torch.int64:
+        return None
+    num_experts, two_inter, hidden = gate_up.shape
+    if x.shape[1] != hidden or two_inter % 2 or down.shape != (num_experts, hidden, two_inter // 2):
+        return None
+    if weights.shape != experts.shape or experts.shape[0] != x.shape[0]:
+        return None
+    if extra is not None and (extra.shape != x.shape or not _bf16_cpu(extra)):
+        return None
+    gate_up_tiles = derived(gate_up, "amx_gate_up", pack_gate_up)
+    down_tiles = derived(down, "amx_down", pack_down)
+    return _run(x, experts, weights, gate_up_tiles, down_tiles, num_experts, two_inter // 2,
+                extra)  # fmt: skip
+
+
+def swiglu_expert(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    scale: torch.Tensor,
+) -> torch.Tensor | None:
+    """scale * down(silu(x @ gate^T) * (x @ up^T)) with every product rounded as PyTorch's
+    bfloat16 ops round it: x [T, H]; gate, up [I, H]; down [H, I] (nn.Linear weights, no bias);
+    scale [T, 1] -> [T, H] bfloat16; None when the kernel or these tensors don't fit."""
+    if not available() or torch.is_grad_enabled() or x.dim() != 2:
+        return None
+    if not _bf16_cpu(x, gate, up, down, scale):
+        return None
+    inter, hidden = gate.shape
+    if up.shape != gate.shape or down.shape != (hidden, inter) or x.shape[1] != hidden:
+        return None
+    if scale.shape != (x.shape[0], 1):
+        return None
+    # packed from both weights: the key names up's version, so either changing re-packs
+    key = f"amx_swiglu:{_version(up)}:{up.data_ptr()}:{_version(down)}:{down.data_ptr()}"
+    gate_up_tiles, down_tiles = derived(
+        gate, key, lambda g: (pack_gate_up(torch.cat([g, up])[None]), pack_down(down[None]))
+    )
+    experts = torch.zeros(x.shape[0], 1, dtype=torch.int64)
+    return _run(x, experts, scale, gate_up_tiles, down_tiles, 1, inter)
