@@ -92,58 +92,82 @@ static inline void gd_store16(void *p, int bf16, __m512 v, __mmask16 m) {
         _mm512_mask_storeu_ps(p, m, v);
 }
 
+#define GD_INLINE static inline __attribute__((always_inline))
+
+/* Columns c0 .. c0 + 127 of one state (fewer past V when !full): pass 1, delta and o, pass 2.
+ * sb, init and full are constants where inlined (no masks, no dtype tests in the loops). */
+GD_INLINE void gd_block(const int sb, const int init, const int full, char *base, int64_t K,
+                        int64_t V, int64_t c0, const float *qn, const float *kn, float qk,
+                        const void *vrow, int vb, float decay, float beta, float *o,
+                        const char *next, int64_t per_row, int64_t *next_left) {
+    const int64_t elem = sb ? 2 : 4, stride = V * elem;
+    __mmask16 m[GD_NV];
+    __m512 p[GD_NV], s_q[GD_NV], delta[GD_NV];
+    GD_UNROLL for (int j = 0; j < GD_NV; j++) {
+        m[j] = full ? (__mmask16)0xffff : gd_mask(V - c0 - 16 * j);
+        p[j] = s_q[j] = _mm512_setzero_ps();
+    }
+    base += c0 * elem;
+    if (init) { /* pass 1: S^T kn and S^T qn */
+        for (int64_t k = 0; k < K; k++) {
+            const char *row = base + k * stride;
+            const __m512 kk = _mm512_set1_ps(kn[k]), qq = _mm512_set1_ps(qn[k]);
+            GD_UNROLL for (int j = 0; j < GD_NV; j++) {
+                const __m512 x = gd_load16(row + 16 * j * elem, sb, m[j]);
+                p[j] = _mm512_fmadd_ps(x, kk, p[j]);
+                s_q[j] = _mm512_fmadd_ps(x, qq, s_q[j]);
+            }
+        }
+    }
+    const __m512 dv = _mm512_set1_ps(decay), bv = _mm512_set1_ps(beta);
+    const __m512 qkv = _mm512_set1_ps(qk);
+    GD_UNROLL for (int j = 0; j < GD_NV; j++) { /* delta, o */
+        const __m512 v = gd_load16((const char *)vrow + (c0 + 16 * j) * (vb ? 2 : 4), vb, m[j]);
+        delta[j] = _mm512_mul_ps(_mm512_sub_ps(v, _mm512_mul_ps(p[j], dv)), bv);
+        const __m512 out =
+            _mm512_add_ps(_mm512_mul_ps(s_q[j], dv), _mm512_mul_ps(delta[j], qkv));
+        _mm512_mask_storeu_ps(o + c0 + 16 * j, m[j], out);
+    }
+    for (int64_t k = 0; k < K; k++) { /* pass 2: S' = decay S + kn delta */
+        char *row = base + k * stride;
+        const __m512 kk = _mm512_set1_ps(kn[k]);
+        for (int64_t l = 0; l < per_row && *next_left > 0; l++, (*next_left)--, next += 64)
+            _mm_prefetch(next, _MM_HINT_T0);
+        GD_UNROLL for (int j = 0; j < GD_NV; j++) {
+            if (!full && !m[j]) continue;
+            char *at = row + 16 * j * elem;
+            const __m512 x = init ? gd_load16(at, sb, m[j]) : _mm512_setzero_ps();
+            gd_store16(at, sb, _mm512_fmadd_ps(delta[j], kk, _mm512_mul_ps(x, dv)), m[j]);
+        }
+    }
+}
+
 /* One (request, value head): S [K, V] at `head` (float32, or bfloat16 when sb), not read when
- * !init (it starts at zero). qn, kn: [K]; vrow: the token's [V] values (bf16 when vb); o: [V]. */
+ * !init (it starts at zero). qn, kn: [K]; vrow: the token's [V] values (bf16 when vb); o: [V].
+ * next: the next task's state (NULL: none), prefetched during pass 2, a few lines per row. */
 static void gd_head(void *head, int sb, int init, int64_t K, int64_t V, const float *qn,
                     const float *kn, float qk, const void *vrow, int vb, float decay, float beta,
                     float *o, const char *next) {
-    const int64_t elem = sb ? 2 : 4;
-    /* the next task's state, prefetched during pass 2: lines per row, so that it is all asked
-     * for by the last row */
-    const int64_t next_lines = next == NULL ? 0 : (K * V * elem + 63) / 64;
-    int64_t next_done = 0;
+    const int64_t elem = sb ? 2 : 4, blocks = (V + GD_NV * 16 - 1) / (GD_NV * 16);
+    int64_t next_left = next == NULL ? 0 : (K * V * elem + 63) / 64;
+    const int64_t per_row = (next_left + K * blocks - 1) / (K * blocks);
     for (int64_t c0 = 0; c0 < V; c0 += GD_NV * 16) {
-        __mmask16 m[GD_NV];
-        __m512 p[GD_NV], s_q[GD_NV], delta[GD_NV];
-        GD_UNROLL for (int j = 0; j < GD_NV; j++) {
-            m[j] = gd_mask(V - c0 - 16 * j);
-            p[j] = s_q[j] = _mm512_setzero_ps();
+        const int full = V - c0 >= GD_NV * 16;
+        const char *nx = next == NULL ? NULL : next + 64 * ((K * V * elem + 63) / 64 - next_left);
+#define GD_CALL(SB, INIT, FULL)                                                                \
+    gd_block(SB, INIT, FULL, (char *)head, K, V, c0, qn, kn, qk, vrow, vb, decay, beta, o, nx,  \
+             per_row, &next_left)
+        switch (sb * 4 + init * 2 + full) {
+        case 0: GD_CALL(0, 0, 0); break;
+        case 1: GD_CALL(0, 0, 1); break;
+        case 2: GD_CALL(0, 1, 0); break;
+        case 3: GD_CALL(0, 1, 1); break;
+        case 4: GD_CALL(1, 0, 0); break;
+        case 5: GD_CALL(1, 0, 1); break;
+        case 6: GD_CALL(1, 1, 0); break;
+        default: GD_CALL(1, 1, 1); break;
         }
-        char *base = (char *)head + c0 * elem;
-        if (init) { /* pass 1: S^T kn and S^T qn */
-            for (int64_t k = 0; k < K; k++) {
-                const char *row = base + k * V * elem;
-                const __m512 kk = _mm512_set1_ps(kn[k]), qq = _mm512_set1_ps(qn[k]);
-                GD_UNROLL for (int j = 0; j < GD_NV; j++) {
-                    const __m512 s = gd_load16(row + 16 * j * elem, sb, m[j]);
-                    p[j] = _mm512_fmadd_ps(s, kk, p[j]);
-                    s_q[j] = _mm512_fmadd_ps(s, qq, s_q[j]);
-                }
-            }
-        }
-        const __m512 dv = _mm512_set1_ps(decay), bv = _mm512_set1_ps(beta);
-        const __m512 qkv = _mm512_set1_ps(qk);
-        GD_UNROLL for (int j = 0; j < GD_NV; j++) { /* delta, o */
-            const __m512 v = gd_load16((const char *)vrow + (c0 + 16 * j) * (vb ? 2 : 4), vb,
-                                       m[j]);
-            delta[j] = _mm512_mul_ps(_mm512_sub_ps(v, _mm512_mul_ps(p[j], dv)), bv);
-            const __m512 out = _mm512_add_ps(_mm512_mul_ps(s_q[j], dv),
-                                             _mm512_mul_ps(delta[j], qkv));
-            _mm512_mask_storeu_ps(o + c0 + 16 * j, m[j], out);
-        }
-        const int64_t per_row = (next_lines + K * ((V + 127) / 128) - 1) / (K * ((V + 127) / 128));
-        for (int64_t k = 0; k < K; k++) { /* pass 2: S' = decay S + kn delta */
-            char *row = base + k * V * elem;
-            const __m512 kk = _mm512_set1_ps(kn[k]);
-            for (int64_t l = 0; l < per_row && next_done < next_lines; l++, next_done++)
-                _mm_prefetch(next + 64 * next_done, _MM_HINT_T0);
-            GD_UNROLL for (int j = 0; j < GD_NV; j++) {
-                if (!m[j]) continue;
-                char *at = row + 16 * j * elem;
-                const __m512 s = init ? gd_load16(at, sb, m[j]) : _mm512_setzero_ps();
-                gd_store16(at, sb, _mm512_fmadd_ps(delta[j], kk, _mm512_mul_ps(s, dv)), m[j]);
-            }
-        }
+#undef GD_CALL
     }
 }
 
