@@ -282,32 +282,36 @@ class SparseMoe(nn.Module):
         self.tp = current()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = self._native(x)
+        if fused is not None:
+            return self.tp.all_reduce(fused)
         # router in float32, as transformers does; weights back in the model dtype
         probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E]
         top, experts = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             top = top / top.sum(dim=-1, keepdim=True)
-        weights = top.to(x.dtype)
+        routed = self.experts(x, experts, top.to(x.dtype))  # this rank's partial sums
         # the gate is replicated, so it scales the shared expert's partial sum before the one
         # all-reduce of both
-        scale = torch.sigmoid(self.shared_expert_gate(x))  # [T, 1]
-        fused = self._native(x, experts, weights, scale)
-        if fused is not None:
-            return self.tp.all_reduce(fused)
-        routed = self.experts(x, experts, weights)  # this rank's partial sums
-        shared = scale * self.shared_expert(x, reduce=False)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, reduce=False)
         return self.tp.all_reduce(routed + shared)
 
-    def _native(
-        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor
-    ) -> torch.Tensor | None:
-        """bfloat16 on a CPU with AMX (`ops.native.moe`): routed + shared in one pass over the
-        tokens, the same roundings as the PyTorch path. The shared expert runs on AMX too for
-        up to NATIVE_SHARED_ROWS tokens (decode steps: its weights streamed once), on oneDNN's
-        linears above (larger GEMMs, where they are faster)."""
+    def _native(self, x: torch.Tensor) -> torch.Tensor | None:
+        """bfloat16 on a CPU with AMX (`ops.native.moe`), computed as the PyTorch path above
+        computes it: the router (both gates' dot products, softmax, top-k, renormalisation and
+        the sigmoid) in one pass per token, the shared expert on AMX up to NATIVE_SHARED_ROWS
+        tokens (decode steps: its weights streamed once; oneDNN's linears above, where their
+        larger GEMMs are faster), and the routed experts with the shared output added last.
+        None where any of it does not apply (the PyTorch path runs)."""
         if not native_moe.available() or x.dtype != torch.bfloat16:
             return None
-        mlp = self.shared_expert
+        mlp, gate, shared_gate = self.shared_expert, self.gate, self.shared_expert_gate
+        if gate.bias is not None or shared_gate.bias is not None:
+            return None
+        routing = native_moe.route(x, gate.weight, shared_gate.weight, self.top_k, self.normalize)
+        if routing is None:
+            return None
+        experts, weights, scale = routing
         shared = None
         if x.shape[0] <= NATIVE_SHARED_ROWS and mlp.gate_proj.bias is None:
             shared = native_moe.swiglu_expert(

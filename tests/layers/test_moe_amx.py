@@ -170,3 +170,48 @@ def test_packed_weights_follow_the_parameter():
         gate_up.mul_(0.5)
     with torch.inference_mode():
         assert torch.equal(moe.routed_experts(x, experts, weights, gate_up, down), first)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "num_experts", "hidden", "k", "normalize"),
+    [(64, 8, 768, 2, True), (300, 8, 96, 2, True), (7, 5, 40, 3, False), (20, 64, 200, 10, True)],
+)
+def test_route_matches_the_pytorch_router(tokens, num_experts, hidden, k, normalize):
+    """softmax top-k of bf16 logits (renormalised or not) and sigmoid of the shared gate, as
+    Qwen3-Next's PyTorch ops compute them. Expert sets may differ only where two experts tie at
+    the k-th place (torch.topk's order among equals is its own): there the weights still agree."""
+    needs_amx()
+    g = torch.Generator().manual_seed(tokens + k)
+    x = torch.randn(tokens, hidden, generator=g).to(BF16)
+    router = (torch.randn(num_experts, hidden, generator=g) / hidden**0.5).to(BF16)
+    shared_gate = (torch.randn(1, hidden, generator=g) / hidden**0.5).to(BF16)
+    with torch.inference_mode():
+        logits = F.linear(x, router)
+        probs = torch.softmax(logits.float(), dim=-1)
+        top, experts = probs.topk(k, dim=-1)
+        if normalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        scale = torch.sigmoid(F.linear(x, shared_gate))
+        got = moe.route(x, router, shared_gate, k, normalize)
+        alone = moe.route(x, router, None, k, normalize)
+    assert got is not None and alone is not None and alone[2] is None
+    ours, weights, our_scale = got
+    assert ours.dtype == torch.int64 and weights.dtype == BF16 and our_scale.shape == (tokens, 1)
+    assert torch.equal(alone[0], ours) and torch.equal(alone[1], weights)
+    same_set = (ours.sort(-1).values == experts.sort(-1).values).all(-1)
+    kth = probs.gather(1, experts[:, -1:])  # the k-th probability: ties there only
+    tie = (probs == kth).sum(-1) > 1
+    assert bool((same_set | tie).all())
+    assert torch.equal(weights.sort(-1).values, top.to(BF16).sort(-1).values)
+    assert torch.equal(our_scale, scale)
+
+
+def test_route_declines_what_it_does_not_take():
+    needs_amx()
+    x = torch.randn(4, 32).to(BF16)
+    router = torch.randn(6, 32).to(BF16)
+    with torch.inference_mode():
+        assert moe.route(x.float(), router, None, 2, True) is None
+        assert moe.route(x, router, None, 7, True) is None  # k > E
+        assert moe.route(x, router[:, :16], None, 2, True) is None
+        assert moe.route(x, router, router[:2], 2, True) is None  # the shared gate: one row

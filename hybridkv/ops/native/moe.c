@@ -48,6 +48,7 @@
  * hkv_moe_amx_ready() returns 0 and the callers keep their PyTorch path.
  */
 #define _GNU_SOURCE
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -421,6 +422,90 @@ static int moe_run(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
     return failed ? -2 : 0;
 }
 
+/* ---- The router: softmax top-k of x @ router^T, and sigmoid(x @ shared_gate^T) ----
+ *
+ * Qwen3-Next's SparseMoe before its experts, as its PyTorch ops compute it:
+ *     logits = bf16(x @ router^T)              [T, E] (float32 sums, rounded once)
+ *     probs  = softmax(float(logits))           float32
+ *     top, experts = topk(probs, k)             largest first (ties: the lower expert)
+ * work: [T * (E + k)] floats. k <= E.
+ *     top    = top / sum(top)  (if normalize)   float32
+ *     weights = bf16(top)                       [T, k]
+ *     scale  = bf16(sigmoid(bf16(x @ shared_gate^T)))   [T] (when shared_gate is given)
+ * The dot products run on vdpbf16ps (another summation order than oneDNN's: a logit may differ
+ * in its last bit, and so a near-tie of two experts may choose the other one). */
+
+/* dot(x, w) of n bfloat16 values, float32 sums (vdpbf16ps, 32 values a step, masked tail) */
+static inline float moe_dot(const uint16_t *x, const uint16_t *w, int64_t n) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512(x + i),
+                                (__m512bh)_mm512_loadu_si512(w + i));
+        acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)_mm512_loadu_si512(x + i + 32),
+                                (__m512bh)_mm512_loadu_si512(w + i + 32));
+    }
+    for (; i < n; i += 32) {
+        const __mmask32 m = n - i >= 32 ? 0xffffffffu : (__mmask32)((1u << (n - i)) - 1u);
+        acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_maskz_loadu_epi16(m, x + i),
+                                (__m512bh)_mm512_maskz_loadu_epi16(m, w + i));
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+static inline uint16_t moe_bf16_1(float f) { /* round to nearest even, as torch */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float moe_round1(float f) {
+    const uint32_t bits = (uint32_t)moe_bf16_1(f) << 16;
+    float r;
+    memcpy(&r, &bits, sizeof r);
+    return r;
+}
+
+void hkv_moe_route_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
+                        const uint16_t *router, int64_t E, const uint16_t *shared_gate, int64_t k,
+                        int normalize, int64_t *experts, uint16_t *weights, uint16_t *scale,
+                        float *work) {
+#pragma omp parallel for schedule(static) if (T * E * H >= (1 << 20))
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *xt = x + t * x_stride;
+        float *prob = work + t * E; /* this token's E probabilities */
+        float top = -INFINITY;
+        for (int64_t e = 0; e < E; e++) {
+            prob[e] = moe_round1(moe_dot(xt, router + e * H, H));
+            top = prob[e] > top ? prob[e] : top;
+        }
+        float sum = 0.0f;
+        for (int64_t e = 0; e < E; e++) sum += (prob[e] = expf(prob[e] - top));
+        const float inv = 1.0f / sum;
+        for (int64_t e = 0; e < E; e++) prob[e] *= inv;
+        float chosen_sum = 0.0f;
+        for (int64_t j = 0; j < k; j++) { /* k passes: the largest not taken yet */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (prob[e] != -1.0f && (best < 0 || prob[e] > prob[best])) best = e;
+            experts[t * k + j] = best;
+            work[T * E + t * k + j] = prob[best];
+            chosen_sum += prob[best];
+            prob[best] = -1.0f; /* taken (probabilities are >= 0) */
+        }
+        for (int64_t j = 0; j < k; j++) {
+            const float p = work[T * E + t * k + j];
+            weights[t * k + j] = moe_bf16_1(normalize ? p / chosen_sum : p);
+        }
+        if (shared_gate != NULL) {
+            const float g = moe_round1(moe_dot(xt, shared_gate, H));
+            scale[t] = moe_bf16_1(1.0f / (1.0f + expf(-g)));
+        }
+    }
+}
+
 void hkv_moe_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
                   const int64_t *experts, const uint16_t *weights, int64_t k, int64_t E,
                   const uint16_t *gate_up, const uint16_t *down, int64_t Ip,
@@ -433,6 +518,14 @@ void hkv_moe_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
 #else /* no AMX: no kernel */
 
 int hkv_moe_amx_ready(void) { return 0; }
+
+void hkv_moe_route_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
+                        const uint16_t *router, int64_t E, const uint16_t *shared_gate, int64_t k,
+                        int normalize, int64_t *experts, uint16_t *weights, uint16_t *scale,
+                        float *work) {
+    (void)x, (void)x_stride, (void)T, (void)H, (void)router, (void)E, (void)shared_gate;
+    (void)k, (void)normalize, (void)experts, (void)weights, (void)scale, (void)work;
+}
 
 void hkv_moe_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
                   const int64_t *experts, const uint16_t *weights, int64_t k, int64_t E,

@@ -19,10 +19,12 @@ import torch.nn.functional as F
 from hybridkv.ops import native
 from hybridkv.ops.derived import derived
 
-_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 native.declare({
     "hkv_moe_bf16": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr,
                      _i64, _ptr, _i64, _ptr],
+    "hkv_moe_route_bf16": [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr,
+                           _ptr, _ptr],
 })  # fmt: skip
 
 TILE_N, TILE_K = 16, 32  # a packed tile: 16 output rows x 32 values of k
@@ -168,3 +170,41 @@ def swiglu_expert(
     )
     experts = torch.zeros(x.shape[0], 1, dtype=torch.int64)
     return _run(x, experts, scale, gate_up_tiles, down_tiles, 1, inter)
+
+
+def route(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    shared_gate: torch.Tensor | None,
+    k: int,
+    normalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """Qwen3-Next's router in one pass per token: x [T, H]; router [E, H] and shared_gate [1, H]
+    or None (nn.Linear weights, no bias) -> experts [T, k] int64, weights [T, k] bfloat16 (the
+    softmax top-k, renormalised when `normalize`) and scale [T, 1] bfloat16 = sigmoid(x @
+    shared_gate^T) (None without one), computed as the PyTorch ops compute them (see moe.c);
+    None when the kernel or these tensors don't fit."""
+    if not available() or torch.is_grad_enabled() or x.dim() != 2 or router.dim() != 2:
+        return None
+    gates = (router,) if shared_gate is None else (router, shared_gate)
+    if not _bf16_cpu(x, *gates) or not all(g.is_contiguous() for g in gates):
+        return None
+    num_experts, hidden = router.shape
+    if x.shape[1] != hidden or not 0 < k <= num_experts:
+        return None
+    if shared_gate is not None and shared_gate.shape != (1, hidden):
+        return None
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    tokens = x.shape[0]
+    experts = torch.empty(tokens, k, dtype=torch.int64)
+    weights = torch.empty(tokens, k, dtype=torch.bfloat16)
+    scale = None if shared_gate is None else torch.empty(tokens, 1, dtype=torch.bfloat16)
+    work = torch.empty(tokens * (num_experts + k), dtype=torch.float32)
+    native.library().hkv_moe_route_bf16(
+        x.data_ptr(), x.stride(0), tokens, hidden, router.data_ptr(), num_experts,
+        None if shared_gate is None else shared_gate.data_ptr(), k, int(normalize),
+        experts.data_ptr(), weights.data_ptr(), None if scale is None else scale.data_ptr(),
+        work.data_ptr(),
+    )  # fmt: skip
+    return experts, weights, scale
