@@ -25,8 +25,11 @@ from hybridkv.distributed.parallel import current, declare_shards, explicit
 from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
 from hybridkv.layers.cache import CacheOwner, StateCache
 from hybridkv.layers.state_base import StateMetadata
+from hybridkv.ops.derived import derived
 from hybridkv.ops.gated_delta import gdn_gates
 from hybridkv.ops.gdn_ops import TorchGDNOps
+from hybridkv.ops.native import bf16_linear as native_bf16
+from hybridkv.ops.native import gdn_prep as native_prep
 from hybridkv.ops.norm import gated_rms_norm
 from hybridkv.worker.batch import ForwardBatch
 
@@ -197,6 +200,27 @@ class GatedDeltaNet(CacheOwner):
         qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         return qkv, z.reshape(t, -1), b.reshape(t, -1), a.reshape(t, -1)
 
+    def _native_prep(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """Qwen3-Next's layout on the CPU: the projections, then qkv, z and the gates in one
+        native pass over their outputs (`ops.native.gdn_prep`; PyTorch's four strided reshapes,
+        cat and gate ops otherwise), in_proj_ba on the native bf16 kernel at any batch size
+        (16-odd outputs: oneDNN's call costs more than its work). None: `_project` and
+        `gdn_gates` run instead."""
+        if self.layout != "qwen3_next" or x.device.type != "cpu" or x.dim() != 2:
+            return None
+        qkvz = self.in_proj_qkvz(x)
+        ba = None
+        if x.dtype == torch.bfloat16 and self.in_proj_ba.bias is None:
+            ba = native_bf16.bf16_linear(x, self.in_proj_ba.weight)
+        if ba is None:
+            ba = self.in_proj_ba(x)
+        decay = derived(self.A_log, "neg_exp_f32", lambda w: -torch.exp(w.float()))
+        dt_bias = derived(self.dt_bias, "f32", torch.Tensor.float)
+        per = self.num_v_heads // self.num_k_heads
+        return native_prep.prep(
+            qkvz, ba, self.num_k_heads, per, self.head_k_dim, self.head_v_dim, decay, dt_bias
+        )
+
     # -- forward ----------------------------------------------------------------------------
 
     def forward(self, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -220,10 +244,19 @@ class GatedDeltaNet(CacheOwner):
         """hidden_states: [T, hidden]; conv_state: [num_pages, conv_dim, conv_kernel - 1];
         recurrent_state: [num_pages, Hv, K, V] (both updated in place) -> [T, hidden]."""
         t = hidden_states.shape[0]
-        qkv, z, b, a = self._project(hidden_states)
-        qkv = ops.conv1d(qkv, self.conv1d.weight[:, 0, :], None, conv_state, meta, "silu")
+        prepped = self._native_prep(hidden_states)
+        if prepped is not None:
+            qkv, z, g, beta = prepped
+        else:
+            qkv, z, b, a = self._project(hidden_states)
+            g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] float32
+        # the native ops: the conv's float32 results (bfloat16 values for a bfloat16 model) go
+        # to the rule kernels as they are, without a bfloat16 copy to widen again
+        conv_dtype = torch.float32 if ops.name == "native" else None
+        qkv = ops.conv1d(
+            qkv, self.conv1d.weight[:, 0, :], None, conv_state, meta, "silu", conv_dtype
+        )
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] float32
         if self.beta_scale != 1.0:
             beta = beta * self.beta_scale
         o = ops.rule(

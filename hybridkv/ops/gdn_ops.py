@@ -80,10 +80,13 @@ class NativeGDNOps(NativeMamba2Ops, TorchGDNOps):
         conv_state: torch.Tensor,
         meta: StateMetadata,
         activation: str | None,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
+        """As NativeMamba2Ops.conv1d; `layers.gated_delta_net` asks for float32 results (of
+        bfloat16 values for bfloat16 x), which the rule kernels read as they are."""
         if native_conv_applies(x, weight, conv_state):
-            return super().conv1d(x, weight, bias, conv_state, meta, activation)
-        return TorchMamba2Ops.conv1d(self, x, weight, bias, conv_state, meta, activation)
+            return super().conv1d(x, weight, bias, conv_state, meta, activation, out_dtype)
+        return TorchMamba2Ops.conv1d(self, x, weight, bias, conv_state, meta, activation, out_dtype)
 
     def rule(
         self,

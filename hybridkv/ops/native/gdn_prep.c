@@ -1,0 +1,60 @@
+/* Qwen3-Next's gated delta net between its projections and its conv1d, in one pass per token:
+ * the key-head-grouped outputs of in_proj_qkvz and in_proj_ba split into the [q | k | v] rows
+ * the conv1d takes, the z rows of the gated norm, and the rule's gates. PyTorch makes ten
+ * copies and conversions of it (four strided reshapes, a cat, two casts, the gate ops).
+ * hybridkv/ops/native/gdn_prep.py declares it; hybridkv/layers/gated_delta_net.py calls it.
+ * Compiled into the one native library with the other C files of this folder.
+ *
+ *     qkvz  [T, Hk, 2K + 2 per V] rows at a stride: per key head [q | k | v (per heads) |
+ *           z (per heads)], per = Hv / Hk
+ *     ba    [T, Hk, 2 per] rows at a stride: per key head [b (per heads) | a (per heads)]
+ *  -> qkv   [T, 2 Hk K + Hv V]: [q of every key head | k of every key head | v of every
+ *           value head]
+ *     z     [T, Hv V]
+ *     g     [T, Hv] float32 = decay[h] * softplus(float(a) + dt_bias[h])  (decay = -exp(A_log))
+ *     beta  [T, Hv] float32 = sigmoid(float(b))
+ *
+ * qkvz, ba, qkv and z are all float32 or all bfloat16 (bf16); values are copied as they are.
+ * softplus is PyTorch's (x above 20 is x itself, else log1p(exp(x))).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float prep_load(const void *x, int bf16, int64_t i) {
+    if (!bf16) return ((const float *)x)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)x)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+void hkv_gdn_prep(const void *qkvz, int64_t qkvz_stride, const void *ba, int64_t ba_stride,
+                  int bf16, int64_t T, int64_t Hk, int64_t per, int64_t K, int64_t V,
+                  const float *decay, const float *dt_bias, void *qkv, void *z, float *g,
+                  float *beta) {
+    const int64_t elem = bf16 ? 2 : 4, Hv = Hk * per, pv = per * V;
+    const int64_t group = 2 * K + 2 * pv, conv = 2 * Hk * K + Hv * V;
+#pragma omp parallel for schedule(static) if (T * (conv + Hv * V) >= (1 << 18))
+    for (int64_t t = 0; t < T; t++) {
+        const char *src = (const char *)qkvz + t * qkvz_stride * elem;
+        char *dst = (char *)qkv + t * conv * elem, *zt = (char *)z + t * Hv * V * elem;
+        for (int64_t h = 0; h < Hk; h++) {
+            const char *grp = src + h * group * elem;
+            memcpy(dst + h * K * elem, grp, (size_t)(K * elem));                        /* q */
+            memcpy(dst + (Hk + h) * K * elem, grp + K * elem, (size_t)(K * elem));      /* k */
+            memcpy(dst + (2 * Hk * K + h * pv) * elem, grp + 2 * K * elem,
+                   (size_t)(pv * elem));                                                /* v */
+            memcpy(zt + h * pv * elem, grp + (2 * K + pv) * elem, (size_t)(pv * elem)); /* z */
+        }
+        const int64_t row = t * ba_stride;
+        for (int64_t h = 0; h < Hk; h++)
+            for (int64_t j = 0; j < per; j++) {
+                const int64_t v = h * per + j;
+                const float b = prep_load(ba, bf16, row + h * 2 * per + j);
+                const float a = prep_load(ba, bf16, row + h * 2 * per + per + j) + dt_bias[v];
+                g[t * Hv + v] = decay[v] * (a > 20.0f ? a : log1pf(expf(a)));
+                beta[t * Hv + v] = 1.0f / (1.0f + expf(-b));
+            }
+    }
+}

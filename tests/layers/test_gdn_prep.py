@@ -1,0 +1,87 @@
+"""Qwen3-Next's gated delta net between projections and conv1d natively (ops.native.gdn_prep):
+the qkv and z rows and the gates equal the PyTorch path's (`GatedDeltaNet._project` and
+`ops.gated_delta.gdn_gates`), float32 and bfloat16, odd head sizes, strided projection rows; the
+layer takes it for the "qwen3_next" layout only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv.layers.gated_delta_net import GatedDeltaNet
+from hybridkv.ops import native
+from hybridkv.ops.gated_delta import gdn_gates
+from hybridkv.ops.native import gdn_prep
+
+
+def needs_native() -> None:
+    if native.library() is None:
+        pytest.skip("native kernels unavailable here")
+
+
+def _layer(hk, hv, kd, vd, dtype, seed=0):
+    torch.manual_seed(seed)
+    layer = GatedDeltaNet(48, hk, hv, kd, vd, 4, 1e-6, "qwen3_next")
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape) * 0.5)
+    return layer.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("hk", "hv", "kd", "vd"), [(2, 4, 16, 8), (1, 3, 24, 40), (2, 2, 8, 8)])
+def test_prep_equals_the_pytorch_path(hk, hv, kd, vd, dtype):
+    needs_native()
+    layer = _layer(hk, hv, kd, vd, dtype, seed=kd + vd)
+    x = (torch.randn(11, 48) * 3).to(dtype)
+    # a = large (softplus's linear branch above 20) and small, b = both signs
+    with torch.inference_mode():
+        qkv_ref, z_ref, b, a = layer._project(x)
+        wide = torch.randn(11, layer.in_proj_qkvz.out_features + 5).to(dtype)
+        wide[:, 2 : 2 + layer.in_proj_qkvz.out_features] = layer.in_proj_qkvz(x)
+        qkvz = wide[:, 2 : 2 + layer.in_proj_qkvz.out_features]  # rows at a stride
+        ba = layer.in_proj_ba(x)
+        ba[0, 1 * (hv // hk)] = 30.0  # an `a`: softplus(30 + dt_bias) is linear there
+        b, a = _split_ba(ba, hk, hv)
+        g_ref, beta_ref = gdn_gates(a, b, layer.A_log, layer.dt_bias)
+        decay, dt_bias = -torch.exp(layer.A_log.float()), layer.dt_bias.float()
+        got = gdn_prep.prep(qkvz, ba, hk, hv // hk, kd, vd, decay, dt_bias)
+    assert got is not None
+    qkv, z, g, beta = got
+    assert qkv.dtype == z.dtype == dtype and g.dtype == beta.dtype == torch.float32
+    assert torch.equal(qkv, qkv_ref) and torch.equal(z, z_ref)
+    torch.testing.assert_close(g, g_ref, rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(beta, beta_ref, rtol=2e-6, atol=1e-7)
+
+
+def _split_ba(ba, hk, hv):
+    per = hv // hk
+    grouped = ba.view(ba.shape[0], hk, 2 * per)
+    b, a = grouped.split([per, per], dim=-1)
+    return b.reshape(ba.shape[0], -1), a.reshape(ba.shape[0], -1)
+
+
+def test_layer_takes_it_for_qwen3_next_only(monkeypatch):
+    needs_native()
+    calls = []
+    real = gdn_prep.prep
+    monkeypatch.setattr(gdn_prep, "prep", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(3, 48)
+    with torch.inference_mode():
+        assert _layer(2, 4, 16, 8, torch.float32)._native_prep(x) is not None
+        qwen3_5 = GatedDeltaNet(48, 2, 4, 16, 8, 4, 1e-6, "qwen3_5")
+        assert qwen3_5._native_prep(x) is None
+    assert calls == [1]
+
+
+def test_declines_what_it_does_not_take():
+    needs_native()
+    layer = _layer(2, 4, 16, 8, torch.float32)
+    x = torch.randn(3, 48)
+    with torch.inference_mode():
+        qkvz, ba = layer.in_proj_qkvz(x), layer.in_proj_ba(x)
+    decay, dt = torch.ones(4), torch.ones(4)
+    assert gdn_prep.prep(qkvz.half(), ba.half(), 2, 2, 16, 8, decay, dt) is None
+    assert gdn_prep.prep(qkvz, ba.bfloat16(), 2, 2, 16, 8, decay, dt) is None
+    assert gdn_prep.prep(qkvz[:, :-1], ba, 2, 2, 16, 8, decay, dt) is None
+    assert gdn_prep.prep(qkvz, ba, 2, 2, 16, 8, decay[:3], dt) is None
