@@ -8,6 +8,13 @@ For each shape [K -> N], thread count (`--threads`) and M (`--ms`), microseconds
 - bf16 oneDNN: the same for bfloat16, what a bfloat16 model ran before this kernel;
 - bf16 native: `hybridkv/ops/native/bf16_linear.c` on the unpacked weight, what PackedLinear
   runs now up to SMALL_M rows.
+`--fp32`: the float32 kernel instead (issue 19, fp32 native linear), three ways again:
+- fp32 oneDNN: as above;
+- fp32 native: `hybridkv/ops/native/f32_linear.c` on the unpacked weight, what PackedLinear runs
+  for float32 up to its SMALL_M rows;
+- read: `w.sum()` over the same unpacked weights (PyTorch's vectorised reduction on the same
+  threads), the plain read that the M = 1 stream is bounded by;
+GB/s of each (4 bytes a value), and native/oneDNN: fp32 oneDNN's time over the native kernel's.
 The weights of each are a pool of distinct copies of at least `--pool-mib` MiB (default 128,
 four times the 32 MiB L3; at least 4 copies), so every call streams its weight from memory.
 GB/s is the weight bytes streamed per call over its time (bf16: 2 bytes a value, fp32: 4);
@@ -19,7 +26,7 @@ not count), 2 threads by wall time (CPU time would sum both threads). The machin
 the load average is printed with every table.
 
     python benchmarks/bf16_linear.py [--threads 1 2] [--ms 1 2 4 8 16] [--repeats 15]
-        [--shapes 768x3224 1536x768 ...] [--pool-mib 128]
+        [--shapes 768x3224 1536x768 ...] [--pool-mib 128] [--fp32]
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridkv.layers.linear import _OPS, prepack_available  # noqa: E402
 from hybridkv.ops.native import bf16_linear as native_bf16  # noqa: E402
+from hybridkv.ops.native import f32_linear as native_f32  # noqa: E402
 
 # the 100m model's linears, [in -> out]: Mamba2 in_proj / out_proj, MLP input / output,
 # attention q and o / k and v, lm_head
@@ -61,6 +69,39 @@ def pools(k: int, n: int, mib: int) -> dict[str, list[torch.Tensor]]:
         "bf16 oneDNN": [_OPS._reorder_linear_weight(w, None) for w in w16],
         "bf16 native": w16,
     }
+
+
+def fp32_pools(k: int, n: int, mib: int) -> dict[str, list[torch.Tensor]]:
+    """The weights of `--fp32`: packed float32, and plain float32 (read by the kernel and by
+    the plain read)."""
+    w32 = pool(n, k, torch.float32, mib)
+    return {
+        "fp32 oneDNN": [_OPS._reorder_linear_weight(w, None) for w in w32],
+        "fp32 native": w32,
+        "read": w32,
+    }
+
+
+def fp32_cases(
+    weights: dict[str, list[torch.Tensor]], k: int, m: int
+) -> dict[str, Callable[[], None]]:
+    """The three ways of `--fp32` at M rows, each over every weight of its pool once."""
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    fn = native_f32.kernel()
+
+    def onednn() -> None:
+        for p in weights["fp32 oneDNN"]:
+            _OPS._linear_pointwise(x, p, None, "none", [], "")
+
+    def native() -> None:
+        for w in weights["fp32 native"]:
+            native_f32.run(fn, x, w, None)
+
+    def read() -> None:
+        for w in weights["read"]:
+            w.sum()
+
+    return {"fp32 oneDNN": onednn, "fp32 native": native, "read": read}
 
 
 def cases(weights: dict[str, list[torch.Tensor]], k: int, m: int) -> dict[str, Callable[[], None]]:
@@ -107,22 +148,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", nargs="+", default=SHAPES, help="KxN, e.g. 768x3224")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--pool-mib", type=int, default=128)
+    ap.add_argument("--fp32", action="store_true", help="the float32 kernel against oneDNN")
     args = ap.parse_args(argv)
-    if not prepack_available() or native_bf16.kernel() is None:
-        print("needs oneDNN and the native kernel built with AVX512-BF16")
+    kernel = native_f32.kernel() if args.fp32 else native_bf16.kernel()
+    if not prepack_available() or kernel is None:
+        print("needs oneDNN and the native kernel (bf16: AVX512-BF16, fp32: AVX-512)")
         return 1
     print(f"# {datetime.datetime.now():%Y-%m-%d %H:%M}, torch {torch.__version__}")
     for threads in args.threads:
         torch.set_num_threads(threads)
         print(f"\n{threads} thread(s); load average before: {os.getloadavg()[0]:.2f}\n")
-        print("| K -> N | M | fp32 oneDNN us | bf16 oneDNN us | bf16 native us | native GB/s "
-              "| oneDNN bf16 GB/s | native/oneDNN | bf16/fp32 |")  # fmt: skip
+        if args.fp32:
+            print("| K -> N | M | fp32 oneDNN us | fp32 native us | read us | native GB/s "
+                  "| oneDNN GB/s | read GB/s | native/oneDNN |")  # fmt: skip
+        else:
+            print("| K -> N | M | fp32 oneDNN us | bf16 oneDNN us | bf16 native us | native GB/s "
+                  "| oneDNN bf16 GB/s | native/oneDNN | bf16/fp32 |")  # fmt: skip
         print("|---|---|---|---|---|---|---|---|---|")
         for shape in args.shapes:
             k, n = map(int, shape.split("x"))
-            weights = pools(k, n, args.pool_mib)
+            weights = fp32_pools(k, n, args.pool_mib) if args.fp32 else pools(k, n, args.pool_mib)
             for m in args.ms:
-                t = measure(cases(weights, k, m), weights, args.repeats, threads)
+                runs = fp32_cases(weights, k, m) if args.fp32 else cases(weights, k, m)
+                t = measure(runs, weights, args.repeats, threads)
+                if args.fp32:
+                    dnn, nat, read = t["fp32 oneDNN"], t["fp32 native"], t["read"]
+                    gb = n * k * 4 / 1e9
+                    print(
+                        f"| {k} -> {n} | {m} | {dnn * 1e6:.1f} | {nat * 1e6:.1f} "
+                        f"| {read * 1e6:.1f} | {gb / nat:.1f} | {gb / dnn:.1f} | {gb / read:.1f} "
+                        f"| {dnn / nat:.2f} |",
+                        flush=True,
+                    )
+                    continue
                 fp32, dnn, nat = t["fp32 oneDNN"], t["bf16 oneDNN"], t["bf16 native"]
                 gbs = n * k * 2 / 1e9
                 print(

@@ -13,10 +13,14 @@ the native kernel instead (`hybridkv/ops/native/bf16_linear.c`: the weight itsel
 streamed once per call with AVX512-BF16 pair products; float32 sums rounded once, as oneDNN's).
 A decode step's linears are bound by streaming their weights, and oneDNN's packed bf16 linear
 streams them at 60-75% of a plain read at M = 1 and further below at M = 8, where the kernel
-reaches 85-100% (benchmarks/README.md, "bf16 linear for small batches"). The choice is by the
-number of rows alone; without the kernel (`HYBRIDKV_NATIVE=0`, no compiler, a CPU without
-AVX512-BF16) every call stays on oneDNN. float32 weights always take oneDNN, which streams them
-at a plain read's speed already.
+reaches 85-100% (benchmarks/README.md, "bf16 linear for small batches"). float32 weights do the
+same up to `f32_linear.SMALL_M` rows on `hybridkv/ops/native/f32_linear.c` (AVX-512 FMAs,
+float32 products and sums like oneDNN's, in another order): at M = 1 on the development CPU
+(2 threads) oneDNN's packed float32 linear streams 12-24 GB/s, the kernel 22-29 GB/s, at or
+above a plain read of the same bytes, and it stays 1.1-1.75x ahead up to 32 rows ("fp32 native
+linear" in the same section). The choice is by the number of rows alone; without the kernels
+(`HYBRIDKV_NATIVE=0`, no compiler, a CPU without AVX512-BF16, or without AVX-512 for float32)
+every call stays on oneDNN.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from torch import nn
 
 from hybridkv.ops.native import bf16_linear as native_bf16
+from hybridkv.ops.native import f32_linear as native_f32
 
 _OPS = getattr(torch.ops, "mkldnn", None)
 
@@ -44,7 +49,8 @@ class PackedLinear(nn.Linear):
     """An `nn.Linear` whose forward runs oneDNN on a pre-packed copy of its weight."""
 
     packed_weight: torch.Tensor
-    small_kernel: Any  # the native bf16 kernel for x of up to SMALL_M rows, or None
+    small_kernel: Any  # the native bf16 kernel for x of up to native_bf16.SMALL_M rows, or None
+    f32_kernel: Any  # the native float32 kernel for x of up to native_f32.SMALL_M rows, or None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> PackedLinear:
@@ -63,6 +69,8 @@ class PackedLinear(nn.Linear):
         bias = None if self.bias is None else self.bias.detach()
         fits = weight.dtype == torch.bfloat16 and native_bf16.weight_fits(weight, bias)
         self.small_kernel = native_bf16.kernel() if fits else None
+        fits = weight.dtype == torch.float32 and native_f32.weight_fits(weight, bias)
+        self.f32_kernel = native_f32.kernel() if fits else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]; the engine's activations are [T, in] already
@@ -74,6 +82,13 @@ class PackedLinear(nn.Linear):
             and not torch.is_grad_enabled()  # the kernel records no autograd graph
         ):
             out = native_bf16.run(self.small_kernel, flat, self.weight, self.bias)
+        elif (
+            self.f32_kernel is not None
+            and flat.shape[0] <= native_f32.SMALL_M
+            and flat.dtype == torch.float32
+            and not torch.is_grad_enabled()
+        ):
+            out = native_f32.run(self.f32_kernel, flat, self.weight, self.bias)
         else:
             out = _OPS._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
