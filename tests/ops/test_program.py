@@ -124,3 +124,14 @@ def test_arena_allocations_keep_shape_strides_and_alignment():
     assert len(arena.chunks) == 2 and big.numel() == prog.Arena.CHUNK_BYTES // 4 + 7
     arena.rewind()
     assert arena.allocate(torch.empty(2)).data_ptr() == a.data_ptr()
+
+
+def test_profiled_replays_time_every_call():
+    x, w = torch.randn(4, 256), torch.randn(256)
+    _, program, _ = prog.capture(lambda: native.rms_norm(native.rms_norm(x, w, 1e-5), w, 1e-5))
+    program.start_profile()
+    for _ in range(3):
+        program.run()
+    times = program.profiled()
+    assert [name for name, _ in times] == ["hkv_rms_norm_f32"] * 2
+    assert all(0 < seconds < 1 for _, seconds in times)

@@ -114,17 +114,36 @@ class Program:
         self._args = (ctypes.c_int64 * max(1, len(slots)))(*slots)
         self._count = n
         self._run = lib.cdll.hkv_program_run
-        self._run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-        self._run.restype = ctypes.c_int64
+        self._run_timed = lib.cdll.hkv_program_run_timed
+        args = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        self._run.argtypes, self._run_timed.argtypes = args, [*args, ctypes.c_void_p]
+        self._run.restype = self._run_timed.restype = ctypes.c_int64
         self.keep = keep
+        # per call: nanoseconds spent in it over the replays run with profiling on
+        self.profile: ctypes.Array | None = None
 
     def __len__(self) -> int:
         return self._count
 
     def run(self) -> None:
-        failed = self._run(self._ops, self._starts, self._args, self._count)
+        if self.profile is None:
+            failed = self._run(self._ops, self._starts, self._args, self._count)
+        else:
+            failed = self._run_timed(
+                self._ops, self._starts, self._args, self._count, self.profile
+            )
         if failed:
             raise RuntimeError(f"native kernel {self.kernel_names[failed - 1]} failed in replay")
+
+
+    def start_profile(self) -> None:
+        """Time every call of the replays from now on (`profiled` reads the totals)."""
+        self.profile = (ctypes.c_int64 * self._count)()
+
+    def profiled(self) -> list[tuple[str, float]]:
+        """(kernel name, seconds) of each call, summed over the profiled replays."""
+        assert self.profile is not None, "start_profile() first"
+        return [(name, ns * 1e-9) for name, ns in zip(self.kernel_names, self.profile, strict=True)]
 
 
 def _slot(value: int | float) -> int:
