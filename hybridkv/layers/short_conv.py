@@ -30,7 +30,16 @@ from hybridkv.layers.cache import CacheOwner, StateCache
 from hybridkv.layers.state_base import StateMetadata
 from hybridkv.ops import native
 from hybridkv.ops.mamba2_ops import TorchMamba2Ops
+from hybridkv.ops.native import elementwise as native_ew
 from hybridkv.worker.batch import ForwardBatch
+
+
+def _mul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """a.to(dtype) * b.to(dtype) [T, C], contiguous: one native pass over column slices of the
+    projection on the CPU (a decode step stays capturable), else PyTorch."""
+    out = native_ew.mul(a, b, dtype)
+    return out if out is not None else (a.to(dtype) * b.to(dtype)).contiguous()
+
 
 CONV = "conv"  # the one state tensor a short conv layer declares and reads
 _OPS = "hybridkv.ops.mamba2_ops:"
@@ -116,6 +125,6 @@ class ShortConv(CacheOwner):
         """hidden_states: [T, hidden]; conv_state: [num_pages, C, L_cache - 1] (updated in
         place) -> [T, hidden]."""
         b, c, x = self.in_proj(hidden_states).chunk(3, dim=-1)  # each [T, C]
-        bx = (b * x).contiguous()  # [T, C]
+        bx = _mul(b, x, x.dtype)  # [T, C] contiguous
         conv = ops.conv1d(bx, self.conv.weight[:, 0, :], self.conv.bias, conv_state, meta, None)
-        return self.out_proj(c * conv.to(c.dtype))  # [T, hidden]
+        return self.out_proj(_mul(c, conv, c.dtype))  # [T, hidden]

@@ -60,6 +60,8 @@ from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig
 from hybridkv.models.loader import stack_gated_experts
 from hybridkv.models.qwen3_next import Experts
+from hybridkv.ops import native
+from hybridkv.ops.elementwise import residual_add
 from hybridkv.worker.batch import ForwardBatch
 
 EXPERT_WEIGHT = re.compile(r"^(.*\.feed_forward\.experts)\.(\d+)\.(w1|w3|w2)\.weight$")
@@ -244,7 +246,9 @@ class Lfm2MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        return self.tp.all_reduce(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+        gate, up = self.w1(x), self.w3(x)
+        act = native.silu_mul(gate, up)  # one pass on the CPU, rounded as the line below
+        return self.tp.all_reduce(self.w2(act if act is not None else F.silu(gate) * up))
 
 
 class Lfm2SparseMoe(nn.Module):
@@ -300,7 +304,7 @@ class Lfm2DecoderLayer(nn.Module):
         else:
             h = self.self_attn(h, batch, rotary, cos_sin)
         x, h = self.ffn_norm.add_forward(x, h)
-        return x + self.feed_forward(h)
+        return residual_add(x, self.feed_forward(h))
 
 
 class Lfm2Model(nn.Module):

@@ -34,6 +34,9 @@ from .utils import (
     seeded,
 )
 
+# checkpoints whose decode steps must be captured (test_captured_decode_equals_eager)
+CAPTURED = ("dense",)  # float32 (the others: MoE routing in PyTorch)
+
 VOCAB = 96
 
 

@@ -109,3 +109,12 @@ def test_unsupported_inputs_are_left_to_pytorch():
 def test_relu2_rounds_as_pytorch(dtype):
     x = torch.randn(7, 333).to(dtype)
     assert torch.equal(ew.relu2(x), torch.nn.functional.relu(x).square())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mul_of_projection_slices(dtype):
+    proj = torch.randn(4, 30).to(dtype)
+    a, b = proj[:, :10], proj[:, 20:]  # column slices: strided rows
+    assert torch.equal(ew.mul(a, b, dtype), a * b)
+    conv = torch.randn(4, 10)  # a float32 kernel result times a model-dtype gate
+    assert torch.equal(ew.mul(a, conv, dtype), a * conv.to(dtype))

@@ -147,3 +147,25 @@ void hkv_relu2(const void *x, void *out, int64_t n, int bf16) {
             ((float *)out)[i] = v;
     }
 }
+
+/* out = a * b over [rows, cols], a and b float32 or bfloat16 rows at their row strides (unit
+ * column stride), out contiguous. A bfloat16 out rounds as PyTorch's `a * b.to(bf16)`: a
+ * float32 operand is rounded to bfloat16 first, then the product once. */
+void hkv_mul_rows(const void *a, int64_t a_stride, int a_bf16, const void *b, int64_t b_stride,
+                  int b_bf16, void *out, int out_bf16, int64_t rows, int64_t cols) {
+#pragma omp parallel for schedule(static) if (rows * cols >= EW_PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) {
+            float va = a_bf16 ? ew_from_bf16(((const uint16_t *)a)[r * a_stride + c])
+                              : ((const float *)a)[r * a_stride + c];
+            float vb = b_bf16 ? ew_from_bf16(((const uint16_t *)b)[r * b_stride + c])
+                              : ((const float *)b)[r * b_stride + c];
+            if (out_bf16) {
+                va = ew_from_bf16(ew_to_bf16(va));
+                vb = ew_from_bf16(ew_to_bf16(vb));
+                ((uint16_t *)out)[r * cols + c] = ew_to_bf16(va * vb);
+            } else {
+                ((float *)out)[r * cols + c] = va * vb;
+            }
+        }
+}

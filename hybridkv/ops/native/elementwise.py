@@ -17,6 +17,7 @@ native.declare({
     "hkv_rope_cos_sin": [_ptr, _i64, _ptr, _i64, _f32, _int, _ptr, _ptr],
     "hkv_logits_f32": [_ptr, _i64, _int, _ptr, _i64, _i64, _f32],
     "hkv_relu2": [_ptr, _ptr, _i64, _int],
+    "hkv_mul_rows": [_ptr, _i64, _int, _ptr, _i64, _int, _ptr, _int, _i64, _i64],
 })  # fmt: skip
 native.returns_status("hkv_embedding")
 
@@ -109,4 +110,21 @@ def relu2(x: torch.Tensor) -> torch.Tensor | None:
     x = x.contiguous()
     out = torch.empty_like(x)
     lib.hkv_relu2(x.data_ptr(), out.data_ptr(), x.numel(), native._is_bf16(x))
+    return out
+
+
+def mul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """a.to(dtype) * b.to(dtype) -> [rows, cols] in `dtype` (float32 or bfloat16), for 2-D a
+    and b of one shape, each float32 or bfloat16 with unit column stride (rows may be strided:
+    column slices of a projection); None when not supported."""
+    lib = native.library()
+    if lib is None or not _float_cpu(a, b) or dtype not in native.FLOAT_DTYPES:
+        return None
+    if a.dim() != 2 or a.shape != b.shape or a.stride(1) != 1 or b.stride(1) != 1:
+        return None
+    out = torch.empty(a.shape, dtype=dtype)
+    lib.hkv_mul_rows(
+        a.data_ptr(), a.stride(0), native._is_bf16(a), b.data_ptr(), b.stride(0),
+        native._is_bf16(b), out.data_ptr(), int(dtype == torch.bfloat16), *a.shape,
+    )  # fmt: skip
     return out

@@ -44,6 +44,7 @@ NO_COMPUTE = frozenset({
     "empty", "empty_strided", "empty_like", "view", "_unsafe_view", "alias", "slice", "select",
     "split", "split_with_sizes", "unbind", "t", "transpose", "permute", "unsqueeze", "squeeze",
     "expand", "as_strided", "detach", "_reshape_alias", "narrow", "lift_fresh", "view_as",
+    "chunk", "unflatten",
 })  # fmt: skip
 
 
