@@ -33,13 +33,13 @@ class VocabParallelEmbedding(nn.Embedding):
         self.tp, self.full_vocab = tp, vocab
         declare_shards(self, weight=ShardSpec(0, ((self.vocab_start, rows),), rank=tp.rank))
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # ids: [T] -> [T, hidden]
+    def forward(self, ids: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        # ids: [T] -> [T, hidden] (* scale, after the sum over ranks, as the lookup would)
         local = ids - self.vocab_start
         inside = (local >= 0) & (local < self.num_embeddings)
         out = F.embedding(torch.where(inside, local, 0), self.weight)
-        out = torch.where(inside[:, None], out, 0)
-        return self.tp.all_reduce(out)
+        out = self.tp.all_reduce(torch.where(inside[:, None], out, 0))
+        return out if scale == 1.0 else out * scale
 
 
 class VocabParallelHead(nn.Linear):

@@ -37,6 +37,8 @@ from hybridkv.layers.mlp import ZeroCenteredRMSNorm
 from hybridkv.layers.rotary import RotaryEmbedding, rope_parameters
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import HFConfig, layer_types
+from hybridkv.ops.elementwise import logits_float32, residual_add
+from hybridkv.ops.native import elementwise as native_ew
 from hybridkv.worker.batch import ForwardBatch
 
 logger = logging.getLogger("hybridkv")
@@ -185,8 +187,11 @@ class Gemma3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden] (row-parallel down_proj: all-reduced)."""
-        gate = F.gelu(self.gate_proj(x), approximate="tanh")  # [T, inter]
-        return self.tp.all_reduce(self.down_proj(gate * self.up_proj(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)  # [T, inter]
+        act = native_ew.gelu_tanh_mul(gate, up)  # one pass on the CPU, rounded as below
+        if act is None:
+            act = F.gelu(gate, approximate="tanh") * up
+        return self.tp.all_reduce(self.down_proj(act))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -218,7 +223,7 @@ class Gemma3DecoderLayer(nn.Module):
         """x: [T, hidden] -> [T, hidden]; `rotary` / `cos_sin` are this layer kind's."""
         h = self.self_attn(self.input_layernorm(x), batch, rotary, cos_sin)
         x, h = self.pre_feedforward_layernorm.add_forward(x, self.post_attention_layernorm(h))
-        return x + self.post_feedforward_layernorm(self.mlp(h))
+        return residual_add(x, self.post_feedforward_layernorm(self.mlp(h)))
 
 
 class Gemma3TextModel(nn.Module):
@@ -248,9 +253,9 @@ class Gemma3ForCausalLM(CausalLM):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> hidden: [num_tokens, hidden]."""
-        x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
-        # the scale is rounded to the model dtype first, as transformers does
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        # [T, hidden]; the scale rounded to the model dtype first, as transformers does
+        dtype = self.model.embed_tokens.weight.dtype
+        x = self.model.embed_tokens(batch.input_ids, self._embed_scale(dtype))
         local = self.rotary_local.cos_sin(batch.positions, x.dtype)  # 2 x [T, head_dim]
         glob = self.rotary_global.cos_sin(batch.positions, x.dtype)
         for layer in self.model.layers:
@@ -260,12 +265,19 @@ class Gemma3ForCausalLM(CausalLM):
                 x = layer(x, batch, self.rotary_global, glob)
         return self.model.norm(x)
 
+    def _embed_scale(self, dtype: torch.dtype) -> float:
+        """sqrt(hidden_size) as a value of the model dtype."""
+        scales = self.__dict__.setdefault("_embed_scales", {})
+        if dtype not in scales:
+            scales[dtype] = float(torch.tensor(self.embed_scale, dtype=dtype))
+        return scales[dtype]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] -> logits: [n, vocab] float32, soft-capped if configured."""
         logits = self.lm_head(hidden)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap  # in the model dtype
-        return logits.float()
+        return logits_float32(logits)
 
     # -- weights -----------------------------------------------------------------------------
 

@@ -262,6 +262,8 @@ class ModelRunner:
             gens = [self._generator(rid, p.seed) for rid, p in samplers]
             samples = self.sampler(logits, params, gens)
         self._copy_states([op for c in out.chunks for op in c.allocation.snapshots])
+        if not self.driver:
+            return {}
         return {rid: s for (rid, _), s in zip(samplers, samples, strict=True)}
 
     def _forward(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:

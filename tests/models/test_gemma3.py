@@ -29,6 +29,9 @@ from .conformance import (  # noqa: F401
 )
 from .utils import engine_greedy, prompts, save_model, save_tokenizer, seeded
 
+# checkpoints whose decode steps must be captured (test_captured_decode_equals_eager)
+CAPTURED = ("defaults",)  # ("odd" soft-caps its logits in PyTorch)
+
 VOCAB = 96
 
 

@@ -118,3 +118,12 @@ def test_mul_of_projection_slices(dtype):
     assert torch.equal(ew.mul(a, b, dtype), a * b)
     conv = torch.randn(4, 10)  # a float32 kernel result times a model-dtype gate
     assert torch.equal(ew.mul(a, conv, dtype), a * conv.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul(dtype):
+    proj = torch.randn(3, 80).to(dtype) * 3
+    gate, up = proj[:, :40], proj[:, 40:]
+    want = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    tol = 2e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(ew.gelu_tanh_mul(gate, up), want, rtol=tol, atol=tol)

@@ -169,3 +169,26 @@ void hkv_mul_rows(const void *a, int64_t a_stride, int a_bf16, const void *b, in
             }
         }
 }
+
+/* out = gelu_tanh(gate) * up over [rows, cols] (Gemma's MLP), gate and up rows at their row
+ * strides, out contiguous: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) in float32, the
+ * activation rounded to bfloat16 before the product when bf16 (as F.gelu(gate) * up). */
+void hkv_gelu_tanh_mul(const void *gate, int64_t g_stride, const void *up, int64_t u_stride,
+                       void *out, int64_t rows, int64_t cols, int bf16) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;
+#pragma omp parallel for schedule(static) if (rows * cols >= EW_PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) {
+            const int64_t gi = r * g_stride + c, ui = r * u_stride + c, oi = r * cols + c;
+            const float g = bf16 ? ew_from_bf16(((const uint16_t *)gate)[gi])
+                                 : ((const float *)gate)[gi];
+            const float inner = beta * (g + kappa * (g * g * g));
+            float act = 0.5f * g * (1.0f + tanhf(inner));
+            if (bf16) {
+                act = ew_from_bf16(ew_to_bf16(act));
+                ((uint16_t *)out)[oi] = ew_to_bf16(act * ew_from_bf16(((const uint16_t *)up)[ui]));
+            } else {
+                ((float *)out)[oi] = act * ((const float *)up)[ui];
+            }
+        }
+}

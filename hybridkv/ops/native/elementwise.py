@@ -18,6 +18,7 @@ native.declare({
     "hkv_logits_f32": [_ptr, _i64, _int, _ptr, _i64, _i64, _f32],
     "hkv_relu2": [_ptr, _ptr, _i64, _int],
     "hkv_mul_rows": [_ptr, _i64, _int, _ptr, _i64, _int, _ptr, _int, _i64, _i64],
+    "hkv_gelu_tanh_mul": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _int],
 })  # fmt: skip
 native.returns_status("hkv_embedding")
 
@@ -126,5 +127,21 @@ def mul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | 
     lib.hkv_mul_rows(
         a.data_ptr(), a.stride(0), native._is_bf16(a), b.data_ptr(), b.stride(0),
         native._is_bf16(b), out.data_ptr(), int(dtype == torch.bfloat16), *a.shape,
+    )  # fmt: skip
+    return out
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """F.gelu(gate, approximate="tanh") * up for 2-D float32 or bfloat16 gate and up of one
+    shape and dtype (unit column stride; rows may be strided); None when not supported."""
+    lib = native.library()
+    if lib is None or not _float_cpu(gate) or gate.dtype != up.dtype or gate.dim() != 2:
+        return None
+    if gate.shape != up.shape or gate.stride(1) != 1 or up.stride(1) != 1:
+        return None
+    out = torch.empty(gate.shape, dtype=gate.dtype)
+    lib.hkv_gelu_tanh_mul(
+        gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(),
+        *gate.shape, native._is_bf16(gate),
     )  # fmt: skip
     return out
