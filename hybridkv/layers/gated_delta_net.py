@@ -250,9 +250,10 @@ class GatedDeltaNet(CacheOwner):
         else:
             qkv, z, b, a = self._project(hidden_states)
             g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] float32
-        # the native ops: the conv's float32 results (bfloat16 values for a bfloat16 model) go
-        # to the rule kernels as they are, without a bfloat16 copy to widen again
-        conv_dtype = torch.float32 if ops.name == "native" else None
+        # native decode steps: the conv's float32 results (bfloat16 values for a bfloat16 model)
+        # go to the decode kernel as they are, without a bfloat16 copy to widen again (prefill
+        # chunks of a bfloat16 model keep bfloat16 q, k, v: the AMX chunk kernel takes those)
+        conv_dtype = torch.float32 if ops.name == "native" and meta.max_query_len == 1 else None
         qkv = ops.conv1d(
             qkv, self.conv1d.weight[:, 0, :], None, conv_state, meta, "silu", conv_dtype
         )

@@ -30,6 +30,7 @@ from hybridkv.ops.mamba2_ops import (
     TritonMamba2Ops,
     _declined,
 )
+from hybridkv.ops.native import gdn_chunk as native_gdn_chunk
 from hybridkv.ops.native import gdn_decode as native_gdn_decode
 
 
@@ -98,12 +99,16 @@ class NativeGDNOps(NativeMamba2Ops, TorchGDNOps):
         state: torch.Tensor,
         meta: StateMetadata,
     ) -> torch.Tensor:
+        spans = (meta.state_pages, meta.has_initial_state, meta.query_start_loc)
         if meta.max_query_len == 1:  # one token per request: the one-pass decode kernel
-            o = native_gdn_decode.gdn_decode(
-                q, k, v, g, beta, state, meta.state_pages, meta.has_initial_state,
-                meta.query_start_loc,
-            )  # fmt: skip
+            o = native_gdn_decode.gdn_decode(q, k, v, g, beta, state, *spans)
             if o is not None:
+                return o
+        elif native_gdn_chunk.applies(q, v, state):  # bfloat16 q, k, v: AMX chunks
+            o = native_gdn_chunk.gdn_chunk(q, k, v, g, beta, state, *spans)
+            if o is not None:  # (its one-token requests: the decode kernel, into the same o)
+                if native_gdn_decode.gdn_decode(q, k, v, g, beta, state, *spans, out=o) is None:
+                    raise RuntimeError(_declined("gated delta rule", v, state))
                 return o
         o = native.gated_delta_rule(
             q, k, v, g, beta, state, meta.state_pages, meta.has_initial_state,

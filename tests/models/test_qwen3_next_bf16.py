@@ -1,8 +1,9 @@
 """Qwen3-Next in bfloat16 on the native CPU kernels: the AMX experts (routed and shared,
-ops.native.moe) and the one-pass decode step of the gated delta rule (ops.native.gdn_decode).
-Prefill logits as close to transformers' float32 ones as transformers' own bfloat16 model's; the
-same logits and greedy tokens as the engine without those kernels (its PyTorch MoE and the
-general rule kernel), which round at the same points."""
+ops.native.moe), the gated delta rule's one-pass decode step (ops.native.gdn_decode) and its AMX
+prefill chunks (ops.native.gdn_chunk). Prefill logits as close to transformers' float32 ones as
+transformers' own bfloat16 model's; the same logits (up to float32 rounding in the rule) and
+greedy tokens as the engine without those kernels (its PyTorch MoE and the general rule kernel),
+which round at the same points."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from hybridkv.engine import Engine
-from hybridkv.ops.native import gdn_decode, moe
+from hybridkv.ops.native import gdn_chunk, gdn_decode, moe
 
 from .test_qwen3_next import COMMON, VOCAB, _randomise
 from .utils import (
@@ -29,7 +30,9 @@ def qwen3_next(tmp_path_factory):
 
     # MoE on every layer; intermediate sizes no multiple of the AMX tiles (24: a tile and a
     # half; 40: two and a half; transformers' bf16 grouped GEMM wants rows of 16 bytes)
-    cfg = Qwen3NextConfig(**COMMON, intermediate_size=48, moe_intermediate_size=24,
+    # (linear head dims of 32: the AMX chunk kernel's tiles; 16 and 8 elsewhere in these tests)
+    common = {**COMMON, "linear_key_head_dim": 32, "linear_value_head_dim": 32}
+    cfg = Qwen3NextConfig(**common, intermediate_size=48, moe_intermediate_size=24,
                           shared_expert_intermediate_size=40, num_experts=6,
                           num_experts_per_tok=2)  # fmt: skip
     hf = seeded(Qwen3NextForCausalLM, cfg, seed=2)
@@ -43,8 +46,8 @@ def _engine(folder, chunk=2048):
 
 
 def _without_new_kernels(monkeypatch):
-    monkeypatch.setattr(moe, "available", lambda: False)
-    monkeypatch.setattr(gdn_decode, "gdn_decode", lambda *a: None)
+    monkeypatch.setattr(moe, "available", lambda: False)  # (gdn_chunk asks it too)
+    monkeypatch.setattr(gdn_decode, "gdn_decode", lambda *a, **k: None)
 
 
 @pytest.mark.parametrize("chunk", [2048, 12])  # one prefill step; chunks from a bf16 state
@@ -65,20 +68,21 @@ def test_new_kernels_equal_the_engine_without_them(qwen3_next, monkeypatch):
     folder, _ = qwen3_next
     (ids,) = prompts(VOCAB, [40], seed=4)
     asks = prompts(VOCAB, [9, 17, 5, 30, 12, 21], seed=6)
-    calls = {"moe": 0, "rule": 0}
-    routed, rule = moe.routed_experts, gdn_decode.gdn_decode
+    calls = {"moe": 0, "rule": 0, "chunk": 0}
+    routed, rule, chunk = moe.routed_experts, gdn_decode.gdn_decode, gdn_chunk.gdn_chunk
     monkeypatch.setattr(moe, "routed_experts", lambda *a, **k: calls.__setitem__(
         "moe", calls["moe"] + 1) or routed(*a, **k))  # fmt: skip
-    monkeypatch.setattr(gdn_decode, "gdn_decode", lambda *a: calls.__setitem__(
-        "rule", calls["rule"] + 1) or rule(*a))  # fmt: skip
+    monkeypatch.setattr(gdn_decode, "gdn_decode", lambda *a, **k: calls.__setitem__(
+        "rule", calls["rule"] + 1) or rule(*a, **k))  # fmt: skip
+    monkeypatch.setattr(gdn_chunk, "gdn_chunk", lambda *a, **k: calls.__setitem__(
+        "chunk", calls["chunk"] + 1) or chunk(*a, **k))  # fmt: skip
     engine = _engine(folder)
     new_logits, new_tokens = engine_prefill_logits(engine, ids), engine_greedy(engine, asks, 8)
-    assert calls["moe"] > 0 and calls["rule"] > 0
+    assert calls["moe"] > 0 and calls["rule"] > 0 and calls["chunk"] > 0
     with monkeypatch.context() as m:
         _without_new_kernels(m)
         engine = _engine(folder)
         old_logits, old_tokens = engine_prefill_logits(engine, ids), engine_greedy(engine, asks, 8)
-    # (equal here, bit for bit: both round at the same points and sum their GEMMs alike)
     scale = old_logits.abs().max()
     assert (new_logits - old_logits).abs().max() <= 0.01 * scale
     agree = sum(a == b for x, y in zip(new_tokens, old_tokens, strict=True)

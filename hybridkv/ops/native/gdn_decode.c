@@ -208,7 +208,15 @@ void hkv_gdn_decode(void *state, int64_t page_stride, int state_bf16, const int6
     const int64_t elem = state_bf16 ? 2 : 4, group = Hv / Hk;
     *failed = K > GD_MAX_K;
     if (*failed) return;
-#pragma omp parallel for collapse(2) schedule(static) if (R * Hv > 1)
+#pragma omp parallel if (R * Hv > 1)
+    {
+    /* denormals flushed to zero and read as zero (see gdn_chunk.c): a state decayed by e^-80
+     * reaches them, and each costs a microcode assist */
+#if GD_FAST
+    const unsigned int csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);
+#endif
+#pragma omp for collapse(2) schedule(static)
     for (int64_t r = 0; r < R; r++) {
         for (int64_t h = 0; h < Hv; h++) {
             if (lens[r] != 1) continue;
@@ -228,5 +236,9 @@ void hkv_gdn_decode(void *state, int64_t page_stride, int state_bf16, const int6
             gd_head(head, state_bf16, has_initial[r], K, V, qn, kn, qk, vrow, in_bf16,
                     expf(log_decay), beta[th], o + th * V, next);
         }
+    }
+#if GD_FAST
+    _mm_setcsr(csr);
+#endif
     }
 }

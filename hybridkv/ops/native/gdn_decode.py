@@ -22,6 +22,14 @@ DTYPES = (torch.float32, torch.bfloat16)  # of q, k, v and of the state
 MAX_K = 1024  # the kernel's limit on the key head dim (its normalised q and k on the stack)
 
 
+def _output(out: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """`out`, or a new float32 tensor of `shape` when None; None when `out` does not fit."""
+    if out is None:
+        return torch.empty(shape, dtype=torch.float32)
+    fits = out.shape == shape and out.dtype == torch.float32 and out.is_contiguous()
+    return out if fits else None
+
+
 def _head_rows(x: torch.Tensor) -> torch.Tensor:
     """x: [T, H, D] with each token's heads contiguous (a view when they are)."""
     if x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2]):
@@ -39,10 +47,12 @@ def gdn_decode(
     state_pages: torch.Tensor,
     has_initial_state: torch.Tensor,
     query_start_loc: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """One decode step of the gated delta rule for requests of one token each (token s is
-    request s), states read and written in their pages; None when the kernel or these tensors
-    are not supported (the arguments are `native.gated_delta_rule`'s).
+    """One decode step of the gated delta rule for the requests of one token, states read and
+    written in their pages; None when the kernel or these tensors are not supported (the
+    arguments are `native.gated_delta_rule`'s). Rows of longer requests in `out` (o, made when
+    None) are left as they are.
 
     q, k: [T, Hk, K] raw (normalised in the kernel); v: [T, Hv, V]; q, k, v all float32 or all
     bfloat16; g, beta: [T, Hv] float32; state: [num_pages, Hv, K, V] float32 or bfloat16 (each
@@ -60,7 +70,7 @@ def gdn_decode(
     heads_v, dim_v = v.shape[1:]
     if v.shape[0] != tokens or heads_k == 0 or heads_v % heads_k or dim_k > MAX_K:
         return None
-    if g.shape != (tokens, heads_v) or beta.shape != g.shape or state_pages.shape != (tokens,):
+    if g.shape != (tokens, heads_v) or beta.shape != g.shape:
         return None
     if state.shape[1:] != (heads_v, dim_k, dim_v):
         return None
@@ -70,7 +80,9 @@ def gdn_decode(
         state_pages, has_initial_state, query_start_loc, state.shape[0], tokens
     ):
         return None  # (pages and tokens must lie inside the state, q, k, v and o)
-    o = torch.empty(tokens, heads_v, dim_v, dtype=torch.float32)
+    o = _output(out, (tokens, heads_v, dim_v))
+    if o is None:
+        return None
     if tokens == 0:
         return o
     pages, has, starts, lens = native._spans(state_pages, has_initial_state, query_start_loc)
