@@ -10,8 +10,10 @@ takes its conv from the Mamba2 ops class of the same backend) and the gated delt
     native     C kernel, state in place, float32    C kernel, token by token, state in place
                math on float32 or bfloat16          (ops.native.gated_delta_rule): float32 or
                activations, weight and state        bfloat16 q/k/v and state, float32 math;
-                                                    decode-only steps: one pass per state
-                                                    (ops.native.gdn_decode)
+                                                    one-token requests: one pass per state
+                                                    (ops.native.gdn_decode); longer ones with
+                                                    bfloat16 q/k/v: chunks of 64 on AMX
+                                                    (ops.native.gdn_chunk)
     triton     Triton decode step (Mamba2's),       Triton decode step for one-token requests
                PyTorch for prefill chunks           (ops.triton_gdn), PyTorch chunked form for
                                                     prefill chunks
@@ -66,7 +68,9 @@ class NativeGDNOps(NativeMamba2Ops, TorchGDNOps):
     """The C kernels of `hybridkv.ops.native` (CPU). The gated delta rule runs natively for
     float32 and bfloat16 inputs and states (`layers.gated_delta_net.GDN_OPS` declares both);
     a step whose requests all have one token takes the decode kernel (`native.gdn_decode`: each
-    state read from memory once, 1.6x the general kernel's speed at 64 requests). The
+    state read from memory once, 1.9x the general kernel's speed at 64 requests), and with
+    bfloat16 q, k, v the longer requests take the chunked form on AMX (`native.gdn_chunk`, 2.5x
+    on prefill chunks; a mixed step's one-token requests then go to the decode kernel). The
     conv1d runs natively where its kernel applies (float32 or bfloat16 activations, weight and
     conv state, at most `native.CONV_MAX_HISTORY` history columns), else in PyTorch: the route
     is fixed per layer by its dtypes and width, never a fallback after a kernel declined."""
