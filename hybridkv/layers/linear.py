@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.ops.native import bf16_linear as native_bf16
@@ -92,6 +93,23 @@ class PackedLinear(nn.Linear):
         else:
             out = _OPS._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+
+
+def small_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, in] @ weight.T (+ bias) for a weight used outside its module (a projection whose
+    bias a kernel applies itself): the native small-batch kernel of its dtype where it applies
+    (inference, x of up to its SMALL_M rows), else F.linear."""
+    if not torch.is_grad_enabled() and x.dim() == 2 and x.dtype == weight.dtype:
+        out = None
+        if x.dtype == torch.bfloat16 and x.shape[0] <= native_bf16.SMALL_M:
+            out = native_bf16.bf16_linear(x, weight, bias)
+        elif x.dtype == torch.float32 and x.shape[0] <= native_f32.SMALL_M:
+            out = native_f32.f32_linear(x, weight, bias)
+        if out is not None:
+            return out
+    return F.linear(x, weight, bias)
 
 
 def prepack_linears(model: nn.Module) -> int:

@@ -37,13 +37,15 @@ state is one rank's: conv [Di / size, d_conv - 1], ssm [Di / size, N].
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.distributed.parallel import column, current, declare_shards, rank0_bias
 from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
 from hybridkv.layers.cache import CacheOwner, StateCache
+from hybridkv.layers.linear import small_linear
 from hybridkv.layers.state_base import StateMetadata
+from hybridkv.ops import native
+from hybridkv.ops.derived import derived
 from hybridkv.ops.mamba1_ops import Mamba1Params, TorchMamba1Ops
 from hybridkv.ops.norm import rms_norm
 from hybridkv.worker.batch import ForwardBatch
@@ -120,6 +122,7 @@ class Mamba1Mixer(CacheOwner):
         self.hidden_size, self.d_inner, self.d_state = hidden_size, d_inner, d_state
         self.d_conv, self.dt_rank = d_conv, dt_rank
         self.dt_norms, self.norm_eps, self.activation = dt_norms, norm_eps, activation
+        self._ones: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # weightless norms' weight
 
         self.in_proj = nn.Linear(hidden_size, 2 * d_inner, bias=proj_bias)
         # Depthwise: weight [Di, 1, d_conv] as in the checkpoints (padding is unused here).
@@ -168,7 +171,15 @@ class Mamba1Mixer(CacheOwner):
         if self.dt_norms == "jamba":
             weight = getattr(self, which).weight
             return rms_norm(x, weight, self.norm_eps)
-        xf = x.float()  # falcon_mamba: no weight
+        # falcon_mamba: no weight (the native norm with a weight of ones: the same rounding)
+        key = (x.shape[-1], x.dtype)
+        ones = self._ones.get(key)
+        if ones is None:
+            ones = self._ones[key] = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+        out = native.rms_norm(x, ones, self.norm_eps)
+        if out is not None:
+            return out
+        xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.norm_eps)).to(x.dtype)
 
     def _ssm_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -180,7 +191,7 @@ class Mamba1Mixer(CacheOwner):
             dt = self._norm(dt, "dt_layernorm")
             B = self._norm(B, "b_layernorm")
             C = self._norm(C, "c_layernorm")
-        return F.linear(dt, self.dt_proj.weight), B, C
+        return small_linear(dt, self.dt_proj.weight), B, C  # (its bias: in the scan)
 
     def forward(self, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """hidden_states: [T, hidden] -> [T, hidden], states updated in this layer's pages;
@@ -208,6 +219,7 @@ class Mamba1Mixer(CacheOwner):
             x, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_state, meta, self.activation
         )
         dt, B, C = self._ssm_inputs(x)
-        params = Mamba1Params(-torch.exp(self.A_log.float()), self.D, self.dt_proj.bias)
+        A = derived(self.A_log, "neg_exp_f32", lambda a: -torch.exp(a.float()))  # [Di, N]
+        params = Mamba1Params(A, self.D, self.dt_proj.bias)
         y = ops.scan(x, dt, B, C, z, ssm_state, meta, params, hidden_states.dtype)
         return self.out_proj(y)

@@ -201,5 +201,5 @@ class DecodeGraphs:
             pages = inputs.pages[gid]
             native.provide_spans(
                 meta.state_pages, meta.has_initial_state, meta.query_start_loc,
-                (meta.state_pages, *inputs.spans), (int(pages.min()), int(pages.max()), 1, size),
+                (meta.state_pages, *inputs.spans), (int(pages.min()), int(pages.max()), 1, 0, size),
             )  # fmt: skip

@@ -214,7 +214,7 @@ class ModelRunner:
                          torch.from_numpy(qsl[:-1]), torch.from_numpy(q_lens))  # fmt: skip
                 native.provide_spans(
                     meta.state_pages, has_initial_state, qsl_dev, spans,
-                    (int(spans[0].min()), int(spans[0].max()), int(q_lens.min()), num_tokens),
+                    (int(spans[0].min()), int(spans[0].max()), int(q_lens.min()), 0, num_tokens),
                 )  # fmt: skip
             state[gid] = meta
         sampling = [i for i, c in enumerate(chunks) if c.samples]

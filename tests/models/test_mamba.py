@@ -40,6 +40,9 @@ from .utils import (
     seeded,
 )
 
+# checkpoints whose decode steps must be captured (test_captured_decode_equals_eager)
+CAPTURED = ("mamba_defaults", "mamba_odd", "falcon_defaults", "falcon_odd")
+
 VOCAB = 96
 
 

@@ -48,6 +48,7 @@ SOURCE = Path(__file__).with_name("kernels.c")
 def sources() -> list[Path]:
     return sorted(SOURCE.parent.glob("*.c"))
 
+
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 _lib: Library | None = None
@@ -82,9 +83,10 @@ _SIGNATURES = {
                              _ptr],
     "hkv_mamba1_scan": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64,
                         _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr,
-                        _ptr, _ptr],
+                        _ptr],
 }  # fmt: skip
-_RESTYPES = {"hkv_mamba2_mix": _int, "hkv_conv1d": _int}  # the others return nothing
+# kernels that return a status (non-zero: failed); the others return nothing
+_RESTYPES = {"hkv_mamba2_mix": _int, "hkv_conv1d": _int, "hkv_mamba1_scan": _int}
 
 
 def declare(signatures: dict[str, list]) -> None:
@@ -313,12 +315,12 @@ def provide_spans(
     has_initial_state: torch.Tensor,
     query_start_loc: torch.Tensor,
     spans: Spans,
-    bounds: tuple[int, int, int, int],
+    bounds: tuple[int, int, int, int, int],
 ) -> None:
     """Hand the state kernels a step's spans converted by the caller (the model runner builds
     them in NumPy with the step): `_spans` and `_spans_inside` then find them instead of
     converting the metadata with tensor ops. bounds: (min page, max page, min request length,
-    max request end), as `_spans_inside` computes them."""
+    first token, end of the last request), as `_span_bounds_of` computes them."""
     inputs = (state_pages, has_initial_state, query_start_loc)
     key = tuple(id(t) for t in inputs)
     versions = tuple(-1 if t.is_inference() else t._version for t in inputs)
@@ -329,6 +331,30 @@ def provide_spans(
     _span_bounds[key] = bounds
 
 
+def _span_bounds_of(
+    state_pages: torch.Tensor, has_initial_state: torch.Tensor, query_start_loc: torch.Tensor
+) -> tuple[int, int, int, int, int] | None:
+    """(min page, max page, min request length, first token, end of the last request) of a
+    step's spans, reduced once per metadata as `_spans` converts it; None when the metadata
+    is inconsistent (pages and requests of different counts)."""
+    pages, _, starts, lens = _spans(state_pages, has_initial_state, query_start_loc)
+    key = tuple(id(t) for t in (state_pages, has_initial_state, query_start_loc))
+    bounds = _span_bounds.get(key)
+    if bounds is None:
+        if pages.shape[0] != lens.shape[0]:
+            return None
+        if pages.numel() == 0:
+            bounds = (0, -1, 0, 0, 0)
+        else:
+            bounds = (
+                int(pages.min()), int(pages.max()), int(lens.min()), int(starts.min()),
+                int((starts + lens).max()),
+            )  # fmt: skip
+        if key in _recent_spans:
+            _span_bounds[key] = bounds
+    return bounds
+
+
 def _spans_inside(
     state_pages: torch.Tensor,
     has_initial_state: torch.Tensor,
@@ -337,23 +363,27 @@ def _spans_inside(
     num_tokens: int,
 ) -> bool:
     """Whether every request's page lies in [0, num_pages) and its tokens in [0, num_tokens)
-    (a kernel would read and write out of bounds otherwise). Reduced once per metadata, as
-    `_spans` converts it; a kernel call then compares four ints."""
-    pages, _, starts, lens = _spans(state_pages, has_initial_state, query_start_loc)
-    key = tuple(id(t) for t in (state_pages, has_initial_state, query_start_loc))
-    bounds = _span_bounds.get(key)
+    (a kernel would read and write out of bounds otherwise); a kernel call compares five ints
+    (`_span_bounds_of`)."""
+    bounds = _span_bounds_of(state_pages, has_initial_state, query_start_loc)
     if bounds is None:
-        if pages.shape[0] != lens.shape[0]:
-            return False
-        empty = pages.numel() == 0
-        bounds = (
-            0 if empty else int(pages.min()), -1 if empty else int(pages.max()),
-            0 if empty else int(lens.min()), 0 if empty else int((starts + lens).max()),
-        )  # fmt: skip
-        if key in _recent_spans:
-            _span_bounds[key] = bounds
-    page_min, page_max, len_min, end_max = bounds
-    return page_min >= 0 and page_max < num_pages and len_min >= 0 and end_max <= num_tokens
+        return False
+    page_min, page_max, len_min, first, end = bounds
+    return (
+        page_min >= 0 and page_max < num_pages and len_min >= 0 and first >= 0 and end <= num_tokens
+    )
+
+
+def _spans_cover(
+    state_pages: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_tokens: int,
+) -> bool:
+    """Whether the requests' tokens are all of [0, num_tokens) (spans of query_start_loc from
+    0 to num_tokens): a kernel then writes every row of its output."""
+    bounds = _span_bounds_of(state_pages, has_initial_state, query_start_loc)
+    return bounds is not None and bounds[3] == 0 and bounds[4] == num_tokens
 
 
 def mamba2_scan(
@@ -475,7 +505,7 @@ def _unit_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _f32_or_none(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.to(torch.float32).contiguous()
+    return None if t is None else derived(t, "f32", _contiguous_f32)
 
 
 def mamba1_scan(
@@ -523,24 +553,25 @@ def mamba1_scan(
     ):
         return None  # (pages and tokens must lie inside the state, x and y)
     pages, has, starts, lens = _spans(state_pages, has_initial_state, query_start_loc)
-    y = torch.zeros(tokens, channels, dtype=torch.float32)
+    # y: rows outside every request stay zero (none when the requests cover the step's tokens)
+    covered = _spans_cover(state_pages, has_initial_state, query_start_loc, tokens)
+    y = (torch.empty if covered else torch.zeros)(tokens, channels, dtype=torch.float32)
     if tokens == 0 or pages.numel() == 0 or channels == 0:
         return y
     dtype = x.dtype
     x, dt, B, C = (_unit_rows(t, dtype) for t in (x, dt, B, C))
     z = None if z is None else _unit_rows(z, dtype)
     A, D, dt_bias = A.to(torch.float32).contiguous(), _f32_or_none(D), _f32_or_none(dt_bias)
-    failed = torch.zeros(1, dtype=torch.int32)
-    lib.hkv_mamba1_scan(
+    failed = lib.hkv_mamba1_scan(
         ssm_state.data_ptr(), ssm_state.stride(0), int(ssm_state.dtype == torch.bfloat16),
         pages.data_ptr(), has.data_ptr(), starts.data_ptr(), lens.data_ptr(), pages.shape[0],
         channels, d_state, x.data_ptr(), x.stride(0), dt.data_ptr(), dt.stride(0),
         None if z is None else z.data_ptr(), 0 if z is None else z.stride(0), B.data_ptr(),
         B.stride(0), C.data_ptr(), C.stride(0), int(dtype == torch.bfloat16), A.data_ptr(),
         None if D is None else D.data_ptr(), None if dt_bias is None else dt_bias.data_ptr(),
-        y.data_ptr(), failed.data_ptr(),
+        y.data_ptr(),
     )  # fmt: skip
-    if int(failed):
+    if failed:
         raise MemoryError("the native Mamba1 scan could not allocate its work space")
     return y
 

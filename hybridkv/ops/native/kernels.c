@@ -1622,15 +1622,15 @@ static void m1_block(void *page, int state_bf16, int init, int64_t tok0, int64_t
  * decode steps alike). A request without an initial state (has_initial[r] == 0) starts from
  * zeros: its page is overwritten, never read (it may hold NaN bit patterns). lens[r] == 0 leaves
  * the page untouched. One task per (request, channel block); each thread allocates its work
- * space once; *failed is set when that fails (y and the states are then incomplete).
+ * space once; the result is non-zero when that fails (y and the states are then incomplete).
  */
-void hkv_mamba1_scan(void *state, int64_t page_stride, int state_bf16, const int64_t *pages,
+int hkv_mamba1_scan(void *state, int64_t page_stride, int state_bf16, const int64_t *pages,
                      const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
                      int64_t R, int64_t Di, int64_t N, const void *x, int64_t x_stride,
                      const void *dt, int64_t dt_stride, const void *z, int64_t z_stride,
                      const void *B, int64_t b_stride, const void *C, int64_t c_stride,
-                     int in_bf16, const float *A, const float *D, const float *dt_bias, float *y,
-                     int *failed) {
+                     int in_bf16, const float *A, const float *D, const float *dt_bias, float *y) {
+    int failed = 0;
     const struct m1_inputs in = {x, dt, z, B, C, x_stride, dt_stride, z_stride, b_stride,
                                  c_stride, in_bf16, D, dt_bias, y, Di, N};
     const int64_t blocks = (Di + HKV_M1_CHANNELS - 1) / HKV_M1_CHANNELS;
@@ -1639,17 +1639,14 @@ void hkv_mamba1_scan(void *state, int64_t page_stride, int state_bf16, const int
     bytes = (bytes + 63) / 64 * 64; /* aligned_alloc: a multiple of the alignment */
     const size_t a_bytes = sizeof(float) * (size_t)(blocks * N * HKV_M1_CHANNELS);
     float *At = aligned_alloc(64, (a_bytes + 63) / 64 * 64);
-    if (At == NULL) {
-        *failed = 1;
-        return;
-    }
+    if (At == NULL) return 1;
     m1_transpose_a(A, Di, N, At);
 #pragma omp parallel
     {
         float *work = aligned_alloc(64, bytes);
         if (work == NULL) {
 #pragma omp atomic write
-            *failed = 1;
+            failed = 1;
         }
 #pragma omp for collapse(2) schedule(guided)
         for (int64_t r = 0; r < R; r++) {
@@ -1665,6 +1662,7 @@ void hkv_mamba1_scan(void *state, int64_t page_stride, int state_bf16, const int
         free(work);
     }
     free(At);
+    return failed;
 }
 #pragma GCC pop_options
 
