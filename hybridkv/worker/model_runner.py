@@ -203,8 +203,9 @@ class ModelRunner:
         has_initial_state = _to(has, dev)
         state = {}
         for gid, pages in self.state_pages.items():
+            step_pages = pages.numpy()[rows]
             meta = StateMetadata(
-                state_pages=_to(pages.numpy()[rows], dev),
+                state_pages=_to(step_pages, dev),
                 has_initial_state=has_initial_state,
                 query_start_loc=qsl_dev,
                 max_query_len=max_q,
@@ -212,10 +213,9 @@ class ModelRunner:
             if dev.type == "cpu":  # the native state kernels' arrays, converted here once
                 spans = (meta.state_pages, torch.from_numpy(has.view(np.uint8)),
                          torch.from_numpy(qsl[:-1]), torch.from_numpy(q_lens))  # fmt: skip
-                native.provide_spans(
-                    meta.state_pages, has_initial_state, qsl_dev, spans,
-                    (int(spans[0].min()), int(spans[0].max()), int(q_lens.min()), 0, num_tokens),
-                )  # fmt: skip
+                bounds = (int(step_pages.min()), int(step_pages.max()), int(q_lens.min()), 0,
+                          num_tokens)  # fmt: skip
+                native.provide_spans(meta.state_pages, has_initial_state, qsl_dev, spans, bounds)
             state[gid] = meta
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         ids = [t for c in chunks for t in c.token_ids]
