@@ -69,6 +69,7 @@
 #define MOE_TILE_N 16      /* float32 sums per tile row */
 #define MOE_TILE_ELEMS 512 /* bfloat16 values in one packed B tile (16 x 32) */
 #define MOE_TASKS_PER_THREAD 4 /* column splits aim at this many tasks per thread */
+#define MOE_KC 8 /* k tiles per pass over a block's rows: 2 x 8 weight tiles, 16 KiB, in L1 */
 #define MOE_INLINE static inline __attribute__((always_inline))
 
 static inline int64_t moe_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
@@ -155,15 +156,24 @@ static void moe_load_tiles(void) {
 
 /* Sums of 32 rows (16 when !two_rows) of A (row stride lda values) by one or two column tiles
  * (B0, B1: Kb packed tiles each, consecutive in k) into C (row stride 32 floats: [32, 32], the
- * first tile's columns then the second's). Tiles 0-3: sums (row tile i, column tile j at
- * 2i + j), 4-5: A, 6-7: B. two_rows and two_cols are constants where inlined. */
-MOE_INLINE void moe_block(const int two_rows, const int two_cols, const uint16_t *A, int64_t lda,
-                          const uint16_t *B0, const uint16_t *B1, int64_t Kb, float *C) {
+ * first tile's columns then the second's), added to what C holds when acc (else from zero).
+ * Tiles 0-3: sums (row tile i, column tile j at 2i + j), 4-5: A, 6-7: B. two_rows, two_cols
+ * and acc are constants where inlined. */
+MOE_INLINE void moe_block(const int two_rows, const int two_cols, const int acc,
+                          const uint16_t *A, int64_t lda, const uint16_t *B0, const uint16_t *B1,
+                          int64_t Kb, float *C) {
     const int64_t sa = lda * 2;
-    _tile_zero(0);
-    if (two_cols) _tile_zero(1);
-    if (two_rows) _tile_zero(2);
-    if (two_rows && two_cols) _tile_zero(3);
+    if (acc) {
+        _tile_loadd(0, C, 128);
+        if (two_cols) _tile_loadd(1, C + 16, 128);
+        if (two_rows) _tile_loadd(2, C + 16 * 32, 128);
+        if (two_rows && two_cols) _tile_loadd(3, C + 16 * 32 + 16, 128);
+    } else {
+        _tile_zero(0);
+        if (two_cols) _tile_zero(1);
+        if (two_rows) _tile_zero(2);
+        if (two_rows && two_cols) _tile_zero(3);
+    }
     for (int64_t kb = 0; kb < Kb; kb++) {
         _tile_loadd(4, A + kb * MOE_TILE_K, sa);
         _tile_loadd(6, B0 + kb * MOE_TILE_ELEMS, 64);
@@ -184,16 +194,34 @@ MOE_INLINE void moe_block(const int two_rows, const int two_cols, const uint16_t
     if (two_rows && two_cols) _tile_stored(3, C + 16 * 32 + 16, 128);
 }
 
-static void moe_block_any(int rows, int cols, const uint16_t *A, int64_t lda, const uint16_t *B0,
-                          const uint16_t *B1, int64_t Kb, float *C) {
-    if (rows > 16 && cols > 1)
-        moe_block(1, 1, A, lda, B0, B1, Kb, C);
-    else if (rows > 16)
-        moe_block(1, 0, A, lda, B0, B1, Kb, C);
-    else if (cols > 1)
-        moe_block(0, 1, A, lda, B0, B1, Kb, C);
-    else
-        moe_block(0, 0, A, lda, B0, B1, Kb, C);
+static void moe_block_any(int rows, int cols, int acc, const uint16_t *A, int64_t lda,
+                          const uint16_t *B0, const uint16_t *B1, int64_t Kb, float *C) {
+    switch ((rows > 16) * 4 + (cols > 1) * 2 + (acc != 0)) {
+    case 0: moe_block(0, 0, 0, A, lda, B0, B1, Kb, C); break;
+    case 1: moe_block(0, 0, 1, A, lda, B0, B1, Kb, C); break;
+    case 2: moe_block(0, 1, 0, A, lda, B0, B1, Kb, C); break;
+    case 3: moe_block(0, 1, 1, A, lda, B0, B1, Kb, C); break;
+    case 4: moe_block(1, 0, 0, A, lda, B0, B1, Kb, C); break;
+    case 5: moe_block(1, 0, 1, A, lda, B0, B1, Kb, C); break;
+    case 6: moe_block(1, 1, 0, A, lda, B0, B1, Kb, C); break;
+    default: moe_block(1, 1, 1, A, lda, B0, B1, Kb, C); break;
+    }
+}
+
+/* C [rows, 32] (row pairs of 32 rows at C + 1024 r0 / 32 ... : [32, 32] each) = A [rows, 32 Kb]
+ * @ (B0 | B1)^T: every row pair of the block through the same weight tiles, MOE_KC values of k at
+ * a time (their 2 x MOE_KC tiles stay in L1 while the row pairs stream through). */
+static void moe_panel(int rows, int cols, const uint16_t *A, int64_t lda, const uint16_t *B0,
+                      const uint16_t *B1, int64_t Kb, float *C) {
+    for (int64_t k0 = 0; k0 < Kb; k0 += MOE_KC) {
+        const int64_t kn = Kb - k0 < MOE_KC ? Kb - k0 : MOE_KC;
+        for (int r0 = 0; r0 < rows; r0 += 32) {
+            const int n = rows - r0 < 32 ? rows - r0 : 32;
+            moe_block_any(n, cols, k0 > 0, A + r0 * lda + k0 * MOE_TILE_K, lda,
+                          B0 + k0 * MOE_TILE_ELEMS, B1 + k0 * MOE_TILE_ELEMS, kn,
+                          C + (r0 / 32) * 1024);
+        }
+    }
 }
 
 /* What both phases read. */
@@ -208,14 +236,14 @@ struct moe_args {
 /* A thread's buffers, kept between calls (grown when a call needs more). */
 struct moe_work {
     uint16_t *a; /* [MOE_BLOCK, Kp1] gathered rows of x */
-    float *c;    /* [32, 32] sums of a 2 x 2 tile block */
+    float *c;    /* [MOE_BLOCK / 32][32, 32] sums of the block's 2 x 2 tile blocks */
     size_t bytes;
 };
 
 static _Thread_local struct moe_work moe_tls;
 
 static int moe_reserve(struct moe_work *w, int64_t Kp1) {
-    const size_t a = (size_t)(MOE_BLOCK * Kp1 * 2), bytes = a + 32 * 32 * 4;
+    const size_t a = (size_t)(MOE_BLOCK * Kp1 * 2), bytes = a + MOE_BLOCK * 32 * 4;
     if (bytes > w->bytes) {
         free(w->a);
         w->a = aligned_alloc(64, bytes);
@@ -244,15 +272,13 @@ static void moe_phase_a(const struct moe_args *s, int64_t e, int64_t p0, int row
     const uint16_t *W = s->gate_up + e * s->per1;
     for (int64_t j = j0; j < j1; j++) {
         const uint16_t *Bg = W + 2 * j * s->Kb1 * MOE_TILE_ELEMS, *Bu = Bg + s->Kb1 * MOE_TILE_ELEMS;
-        for (int r0 = 0; r0 < rows; r0 += 32) {
-            const int n = rows - r0 < 32 ? rows - r0 : 32;
-            moe_block_any(n, 2, w->a + r0 * Kp1, Kp1, Bg, Bu, s->Kb1, w->c);
-            for (int r = 0; r < n; r++) { /* h = bf16(bf16(silu(bf16(g))) * bf16(u)) */
-                const __m512 g = moe_round16(_mm512_loadu_ps(w->c + r * 32));
-                const __m512 u = moe_round16(_mm512_loadu_ps(w->c + r * 32 + 16));
-                moe_store16(s->h + (p0 + r0 + r) * s->Kp2 + j * 16,
-                            _mm512_mul_ps(moe_round16(moe_silu(g)), u), 0xffff);
-            }
+        moe_panel(rows, 2, w->a, Kp1, Bg, Bu, s->Kb1, w->c);
+        for (int r = 0; r < rows; r++) { /* h = bf16(bf16(silu(bf16(g))) * bf16(u)) */
+            const float *c = w->c + (r / 32) * 1024 + (r % 32) * 32;
+            const __m512 g = moe_round16(_mm512_loadu_ps(c));
+            const __m512 u = moe_round16(_mm512_loadu_ps(c + 16));
+            moe_store16(s->h + (p0 + r) * s->Kp2 + j * 16,
+                        _mm512_mul_ps(moe_round16(moe_silu(g)), u), 0xffff);
         }
     }
 }
@@ -265,21 +291,19 @@ static void moe_phase_b(const struct moe_args *s, int64_t e, int64_t p0, int row
     for (int64_t c = c0; c < c1; c++) {
         const int64_t nb = 2 * c, cols = nb + 1 < s->Nb2 ? 2 : 1;
         const uint16_t *B0 = W + nb * Kb2 * MOE_TILE_ELEMS, *B1 = B0 + Kb2 * MOE_TILE_ELEMS;
-        for (int r0 = 0; r0 < rows; r0 += 32) {
-            const int n = rows - r0 < 32 ? rows - r0 : 32;
-            /* (rows past the block read other pairs' h, or the zero rows past P: dropped) */
-            moe_block_any(n, (int)cols, s->h + (p0 + r0) * s->Kp2, s->Kp2, B0, B1, Kb2, w->c);
-            for (int r = 0; r < n; r++) { /* Y = bf16(bf16(sum) * w) */
-                const int64_t pair = s->order[p0 + r0 + r];
-                const float wt = _mm512_cvtss_f32(moe_load16(s->weights + pair, 1));
-                const __m512 wv = _mm512_set1_ps(wt);
-                uint16_t *dst = s->Y ? s->Y + (p0 + r0 + r) * H : s->out + pair * s->out_stride;
-                for (int64_t t = 0; t < cols; t++) {
-                    const int64_t col = nb * 16 + t * 16;
-                    const __mmask16 m = moe_mask(H - col);
-                    const __m512 v = moe_round16(_mm512_loadu_ps(w->c + r * 32 + t * 16));
-                    moe_store16(dst + col, _mm512_mul_ps(v, wv), m);
-                }
+        /* (rows past the block read other pairs' h, or the zero rows past P: dropped) */
+        moe_panel(rows, (int)cols, s->h + p0 * s->Kp2, s->Kp2, B0, B1, Kb2, w->c);
+        for (int r = 0; r < rows; r++) { /* Y = bf16(bf16(sum) * w) */
+            const int64_t pair = s->order[p0 + r];
+            const float wt = _mm512_cvtss_f32(moe_load16(s->weights + pair, 1));
+            const __m512 wv = _mm512_set1_ps(wt);
+            const float *c = w->c + (r / 32) * 1024 + (r % 32) * 32;
+            uint16_t *dst = s->Y ? s->Y + (p0 + r) * H : s->out + pair * s->out_stride;
+            for (int64_t t = 0; t < cols; t++) {
+                const int64_t col = nb * 16 + t * 16;
+                const __mmask16 m = moe_mask(H - col);
+                moe_store16(dst + col, _mm512_mul_ps(moe_round16(_mm512_loadu_ps(c + t * 16)), wv),
+                            m);
             }
         }
     }
