@@ -260,20 +260,22 @@ class GatedDeltaNet(CacheOwner):
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         if self.beta_scale != 1.0:
             beta = beta * self.beta_scale
-        o = ops.rule(
-            q.reshape(t, self.num_k_heads, self.head_k_dim),
-            k.reshape(t, self.num_k_heads, self.head_k_dim),
-            v.reshape(t, self.num_v_heads, self.head_v_dim),
-            g,
-            beta,
-            recurrent_state,
-            meta,
-        )  # [T, Hv, V] float32
-        # transformers rounds the rule's output to the model dtype before the norm, which
-        # normalises each value head with one [V] weight: rows of [T * Hv, V]
-        o = o.to(hidden_states.dtype).reshape(t * self.num_v_heads, self.head_v_dim)
-        z = z.reshape(t * self.num_v_heads, self.head_v_dim)
-        y = gated_rms_norm(
-            o, z, self.norm.weight, self.norm_eps, self.head_v_dim, norm_before_gate=True
-        )
+        q = q.reshape(t, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(t, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
+        # the native decode kernel goes on through the norm itself (bfloat16 models)
+        rule_norm = getattr(ops, "rule_norm", None)
+        y = None
+        if rule_norm is not None and z.dtype == torch.bfloat16:
+            y = rule_norm(q, k, v, g, beta, recurrent_state, meta, z, self.norm.weight,
+                          self.norm_eps)  # fmt: skip
+        if y is None:
+            o = ops.rule(q, k, v, g, beta, recurrent_state, meta)  # [T, Hv, V] float32
+            # transformers rounds the rule's output to the model dtype before the norm, which
+            # normalises each value head with one [V] weight: rows of [T * Hv, V]
+            o = o.to(hidden_states.dtype).reshape(t * self.num_v_heads, self.head_v_dim)
+            z = z.reshape(t * self.num_v_heads, self.head_v_dim)
+            y = gated_rms_norm(
+                o, z, self.norm.weight, self.norm_eps, self.head_v_dim, norm_before_gate=True
+            )
         return self.out_proj(y.reshape(t, self.value_dim))

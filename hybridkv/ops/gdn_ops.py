@@ -25,6 +25,7 @@ import torch
 
 from hybridkv.layers.state_base import StateMetadata
 from hybridkv.ops import native
+from hybridkv.ops.derived import derived
 from hybridkv.ops.gated_delta import DecodeRows, gated_delta_rule_varlen
 from hybridkv.ops.mamba2_ops import (
     NativeMamba2Ops,
@@ -121,6 +122,29 @@ class NativeGDNOps(NativeMamba2Ops, TorchGDNOps):
         if o is None:
             raise RuntimeError(_declined("gated delta rule", v, state))
         return o
+
+    def rule_norm(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        meta: StateMetadata,
+        z: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor | None:
+        """A decode step's rule and then Qwen3-Next's gated norm (`ops.norm.gated_rms_norm` of
+        bf16(o) with z, norm first) in the decode kernel, each head's o normed while in cache:
+        z [T, Hv * V] bfloat16 -> y [T, Hv * V] bfloat16; None for other steps or tensors (the
+        layer then runs `rule` and the norm)."""
+        if meta.max_query_len != 1:
+            return None
+        w = derived(weight, "f32", lambda t: t.float().contiguous())
+        spans = (meta.state_pages, meta.has_initial_state, meta.query_start_loc)
+        return native_gdn_decode.gdn_decode(q, k, v, g, beta, state, *spans, norm=(z, w, eps))
 
 
 class TritonGDNOps(TritonMamba2Ops, TorchGDNOps):

@@ -94,3 +94,27 @@ def test_native_ops_take_it_for_decode_steps(dtype, monkeypatch):
     NativeGDNOps().rule(*mixed.inputs(), mixed.state.clone(),
                         state_meta(mixed.pages, mixed.has, mixed.qsl, 3))  # fmt: skip
     assert calls == [1]
+
+
+@pytest.mark.parametrize(("hv", "vd"), [(4, 128), (3, 40)])
+def test_fused_gated_norm_equals_rule_then_norm(hv, vd):
+    """norm=(z, weight, eps): each head's o through Qwen3-Next's gated norm in the kernel, as
+    `ops.norm.gated_rms_norm(bf16(o), z, weight, eps, V, norm_before_gate=True)` gives it."""
+    from hybridkv.ops.norm import gated_rms_norm
+
+    needs_native()
+    p = Problem([1] * 6, [True, False, True, True, True, False], 1, hv, 32, vd, seed=9,
+                dtype=BF16, state_dtype=BF16)  # fmt: skip
+    gen = torch.Generator().manual_seed(4)
+    z = (torch.randn(6, hv * vd, generator=gen) * 2).to(BF16)
+    weight = torch.randn(vd, generator=gen)
+    s1, s2 = p.state.clone(), p.state.clone()
+    y = gdn_decode.gdn_decode(*p.inputs(), s1, p.pages, p.has, p.qsl, norm=(z, weight, 1e-6))
+    o = gdn_decode.gdn_decode(*p.inputs(), s2, p.pages, p.has, p.qsl)
+    ref = gated_rms_norm(o.to(BF16).reshape(-1, vd), z.reshape(-1, vd), weight, 1e-6, vd,
+                         norm_before_gate=True).reshape(6, hv * vd)  # fmt: skip
+    assert y.dtype == BF16 and y.shape == (6, hv * vd)
+    assert torch.equal(s1.view(torch.uint8), s2.view(torch.uint8))  # the same state
+    diff = (y.float() - ref.float()).abs()
+    assert diff.max() <= 0.01 * ref.float().abs().max()  # a last bit here and there
+    assert (diff == 0).float().mean() >= 0.95

@@ -92,6 +92,56 @@ static inline void gd_store16(void *p, int bf16, __m512 v, __mmask16 m) {
         _mm512_mask_storeu_ps(p, m, v);
 }
 
+/* silu(v) = v / (1 + e^-v), 16 lanes: kernels.c's silu (exp_nonpositive's polynomial), the same
+ * operations in the same order, no fused multiply-adds */
+static inline __m512 gd_silu(__m512 v) {
+#define GD_C(x) _mm512_set1_ps(x)
+    const __mmask16 neg = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ);
+    __m512 x = _mm512_mask_blend_ps(neg, _mm512_sub_ps(GD_C(0.0f), v), v);
+    x = _mm512_max_ps(x, GD_C(-87.0f));
+    const __m512 shift = GD_C(12582912.0f);
+    const __m512 kk = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, GD_C(1.44269504f)), shift),
+                                    shift);
+    const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(kk, GD_C(0.693145751953125f))),
+                                   _mm512_mul_ps(kk, GD_C(1.42860677e-6f)));
+    __m512 p = _mm512_add_ps(GD_C(8.3333338e-3f), _mm512_mul_ps(r, GD_C(1.3888889e-3f)));
+    p = _mm512_add_ps(GD_C(4.1666668e-2f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(GD_C(1.6666667e-1f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(GD_C(0.5f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(GD_C(1.0f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(GD_C(1.0f), _mm512_mul_ps(r, p));
+    const __m512i bits = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(kk), _mm512_set1_epi32(127)), 23);
+    const __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+    return _mm512_div_ps(_mm512_mask_mul_ps(v, neg, v, e), _mm512_add_ps(GD_C(1.0f), e));
+#undef GD_C
+}
+
+/* Qwen3-Next's gated norm of one head, norm first (ops.norm.gated_rms_norm with
+ * norm_before_gate, as hkv_gated_rms_norm_mixed computes it): x = bf16(o), y = bf16(w * (x /
+ * sqrt(mean(x^2) + eps)) * silu(z)); o [V] float32, z [V] bfloat16, w [V] float32. */
+static void gd_gated_norm(const float *o, const uint16_t *z, const float *w, int64_t V, float eps,
+                          uint16_t *y) {
+    __m512 sq = _mm512_setzero_ps();
+    for (int64_t c = 0; c < V; c += 16) {
+        const __mmask16 m = gd_mask(V - c);
+        const __m512i rb = _mm512_cvtepu16_epi32(
+            (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, o + c)));
+        const __m512 xb = _mm512_castsi512_ps(_mm512_slli_epi32(rb, 16));
+        sq = _mm512_add_ps(sq, _mm512_mul_ps(xb, xb));
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sq) / (float)V + eps));
+    for (int64_t c = 0; c < V; c += 16) {
+        const __mmask16 m = gd_mask(V - c);
+        const __m512i rb = _mm512_cvtepu16_epi32(
+            (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, o + c)));
+        const __m512 xb = _mm512_castsi512_ps(_mm512_slli_epi32(rb, 16));
+        const __m512 wx = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + c), _mm512_mul_ps(xb, inv));
+        const __m512 out = _mm512_mul_ps(wx, gd_silu(gd_load16(z + c, 1, m)));
+        _mm256_mask_storeu_epi16(y + c, m, (__m256i)_mm512_cvtneps_pbh(out));
+    }
+}
+
 #define GD_INLINE static inline __attribute__((always_inline))
 
 /* Columns c0 .. c0 + 127 of one state (fewer past V when !full): pass 1, delta and o, pass 2.
@@ -173,6 +223,36 @@ static void gd_head(void *head, int sb, int init, int64_t K, int64_t V, const fl
 
 #else /* plain C: the same passes, one column at a time */
 
+static inline float gd_silu1(float v) { /* kernels.c's silu */
+    float x = v < 0.0f ? v : -v;
+    x = x < -87.0f ? -87.0f : x;
+    const float shift = 12582912.0f;
+    const float kk = (x * 1.44269504f + shift) - shift;
+    const float r = (x - kk * 0.693145751953125f) - kk * 1.42860677e-6f;
+    const float p =
+        1.0f + r * (1.0f + r * (0.5f + r * (1.6666667e-1f + r * (4.1666668e-2f
+                                + r * (8.3333338e-3f + r * 1.3888889e-3f)))));
+    const int32_t bits = ((int32_t)kk + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    const float e = p * scale;
+    return (v < 0.0f ? v * e : v) / (1.0f + e);
+}
+
+static void gd_gated_norm(const float *o, const uint16_t *z, const float *w, int64_t V, float eps,
+                          uint16_t *y) {
+    float sq = 0.0f;
+    for (int64_t c = 0; c < V; c++) {
+        const float x = gd_bf16_to_f32(gd_f32_to_bf16(o[c]));
+        sq += x * x;
+    }
+    const float inv = 1.0f / sqrtf(sq / (float)V + eps);
+    for (int64_t c = 0; c < V; c++) {
+        const float x = gd_bf16_to_f32(gd_f32_to_bf16(o[c]));
+        y[c] = gd_f32_to_bf16(w[c] * (x * inv) * gd_silu1(gd_bf16_to_f32(z[c])));
+    }
+}
+
 static void gd_head(void *head, int sb, int init, int64_t K, int64_t V, const float *qn,
                     const float *kn, float qk, const void *vrow, int vb, float decay, float beta,
                     float *o, const char *next) {
@@ -199,15 +279,15 @@ static void gd_head(void *head, int sb, int init, int64_t K, int64_t V, const fl
 
 #endif
 
-void hkv_gdn_decode(void *state, int64_t page_stride, int state_bf16, const int64_t *pages,
-                    const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
-                    int64_t R, int64_t Hk, int64_t Hv, int64_t K, int64_t V, const void *q,
-                    int64_t q_stride, const void *k, int64_t k_stride, const void *v,
-                    int64_t v_stride, int in_bf16, const float *g, const float *beta, float *o,
-                    int *failed) {
+int hkv_gdn_decode(void *state, int64_t page_stride, int state_bf16, const int64_t *pages,
+                   const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
+                   int64_t R, int64_t Hk, int64_t Hv, int64_t K, int64_t V, const void *q,
+                   int64_t q_stride, const void *k, int64_t k_stride, const void *v,
+                   int64_t v_stride, int in_bf16, const float *g, const float *beta, float *o,
+                   uint16_t *y, const uint16_t *z, int64_t z_stride, const float *norm_w,
+                   float eps) {
     const int64_t elem = state_bf16 ? 2 : 4, group = Hv / Hk;
-    *failed = K > GD_MAX_K;
-    if (*failed) return;
+    if (K > GD_MAX_K || (y != NULL && V > GD_MAX_K)) return 1;
 #pragma omp parallel if (R * Hv > 1)
     {
     /* denormals flushed to zero and read as zero (see gdn_chunk.c): a state decayed by e^-80
@@ -233,12 +313,17 @@ void hkv_gdn_decode(void *state, int64_t page_stride, int state_bf16, const int6
             const float log_decay = g[th] < GD_MIN_LOG_DECAY ? GD_MIN_LOG_DECAY : g[th];
             char *head = (char *)state + (pages[r] * page_stride + h * K * V) * elem;
             const char *vrow = (const char *)v + (t * v_stride + h * V) * (in_bf16 ? 2 : 4);
+            float o_head[GD_MAX_K]; /* (the head's o, when it goes on to the norm) */
+            float *oh = y == NULL ? o + th * V : o_head;
             gd_head(head, state_bf16, has_initial[r], K, V, qn, kn, qk, vrow, in_bf16,
-                    expf(log_decay), beta[th], o + th * V, next);
+                    expf(log_decay), beta[th], oh, next);
+            if (y != NULL)
+                gd_gated_norm(oh, z + t * z_stride + h * V, norm_w, V, eps, y + th * V);
         }
     }
 #if GD_FAST
     _mm_setcsr(csr);
 #endif
     }
+    return 0;
 }

@@ -12,11 +12,13 @@ import torch
 
 from hybridkv.ops import native
 
-_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 native.declare({
     "hkv_gdn_decode": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
-                       _ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr],
+                       _ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _ptr,
+                       _i64, _ptr, _f32],
 })  # fmt: skip
+native.returns_status("hkv_gdn_decode")
 
 DTYPES = (torch.float32, torch.bfloat16)  # of q, k, v and of the state
 MAX_K = 1024  # the kernel's limit on the key head dim (its normalised q and k on the stack)
@@ -48,11 +50,17 @@ def gdn_decode(
     has_initial_state: torch.Tensor,
     query_start_loc: torch.Tensor,
     out: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor | None:
     """One decode step of the gated delta rule for the requests of one token, states read and
     written in their pages; None when the kernel or these tensors are not supported (the
     arguments are `native.gated_delta_rule`'s). Rows of longer requests in `out` (o, made when
     None) are left as they are.
+
+    norm = (z [T, Hv * V] bfloat16 with unit column stride, weight [V] float32, eps): each
+    head's o goes on through Qwen3-Next's gated norm (`ops.norm.gated_rms_norm(bf16(o), z,
+    weight, eps, V, norm_before_gate=True)`, as its native kernel computes it) and the result is
+    y [T, Hv * V] bfloat16 instead of o (every request must have one token then).
 
     q, k: [T, Hk, K] raw (normalised in the kernel); v: [T, Hv, V]; q, k, v all float32 or all
     bfloat16; g, beta: [T, Hv] float32; state: [num_pages, Hv, K, V] float32 or bfloat16 (each
@@ -80,22 +88,35 @@ def gdn_decode(
         state_pages, has_initial_state, query_start_loc, state.shape[0], tokens
     ):
         return None  # (pages and tokens must lie inside the state, q, k, v and o)
-    o = _output(out, (tokens, heads_v, dim_v))
-    if o is None:
+    o = _output(out, (tokens, heads_v, dim_v)) if norm is None else None
+    y = z = weight = None
+    eps = 0.0
+    if norm is not None:
+        z, weight, eps = norm
+        if out is not None or z.shape != (tokens, heads_v * dim_v) or z.stride(1) != 1:
+            return None
+        if z.dtype != torch.bfloat16 or weight.dtype != torch.float32 or weight.shape != (dim_v,):
+            return None
+        if dim_v > MAX_K or not weight.is_contiguous():
+            return None
+        y = torch.empty(tokens, heads_v * dim_v, dtype=torch.bfloat16)
+    elif o is None:
         return None
+    result = o if y is None else y
     if tokens == 0:
-        return o
+        return result
     pages, has, starts, lens = native._spans(state_pages, has_initial_state, query_start_loc)
     q, k, v = _head_rows(q), _head_rows(k), _head_rows(v)
     g, beta = g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous()
-    failed = torch.empty(1, dtype=torch.int32)  # always written
-    lib.hkv_gdn_decode(
+    failed = lib.hkv_gdn_decode(
         state.data_ptr(), state.stride(0), int(state.dtype == torch.bfloat16), pages.data_ptr(),
         has.data_ptr(), starts.data_ptr(), lens.data_ptr(), pages.shape[0], heads_k, heads_v,
         dim_k, dim_v, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
-        v.stride(0), int(q.dtype == torch.bfloat16), g.data_ptr(), beta.data_ptr(), o.data_ptr(),
-        failed.data_ptr(),
+        v.stride(0), int(q.dtype == torch.bfloat16), g.data_ptr(), beta.data_ptr(),
+        None if o is None else o.data_ptr(), None if y is None else y.data_ptr(),
+        None if z is None else z.data_ptr(), 0 if z is None else z.stride(0),
+        None if weight is None else weight.data_ptr(), eps,
     )  # fmt: skip
-    if int(failed):
-        raise ValueError(f"the native gated delta rule decode takes K <= {MAX_K}")
-    return o
+    if failed:
+        raise ValueError(f"the native gated delta rule decode takes K, V <= {MAX_K}")
+    return result
