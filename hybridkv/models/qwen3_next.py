@@ -46,6 +46,8 @@ from hybridkv.layers.mlp import GatedMLP, ZeroCenteredRMSNorm, gated_experts
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig, layer_types
+from hybridkv.ops.elementwise import residual_add
+from hybridkv.ops.native import gdn_prep as native_prep
 from hybridkv.ops.native import moe as native_moe
 from hybridkv.worker.batch import ForwardBatch
 
@@ -239,7 +241,10 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         q, k = rotary(q, k, *cos_sin)
         out = self.attn(q, k, v, batch)  # [T, heads * head_dim]
-        return self.tp.all_reduce(self.o_proj(out * torch.sigmoid(gate.reshape(t, -1))))
+        gated = native_prep.sigmoid_gate(out, gate)  # one pass, gate read in place
+        if gated is None:
+            gated = out * torch.sigmoid(gate.reshape(t, -1))
+        return self.tp.all_reduce(self.o_proj(gated))
 
 
 class Experts(nn.Module):
@@ -343,7 +348,7 @@ class Qwen3NextDecoderLayer(nn.Module):
         else:
             h = self.self_attn(h, batch, rotary, cos_sin)
         x, h = self.post_attention_layernorm.add_forward(x, h)
-        return x + self.mlp(h)
+        return residual_add(x, self.mlp(h))
 
 
 class Qwen3NextModel(nn.Module):

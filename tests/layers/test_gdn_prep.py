@@ -85,3 +85,25 @@ def test_declines_what_it_does_not_take():
     assert gdn_prep.prep(qkvz, ba.bfloat16(), 2, 2, 16, 8, decay, dt) is None
     assert gdn_prep.prep(qkvz[:, :-1], ba, 2, 2, 16, 8, decay, dt) is None
     assert gdn_prep.prep(qkvz, ba, 2, 2, 16, 8, decay[:3], dt) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sigmoid_gate_equals_pytorch(dtype):
+    """Qwen3-Next's gated attention output gate: x * sigmoid(gate), the gate read in place from
+    each head's [query | gate] projection; PyTorch's rounding (a last-bit difference at most,
+    where the two exps differ)."""
+    needs_native()
+    t, heads, dim = 7, 3, 20
+    g = torch.Generator().manual_seed(2)
+    proj = (torch.randn(t, heads, 2 * dim, generator=g) * 4).to(dtype)
+    _, gate = proj.chunk(2, dim=-1)
+    x = torch.randn(t, heads * dim, generator=g).to(dtype)
+    out = gdn_prep.sigmoid_gate(x, gate)
+    ref = x * torch.sigmoid(gate.reshape(t, -1))
+    assert out is not None and out.dtype == dtype
+    diff = (out.float() - ref.float()).abs()
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert diff.max() <= tol * ref.float().abs().max()
+    assert (diff == 0).float().mean() >= 0.9
+    assert gdn_prep.sigmoid_gate(x[:, :-1], gate) is None
+    assert gdn_prep.sigmoid_gate(x.half(), gate.half()) is None

@@ -23,8 +23,8 @@
  *
  * Arguments are hkv_gated_delta_rule's (same layouts, q, k, v bfloat16): requests of fewer than
  * two tokens are left alone (the caller sends those to the decode kernel). K a multiple of 32 up
- * to 256, V a multiple of 32 up to 256 (the caller checks). *failed: 1 when a work space could
- * not be allocated, else 0.
+ * to 256, V a multiple of 32 up to 256 (the caller checks). Returns 0, 1 when a work space could
+ * not be allocated, 2 for sizes it does not take.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -456,17 +456,12 @@ static void gc_task(const struct gc_args *s, char *pages_base, int init, int64_t
     }
 }
 
-void hkv_gdn_chunk(void *state, int64_t page_stride, int state_bf16, const int64_t *pages,
-                   const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
-                   int64_t R, int64_t Hk, int64_t Hv, int64_t K, int64_t V, const void *q,
-                   int64_t q_stride, const void *k, int64_t k_stride, const void *v,
-                   int64_t v_stride, int in_bf16, const float *g, const float *beta, float *o,
-                   int *failed) {
-    *failed = 0;
-    if (!in_bf16 || K % 32 || V % 32 || K > GC_MAX_DIM || V > GC_MAX_DIM || Hv % Hk) {
-        *failed = 2;
-        return;
-    }
+int hkv_gdn_chunk(void *state, int64_t page_stride, int state_bf16, const int64_t *pages,
+                  const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
+                  int64_t R, int64_t Hk, int64_t Hv, int64_t K, int64_t V, const void *q,
+                  int64_t q_stride, const void *k, int64_t k_stride, const void *v,
+                  int64_t v_stride, int in_bf16, const float *g, const float *beta, float *o) {
+    if (!in_bf16 || K % 32 || V % 32 || K > GC_MAX_DIM || V > GC_MAX_DIM || Hv % Hk) return 2;
     const struct gc_args s = {state, page_stride, state_bf16, q, k, v, q_stride, k_stride,
                               v_stride, g, beta, o, Hk, Hv, K, V};
     const int64_t elem = state_bf16 ? 2 : 4;
@@ -496,22 +491,21 @@ void hkv_gdn_chunk(void *state, int64_t page_stride, int state_bf16, const int64
         if (ok) _tile_release();
         _mm_setcsr(csr);
     }
-    *failed = bad;
+    return bad;
 }
 
 #else /* no AMX */
 
-void hkv_gdn_chunk(void *state, int64_t page_stride, int state_bf16, const int64_t *pages,
-                   const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
-                   int64_t R, int64_t Hk, int64_t Hv, int64_t K, int64_t V, const void *q,
-                   int64_t q_stride, const void *k, int64_t k_stride, const void *v,
-                   int64_t v_stride, int in_bf16, const float *g, const float *beta, float *o,
-                   int *failed) {
+int hkv_gdn_chunk(void *state, int64_t page_stride, int state_bf16, const int64_t *pages,
+                  const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
+                  int64_t R, int64_t Hk, int64_t Hv, int64_t K, int64_t V, const void *q,
+                  int64_t q_stride, const void *k, int64_t k_stride, const void *v,
+                  int64_t v_stride, int in_bf16, const float *g, const float *beta, float *o) {
     (void)state, (void)page_stride, (void)state_bf16, (void)pages, (void)has_initial;
     (void)starts, (void)lens, (void)R, (void)Hk, (void)Hv, (void)K, (void)V, (void)q;
     (void)q_stride, (void)k, (void)k_stride, (void)v, (void)v_stride, (void)in_bf16, (void)g;
     (void)beta, (void)o;
-    *failed = 2;
+    return 2;
 }
 
 #endif

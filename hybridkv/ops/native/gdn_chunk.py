@@ -16,8 +16,9 @@ from hybridkv.ops.native import moe
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 native.declare({
     "hkv_gdn_chunk": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
-                      _ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr],
+                      _ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr],
 })  # fmt: skip
+native.returns_status("hkv_gdn_chunk")
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 MAX_DIM = 256  # K and V: multiples of 32 up to this
@@ -94,13 +95,12 @@ def gdn_chunk(
     pages, has, starts, lens = native._spans(state_pages, has_initial_state, query_start_loc)
     q, k, v = _head_rows(q), _head_rows(k), _head_rows(v)
     g, beta = g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous()
-    failed = torch.empty(1, dtype=torch.int32)  # always written
-    lib.hkv_gdn_chunk(
+    failed = lib.hkv_gdn_chunk(
         state.data_ptr(), state.stride(0), int(state.dtype == torch.bfloat16), pages.data_ptr(),
         has.data_ptr(), starts.data_ptr(), lens.data_ptr(), pages.shape[0], heads_k, heads_v,
         dim_k, dim_v, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
-        v.stride(0), 1, g.data_ptr(), beta.data_ptr(), out.data_ptr(), failed.data_ptr(),
+        v.stride(0), 1, g.data_ptr(), beta.data_ptr(), out.data_ptr(),
     )  # fmt: skip
-    if int(failed):
+    if failed:
         raise MemoryError("the native chunked gated delta rule could not allocate its work space")
     return out

@@ -1,4 +1,7 @@
-/* Qwen3-Next's gated delta net between its projections and its conv1d, in one pass per token:
+/* Qwen3-Next's glue between GEMMs, natively: hkv_gdn_prep (below) and hkv_sigmoid_gate (the
+ * gated attention's output gate, at the end of this file).
+ *
+ * hkv_gdn_prep: the gated delta net between its projections and its conv1d, in one pass per token:
  * the key-head-grouped outputs of in_proj_qkvz and in_proj_ba split into the [q | k | v] rows
  * the conv1d takes, the z rows of the gated norm, and the rule's gates. PyTorch makes ten
  * copies and conversions of it (four strided reshapes, a cat, two casts, the gate ops).
@@ -20,6 +23,21 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+static inline uint16_t prep_bf16(float f) { /* round to nearest even, as torch */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float prep_round(float f) {
+    const uint32_t bits = (uint32_t)prep_bf16(f) << 16;
+    float r;
+    memcpy(&r, &bits, sizeof r);
+    return r;
+}
 
 static inline float prep_load(const void *x, int bf16, int64_t i) {
     if (!bf16) return ((const float *)x)[i];
@@ -57,4 +75,25 @@ void hkv_gdn_prep(const void *qkvz, int64_t qkvz_stride, const void *ba, int64_t
                 beta[t * Hv + v] = 1.0f / (1.0f + expf(-b));
             }
     }
+}
+
+/* The gated attention's output gate: out = x * sigmoid(gate) over [T, H, D], x rows contiguous
+ * ([T, H * D]), gate at gate + t * tok_stride + h * head_stride (the second half of each head's
+ * q_proj output); float32 or bfloat16 alike (bf16). In bfloat16 the sigmoid is rounded before
+ * the product and the product rounded, as PyTorch's `x * torch.sigmoid(gate)` rounds. */
+void hkv_sigmoid_gate(const void *x, const void *gate, int64_t tok_stride, int64_t head_stride,
+                      int64_t T, int64_t H, int64_t D, int bf16, void *out) {
+#pragma omp parallel for schedule(static) if (T * H * D >= (1 << 18))
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t g0 = t * tok_stride + h * head_stride, x0 = (t * H + h) * D;
+            for (int64_t d = 0; d < D; d++) {
+                const float s = 1.0f / (1.0f + expf(-prep_load(gate, bf16, g0 + d)));
+                const float v = prep_load(x, bf16, x0 + d);
+                if (bf16)
+                    ((uint16_t *)out)[x0 + d] = prep_bf16(v * prep_round(s));
+                else
+                    ((float *)out)[x0 + d] = v * s;
+            }
+        }
 }

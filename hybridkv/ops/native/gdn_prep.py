@@ -1,8 +1,9 @@
-"""Qwen3-Next's gated delta net between its projections and its conv1d natively (`gdn_prep.c`,
-compiled into the one native library): the key-head-grouped projection outputs split into the
-conv1d's [q | k | v] rows and z, and the rule's gates, in one pass. `hybridkv.layers.
-gated_delta_net.GatedDeltaNet` calls it for the "qwen3_next" layout; its PyTorch path (the
-reference of the tests) runs where this returns None."""
+"""Qwen3-Next's glue between GEMMs natively (`gdn_prep.c`, compiled into the one native
+library): `prep`, the gated delta net's key-head-grouped projection outputs split into the
+conv1d's [q | k | v] rows and z, and the rule's gates, in one pass (`hybridkv.layers.
+gated_delta_net.GatedDeltaNet`, "qwen3_next" layout); `sigmoid_gate`, the gated attention's
+output gate (`hybridkv.models.qwen3_next.GatedAttention`). Their PyTorch paths (the references
+of the tests) run where these return None."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 native.declare({
     "hkv_gdn_prep": [_ptr, _i64, _ptr, _i64, _int, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr,
                      _ptr, _ptr, _ptr, _ptr],
+    "hkv_sigmoid_gate": [_ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _int, _ptr],
 })  # fmt: skip
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -63,3 +65,23 @@ def prep(
         beta.data_ptr(),
     )  # fmt: skip
     return qkv, z, g, beta
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor | None:
+    """x * sigmoid(gate) rounded as PyTorch rounds it: x [T, H * D] contiguous; gate [T, H, D]
+    with unit last stride (a view of each head's [query | gate] projection); both float32 or
+    both bfloat16 -> [T, H * D]; None when the kernel or these tensors don't fit."""
+    lib = native.library()
+    if lib is None or x.dim() != 2 or gate.dim() != 3 or x.dtype != gate.dtype:
+        return None
+    if x.dtype not in DTYPES or x.device.type != "cpu" or gate.device.type != "cpu":
+        return None
+    tokens, heads, dim = gate.shape
+    if x.shape != (tokens, heads * dim) or not x.is_contiguous() or gate.stride(2) != 1:
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    lib.hkv_sigmoid_gate(
+        x.data_ptr(), gate.data_ptr(), gate.stride(0), gate.stride(1), tokens, heads, dim,
+        int(x.dtype == torch.bfloat16), out.data_ptr(),
+    )  # fmt: skip
+    return out

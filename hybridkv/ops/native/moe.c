@@ -6,7 +6,7 @@
  * native library with the other C files of this folder.
  *
  *     x        [T, H] bfloat16 rows at a row stride (unit column stride)
- *     experts  [T, k] int64, weights [T, k] bfloat16 (the router's choice)
+ *     experts  [T, k] int64 (NULL: expert 0 for every pair), weights [T, k] bfloat16
  *     gate_up  expert e's [2I, H] weight ([gate | up] rows), packed (below)
  *     down     expert e's [H, I] weight, packed
  *     extra    NULL, or [T, H] bfloat16 rows at a row stride: added last (a shared expert)
@@ -330,7 +330,7 @@ static int64_t moe_tasks(const int64_t *offsets, int64_t E, int64_t ncols, int t
 }
 
 /* See the top of this file. Returns 0, -1 for an expert id outside 0 .. E - 1 (out untouched),
- * -2 when a work space could not be allocated. */
+ * -2 when a work space could not be allocated (hkv_moe_bf16 returns it: a status kernel). */
 static int moe_run(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
                    const int64_t *experts, const uint16_t *weights, int64_t k, int64_t E,
                    const uint16_t *gate_up, const uint16_t *down, int64_t Ip,
@@ -364,16 +364,17 @@ static int moe_run(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
     s.order = order, s.h = (uint16_t *)buf, s.Y = direct ? NULL : (uint16_t *)(buf + h_bytes);
     s.out = out;
     memset(offsets, 0, sizeof(int64_t) * (size_t)(E + 1));
-    for (int64_t i = 0; i < P; i++) {
-        if (experts[i] < 0 || experts[i] >= E) {
+    for (int64_t i = 0; i < P; i++) { /* (experts NULL: every pair expert 0) */
+        const int64_t e = experts == NULL ? 0 : experts[i];
+        if (e < 0 || e >= E) {
             free(ints), free(buf);
             return -1;
         }
-        offsets[experts[i] + 1]++;
+        offsets[e + 1]++;
     }
     for (int64_t e = 0; e < E; e++) offsets[e + 1] += offsets[e];
     for (int64_t i = 0; i < P; i++) { /* offsets[e] walks expert e's positions ... */
-        const int64_t p = offsets[experts[i]]++;
+        const int64_t p = offsets[experts == NULL ? 0 : experts[i]]++;
         order[p] = i, pos[i] = p;
     }
     for (int64_t e = E; e > 0; e--) offsets[e] = offsets[e - 1]; /* ... and is put back */
@@ -530,13 +531,12 @@ void hkv_moe_route_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t 
     }
 }
 
-void hkv_moe_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
-                  const int64_t *experts, const uint16_t *weights, int64_t k, int64_t E,
-                  const uint16_t *gate_up, const uint16_t *down, int64_t Ip,
-                  const uint16_t *extra, int64_t extra_stride, uint16_t *out, int64_t out_stride,
-                  int *status) {
-    *status = moe_run(x, x_stride, T, H, experts, weights, k, E, gate_up, down, Ip, extra,
-                      extra_stride, out, out_stride);
+int hkv_moe_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
+                 const int64_t *experts, const uint16_t *weights, int64_t k, int64_t E,
+                 const uint16_t *gate_up, const uint16_t *down, int64_t Ip,
+                 const uint16_t *extra, int64_t extra_stride, uint16_t *out, int64_t out_stride) {
+    return moe_run(x, x_stride, T, H, experts, weights, k, E, gate_up, down, Ip, extra,
+                   extra_stride, out, out_stride);
 }
 
 #else /* no AMX: no kernel */
@@ -551,15 +551,14 @@ void hkv_moe_route_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t 
     (void)k, (void)normalize, (void)experts, (void)weights, (void)scale, (void)work;
 }
 
-void hkv_moe_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
-                  const int64_t *experts, const uint16_t *weights, int64_t k, int64_t E,
-                  const uint16_t *gate_up, const uint16_t *down, int64_t Ip,
-                  const uint16_t *extra, int64_t extra_stride, uint16_t *out, int64_t out_stride,
-                  int *status) {
+int hkv_moe_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
+                 const int64_t *experts, const uint16_t *weights, int64_t k, int64_t E,
+                 const uint16_t *gate_up, const uint16_t *down, int64_t Ip,
+                 const uint16_t *extra, int64_t extra_stride, uint16_t *out, int64_t out_stride) {
     (void)x, (void)x_stride, (void)T, (void)H, (void)experts, (void)weights, (void)k, (void)E;
     (void)gate_up, (void)down, (void)Ip, (void)extra, (void)extra_stride, (void)out;
     (void)out_stride;
-    *status = -3;
+    return -3;
 }
 
 #endif

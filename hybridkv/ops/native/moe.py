@@ -22,10 +22,11 @@ from hybridkv.ops.derived import derived
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 native.declare({
     "hkv_moe_bf16": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr,
-                     _i64, _ptr, _i64, _ptr],
+                     _i64, _ptr, _i64],
     "hkv_moe_route_bf16": [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr,
                            _ptr, _ptr],
 })  # fmt: skip
+native.returns_status("hkv_moe_bf16")
 
 TILE_N, TILE_K = 16, 32  # a packed tile: 16 output rows x 32 values of k
 
@@ -86,8 +87,9 @@ def _bf16_cpu(*tensors: torch.Tensor) -> bool:
 
 
 def _run(x, experts, weights, gate_up_tiles, down_tiles, num_experts, inter, extra=None):
-    """The kernel on checked tensors -> [T, H] bfloat16."""
-    tokens, k = experts.shape
+    """The kernel on checked tensors (experts None: expert 0 for every pair) -> [T, H]
+    bfloat16."""
+    tokens, k = weights.shape
     hidden = x.shape[1]
     out = torch.empty(tokens, hidden, dtype=torch.bfloat16)
     if tokens == 0 or k == 0:
@@ -96,16 +98,14 @@ def _run(x, experts, weights, gate_up_tiles, down_tiles, num_experts, inter, ext
         x = x.contiguous()
     if extra is not None and extra.stride(1) != 1:
         extra = extra.contiguous()
-    experts, weights = experts.contiguous(), weights.contiguous()
-    status = torch.empty(1, dtype=torch.int32)  # always written
-    native.library().hkv_moe_bf16(
-        x.data_ptr(), x.stride(0), tokens, hidden, experts.data_ptr(), weights.data_ptr(), k,
-        num_experts, gate_up_tiles.data_ptr(), down_tiles.data_ptr(),
+    weights = weights.contiguous()
+    experts = None if experts is None else experts.contiguous()
+    code = native.library().hkv_moe_bf16(
+        x.data_ptr(), x.stride(0), tokens, hidden, None if experts is None else experts.data_ptr(),
+        weights.data_ptr(), k, num_experts, gate_up_tiles.data_ptr(), down_tiles.data_ptr(),
         _round_up(inter, TILE_N), None if extra is None else extra.data_ptr(),
         0 if extra is None else extra.stride(0), out.data_ptr(), out.stride(0),
-        status.data_ptr(),
     )  # fmt: skip
-    code = int(status)
     if code == -1:
         raise ValueError(f"expert ids must lie in 0..{num_experts - 1}")
     if code != 0:
@@ -168,8 +168,7 @@ def swiglu_expert(
     gate_up_tiles, down_tiles = derived(
         gate, key, lambda g: (pack_gate_up(torch.cat([g, up])[None]), pack_down(down[None]))
     )
-    experts = torch.zeros(x.shape[0], 1, dtype=torch.int64)
-    return _run(x, experts, scale, gate_up_tiles, down_tiles, 1, inter)
+    return _run(x, None, scale, gate_up_tiles, down_tiles, 1, inter)
 
 
 def route(
