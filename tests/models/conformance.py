@@ -195,17 +195,18 @@ def test_kernel_blocks_of_64(family: Family, blocks_per_page: int) -> None:
 def test_captured_decode_equals_eager(family: Family, request) -> None:
     """Decode steps replayed from their capture (hybridkv.worker.graphs) compute the eager
     steps' numbers: the same tokens and log-probabilities, bit for bit, as the batch shrinks
-    from 6 requests to 1. Checkpoints named in their module's CAPTURED must capture."""
+    from 4 requests to 1 (each size: an eager step, its capture, a replay at least).
+    Checkpoints named in their module's CAPTURED must capture."""
     from hybridkv import LLM, SamplingParams
 
     params = [
-        SamplingParams(max_tokens=6 + 4 * i, temperature=0, logprobs=1, ignore_eos=True)
-        for i in range(6)
+        SamplingParams(max_tokens=4 + 3 * i, temperature=0, logprobs=1, ignore_eos=True)
+        for i in range(4)
     ]
     runs = {}
     for eager in (True, False):
         llm = LLM(str(family.folder), dtype="float32", enforce_eager=eager)
-        outs = llm.generate(family.plain[:6], params)
+        outs = llm.generate(family.plain[:4], params)
         runs[eager] = [(o.token_ids, o.logprobs) for o in outs]
         graphs = llm.engine.runner.graphs
     assert runs[False] == runs[True]
