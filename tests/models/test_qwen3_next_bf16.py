@@ -98,13 +98,6 @@ def test_captured_decode_equals_eager(qwen3_next, monkeypatch):
     if not moe.available():
         pytest.skip("no AMX-BF16 kernel here (the MoE routing stays in PyTorch: eager steps)")
     from hybridkv import LLM, SamplingParams
-    from hybridkv.ops import native
-
-    # native.provide_spans empties its whole table when it holds _SPANS_KEPT steps' spans, and
-    # when that falls inside a capture the spans another state group was handed that step are
-    # converted again with tensor ops, which disables capture for good: whether it happens
-    # depends on how many spans earlier tests left (reported; kept out of this test's way)
-    monkeypatch.setattr(native, "_SPANS_KEPT", 1 << 20)
 
     folder, _ = qwen3_next
     asks = prompts(VOCAB, [9, 17, 5, 30, 12, 21], seed=7)

@@ -383,3 +383,25 @@ def test_write_kv_cache_puts_every_row_where_the_pytorch_path_does(dtype, monkey
     assert torch.equal(caches[0].isnan(), caches[1].isnan())
     assert torch.equal(caches[0].nan_to_num(), caches[1].nan_to_num())
     assert (~caches[0].isnan()).sum() == 4 * 2 * 2 * 4  # four slots, K and V, 2 heads of 4
+
+
+@needs_compiler
+def test_provided_spans_survive_a_full_table():
+    """A step hands each state group its spans; when the table of recent spans is full, the
+    oldest entries go, never the ones this step just provided (a capture reads all of them)."""
+    def meta(n):
+        return (torch.arange(n), torch.ones(n, dtype=torch.bool), torch.arange(n + 1))
+
+    def provide(m):
+        pages, has, qsl = m
+        spans = (pages, has.view(torch.uint8), qsl[:-1], torch.ones(len(pages), dtype=torch.int64))
+        native.provide_spans(*m, spans, (0, len(pages) - 1, 1, 0, len(pages)))
+        return spans
+
+    for _ in range(native._SPANS_KEPT - 1):  # earlier steps, nearly filling the table
+        provide(meta(2))
+    first, second = meta(3), meta(4)
+    a, b = provide(first), provide(second)
+    assert native._spans(*first) is a and native._spans(*second) is b
+    assert native._spans_inside(*first, num_pages=3, num_tokens=3)
+    assert len(native._recent_spans) == native._SPANS_KEPT

@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -278,10 +279,21 @@ Spans = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 # step instead of once per kernel call (groups interleave by layer, hence one entry per group).
 # The inputs are held (so their ids cannot be reused while cached) and, where they have one,
 # their version checked (an in-place change recomputes); the step metadata the engine builds is
-# made in inference mode (no version counter) and never written after.
+# made in inference mode (no version counter) and never written after. The oldest entries go
+# first (a step's own groups are always the newest, whatever came before them).
 _SPANS_KEPT = 64
-_recent_spans: dict[tuple[int, ...], tuple[tuple[torch.Tensor, ...], tuple[int, ...], Spans]] = {}
-_span_bounds: dict[tuple[int, ...], tuple[int, int, int, int]] = {}  # by the same keys
+_recent_spans: OrderedDict[tuple[int, ...], tuple[tuple[torch.Tensor, ...], tuple[int, ...], Spans]]
+_recent_spans = OrderedDict()
+_span_bounds: dict[tuple[int, ...], tuple[int, int, int, int, int]] = {}  # by the same keys
+
+
+def _keep_spans(key: tuple[int, ...], entry: tuple) -> None:
+    """Remember a step's converted spans, dropping the oldest beyond _SPANS_KEPT."""
+    _recent_spans[key] = entry
+    _recent_spans.move_to_end(key)
+    while len(_recent_spans) > _SPANS_KEPT:
+        old, _ = _recent_spans.popitem(last=False)
+        _span_bounds.pop(old, None)
 
 
 def _spans(
@@ -302,11 +314,8 @@ def _spans(
         bounds[:-1].contiguous(),
         (bounds[1:] - bounds[:-1]).contiguous(),
     )
-    if len(_recent_spans) >= _SPANS_KEPT:
-        _recent_spans.clear()  # (last steps' metadata: let it go)
-        _span_bounds.clear()
-    _recent_spans[key] = (inputs, versions, spans)
     _span_bounds.pop(key, None)
+    _keep_spans(key, (inputs, versions, spans))
     return spans
 
 
@@ -324,11 +333,8 @@ def provide_spans(
     inputs = (state_pages, has_initial_state, query_start_loc)
     key = tuple(id(t) for t in inputs)
     versions = tuple(-1 if t.is_inference() else t._version for t in inputs)
-    if len(_recent_spans) >= _SPANS_KEPT:
-        _recent_spans.clear()
-        _span_bounds.clear()
-    _recent_spans[key] = (inputs, versions, spans)
     _span_bounds[key] = bounds
+    _keep_spans(key, (inputs, versions, spans))
 
 
 def _span_bounds_of(
