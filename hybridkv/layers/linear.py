@@ -35,6 +35,8 @@ from hybridkv.ops.native import bf16_linear as native_bf16
 from hybridkv.ops.native import f32_linear as native_f32
 
 _OPS = getattr(torch.ops, "mkldnn", None)
+# weight dtype -> the module of its native small-batch linear (SMALL_M, kernel, run, linear)
+SMALL_KERNELS = {torch.bfloat16: native_bf16, torch.float32: native_f32}
 
 
 def prepack_available() -> bool:
@@ -50,8 +52,10 @@ class PackedLinear(nn.Linear):
     """An `nn.Linear` whose forward runs oneDNN on a pre-packed copy of its weight."""
 
     packed_weight: torch.Tensor
-    small_kernel: Any  # the native bf16 kernel for x of up to native_bf16.SMALL_M rows, or None
-    f32_kernel: Any  # the native float32 kernel for x of up to native_f32.SMALL_M rows, or None
+    # the module of the native small-batch linear of the weight's dtype (SMALL_M, run) and its
+    # kernel, for x of up to SMALL_M rows; None: oneDNN at every size
+    small: Any
+    small_kernel: Any
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> PackedLinear:
@@ -68,28 +72,22 @@ class PackedLinear(nn.Linear):
             self.packed_weight = _OPS._reorder_linear_weight(self.weight.detach(), None)
         weight = self.weight.detach()
         bias = None if self.bias is None else self.bias.detach()
-        fits = weight.dtype == torch.bfloat16 and native_bf16.weight_fits(weight, bias)
-        self.small_kernel = native_bf16.kernel() if fits else None
-        fits = weight.dtype == torch.float32 and native_f32.weight_fits(weight, bias)
-        self.f32_kernel = native_f32.kernel() if fits else None
+        small = SMALL_KERNELS.get(weight.dtype)
+        fits = small is not None and small.weight_fits(weight, bias)
+        self.small = small if fits else None
+        self.small_kernel = small.kernel() if fits else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]; the engine's activations are [T, in] already
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        small = self.small
         if (
             self.small_kernel is not None
-            and flat.shape[0] <= native_bf16.SMALL_M
-            and flat.dtype == torch.bfloat16
+            and flat.shape[0] <= small.SMALL_M
+            and flat.dtype == self.weight.dtype
             and not torch.is_grad_enabled()  # the kernel records no autograd graph
         ):
-            out = native_bf16.run(self.small_kernel, flat, self.weight, self.bias)
-        elif (
-            self.f32_kernel is not None
-            and flat.shape[0] <= native_f32.SMALL_M
-            and flat.dtype == torch.float32
-            and not torch.is_grad_enabled()
-        ):
-            out = native_f32.run(self.f32_kernel, flat, self.weight, self.bias)
+            out = small.run(self.small_kernel, flat, self.weight, self.bias)
         else:
             out = _OPS._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
@@ -101,12 +99,9 @@ def small_linear(
     """x [M, in] @ weight.T (+ bias) for a weight used outside its module (a projection whose
     bias a kernel applies itself): the native small-batch kernel of its dtype where it applies
     (inference, x of up to its SMALL_M rows), else F.linear."""
-    if not torch.is_grad_enabled() and x.dim() == 2 and x.dtype == weight.dtype:
-        out = None
-        if x.dtype == torch.bfloat16 and x.shape[0] <= native_bf16.SMALL_M:
-            out = native_bf16.bf16_linear(x, weight, bias)
-        elif x.dtype == torch.float32 and x.shape[0] <= native_f32.SMALL_M:
-            out = native_f32.f32_linear(x, weight, bias)
+    small = SMALL_KERNELS.get(x.dtype)
+    if small is not None and not torch.is_grad_enabled() and x.shape[0] <= small.SMALL_M:
+        out = small.linear(x, weight, bias)
         if out is not None:
             return out
     return F.linear(x, weight, bias)

@@ -93,7 +93,6 @@ def test_bf16_small_batches_run_the_native_kernel(bias):
 
 @needs_bf16_kernel
 def test_float32_and_disabled_native_keep_onednn(monkeypatch):
-    assert PackedLinear.from_linear(nn.Linear(16, 8)).small_kernel is None  # float32
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
     lin = nn.Linear(16, 8).to(torch.bfloat16)
     packed = PackedLinear.from_linear(lin)

@@ -124,7 +124,7 @@ def test_packed_linear_runs_the_kernel_up_to_small_m(bias):
     torch.manual_seed(0)
     lin = nn.Linear(100, 37, bias=bias)
     packed = PackedLinear.from_linear(lin)
-    assert packed.f32_kernel is not None and packed.small_kernel is None
+    assert packed.small_kernel is not None and packed.small is native_f32
     with torch.inference_mode():
         for m in range(1, native_f32.SMALL_M + 3):
             wide = torch.randn(m, 107)
@@ -147,7 +147,7 @@ def test_packed_linear_runs_the_kernel_up_to_small_m(bias):
 def test_packed_linear_without_the_kernel_keeps_onednn(monkeypatch):
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
     packed = PackedLinear.from_linear(nn.Linear(16, 8))
-    assert packed.f32_kernel is None
+    assert packed.small_kernel is None
     x = torch.randn(3, 16)
     with torch.inference_mode():
         assert torch.equal(packed(x), _onednn(packed, x))
@@ -185,14 +185,14 @@ def test_float32_llm_on_the_native_linear_gives_the_same_greedy_tokens(monkeypat
 
     llm = LLM(None, **kwargs)
     linears = [m for m in llm.engine.model.modules() if isinstance(m, PackedLinear)]
-    assert linears and all(m.f32_kernel is not None for m in linears)
+    assert linears and all(m.small_kernel is not None for m in linears)
     calls.clear()  # (the prepacking probes)
     ours, our_logits = generate(llm)
     assert calls and max(calls) <= native_f32.SMALL_M
     monkeypatch.setattr(native_f32, "kernel", lambda: None)  # every linear on oneDNN
     ref_llm = LLM(None, **kwargs)
     linears = [m for m in ref_llm.engine.model.modules() if isinstance(m, PackedLinear)]
-    assert linears and all(m.f32_kernel is None for m in linears)
+    assert linears and all(m.small_kernel is None for m in linears)
     count = len(calls)
     ref, ref_logits = generate(ref_llm)
     assert len(calls) == count

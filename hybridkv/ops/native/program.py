@@ -130,12 +130,9 @@ class Program:
         if self.profile is None:
             failed = self._run(self._ops, self._starts, self._args, self._count)
         else:
-            failed = self._run_timed(
-                self._ops, self._starts, self._args, self._count, self.profile
-            )
+            failed = self._run_timed(self._ops, self._starts, self._args, self._count, self.profile)
         if failed:
             raise RuntimeError(f"native kernel {self.kernel_names[failed - 1]} failed in replay")
-
 
     def start_profile(self) -> None:
         """Time every call of the replays from now on (`profiled` reads the totals)."""

@@ -1,0 +1,74 @@
+"""What the native small-batch linears share (`bf16_linear.c`, `f32_linear.c`): y = x @ w^T
+(+ bias) on the nn.Linear weight itself, for the few rows of x of a decode step. Each dtype's
+module (`bf16_linear.py`, `f32_linear.py`) declares its kernel's signature and the rows of x up
+to which it beats oneDNN (`SMALL_M`), and exposes one `SmallBatchLinear`'s methods."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from hybridkv.ops import native
+
+
+class SmallBatchLinear:
+    """One dtype's kernel `name`, usable where the library's build has its fast path (`probe`
+    returns 1: a plain loop is built without the instruction set, slower than oneDNN, so the
+    callers keep oneDNN then)."""
+
+    def __init__(self, dtype: torch.dtype, name: str, probe: str) -> None:
+        self.dtype, self.name, self.probe = dtype, name, probe
+        self._fast: bool | None = None
+
+    def kernel(self) -> Any:
+        """The kernel (a recordable `native.Kernel`), or None: no library, `HYBRIDKV_NATIVE=0`,
+        or no fast path in this build."""
+        lib = native.library()
+        if lib is None:
+            return None
+        if self._fast is None:
+            fn = getattr(lib, self.probe)
+            fn.argtypes, fn.restype = [], ctypes.c_int
+            self._fast = bool(fn())
+        return getattr(lib, self.name) if self._fast else None
+
+    def weight_fits(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """The kernel takes this weight and bias: [N, K] contiguous and None or [N] contiguous,
+        both of its dtype, on the CPU."""
+        if weight.dim() != 2 or weight.dtype != self.dtype or weight.device.type != "cpu":
+            return False
+        if not weight.is_contiguous():
+            return False
+        if bias is None:
+            return True
+        return (
+            bias.shape == (weight.shape[0],) and bias.dtype == self.dtype
+            and bias.is_contiguous() and bias.device.type == "cpu"
+        )  # fmt: skip
+
+    def run(
+        self, fn: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The kernel on a checked weight and bias (`weight_fits`) and x [M, K] of its dtype on
+        the CPU (any row stride): [M, N]. The per-call path (few checks)."""
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        m, n = x.shape[0], weight.shape[0]
+        y = torch.empty(m, n, dtype=self.dtype)
+        fn(x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+           m, n, weight.shape[1], y.data_ptr(), n)  # fmt: skip
+        return y
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """x [M, K] @ weight[N, K].T + bias, all of its dtype (float32 sums) -> [M, N]; None
+        when the fast kernel or these tensors don't fit."""
+        fn = self.kernel()
+        if fn is None or not self.weight_fits(weight, bias) or x.dim() != 2:
+            return None
+        if x.dtype != self.dtype or x.device.type != "cpu" or x.shape[1] != weight.shape[1]:
+            return None
+        return self.run(fn, x, weight, bias)
