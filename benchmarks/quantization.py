@@ -33,11 +33,24 @@ engine runs it for each dtype, and its alternatives: the native float32 kernel
 (hybridkv/ops/native/int8_linear.c, also fed bfloat16), torch's _weight_int8pack_mm (bfloat16;
 its float32 path is a scalar loop, shown at M = 1 and 8 only), and dequantize + bfloat16 GEMM.
 
+Streaming (`--stream`, instead of everything above): the native kernel at decode batch sizes
+with its weights out of cache, on the 100m model's linear shapes (benchmarks/bf16_linear.py's
+pools of distinct copies, `--pool-mib` each, and its alternating passes, medians of `--repeats`):
+microseconds per call at M = `--ms` rows on `--gemm-threads` threads of the int8 kernel with
+float32 x and with bfloat16 x (M <= 16, what the int8 layers run), the native float32 and
+bfloat16 linears on the same shape (f32_linear.c, bf16_linear.c: what an unquantized model
+runs), and `read`: a plain sum over the same int8 bytes (viewed as int64, PyTorch's vectorised
+reduction on the same threads); GB/s of each (weight bytes per call over its time: 1, 4 and 2
+bytes a weight), fp32/int8: the float32 kernel's time over the int8 kernel's, int8/read: the
+int8 kernel's time over the plain read's.
+
 The machine is shared: the load average is printed before and after; read ratios, not
 absolutes.
 
     python benchmarks/quantization.py [--models default 100m] [--threads 1] [--rounds 3]
         [--skip-accuracy] [--skip-speed] [--skip-gemm] [--json]
+    python benchmarks/quantization.py --stream [--gemm-threads 2 1] [--ms 1 2 4 8 16]
+        [--shapes 768x3224 ...] [--repeats 9] [--pool-mib 512]
 """
 
 from __future__ import annotations
@@ -313,6 +326,102 @@ def gemm(threads_list: list[int]) -> list[dict]:
     return rows
 
 
+# -- streaming micro-benchmark -------------------------------------------------------------
+
+
+def stream_cases(k: int, n: int, m: int, mib: int, weights: dict) -> dict[str, Callable[[], None]]:
+    """What `--stream` times for one shape and M: name -> a pass over its pool (`weights`:
+    name -> the pool it reads, filled here on the first M)."""
+    import torch
+
+    from benchmarks.bf16_linear import pool
+    from hybridkv.ops.native import bf16_linear as native_bf16
+    from hybridkv.ops.native import f32_linear as native_f32
+    from hybridkv.ops.native import int8_linear as native_int8
+
+    if not weights:
+        q = pool(n, k, torch.int8, mib)
+        weights.update(int8=q, read=q, fp32=pool(n, k, torch.float32, mib),
+                       bf16=pool(n, k, torch.bfloat16, mib))  # fmt: skip
+    scale = (torch.rand(n) / 64).to(torch.bfloat16)
+    x32 = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    x16 = x32.bfloat16()
+    i8, f32, b16 = native_int8.kernel(), native_f32.kernel(), native_bf16.kernel()
+    as_int64 = (n * k) % 8 == 0  # (else a sum of the int8 values: slower than a plain read)
+
+    def int8(x: torch.Tensor) -> Callable[[], None]:
+        def go() -> None:
+            for q in weights["int8"]:
+                native_int8.run(i8, x, q, scale)
+
+        return go
+
+    def fp32() -> None:
+        for w in weights["fp32"]:
+            native_f32.run(f32, x32, w, None)
+
+    def bf16() -> None:
+        for w in weights["bf16"]:
+            native_bf16.run(b16, x16, w, None)
+
+    def read() -> None:
+        for q in weights["read"]:
+            (q.view(torch.int64) if as_int64 else q).sum()
+
+    cases = {"int8 fp32-x": int8(x32)}
+    if m <= 16:
+        cases["int8 bf16-x"] = int8(x16)
+    cases["fp32"] = fp32
+    if m <= 16:
+        cases["bf16"] = bf16
+    cases["read"] = read
+    return cases
+
+
+def stream(args: argparse.Namespace) -> int:
+    import torch
+
+    from benchmarks.bf16_linear import measure
+    from hybridkv.ops.native import bf16_linear as native_bf16
+    from hybridkv.ops.native import f32_linear as native_f32
+    from hybridkv.ops.native import int8_linear as native_int8
+
+    if None in (native_int8.kernel(), native_f32.kernel(), native_bf16.kernel()):
+        print("needs the native int8, float32 and bfloat16 kernels (AVX-512 with BF16)")
+        return 1
+    names = ["int8 fp32-x", "int8 bf16-x", "fp32", "bf16", "read"]
+    size = {"fp32": 4, "bf16": 2}  # bytes a weight (int8 and read: 1)
+    print(f"# {datetime.datetime.now():%Y-%m-%d %H:%M}, torch {torch.__version__}")
+    for threads in args.gemm_threads:
+        torch.set_num_threads(threads)
+        print(f"\n{threads} thread(s); load average before: {load()}\n")
+        print(
+            "| K -> N | M | "
+            + " | ".join(f"{c} us" for c in names)
+            + " | "
+            + " | ".join(f"{c} GB/s" for c in names)
+            + " | fp32/int8 | int8/read |"
+        )
+        print("|---" * (2 + 2 * len(names) + 2) + "|")
+        for shape in args.shapes:
+            k, n = map(int, shape.split("x"))
+            weights: dict = {}
+            for m in args.ms:
+                runs = stream_cases(k, n, m, args.pool_mib, weights)
+                pools = {name: weights[name.split()[0]] for name in runs}
+                t = measure(runs, pools, args.repeats, threads)
+                us = [f"{t[c] * 1e6:.1f}" if c in t else "-" for c in names]
+                gbs = [f"{n * k * size.get(c, 1) / t[c] / 1e9:.1f}" if c in t else "-"
+                       for c in names]  # fmt: skip
+                ratios = f"{t['fp32'] / t['int8 fp32-x']:.2f} | {t['int8 fp32-x'] / t['read']:.2f}"
+                print(
+                    f"| {k} -> {n} | {m} | " + " | ".join(us + gbs) + f" | {ratios} |", flush=True
+                )
+            del weights
+        print(f"\nload average after: {load()}")
+    return 0
+
+
 # -- printing ------------------------------------------------------------------------------
 
 
@@ -358,11 +467,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-gemm", action="store_true")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--stream", action="store_true", help="the streaming micro-benchmark")
+    parser.add_argument("--ms", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--shapes", nargs="+", default=None, help="KxN, e.g. 768x3224")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--pool-mib", type=int, default=512)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         speed_child(json.loads(args.child))
         return 0
+    if args.stream:
+        from benchmarks.bf16_linear import SHAPES
+
+        args.shapes = args.shapes or SHAPES
+        return stream(args)
     import logging
 
     # a fixed thread count (the engine adapts it otherwise): float sums in the same order on

@@ -21,11 +21,13 @@ The matmul, `x [M, K] -> [M, N]` (measured on the development CPU, Zen 5, one th
 hidden-size 768 shapes and the 32000-row lm_head: benchmarks/quantization.py):
 
     native kernel  `hybridkv/ops/native/int8_linear.c` (AVX-512): the int8 weights widened in
-                   registers and reused for 4 rows of x, float32 sums, the row's scale applied
-                   once, one rounding to x's dtype. float32 x: float32 FMAs, exact float32
-                   math (the error is the int8 weight's alone), at every M: 2-3x faster than
-                   the float32 layer at M = 1, as fast at M = 8-16, 15-25% slower at M = 64-512.
-                   bfloat16 x (AVX512-BF16 pair products): up to M = SMALL_M rows, where it
+                   registers and reused for up to 4 rows of x, float32 sums, the row's scale
+                   applied once, one rounding to x's dtype. float32 x: float32 FMAs, exact
+                   float32 math (the error is the int8 weight's alone), at every M: up to 16
+                   rows the weight streams from memory at the pace of a plain read of its bytes
+                   (M = 1; 2.5-4x the native float32 linear, benchmarks/README.md); 15-25%
+                   slower than the float32 layer at M = 64-512 (Zen 5). bfloat16 x (widened to
+                   float32 once, exactly: the same tiles): up to M = SMALL_M rows, where it
                    beats the path below (decode of the 100m model at batch 1: +25%)
     PyTorch        bfloat16 x above SMALL_M rows, or no native kernel (`HYBRIDKV_NATIVE=0`,
                    no compiler, no AVX-512): in bfloat16 with float32 accumulation (a float32

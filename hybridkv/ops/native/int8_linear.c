@@ -8,20 +8,58 @@
  *     scale  [N] bfloat16 (the per-row scale the weight was rounded against)
  *     y      [M, N] float32 or bfloat16 rows at a row stride
  *
- * The math is float32: x widened as read, each int8 weight converted to float32 in a register
- * and reused for a block of rows of x, products summed in float32, the row's scale applied
- * once to the sum (it factors out of the dot product), rounded once to y's dtype. So a
- * float32 model gets the dequantized weight's product to float32 rounding (no bfloat16 step).
+ * The math is float32: each int8 weight converted to float32 in a register and reused for
+ * several rows of x, float32 products (exact for bfloat16 x: 8 x 7 significant bits) summed in
+ * float32, the row's scale applied once to the sum (it factors out of the dot product),
+ * rounded once to y's dtype. So a float32 model gets the dequantized weight's product to
+ * float32 rounding (no bfloat16 step). Two paths, with AVX-512 (F, BW, VL):
  *
- * With AVX-512 (F, BW, VL): register tiles of I8_MB rows of x by I8_NB weight rows, each
- * (row, column) pair summing 16 lanes along K (masked loads for the last K % 16), reduced at
- * the end: I8_MB x I8_NB sums + I8_NB weight vectors + 1 input vector fill 31 of the 32
- * registers. OpenMP splits the weight rows into blocks (torch.set_num_threads applies: the
- * same libgomp). Without AVX-512 a plain loop (hkv_int8_vectorized() says which was built, so
- * the caller can keep PyTorch's path instead). */
+ * The streaming path, M <= I8_SMALL_M rows of x (or x of at most I8_STREAM_X values): decode
+ * steps, bound by reading the weight (1 byte per multiply-add at M = 1). Each weight row is
+ * read from memory once per call and used for every row of x: register tiles of MB rows of x
+ * by NB weight rows (M = 1: 1 x 16, M = 2: 2 x 8, else 4 x 4 and a last tile of M % 4 rows),
+ * MB * NB <= 16 accumulators of 16 float32 lanes reduced together by a transposing tree (31
+ * shuffles and adds, not 16 horizontal reductions). The NB rows go in groups of I8_G = 4, one
+ * group after the other, the rows of a group side by side: per step, 16 values of k of each
+ * row widened (vpmovsxbd from memory, vcvtdq2ps) and multiplied with the MB rows of x, masked
+ * loads for the last K % 16. A thread's blocks of NB rows are one contiguous range of q. Two
+ * software prefetches keep memory busy: a far one into L2, I8_FAR bytes past the block's
+ * start, the block's size in bytes spread evenly over all its steps (all its tiles: memory
+ * streams at one pace whatever M), and a near one into L1, I8_NEAR bytes ahead of each row's
+ * loads. bfloat16 x is widened to float32 once per call (exactly) and takes the same tiles.
+ *
+ * Measured on the development CPU (Xeon, 2 cores, AVX-512; 1 thread, weights out of cache:
+ * 768 -> 3224 and 1536 -> 768, for the row orders also 768 -> 256, 4096 -> 1024 and
+ * 14336 -> 256; benchmarks/README.md has the tables). Before this path (the chunked tiles below
+ * at every M, with a T0 prefetch of the next block only) M = 1 read 9.0-10.3 GB/s where the
+ * float32 kernel (f32_linear.c) read 13.2-13.7 (2 threads: 16 vs 25): too few lines in flight.
+ * The far prefetch is what fixes it: without it this path is 28-44% slower at M = 1 (33-52% at
+ * M = 4), without any software prefetch about 2x; the near one gains 2-4%; near distances of
+ * 512-4096 bytes and far ones of 8-32 KiB are within 2% of each other. Groups of 4 rows: the 16
+ * rows of M = 1 all side by side were 12-43% slower (16 streams), 8 at M = 2 6-22% slower; one
+ * row after the other (f32_linear.c's order; 4 sums per row for the FMA latency) was within 2%
+ * on 768 -> 3224 and 4-12% slower elsewhere (x re-read for every row: 56 KiB of it at K =
+ * 14336, more than L1). A float32 copy of the block, widened once and read by every tile of
+ * rows, was 14-30% slower at M = 4 than widening per tile (2 uops per 16 weights and 4 rows of
+ * x). From M = 4 on the path is bound by the vector ports (2 FMAs a cycle; vpmovsxbd on one of
+ * the two ports): about a cycle per FMA with the weight in L2. bfloat16 x: vdpbf16ps runs at
+ * one every 2 cycles here (32 products: the float32 FMAs' rate) and pairing the weights for it
+ * costs 3 more uops per 32, hence the widening of x.
+ *
+ * The chunked path, more rows of x: register tiles of I8_MB rows of x by I8_NB weight rows,
+ * each (row, column) pair summing 16 lanes along K (masked loads for the last K % 16), reduced
+ * at the end: I8_MB x I8_NB sums + I8_NB weight vectors + 1 input vector fill 31 of the 32
+ * registers; the weights in L2-sized chunks, each reused for 32 rows of x (bfloat16 x: pair
+ * products, vdpbf16ps, with AVX512-BF16).
+ *
+ * OpenMP splits the weight rows into blocks (torch.set_num_threads applies: the same libgomp);
+ * on the streaming path weights under I8_PARALLEL_MIN values run on the calling thread.
+ * Without AVX-512 a plain loop (hkv_int8_vectorized() says which was built, so the caller can
+ * keep PyTorch's path instead). */
 
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -31,12 +69,19 @@
 #define I8_AVX512 0
 #endif
 
+#define I8_SMALL_M 16 /* rows of x up to which the streaming path runs */
+#define I8_STREAM_X (64 * 1024) /* or x's values (256 KiB of float32, read for every block) */
+#define I8_PARALLEL_MIN (64 * 1024) /* weights (64 KiB): below, one thread (streaming path) */
+#define I8_G 4 /* weight rows read side by side */
+#define I8_NEAR 2048 /* bytes: each row's prefetch into L1, ahead of its loads */
+#define I8_FAR 16384 /* bytes: the stream's prefetch into L2, ahead of the block's start */
 #define I8_CHUNK_BYTES (256 * 1024) /* int8 weights per chunk when M spans several tiles */
 #define I8_M_CHUNK 32 /* rows of x (and y) per pass over the weights */
 #define I8_MB 4 /* rows of x per register tile */
 #define I8_NB 6 /* weight rows (outputs) per register tile */
 #define I8_INLINE static inline __attribute__((always_inline))
 #define I8_UNROLL _Pragma("GCC unroll 8") /* whole tiles unrolled: the sums stay in registers */
+#define I8_UNROLL16 _Pragma("GCC unroll 16") /* (streaming tiles: up to 16 sums) */
 
 static inline float i8_bf16_to_f32(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
@@ -67,6 +112,8 @@ static inline void i8_store1(void *y, int bf16, int64_t i, float v) {
 int hkv_int8_vectorized(void) { return I8_AVX512; }
 
 #if I8_AVX512
+
+/* ---- the chunked path ---------------------------------------------------------------------- */
 
 I8_INLINE __m512 i8_load_x(const void *x, int bf16, int64_t i, __mmask16 mask) {
     if (bf16) {
@@ -186,7 +233,7 @@ I8_INLINE void i8_tile(const void *x, int64_t ldx, const int xbf16, const int8_t
         }                                                                                    \
     } while (0)
 
-/* rows m_lo .. m_hi - 1 of y, outputs n0 .. n0 + nb - 1 */
+/* rows m_lo .. m_hi - 1 of y, outputs n0 .. n0 + nb - 1 (the chunked path) */
 static void i8_block(const void *x, int64_t ldx, int xbf16, const int8_t *q,
                      const uint16_t *scale, int64_t m_lo, int64_t m_hi, int64_t K, void *y,
                      int64_t ldy, int ybf16, int64_t n0, int64_t nb) {
@@ -194,6 +241,188 @@ static void i8_block(const void *x, int64_t ldx, int xbf16, const int8_t *q,
         I8_ROWS(1);
     else
         I8_ROWS(0);
+}
+
+/* ---- the streaming path ------------------------------------------------------------------ */
+
+/* lane p of the result = the sum of the 16 lanes of v[p] (a 16 x 16 transpose folded into the
+ * additions: each level halves the vectors and doubles the sums each lane holds) */
+I8_INLINE __m512 i8_reduce16(const __m512 v[16]) {
+    __m512 h[8], s[4];
+    /* h[i], 128-bit lane t: v[2i] lanes t and t + 2 summed (t = 0, 1), then v[2i + 1]'s */
+    I8_UNROLL16 for (int i = 0; i < 8; i++)
+        h[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
+    /* s[i], 128-bit lane t: 4 partial sums (one per 32-bit lane) of v[4i + t] */
+    I8_UNROLL16 for (int i = 0; i < 4; i++)
+        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0xdd));
+    /* within each 128-bit lane, a 4 x 4 transpose-and-add of s[0..3] */
+    const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(s[0], s[1]), _mm512_unpackhi_ps(s[0], s[1]));
+    const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(s[2], s[3]), _mm512_unpackhi_ps(s[2], s[3]));
+    /* 128-bit lane t, lane c: the whole sum of v[4c + t] */
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xee));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, u);
+}
+
+/* 16 int8 weights at P widened to float32: vpmovsxbd from memory, vcvtdq2ps (MASK: the first
+ * values only, zeros past them; never reads past them) */
+#define I8_W(MASK, P) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)(P))))
+#define I8_WZ(MASK, P) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(MASK, P)))
+#define I8_X(MASK, P) _mm512_loadu_ps(P)
+#define I8_XZ(MASK, P) _mm512_maskz_loadu_ps(MASK, P)
+
+/* i8_f32_to_bf16 of 16 values: round to nearest even, NaN stays NaN (vcvtneps2bf16 would
+ * flush denormals) */
+I8_INLINE __m256i i8_round_bf16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
+}
+
+/* bfloat16 rows x [M, K] (row stride ldx) -> float32 xw [M, ldw] (exact) */
+static void i8_widen_x(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, float *xw,
+                       int64_t ldw) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k += 16) {
+            const __mmask16 mask = K - k >= 16 ? 0xffff : (__mmask16)((1u << (K - k)) - 1);
+            const __m256i h = _mm256_maskz_loadu_epi16(mask, x + m * ldx + k);
+            const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+            _mm512_mask_storeu_ps(xw + m * ldw + k, mask, _mm512_castsi512_ps(bits));
+        }
+}
+
+/* A block's far prefetch: `lines` cache lines from `at` on, spread evenly (Bresenham) over
+ * its `total` steps (lines <= total: a step reads 4 rows x 16 weights, one line's worth) */
+typedef struct {
+    const char *at;
+    int64_t debt, lines, total;
+} I8Far;
+
+#define I8_FAR_STEP()                                                                        \
+    do {                                                                                     \
+        debt += lines;                                                                       \
+        if (debt >= total) {                                                                 \
+            _mm_prefetch(pf, _MM_HINT_T1);                                                   \
+            pf += 64;                                                                        \
+            debt -= total;                                                                   \
+        }                                                                                    \
+    } while (0)
+
+/* one step of group g (weight rows g * I8_G ..): acc[i * NB + g * I8_G + j] += x[row i, K0 ..
+ * K0 + 15] * w[row g * I8_G + j, same], each weight vector widened once for the mb rows of x */
+#define I8S_STEP(K0, WLOAD, XLOAD, MASK)                                                     \
+    do {                                                                                     \
+        __m512 wv[I8_G];                                                                     \
+        I8_UNROLL16 for (int j = 0; j < G; j++) wv[j] = WLOAD(MASK, wr[g * G + j] + (K0));   \
+        I8_FAR_STEP();                                                                       \
+        I8_UNROLL16 for (int i = 0; i < mb; i++) {                                           \
+            const __m512 xv = XLOAD(MASK, xr + i * ldx + (K0));                              \
+            I8_UNROLL16 for (int j = 0; j < G; j++) acc[i * NB + g * G + j] =                \
+                _mm512_fmadd_ps(xv, wv[j], acc[i * NB + g * G + j]);                         \
+        }                                                                                    \
+    } while (0)
+
+/* rows m0 .. m0 + mb - 1 of y by columns n0 .. n0 + nb - 1 (nb <= NB, mb * NB <= 16; mb and NB
+ * constants at every call; weight rows past nb read the last one again, their sums dropped).
+ * The NB weight rows go in groups of G = min(NB, I8_G), one group after the other, the rows of
+ * a group side by side: 16 values of k of each per step, widened once for all mb rows of x;
+ * the near prefetch (into L1) runs I8_NEAR bytes ahead of each row's loads, and every step
+ * takes its turn in the block's far prefetch */
+I8_INLINE void i8s_tile(const float *x, int64_t ldx, const int8_t *q, const uint16_t *scale,
+                        int64_t K, void *y, int64_t ldy, int ybf16, int64_t m0, int64_t n0,
+                        int64_t nb, const int mb, const int NB, I8Far *far) {
+    const int G = NB < I8_G ? NB : I8_G;
+    const float *xr = x + m0 * ldx;
+    const int8_t *wr[16];
+    I8_UNROLL16 for (int j = 0; j < NB; j++) wr[j] = q + (n0 + (j < nb ? j : nb - 1)) * K;
+    const char *pf = far->at;
+    int64_t debt = far->debt;
+    const int64_t lines = far->lines, total = far->total;
+    const __mmask16 tail = (__mmask16)((1u << (K & 15)) - 1);
+    __m512 acc[16];
+    I8_UNROLL16 for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
+    I8_UNROLL16 for (int g = 0; g < NB / G; g++) {
+        if (g * G >= nb) break; /* (the last block: groups of rows past N) */
+        int64_t k = 0;
+        for (; k + 64 <= K; k += 64) { /* a cache line of each row of the group */
+            I8_UNROLL16 for (int j = 0; j < G; j++)
+                _mm_prefetch((const char *)(wr[g * G + j] + k) + I8_NEAR, _MM_HINT_T0);
+            I8_UNROLL16 for (int v = 0; v < 4; v++) I8S_STEP(k + 16 * v, I8_W, I8_X, 0);
+        }
+        for (; k + 16 <= K; k += 16) I8S_STEP(k, I8_W, I8_X, 0);
+        if (k < K) I8S_STEP(k, I8_WZ, I8_XZ, tail);
+    }
+    far->at = pf, far->debt = debt;
+    /* the row's scale once per sum; lane i * NB + j: y[m0 + i, n0 + j] */
+    float s[16];
+    I8_UNROLL16 for (int t = 0; t < 16; t++) {
+        const int j = t % NB;
+        s[t] = j < nb ? i8_bf16_to_f32(scale[n0 + j]) : 0.0f;
+    }
+    const __m512 sums = _mm512_mul_ps(i8_reduce16(acc), _mm512_loadu_ps(s));
+    if (ybf16) {
+        uint16_t out[16];
+        _mm256_storeu_si256((__m256i *)out, i8_round_bf16(sums));
+        I8_UNROLL16 for (int i = 0; i < mb; i++)
+            memcpy((uint16_t *)y + (m0 + i) * ldy + n0, out + i * NB, (size_t)nb * 2);
+    } else {
+        float out[16];
+        _mm512_storeu_ps(out, sums);
+        I8_UNROLL16 for (int i = 0; i < mb; i++)
+            memcpy((float *)y + (m0 + i) * ldy + n0, out + i * NB, (size_t)nb * sizeof(float));
+    }
+}
+
+#define I8S_TILE(MB_) i8s_tile(x, ldx, q, scale, K, y, ldy, ybf16, m0, n0, nb, MB_, NB, &far)
+
+/* every row of x against weight rows n0 .. n0 + nb - 1 (a block), in tiles of MB rows (the
+ * last one of M % MB). The far prefetch of the block's size in bytes, I8_FAR bytes past its
+ * start (not past q_end), is spread over all the block's steps: memory streams at one pace
+ * whether the block's time goes to one tile or to several */
+I8_INLINE void i8s_block(const float *x, int64_t ldx, const int8_t *q, const uint16_t *scale,
+                         int64_t M, int64_t K, void *y, int64_t ldy, int ybf16, int64_t n0,
+                         int64_t nb, const int NB, const int MB, const char *q_end) {
+    const int64_t groups = NB < I8_G ? 1 : NB / I8_G, tiles = (M + MB - 1) / MB;
+    const char *pf = (const char *)(q + n0 * K) + I8_FAR;
+    const int64_t lines = (NB * K + 63) / 64, left = pf < q_end ? (q_end - pf) / 64 : 0;
+    I8Far far = {pf, 0, lines < left ? lines : left, tiles * groups * ((K + 15) / 16)};
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        const int64_t rows = M - m0;
+        if (MB == 1 || rows == 1) I8S_TILE(1);
+        else if (MB == 2 || rows == 2) I8S_TILE(2);
+        else if (rows == 3) I8S_TILE(3);
+        else I8S_TILE(4);
+    }
+}
+
+#define I8S_BLOCKS(NB_, MB_)                                                                 \
+    do {                                                                                     \
+        const int64_t blocks = (N + NB_ - 1) / NB_;                                          \
+        _Pragma("omp parallel for schedule(static) if (N * K >= I8_PARALLEL_MIN)")           \
+        for (int64_t b = 0; b < blocks; b++) {                                               \
+            const int64_t n0 = b * NB_, nb = N - n0 < NB_ ? N - n0 : NB_;                    \
+            i8s_block(x, ldx, q, scale, M, K, y, ldy, ybf16, n0, nb, NB_, MB_, q_end);       \
+        }                                                                                    \
+    } while (0)
+
+/* float32 x, 1 <= K: tiles of one row of x by 16 weight rows (M = 1), two by 8 (M = 2), else
+ * four by 4 */
+static void i8_stream(const float *x, int64_t ldx, const int8_t *q, const uint16_t *scale,
+                      int64_t M, int64_t N, int64_t K, void *y, int64_t ldy, int ybf16) {
+    const char *q_end = (const char *)(q + N * K);
+    if (M == 1)
+        I8S_BLOCKS(16, 1);
+    else if (M == 2)
+        I8S_BLOCKS(8, 2);
+    else
+        I8S_BLOCKS(4, 4);
 }
 
 #else /* no AVX-512: one output at a time */
@@ -214,6 +443,29 @@ static void i8_block(const void *x, int64_t ldx, int xbf16, const int8_t *q,
 void hkv_int8_linear(const void *x, int64_t ldx, int xbf16, const int8_t *q,
                      const uint16_t *scale, int64_t M, int64_t N, int64_t K, void *y,
                      int64_t ldy, int ybf16) {
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0) { /* no products: zeros */
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++) i8_store1(y, ybf16, m * ldy + n, 0.0f);
+        return;
+    }
+#if I8_AVX512
+    if (M <= I8_SMALL_M || M * K <= I8_STREAM_X) {
+        if (!xbf16) {
+            i8_stream(x, ldx, q, scale, M, N, K, y, ldy, ybf16);
+            return;
+        }
+        /* bfloat16 x widened once (exact), rows 64-byte aligned: the float32 tiles */
+        const int64_t ldw = (K + 15) & ~(int64_t)15;
+        float *xw = aligned_alloc(64, (size_t)(M * ldw) * sizeof(float));
+        if (xw) {
+            i8_widen_x(x, ldx, M, K, xw, ldw);
+            i8_stream(xw, ldw, q, scale, M, N, K, y, ldy, ybf16);
+            free(xw);
+            return;
+        } /* (no memory for it: the chunked path reads x as it is) */
+    }
+#endif
     const int64_t blocks = (N + I8_NB - 1) / I8_NB; /* of I8_NB weight rows */
     /* More than one tile of rows: the blocks go in chunks of about I8_CHUNK_BYTES of weights,
      * each chunk's blocks once per tile of rows, so a chunk read from memory for the first

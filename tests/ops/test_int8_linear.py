@@ -1,0 +1,133 @@
+"""The native int8 weight-only linear (hybridkv/ops/native/int8_linear.c) on both of its paths:
+the streaming one (up to 16 rows of x, or x under 64K values: tiles of 1 x 16, 2 x 8 and 4 x 4
+read in groups of 4 weight rows, with the far and near prefetches) and the chunked one (more
+rows), against a float64 reference of the dequantized weight within float32 accumulation
+error: every M from 1 to 17 (every tile shape and last tile), K with a masked tail (K % 16 !=
+0) or shorter than a vector, N with a partial last block (5, 37), weights with several blocks
+per thread, rows of x at a stride, one thread and the team, float32 and bfloat16 x. The layer's
+own tests (which path it takes, quantization error) are tests/layers/test_quantization.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv.layers.quantization import dequantize_rows, quantize_rows
+from hybridkv.ops.native import int8_linear as native_int8
+
+pytestmark = pytest.mark.skipif(
+    not native_int8.available(), reason="no native AVX-512 int8 kernel on this machine"
+)
+
+U = 2.0**-24  # float32 unit roundoff
+BF16_HALF_STEP = 2.0**-8  # at most, relative to the value (8 significant bits)
+STREAM_X = 64 * 1024  # int8_linear.c I8_STREAM_X: x's values up to which M > 16 streams
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def case(m, k, n, dtype, seed=0, pad=5):
+    """x [m, k] as a column slice of wider rows (row stride k + pad, unaligned start), the
+    quantized weight of a random one with rows of different magnitudes."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k + pad, generator=g).to(dtype)[:, 3 : 3 + k]
+    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 0, n)[:, None]
+    q, scale = quantize_rows(w)
+    return x, q, scale
+
+
+def check(y, x, q, scale):
+    """y within float32 accumulation error of the exact x @ (q * scale).T: each of the at most
+    K + 3 roundings (FMAs along k, the reduction tree, the scale) moves it by at most U of the
+    sum of |terms|; a bfloat16 y is then rounded once more (by half a bfloat16 step)."""
+    assert y.dtype == x.dtype and y.shape == (x.shape[0], q.shape[0])
+    wd = dequantize_rows(q, scale).double()
+    exact = x.double() @ wd.T
+    bound = (x.double().abs() @ wd.abs().T) * (x.shape[1] + 3) * U + 1e-30
+    if y.dtype == torch.bfloat16:
+        bound = bound * (1 + BF16_HALF_STEP) + BF16_HALF_STEP * exact.abs()
+    err = (y.double() - exact).abs()
+    assert (err <= bound).all(), float((err / bound).max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [5, 16, 53, 100, 771])
+@pytest.mark.parametrize("n", [5, 37])
+def test_matches_float64_reference_for_every_tile(dtype, k, n, threads):
+    for m in range(1, 18):
+        x, q, scale = case(m, k, n, dtype, seed=m)
+        assert x.stride(0) == k + 5  # strided rows, read in place
+        check(native_int8.int8_linear(x, q, scale), x, q, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 16])
+def test_many_blocks_per_thread(dtype, m, threads):
+    """Weights large enough for the team (over 64K values) and many blocks, prefetches and
+    groups per thread, the last block partial (331 = 20 x 16 + 11 rows, = 82 x 4 + 3)."""
+    x, q, scale = case(m, 768, 331, dtype, seed=11)
+    check(native_int8.int8_linear(x, q, scale), x, q, scale)
+
+
+@pytest.mark.parametrize("m", [20, 33, 85, 86, 100])
+def test_more_rows_stream_while_x_is_small_then_chunk(m, threads):
+    """Past 16 rows: streaming while x holds at most STREAM_X values (768 x 85), the chunked
+    path above; both within float32 error, bfloat16 x too (chunked: pair products)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x, q, scale = case(m, 768, 37, dtype, seed=m)
+        assert (m * 768 <= STREAM_X) == (m <= 85)
+        check(native_int8.int8_linear(x, q, scale), x, q, scale)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 16, 40])
+def test_bfloat16_x_is_the_float32_path_on_its_widened_values(m, threads):
+    """bfloat16 x is widened to float32 (exactly) and runs the float32 tiles: its output is the
+    float32 output for those values rounded to bfloat16, bit for bit."""
+    x, q, scale = case(m, 200, 37, torch.bfloat16, seed=m)
+    y = native_int8.int8_linear(x, q, scale)
+    assert torch.equal(y, native_int8.int8_linear(x.float(), q, scale).bfloat16())
+
+
+def test_output_row_stride_and_rows_past_n_untouched():
+    """y at a row stride wider than N: the columns past N are not written (both dtypes)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for m in (1, 2, 5):
+            x, q, scale = case(m, 100, 37, dtype)
+            y = torch.full((m, 40), 7.0, dtype=dtype)
+            bf16 = int(dtype == torch.bfloat16)
+            native_int8.kernel()(x.data_ptr(), x.stride(0), bf16, q.data_ptr(), scale.data_ptr(),
+                                 m, 37, 100, y.data_ptr(), 40, bf16)  # fmt: skip
+            check(y[:, :37], x, q, scale)
+            assert (y[:, 37:] == 7.0).all()
+
+
+def test_tiny_and_empty_shapes():
+    for m, k, n in [(1, 1, 1), (3, 1, 2), (2, 15, 1), (5, 17, 3), (17, 16, 16), (1, 64, 17)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            x, q, scale = case(m, k, n, dtype, seed=k)
+            check(native_int8.int8_linear(x, q, scale), x, q, scale)
+    x, q, scale = case(0, 8, 4, torch.float32)
+    assert native_int8.int8_linear(x, q, scale).shape == (0, 4)
+    x = torch.randn(3, 0)  # no products: zeros
+    q, scale = torch.zeros(4, 0, dtype=torch.int8), torch.ones(4, dtype=torch.bfloat16)
+    assert torch.equal(native_int8.int8_linear(x, q, scale), torch.zeros(3, 4))
+
+
+def test_non_finite_inputs_reach_their_rows_only():
+    """A NaN or an infinity in a row of x makes that row's outputs non-finite (a bfloat16 NaN
+    stays NaN when rounded) and leaves the other rows as they were."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x, q, scale = case(5, 100, 37, dtype)
+        clean = native_int8.int8_linear(x, q, scale)
+        x = x.clone()
+        x[1, 7], x[3, 50] = float("nan"), float("inf")
+        y = native_int8.int8_linear(x, q, scale)
+        assert y[1].isnan().all() and not y[3].isfinite().any()
+        rows = [0, 2, 4]
+        assert torch.equal(y[rows], clean[rows])
