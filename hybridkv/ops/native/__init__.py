@@ -62,6 +62,7 @@ _SIGNATURES = {
                         _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
     "hkv_conv1d": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _int,
                    _ptr, _ptr, _int, _int, _ptr],
+    # (hkv_paged_decode is in decode_attention.c)
     "hkv_paged_decode": [_ptr, _ptr, _int, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64,
                          _f32, _ptr, _ptr],
     "hkv_rms_norm_f32": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _f32],

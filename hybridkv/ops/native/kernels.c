@@ -1,6 +1,6 @@
 /* CPU kernels for a hybrid model's Mamba2 and Mamba1 scans, gated delta rule (Qwen3-Next,
- * Qwen3.5) and causal conv1d (prefill and decode), decode attention, and the row-wise norms and
- * activations between the GEMMs.
+ * Qwen3.5) and causal conv1d (prefill and decode), and the row-wise norms and activations
+ * between the GEMMs (decode attention: decode_attention.c).
  *
  * Plain C with OpenMP, built at first use by hybridkv/ops/native/__init__.py (gcc -O3
  * -march=native -fopenmp) and called through ctypes. Each reads the paged cache in place, so
@@ -8,8 +8,8 @@
  * request's K and V are read once; a norm or activation reads its rows once where PyTorch's
  * element-wise ops pass over them four to six times. All tensors are float32 and contiguous
  * unless a stride is passed or a kernel says it also takes bfloat16 (the gated delta rule and
- * the Mamba1 scan: inputs and states; the Mamba2 scan and conv1d: states; decode attention: q
- * and the cache; the row kernels have bfloat16 twins). The math is float32 throughout.
+ * the Mamba1 scan: inputs and states; the Mamba2 scan and conv1d: states; the row kernels
+ * have bfloat16 twins). The math is float32 throughout.
  * OpenMP here is the libgomp that torch already loaded (same soname), so
  * torch.set_num_threads() sets the number of threads for these loops too.
  */
@@ -310,183 +310,6 @@ void hkv_write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stri
         memcpy(base + at * elem, (const char *)k + t * k_stride * elem, (size_t)(row * elem));
         memcpy(base + (at + kbs * row) * elem, (const char *)v + t * v_stride * elem,
                (size_t)(row * elem));
-    }
-}
-
-/* Cache element offset of position pos's row (all KV heads) in a request's kernel blocks. */
-static inline int64_t decode_row_at(const int32_t *table, int64_t pos, int64_t kbs,
-                                    int64_t row) {
-    return ((int64_t)table[pos / kbs] * 2 * kbs + pos % kbs) * row;
-}
-
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=fast") /* the passes' multiply-adds as FMAs */
-
-/* Pass 1 in vectors: scores[h][t] = q_h . k_t * scale, one vector sum per head (a register:
- * an array of the group's sums lived on the stack, 3x slower), the key chunks re-read from L1
- * for each head of their group, one horizontal sum per (head, token). qs: [H][Dh] float32. */
-static void decode_scores_vec(const float *qs, const void *cache, int bf16, int64_t kbs,
-                              int64_t KVH, int64_t Dh, int64_t group, const int32_t *table,
-                              int64_t t0, int64_t len, float scale, float *scores) {
-    const int64_t row = KVH * Dh, H = KVH * group;
-    for (int64_t t = 0; t < len; t++) {
-        const int64_t at = decode_row_at(table, t0 + t, kbs, row);
-        for (int64_t h = 0; h < H; h++) {
-            const int64_t off = at + (h / group) * Dh;
-            const float *qh = qs + h * Dh;
-            hkv_vf acc = {0};
-            if (bf16) {
-                const uint16_t *k = (const uint16_t *)cache + off;
-                for (int64_t d = 0; d < Dh; d += HKV_LANES)
-                    acc += loadv(qh + d) * m1_load_bf16(k + d);
-            } else {
-                const float *k = (const float *)cache + off;
-                for (int64_t d = 0; d < Dh; d += HKV_LANES) acc += loadv(qh + d) * loadv(k + d);
-            }
-            scores[h * len + t] = hsum(acc) * scale;
-        }
-    }
-}
-
-#define HKV_DECODE_HEADS 4 /* query heads of a group summed in registers together */
-
-/* Pass 2 in vectors: out_h = sum_t p_h[t] * v_t, one HKV_LANES chunk of the head dim at a time
- * over all tokens with up to HKV_DECODE_HEADS heads of a group in registers (the value chunk
- * loaded, and widened, once for them); the sums are stored once. os: [H][Dh]. */
-static void decode_values_vec(const float *scores, const void *cache, int bf16, int64_t kbs,
-                              int64_t KVH, int64_t Dh, int64_t group, const int32_t *table,
-                              int64_t t0, int64_t len, float *os) {
-    const int64_t row = KVH * Dh, half = kbs * row;
-    for (int64_t g = 0; g < KVH; g++)
-        for (int64_t j0 = 0; j0 < group; j0 += HKV_DECODE_HEADS) {
-            const int64_t nj = group - j0 < HKV_DECODE_HEADS ? group - j0 : HKV_DECODE_HEADS;
-            const float *p0 = scores + (g * group + j0) * len, *p1 = p0 + len;
-            const float *p2 = p1 + len, *p3 = p2 + len;
-            for (int64_t d = 0; d < Dh; d += HKV_LANES) {
-                hkv_vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-                for (int64_t t = 0; t < len; t++) {
-                    const int64_t off = decode_row_at(table, t0 + t, kbs, row) + half + g * Dh + d;
-                    const hkv_vf v = bf16 ? m1_load_bf16((const uint16_t *)cache + off)
-                                          : loadv((const float *)cache + off);
-                    a0 += p0[t] * v;
-                    if (nj > 1) a1 += p1[t] * v;
-                    if (nj > 2) a2 += p2[t] * v;
-                    if (nj > 3) a3 += p3[t] * v;
-                }
-                float *o = os + (g * group + j0) * Dh + d;
-                storev(o, a0);
-                if (nj > 1) storev(o + Dh, a1);
-                if (nj > 2) storev(o + 2 * Dh, a2);
-                if (nj > 3) storev(o + 3 * Dh, a3);
-            }
-        }
-}
-
-#pragma GCC pop_options
-
-/* Decode attention of S requests (one query each) straight from the paged cache.
- *
- *   cache: [num_kernel_blocks, 2, kbs, KVH, Dh] (K at 0, V at 1)
- *   position t of request s -> block block_table[s * table_stride + t / kbs], offset t % kbs
- *
- * Request s attends to positions seq_lens[s] - window .. seq_lens[s] - 1 (from 0 when window
- * is 0, no sliding window, or reaches past the start); no other slot is read, so whatever
- * other slots hold (NaN included) cannot leak.
- * q, out: [S, H, Dh]; the H / KVH query heads of a KV head share its keys and values.
- * One task per request, two passes over its positions: scores of every head, then the
- * softmax-weighted sum of V (exact softmax, no running rescale). Each pass reads a token's whole
- * row (all KV heads, contiguous): 3x faster than one task per (request, KV head), whose reads
- * stride over the other heads' bytes.
- * sinks: [H] or NULL (gpt-oss): one more logit per head in the softmax denominator, no value.
- * q, the cache and out are float32, or all bfloat16 (bf16: widened as read, out rounded once
- * from the float32 sums; the math is float32 either way). Head dims that are a multiple of
- * HKV_LANES take the vector passes (decode_scores_vec, decode_values_vec); others the loops
- * below.
- */
-void hkv_paged_decode(const void *q, const void *cache, int bf16, int64_t kbs, int64_t KVH,
-                      int64_t Dh, int64_t H, const int32_t *block_table, int64_t table_stride,
-                      const int32_t *seq_lens, int64_t window, int64_t S, float scale,
-                      const float *sinks, void *out) {
-    const int64_t group = H / KVH;
-    const int64_t row = KVH * Dh;   /* elements per cached token (all KV heads) */
-    const int64_t half = kbs * row; /* K part of a block -> its V part */
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t s = 0; s < S; s++) {
-        const int64_t end = seq_lens[s];
-        const int64_t t0 = window > 0 && end > window ? end - window : 0, len = end - t0;
-        const int32_t *table = block_table + s * table_stride;
-        if (len <= 0) {
-            memset((char *)out + s * H * Dh * (bf16 ? 2 : 4), 0, (size_t)(H * Dh * (bf16 ? 2 : 4)));
-            continue;
-        }
-        /* scores [H][len], then (bfloat16) the query, one token's row widened to float32 and
-         * the float32 sums of out */
-        const int64_t extra = bf16 ? 2 * H * Dh + row : 0;
-        float *scores = malloc(sizeof(float) * (size_t)(H * len + extra));
-        if (scores == NULL) continue;
-        float *qw = scores + H * len, *kw = qw + H * Dh;
-        float *os = bf16 ? kw + row : (float *)out + s * H * Dh;
-        for (int64_t i = 0; i < H * Dh; i++) os[i] = 0.0f;
-        const float *qs = (const float *)q + s * H * Dh;
-        if (bf16) {
-            load_floats(q, 1, s * H * Dh, H * Dh, qw);
-            qs = qw;
-        }
-#define HKV_TOKEN_ROW(pos, part)                                                              \
-    (bf16 ? (load_floats(cache, 1, ((int64_t)table[(pos) / kbs] * 2 * kbs + (pos) % kbs) * row \
-                                       + (part), row, kw),                                    \
-             (const float *)kw)                                                               \
-          : (const float *)cache + ((int64_t)table[(pos) / kbs] * 2 * kbs + (pos) % kbs) * row \
-                + (part))
-        const int vec = Dh % HKV_LANES == 0;
-        if (vec)
-            decode_scores_vec(qs, cache, bf16, kbs, KVH, Dh, group, table, t0, len, scale,
-                              scores);
-        /* pass 1: scores[h][t] = q_h . k_t * scale (a token's row holds every KV head) */
-        for (int64_t t = 0; t < len && !vec; t++) {
-            const float *k = HKV_TOKEN_ROW(t0 + t, 0);
-            for (int64_t h = 0; h < H; h++) {
-                const float *qh = qs + h * Dh, *kh = k + (h / group) * Dh;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < Dh; d++) dot += qh[d] * kh[d];
-                scores[h * len + t] = dot * scale;
-            }
-        }
-        /* softmax per query head */
-        for (int64_t h = 0; h < H; h++) {
-            float *sh = scores + h * len;
-            float m = sh[0];
-            for (int64_t t = 1; t < len; t++) m = sh[t] > m ? sh[t] : m;
-            if (sinks != NULL && sinks[h] > m) m = sinks[h];
-            float total = sinks != NULL ? exp_nonpositive(sinks[h] - m) : 0.0f;
-#pragma omp simd reduction(+ : total)
-            for (int64_t t = 0; t < len; t++) {
-                sh[t] = exp_nonpositive(sh[t] - m);
-                total += sh[t];
-            }
-            const float inv = 1.0f / total;
-            for (int64_t t = 0; t < len; t++) sh[t] *= inv;
-        }
-        if (vec)
-            decode_values_vec(scores, cache, bf16, kbs, KVH, Dh, group, table, t0, len, os);
-        /* pass 2: out_h = sum_t p_h[t] * v_t */
-        for (int64_t t = 0; t < len && !vec; t++) {
-            const float *v = HKV_TOKEN_ROW(t0 + t, half);
-            for (int64_t h = 0; h < H; h++) {
-                const float p = scores[h * len + t];
-                const float *vh = v + (h / group) * Dh;
-                float *oh = os + h * Dh;
-#pragma omp simd
-                for (int64_t d = 0; d < Dh; d++) oh[d] += p * vh[d];
-            }
-        }
-#undef HKV_TOKEN_ROW
-        if (bf16) {
-            uint16_t *ob = (uint16_t *)out + s * H * Dh;
-            for (int64_t i = 0; i < H * Dh; i++) ob[i] = f32_to_bf16(os[i]);
-        }
-        free(scores);
     }
 }
 
