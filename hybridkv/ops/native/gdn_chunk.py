@@ -24,21 +24,6 @@ STATE_DTYPES = (torch.float32, torch.bfloat16)
 MAX_DIM = 256  # K and V: multiples of 32 up to this
 
 
-def _output(out: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
-    """`out`, or a new float32 tensor of `shape` when None; None when `out` does not fit."""
-    if out is None:
-        return torch.empty(shape, dtype=torch.float32)
-    fits = out.shape == shape and out.dtype == torch.float32 and out.is_contiguous()
-    return out if fits else None
-
-
-def _head_rows(x: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D] with each token's heads contiguous (a view when they are)."""
-    if x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2]):
-        return x
-    return x.contiguous()
-
-
 def applies(q: torch.Tensor, v: torch.Tensor, state: torch.Tensor) -> bool:
     """bfloat16 q, k, v (the raw values the AMX products take exactly), a float32 or bfloat16
     state, head dims the kernel's tiles fit, a CPU with AMX."""
@@ -69,38 +54,17 @@ def gdn_chunk(
     None when the kernel or these tensors are not supported. Rows of one-token requests in `out`
     (o [T, Hv, V] float32, made when None) are left as they are."""
     lib = native.library()
-    if lib is None or not applies(q, v, state) or q.shape != k.shape or k.dtype != q.dtype:
+    if lib is None or not applies(q, v, state) or k.dtype != q.dtype:
         return None
-    if any(t.device.type != "cpu" for t in (k, v, g, beta)):
+    spans = (state_pages, has_initial_state, query_start_loc)
+    dims = native.gdn_dims(q, k, v, g, beta, state, *spans)
+    if dims is None:
         return None
-    tokens, heads_k, dim_k = q.shape
-    heads_v, dim_v = v.shape[1:]
-    if v.shape[0] != tokens or heads_k == 0 or heads_v % heads_k:
-        return None
-    if g.shape != (tokens, heads_v) or beta.shape != g.shape:
-        return None
-    if state.shape[1:] != (heads_v, dim_k, dim_v):
-        return None
-    if state.stride()[1:] != (dim_k * dim_v, dim_v, 1):
-        return None
-    if not native._spans_inside(
-        state_pages, has_initial_state, query_start_loc, state.shape[0], tokens
-    ):
-        return None  # (pages and tokens must lie inside the state, q, k, v and o)
-    out = _output(out, (tokens, heads_v, dim_v))
-    if out is None:
-        return None
-    if tokens == 0:
+    tokens, _, heads_v, _, dim_v = dims
+    out = native.float32_output(out, (tokens, heads_v, dim_v))
+    if out is None or tokens == 0:
         return out
-    pages, has, starts, lens = native._spans(state_pages, has_initial_state, query_start_loc)
-    q, k, v = _head_rows(q), _head_rows(k), _head_rows(v)
-    g, beta = g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous()
-    failed = lib.hkv_gdn_chunk(
-        state.data_ptr(), state.stride(0), int(state.dtype == torch.bfloat16), pages.data_ptr(),
-        has.data_ptr(), starts.data_ptr(), lens.data_ptr(), pages.shape[0], heads_k, heads_v,
-        dim_k, dim_v, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
-        v.stride(0), 1, g.data_ptr(), beta.data_ptr(), out.data_ptr(),
-    )  # fmt: skip
-    if failed:
+    args = native.GDNArgs.prepare(dims, q, k, v, g, beta, state, *spans)
+    if lib.hkv_gdn_chunk(*args.leading(), out.data_ptr()):
         raise MemoryError("the native chunked gated delta rule could not allocate its work space")
     return out

@@ -24,21 +24,6 @@ DTYPES = (torch.float32, torch.bfloat16)  # of q, k, v and of the state
 MAX_K = 1024  # the kernel's limit on the key head dim (its normalised q and k on the stack)
 
 
-def _output(out: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
-    """`out`, or a new float32 tensor of `shape` when None; None when `out` does not fit."""
-    if out is None:
-        return torch.empty(shape, dtype=torch.float32)
-    fits = out.shape == shape and out.dtype == torch.float32 and out.is_contiguous()
-    return out if fits else None
-
-
-def _head_rows(x: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D] with each token's heads contiguous (a view when they are)."""
-    if x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2]):
-        return x
-    return x.contiguous()
-
-
 def gdn_decode(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -68,27 +53,16 @@ def gdn_decode(
     -> o [T, Hv, V] float32.
     """
     lib = native.library()
-    if lib is None or q.dim() != 3 or v.dim() != 3 or q.shape != k.shape:
+    if lib is None or not q.dtype == k.dtype == v.dtype:
         return None
-    if any(t.device.type != "cpu" for t in (q, k, v, g, beta, state)):
+    if q.dtype not in DTYPES or state.dtype not in DTYPES:
         return None
-    if not q.dtype == k.dtype == v.dtype or q.dtype not in DTYPES or state.dtype not in DTYPES:
+    spans = (state_pages, has_initial_state, query_start_loc)
+    dims = native.gdn_dims(q, k, v, g, beta, state, *spans)
+    if dims is None or dims[3] > MAX_K:
         return None
-    tokens, heads_k, dim_k = q.shape
-    heads_v, dim_v = v.shape[1:]
-    if v.shape[0] != tokens or heads_k == 0 or heads_v % heads_k or dim_k > MAX_K:
-        return None
-    if g.shape != (tokens, heads_v) or beta.shape != g.shape:
-        return None
-    if state.shape[1:] != (heads_v, dim_k, dim_v):
-        return None
-    if state.stride()[1:] != (dim_k * dim_v, dim_v, 1):
-        return None
-    if not native._spans_inside(
-        state_pages, has_initial_state, query_start_loc, state.shape[0], tokens
-    ):
-        return None  # (pages and tokens must lie inside the state, q, k, v and o)
-    o = _output(out, (tokens, heads_v, dim_v)) if norm is None else None
+    tokens, _, heads_v, _, dim_v = dims
+    o = native.float32_output(out, (tokens, heads_v, dim_v)) if norm is None else None
     y = z = weight = None
     eps = 0.0
     if norm is not None:
@@ -105,15 +79,9 @@ def gdn_decode(
     result = o if y is None else y
     if tokens == 0:
         return result
-    pages, has, starts, lens = native._spans(state_pages, has_initial_state, query_start_loc)
-    q, k, v = _head_rows(q), _head_rows(k), _head_rows(v)
-    g, beta = g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous()
+    args = native.GDNArgs.prepare(dims, q, k, v, g, beta, state, *spans)
     failed = lib.hkv_gdn_decode(
-        state.data_ptr(), state.stride(0), int(state.dtype == torch.bfloat16), pages.data_ptr(),
-        has.data_ptr(), starts.data_ptr(), lens.data_ptr(), pages.shape[0], heads_k, heads_v,
-        dim_k, dim_v, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
-        v.stride(0), int(q.dtype == torch.bfloat16), g.data_ptr(), beta.data_ptr(),
-        None if o is None else o.data_ptr(), None if y is None else y.data_ptr(),
+        *args.leading(), None if o is None else o.data_ptr(), None if y is None else y.data_ptr(),
         None if z is None else z.data_ptr(), 0 if z is None else z.stride(0),
         None if weight is None else weight.data_ptr(), eps,
     )  # fmt: skip
