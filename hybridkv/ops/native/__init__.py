@@ -42,8 +42,9 @@ import torch
 
 from hybridkv.ops.derived import derived
 
-# every C file of this folder is compiled into one library: `kernels.c` holds the kernels
-# declared below, other files (one per op family) declare theirs with `declare`
+# every C file of this folder is compiled into one library (the helpers they share are in
+# hkv_common.h): `kernels.c` holds the kernels declared below, other files (one per op family)
+# declare theirs with `declare`
 SOURCE = Path(__file__).with_name("kernels.c")
 
 
@@ -205,7 +206,8 @@ def _library_path(adapters: str | None = None) -> Path:
         _declare_all()
         adapters = _adapters_source(sorted(_SIGNATURES))
     key = hashlib.sha256()
-    for part in [*(f.read_bytes() for f in sources()), " ".join(CFLAGS).encode()]:
+    headers = sorted(SOURCE.parent.glob("*.h"))  # included by the sources
+    for part in [*(f.read_bytes() for f in [*sources(), *headers]), " ".join(CFLAGS).encode()]:
         key.update(part)
     key.update(adapters.encode())
     key.update(_cpu_flags().encode())

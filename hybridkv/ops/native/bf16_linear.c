@@ -34,6 +34,7 @@
 
 #include <stdint.h>
 #include <string.h>
+#include "hkv_common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&                 \
     defined(__AVX512BF16__)
@@ -48,21 +49,6 @@
 #define B16_SPREAD_AHEAD 8192        /* bytes past the block: the other tiles' prefetches */
 #define B16_INLINE static inline __attribute__((always_inline))
 #define B16_UNROLL _Pragma("GCC unroll 16") /* whole tiles unrolled: sums stay in registers */
-
-static inline float b16_to_f32(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t b16_from_f32(float f) { /* round to nearest even; NaN stays NaN */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 int hkv_bf16_linear_fast(void) { return B16_FAST; }
 
@@ -145,7 +131,7 @@ B16_INLINE void b16_tile(const uint16_t *x, int64_t ldx, const uint16_t *w, cons
         float b[16];
         B16_UNROLL for (int t = 0; t < 16; t++) {
             const int j = t % NB;
-            b[t] = j < nb ? b16_to_f32(bias[n0 + j]) : 0.0f;
+            b[t] = j < nb ? hkv_bf16_to_f32(bias[n0 + j]) : 0.0f;
         }
         sums = _mm512_add_ps(sums, _mm512_loadu_ps(b));
     }
@@ -220,8 +206,8 @@ void hkv_bf16_linear(const uint16_t *x, int64_t ldx, const uint16_t *w, const ui
         for (int64_t m = 0; m < M; m++) {
             float sum = 0.0f;
             for (int64_t k = 0; k < K; k++)
-                sum += b16_to_f32(x[m * ldx + k]) * b16_to_f32(w[n * K + k]);
-            y[m * ldy + n] = b16_from_f32(sum + (bias ? b16_to_f32(bias[n]) : 0.0f));
+                sum += hkv_bf16_to_f32(x[m * ldx + k]) * hkv_bf16_to_f32(w[n * K + k]);
+            y[m * ldy + n] = hkv_f32_to_bf16(sum + (bias ? hkv_bf16_to_f32(bias[n]) : 0.0f));
         }
 }
 

@@ -53,6 +53,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "hkv_common.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -86,38 +87,6 @@
 #define DA_PARALLEL_MIN (1 << 17) /* elements of K read (positions x KVH x Dh) */
 #define DA_AMX_MIN 128            /* positions x KVH below which AMX does not pay its set-up */
 #define DA_INLINE static inline __attribute__((always_inline))
-
-/* e^x for x <= 0 (as exp_nonpositive in kernels.c): 2^k e^r, degree-6 Taylor polynomial,
- * relative error below 3e-7; below -87 about 1.6e-38. */
-static inline float da_exp(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float shift = 12582912.0f;
-    const float k = (x * 1.44269504f + shift) - shift;
-    const float r = (x - k * 0.693145751953125f) - k * 1.42860677e-6f;
-    const float p =
-        1.0f + r * (1.0f + r * (0.5f + r * (1.6666667e-1f + r * (4.1666668e-2f
-                                + r * (8.3333338e-3f + r * 1.3888889e-3f)))));
-    const int32_t bits = ((int32_t)k + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
-static inline float da_bf16_to_f32(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch (NaN -> 0x7fc0). */
-static inline uint16_t da_f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 typedef struct {
     const void *cache;
@@ -219,7 +188,7 @@ static void da_load_query(const da_shape *A, const void *q, da_work *w) {
     memset(dst, 0, sizeof(float) * (size_t)(H * Dp));
     for (int64_t h = 0; h < H; h++)
         for (int64_t d = 0; d < Dh; d++) {
-            const float x = A->bf16 ? da_bf16_to_f32(((const uint16_t *)q)[h * Dh + d])
+            const float x = A->bf16 ? hkv_bf16_to_f32(((const uint16_t *)q)[h * Dh + d])
                                     : ((const float *)q)[h * Dh + d];
             int64_t at = d;
             if (A->bf16 && DA_AVX512) /* even elements of the chunk first, then odd ones */
@@ -230,7 +199,7 @@ static void da_load_query(const da_shape *A, const void *q, da_work *w) {
 
 #if DA_AVX512
 
-static inline __m512 da_exp16(__m512 x) { /* da_exp of 16 lanes (with FMAs) */
+static inline __m512 da_exp16(__m512 x) { /* hkv_exp_nonpositive of 16 lanes (with FMAs) */
     x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x); /* (NaN stays NaN) */
     const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -429,7 +398,8 @@ static void da_softmax_rows(const da_shape *A, int64_t n, int64_t nh, const floa
         const __m512 s = _mm512_mask_mul_ps(ninf, valid, da_sum16(rows + h * 256), scale);
         const float top = _mm512_reduce_max_ps(s);
         if (top > m[h]) {
-            if (m[h] != -INFINITY) da_rescale(acc + h * A->Dp, A->Dp, l + h, da_exp(m[h] - top));
+            if (m[h] != -INFINITY)
+                da_rescale(acc + h * A->Dp, A->Dp, l + h, hkv_exp_nonpositive(m[h] - top));
             m[h] = top;
         }
         const __m512 e = da_exp16(_mm512_sub_ps(s, _mm512_set1_ps(m[h])));
@@ -441,29 +411,12 @@ static void da_softmax_rows(const da_shape *A, int64_t n, int64_t nh, const floa
 
 #if DA_AMX
 
-#define DA_ARCH_REQ_XCOMP_PERM 0x1023
-#define DA_XFEATURE_XTILEDATA 18
-
-/* Whether this process may use AMX tiles (asked once). */
-static int da_amx_ready(void) {
-    static int ready = -1;
-    if (ready < 0)
-        ready = syscall(SYS_arch_prctl, DA_ARCH_REQ_XCOMP_PERM, DA_XFEATURE_XTILEDATA) == 0;
-    return ready;
-}
-
-struct da_tilecfg {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
 /* Tiles: 0 the scores of a tile's 16 positions ([16][nbp] float32), 1 their keys (16 rows of
  * 32 bfloat16 values), 2 the query (16 pairs x nbp); 3, 4 keys and query for the last chunk
  * of tail (< 32, even) elements of the head dim. */
 static void da_tiles(const da_shape *A) {
     const int64_t tail = A->Dh % 32;
-    struct da_tilecfg cfg;
+    struct hkv_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     cfg.rows[0] = 16, cfg.colsb[0] = (uint16_t)(4 * A->nbp);
@@ -633,7 +586,7 @@ static void da_group(const da_shape *A, const int64_t *off, int64_t n, int64_t g
 static inline void da_widen(const da_shape *A, int64_t at, float *out) {
     if (A->bf16) {
         const uint16_t *src = (const uint16_t *)A->cache + at;
-        for (int64_t d = 0; d < A->Dh; d++) out[d] = da_bf16_to_f32(src[d]);
+        for (int64_t d = 0; d < A->Dh; d++) out[d] = hkv_bf16_to_f32(src[d]);
     } else {
         memcpy(out, (const float *)A->cache + at, sizeof(float) * (size_t)A->Dh);
     }
@@ -663,7 +616,7 @@ static void da_group(const da_shape *A, const int64_t *off, int64_t n, int64_t g
         for (int64_t i = 1; i < n; i++) top = sc[j * DA_TILE + i] > top ? sc[j * DA_TILE + i] : top;
         if (top > m[h]) {
             if (m[h] != -INFINITY) {
-                const float alpha = da_exp(m[h] - top);
+                const float alpha = hkv_exp_nonpositive(m[h] - top);
                 for (int64_t d = 0; d < Dp; d++) acc[h * Dp + d] *= alpha;
                 l[h] *= alpha;
             }
@@ -671,7 +624,7 @@ static void da_group(const da_shape *A, const int64_t *off, int64_t n, int64_t g
         }
         float total = 0.0f;
         for (int64_t i = 0; i < n; i++) {
-            p[j * DA_TILE + i] = da_exp(sc[j * DA_TILE + i] - m[h]);
+            p[j * DA_TILE + i] = hkv_exp_nonpositive(sc[j * DA_TILE + i] - m[h]);
             total += p[j * DA_TILE + i];
         }
         l[h] += total;
@@ -736,11 +689,11 @@ static void da_finish(const da_shape *A, const float *states, int64_t k, int64_t
             top = mi > top ? mi : top;
         }
         if (sinks != NULL && sinks[h] > top) top = sinks[h];
-        float den = sinks != NULL ? da_exp(sinks[h] - top) : 0.0f;
+        float den = sinks != NULL ? hkv_exp_nonpositive(sinks[h] - top) : 0.0f;
         memset(x, 0, sizeof(float) * (size_t)Dp);
         for (int64_t i = 0; i < k; i++) {
             const float *st = states + i * stride;
-            const float wi = da_exp(st[H * Dp + h] - top), *acc = st + h * Dp;
+            const float wi = hkv_exp_nonpositive(st[H * Dp + h] - top), *acc = st + h * Dp;
             den += wi * st[H * Dp + H + h];
             for (int64_t d = 0; d < Dp; d++) x[d] += wi * acc[d];
         }
@@ -783,7 +736,7 @@ static void da_finish(const da_shape *A, const float *states, int64_t k, int64_t
 #else
         for (int64_t d = 0; d < Dh; d++) {
             if (A->bf16)
-                ((uint16_t *)out)[h * Dh + d] = da_f32_to_bf16(x[d] * inv);
+                ((uint16_t *)out)[h * Dh + d] = hkv_f32_to_bf16(x[d] * inv);
             else
                 ((float *)out)[h * Dh + d] = x[d] * inv;
         }
@@ -808,7 +761,7 @@ void hkv_paged_decode(const void *q, const void *cache, int bf16, int64_t kbs, i
     int64_t total = 0;
     for (int64_t s = 0; s < S; s++) total += da_len(seq_lens[s], window);
 #if DA_AMX
-    base.amx = bf16 && Dh % 2 == 0 && total * KVH >= DA_AMX_MIN && da_amx_ready();
+    base.amx = bf16 && Dh % 2 == 0 && total * KVH >= DA_AMX_MIN && hkv_moe_amx_ready();
 #endif
     const int64_t most = base.amx ? DA_AMX_HEADS : DA_HEADS; /* query heads per pass */
     base.hp = group < most ? group : most;

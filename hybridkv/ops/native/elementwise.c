@@ -10,23 +10,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include "hkv_common.h"
 
 #define EW_PARALLEL_MIN 32768 /* elements below which a second thread does not pay */
-
-static inline float ew_from_bf16(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t ew_to_bf16(float f) { /* nearest even; NaN -> 0x7fc0, as torch */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* out[i, :] = table[ids[i], :], times `scale` when `scaled` (embedding(ids) * scale: the
  * product rounded to the table's dtype).
@@ -50,7 +36,8 @@ int hkv_embedding(const int64_t *ids, int64_t n, const void *table, int64_t rows
         } else if (bf16) {
             const uint16_t *s = (const uint16_t *)src;
             uint16_t *d = (uint16_t *)dst;
-            for (int64_t c = 0; c < cols; c++) d[c] = ew_to_bf16(ew_from_bf16(s[c]) * scale);
+            for (int64_t c = 0; c < cols; c++)
+                d[c] = hkv_f32_to_bf16(hkv_bf16_to_f32(s[c]) * scale);
         } else {
             const float *s = (const float *)src;
             float *d = (float *)dst;
@@ -69,9 +56,9 @@ void hkv_add_scaled(const void *x, const void *h, float mult, void *out, int64_t
         uint16_t *o = (uint16_t *)out;
 #pragma omp parallel for schedule(static) if (n >= EW_PARALLEL_MIN)
         for (int64_t i = 0; i < n; i++) {
-            float v = ew_from_bf16(hs[i]);
-            if (scaled) v = ew_from_bf16(ew_to_bf16(v * mult));
-            o[i] = ew_to_bf16(ew_from_bf16(xs[i]) + v);
+            float v = hkv_bf16_to_f32(hs[i]);
+            if (scaled) v = hkv_bf16_to_f32(hkv_f32_to_bf16(v * mult));
+            o[i] = hkv_f32_to_bf16(hkv_bf16_to_f32(xs[i]) + v);
         }
     } else {
         const float *xs = (const float *)x, *hs = (const float *)h;
@@ -104,8 +91,8 @@ void hkv_rope_cos_sin(const int64_t *positions, int64_t n, const float *inv_freq
             const int64_t at = t * width + i;
             if (bf16) {
                 uint16_t *co = (uint16_t *)cos_out, *so = (uint16_t *)sin_out;
-                co[at] = co[at + half] = ew_to_bf16(c);
-                so[at] = so[at + half] = ew_to_bf16(s);
+                co[at] = co[at + half] = hkv_f32_to_bf16(c);
+                so[at] = so[at + half] = hkv_f32_to_bf16(s);
             } else {
                 float *co = (float *)cos_out, *so = (float *)sin_out;
                 co[at] = co[at + half] = c;
@@ -125,7 +112,7 @@ void hkv_logits_f32(const void *x, int64_t x_stride, int bf16, float *out, int64
         float *o = out + r * cols;
         if (bf16) {
             const uint16_t *xr = (const uint16_t *)x + r * x_stride;
-            for (int64_t c = 0; c < cols; c++) o[c] = ew_from_bf16(xr[c]);
+            for (int64_t c = 0; c < cols; c++) o[c] = hkv_bf16_to_f32(xr[c]);
         } else {
             memcpy(o, (const float *)x + r * x_stride, sizeof(float) * (size_t)cols);
         }
@@ -139,10 +126,10 @@ void hkv_logits_f32(const void *x, int64_t x_stride, int bf16, float *out, int64
 void hkv_relu2(const void *x, void *out, int64_t n, int bf16) {
 #pragma omp parallel for schedule(static) if (n >= EW_PARALLEL_MIN)
     for (int64_t i = 0; i < n; i++) {
-        float v = bf16 ? ew_from_bf16(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+        float v = bf16 ? hkv_bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
         v = v > 0.0f ? v * v : 0.0f;
         if (bf16)
-            ((uint16_t *)out)[i] = ew_to_bf16(v);
+            ((uint16_t *)out)[i] = hkv_f32_to_bf16(v);
         else
             ((float *)out)[i] = v;
     }
@@ -156,14 +143,14 @@ void hkv_mul_rows(const void *a, int64_t a_stride, int a_bf16, const void *b, in
 #pragma omp parallel for schedule(static) if (rows * cols >= EW_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t c = 0; c < cols; c++) {
-            float va = a_bf16 ? ew_from_bf16(((const uint16_t *)a)[r * a_stride + c])
+            float va = a_bf16 ? hkv_bf16_to_f32(((const uint16_t *)a)[r * a_stride + c])
                               : ((const float *)a)[r * a_stride + c];
-            float vb = b_bf16 ? ew_from_bf16(((const uint16_t *)b)[r * b_stride + c])
+            float vb = b_bf16 ? hkv_bf16_to_f32(((const uint16_t *)b)[r * b_stride + c])
                               : ((const float *)b)[r * b_stride + c];
             if (out_bf16) {
-                va = ew_from_bf16(ew_to_bf16(va));
-                vb = ew_from_bf16(ew_to_bf16(vb));
-                ((uint16_t *)out)[r * cols + c] = ew_to_bf16(va * vb);
+                va = hkv_bf16_to_f32(hkv_f32_to_bf16(va));
+                vb = hkv_bf16_to_f32(hkv_f32_to_bf16(vb));
+                ((uint16_t *)out)[r * cols + c] = hkv_f32_to_bf16(va * vb);
             } else {
                 ((float *)out)[r * cols + c] = va * vb;
             }
@@ -180,13 +167,14 @@ void hkv_gelu_tanh_mul(const void *gate, int64_t g_stride, const void *up, int64
     for (int64_t r = 0; r < rows; r++)
         for (int64_t c = 0; c < cols; c++) {
             const int64_t gi = r * g_stride + c, ui = r * u_stride + c, oi = r * cols + c;
-            const float g = bf16 ? ew_from_bf16(((const uint16_t *)gate)[gi])
+            const float g = bf16 ? hkv_bf16_to_f32(((const uint16_t *)gate)[gi])
                                  : ((const float *)gate)[gi];
             const float inner = beta * (g + kappa * (g * g * g));
             float act = 0.5f * g * (1.0f + tanhf(inner));
             if (bf16) {
-                act = ew_from_bf16(ew_to_bf16(act));
-                ((uint16_t *)out)[oi] = ew_to_bf16(act * ew_from_bf16(((const uint16_t *)up)[ui]));
+                act = hkv_bf16_to_f32(hkv_f32_to_bf16(act));
+                const float u = hkv_bf16_to_f32(((const uint16_t *)up)[ui]);
+                ((uint16_t *)out)[oi] = hkv_f32_to_bf16(act * u);
             } else {
                 ((float *)out)[oi] = act * ((const float *)up)[ui];
             }

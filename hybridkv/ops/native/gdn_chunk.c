@@ -31,6 +31,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "hkv_common.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) &&                 \
     defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
@@ -47,20 +48,6 @@
 
 #define GC_INLINE static inline __attribute__((always_inline))
 #define GC_TILE 512 /* bfloat16 values in one packed B tile (16 x 32) */
-
-struct gc_tilecfg {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-static void gc_load_tiles(void) {
-    struct gc_tilecfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
-    _tile_loadconfig(&cfg);
-}
 
 /* C [M, N] float32 (row stride ldc) = sum over s < nsrc of A [M, 32 Kb] @ B_s: A bfloat16 rows
  * at lda values, B_s packed tiles [N / 16][Kb][16][32] (pairs of k side by side). M and N
@@ -132,7 +119,7 @@ static void gc_pack(const float *X, int64_t ldx, int64_t rows, int64_t N, uint16
 }
 
 /* e^x for x <= 0, 16 lanes (degree-6 polynomial after range reduction, inputs clamped at -87:
- * relative error below 3e-7; kernels.c's exp_nonpositive) */
+ * relative error below 3e-7; hkv_common.h's hkv_exp_nonpositive) */
 GC_INLINE __m512 gc_exp(__m512 x) {
 #define GC_C(v) _mm512_set1_ps(v)
     x = _mm512_max_ps(x, GC_C(-87.0f));
@@ -148,13 +135,6 @@ GC_INLINE __m512 gc_exp(__m512 x) {
     p = _mm512_fmadd_ps(r, p, GC_C(1.0f));
     return _mm512_scalef_ps(p, k);
 #undef GC_C
-}
-
-static inline float gc_bf16(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
 }
 
 /* 16 float32 -> bfloat16, round to nearest even as torch (denormals kept, NaN -> 0x7fc0) */
@@ -479,7 +459,7 @@ int hkv_gdn_chunk(void *state, int64_t page_stride, int state_bf16, const int64_
 #pragma omp atomic write
             bad = 1;
         } else {
-            gc_load_tiles();
+            hkv_tiles_16x64();
         }
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t r = 0; r < R; r++)

@@ -24,6 +24,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include "hkv_common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&                 \
     defined(__AVX512BF16__)
@@ -37,23 +38,8 @@
 #define GD_MIN_LOG_DECAY -80.0f /* as the general kernel: no denormal decays */
 #define GD_MAX_K 1024           /* the normalised q and k on the stack */
 
-static inline float gd_bf16_to_f32(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t gd_f32_to_bf16(float f) { /* round to nearest even, as torch */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
 static inline float gd_load(const void *x, int bf16, int64_t i) {
-    return bf16 ? gd_bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+    return bf16 ? hkv_bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
 
 /* out = x[i .. i + n) / sqrt(|x|^2 + eps) * scale */
@@ -92,31 +78,6 @@ static inline void gd_store16(void *p, int bf16, __m512 v, __mmask16 m) {
         _mm512_mask_storeu_ps(p, m, v);
 }
 
-/* silu(v) = v / (1 + e^-v), 16 lanes: kernels.c's silu (exp_nonpositive's polynomial), the same
- * operations in the same order, no fused multiply-adds */
-static inline __m512 gd_silu(__m512 v) {
-#define GD_C(x) _mm512_set1_ps(x)
-    const __mmask16 neg = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ);
-    __m512 x = _mm512_mask_blend_ps(neg, _mm512_sub_ps(GD_C(0.0f), v), v);
-    x = _mm512_max_ps(x, GD_C(-87.0f));
-    const __m512 shift = GD_C(12582912.0f);
-    const __m512 kk = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, GD_C(1.44269504f)), shift),
-                                    shift);
-    const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(kk, GD_C(0.693145751953125f))),
-                                   _mm512_mul_ps(kk, GD_C(1.42860677e-6f)));
-    __m512 p = _mm512_add_ps(GD_C(8.3333338e-3f), _mm512_mul_ps(r, GD_C(1.3888889e-3f)));
-    p = _mm512_add_ps(GD_C(4.1666668e-2f), _mm512_mul_ps(r, p));
-    p = _mm512_add_ps(GD_C(1.6666667e-1f), _mm512_mul_ps(r, p));
-    p = _mm512_add_ps(GD_C(0.5f), _mm512_mul_ps(r, p));
-    p = _mm512_add_ps(GD_C(1.0f), _mm512_mul_ps(r, p));
-    p = _mm512_add_ps(GD_C(1.0f), _mm512_mul_ps(r, p));
-    const __m512i bits = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(kk), _mm512_set1_epi32(127)), 23);
-    const __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-    return _mm512_div_ps(_mm512_mask_mul_ps(v, neg, v, e), _mm512_add_ps(GD_C(1.0f), e));
-#undef GD_C
-}
-
 /* Qwen3-Next's gated norm of one head, norm first (ops.norm.gated_rms_norm with
  * norm_before_gate, as hkv_gated_rms_norm_mixed computes it): x = bf16(o), y = bf16(w * (x /
  * sqrt(mean(x^2) + eps)) * silu(z)); o [V] float32, z [V] bfloat16, w [V] float32. */
@@ -137,7 +98,7 @@ static void gd_gated_norm(const float *o, const uint16_t *z, const float *w, int
             (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, o + c)));
         const __m512 xb = _mm512_castsi512_ps(_mm512_slli_epi32(rb, 16));
         const __m512 wx = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + c), _mm512_mul_ps(xb, inv));
-        const __m512 out = _mm512_mul_ps(wx, gd_silu(gd_load16(z + c, 1, m)));
+        const __m512 out = _mm512_mul_ps(wx, hkv_silu16(gd_load16(z + c, 1, m)));
         _mm256_mask_storeu_epi16(y + c, m, (__m256i)_mm512_cvtneps_pbh(out));
     }
 }
@@ -223,33 +184,17 @@ static void gd_head(void *head, int sb, int init, int64_t K, int64_t V, const fl
 
 #else /* plain C: the same passes, one column at a time */
 
-static inline float gd_silu1(float v) { /* kernels.c's silu */
-    float x = v < 0.0f ? v : -v;
-    x = x < -87.0f ? -87.0f : x;
-    const float shift = 12582912.0f;
-    const float kk = (x * 1.44269504f + shift) - shift;
-    const float r = (x - kk * 0.693145751953125f) - kk * 1.42860677e-6f;
-    const float p =
-        1.0f + r * (1.0f + r * (0.5f + r * (1.6666667e-1f + r * (4.1666668e-2f
-                                + r * (8.3333338e-3f + r * 1.3888889e-3f)))));
-    const int32_t bits = ((int32_t)kk + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    const float e = p * scale;
-    return (v < 0.0f ? v * e : v) / (1.0f + e);
-}
-
 static void gd_gated_norm(const float *o, const uint16_t *z, const float *w, int64_t V, float eps,
                           uint16_t *y) {
     float sq = 0.0f;
     for (int64_t c = 0; c < V; c++) {
-        const float x = gd_bf16_to_f32(gd_f32_to_bf16(o[c]));
+        const float x = hkv_bf16_to_f32(hkv_f32_to_bf16(o[c]));
         sq += x * x;
     }
     const float inv = 1.0f / sqrtf(sq / (float)V + eps);
     for (int64_t c = 0; c < V; c++) {
-        const float x = gd_bf16_to_f32(gd_f32_to_bf16(o[c]));
-        y[c] = gd_f32_to_bf16(w[c] * (x * inv) * gd_silu1(gd_bf16_to_f32(z[c])));
+        const float x = hkv_bf16_to_f32(hkv_f32_to_bf16(o[c]));
+        y[c] = hkv_f32_to_bf16(w[c] * (x * inv) * hkv_silu(hkv_bf16_to_f32(z[c])));
     }
 }
 
@@ -270,7 +215,7 @@ static void gd_head(void *head, int sb, int init, int64_t K, int64_t V, const fl
             const float s = init ? gd_load(head, sb, k * V + c) : 0.0f;
             const float n = s * decay + delta * kn[k];
             if (sb)
-                ((uint16_t *)head)[k * V + c] = gd_f32_to_bf16(n);
+                ((uint16_t *)head)[k * V + c] = hkv_f32_to_bf16(n);
             else
                 ((float *)head)[k * V + c] = n;
         }

@@ -23,17 +23,10 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-
-static inline uint16_t prep_bf16(float f) { /* round to nearest even, as torch */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
+#include "hkv_common.h"
 
 static inline float prep_round(float f) {
-    const uint32_t bits = (uint32_t)prep_bf16(f) << 16;
+    const uint32_t bits = (uint32_t)hkv_f32_to_bf16(f) << 16;
     float r;
     memcpy(&r, &bits, sizeof r);
     return r;
@@ -91,7 +84,7 @@ void hkv_sigmoid_gate(const void *x, const void *gate, int64_t tok_stride, int64
                 const float s = 1.0f / (1.0f + expf(-prep_load(gate, bf16, g0 + d)));
                 const float v = prep_load(x, bf16, x0 + d);
                 if (bf16)
-                    ((uint16_t *)out)[x0 + d] = prep_bf16(v * prep_round(s));
+                    ((uint16_t *)out)[x0 + d] = hkv_f32_to_bf16(v * prep_round(s));
                 else
                     ((float *)out)[x0 + d] = v * s;
             }

@@ -61,6 +61,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "hkv_common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -83,28 +84,13 @@
 #define I8_UNROLL _Pragma("GCC unroll 8") /* whole tiles unrolled: the sums stay in registers */
 #define I8_UNROLL16 _Pragma("GCC unroll 16") /* (streaming tiles: up to 16 sums) */
 
-static inline float i8_bf16_to_f32(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t i8_f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
 static inline float i8_load1(const void *x, int bf16, int64_t i) {
-    return bf16 ? i8_bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+    return bf16 ? hkv_bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
 
 static inline void i8_store1(void *y, int bf16, int64_t i, float v) {
     if (bf16)
-        ((uint16_t *)y)[i] = i8_f32_to_bf16(v);
+        ((uint16_t *)y)[i] = hkv_f32_to_bf16(v);
     else
         ((float *)y)[i] = v;
 }
@@ -200,7 +186,7 @@ I8_INLINE void i8_tile(const void *x, int64_t ldx, const int xbf16, const int8_t
     if (k < K) I8_STEP((__mmask16)((1u << (K - k)) - 1));
     I8_UNROLL for (int i = 0; i < mb; i++) I8_UNROLL for (int j = 0; j < nb; j++) {
             const float sum = _mm512_reduce_add_ps(acc[i][j]);
-            i8_store1(y, ybf16, (m0 + i) * ldy + n0 + j, sum * i8_bf16_to_f32(scale[n0 + j]));
+            i8_store1(y, ybf16, (m0 + i) * ldy + n0 + j, sum * hkv_bf16_to_f32(scale[n0 + j]));
         }
 }
 
@@ -364,7 +350,7 @@ I8_INLINE void i8s_tile(const float *x, int64_t ldx, const int8_t *q, const uint
     float s[16];
     I8_UNROLL16 for (int t = 0; t < 16; t++) {
         const int j = t % NB;
-        s[t] = j < nb ? i8_bf16_to_f32(scale[n0 + j]) : 0.0f;
+        s[t] = j < nb ? hkv_bf16_to_f32(scale[n0 + j]) : 0.0f;
     }
     const __m512 sums = _mm512_mul_ps(i8_reduce16(acc), _mm512_loadu_ps(s));
     if (ybf16) {
@@ -434,7 +420,7 @@ static void i8_block(const void *x, int64_t ldx, int xbf16, const int8_t *q,
         for (int64_t n = n0; n < n0 + nb; n++) {
             float sum = 0.0f;
             for (int64_t k = 0; k < K; k++) sum += i8_load1(x, xbf16, m * ldx + k) * q[n * K + k];
-            i8_store1(y, ybf16, m * ldy + n, sum * i8_bf16_to_f32(scale[n]));
+            i8_store1(y, ybf16, m * ldy + n, sum * hkv_bf16_to_f32(scale[n]));
         }
 }
 

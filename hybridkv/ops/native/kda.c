@@ -19,31 +19,16 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "hkv_common.h"
 
 #define KDA_EPS 1e-6f
 #define KDA_MIN_LOG_DECAY -80.0f /* as the reference: exp below this is far below float32 */
-
-static inline float kda_bf16_to_f32(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch's float -> bfloat16 (NaN -> the quiet NaN 0x7fc0). */
-static inline uint16_t kda_f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* n floats of a float32 or bfloat16 array from element i, widened into out. */
 static inline void kda_load(const void *x, int bf16, int64_t i, int64_t n, float *out) {
     if (bf16) {
         const uint16_t *src = (const uint16_t *)x + i;
-        for (int64_t l = 0; l < n; l++) out[l] = kda_bf16_to_f32(src[l]);
+        for (int64_t l = 0; l < n; l++) out[l] = hkv_bf16_to_f32(src[l]);
     } else {
         memcpy(out, (const float *)x + i, sizeof(float) * (size_t)n);
     }
@@ -114,7 +99,7 @@ static void kda_head(char *page_head, int state_bf16, int has_initial, int64_t s
     for (int64_t t = start; t < start + len; t++) kda_token(S, in, t, h, work);
     if (state_bf16) {
         uint16_t *dst = (uint16_t *)page_head;
-        for (int64_t i = 0; i < n; i++) dst[i] = kda_f32_to_bf16(S[i]);
+        for (int64_t i = 0; i < n; i++) dst[i] = hkv_f32_to_bf16(S[i]);
     }
 }
 

@@ -17,61 +17,19 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* e^x for x <= 0 (softmax weights) in plain arithmetic, so that loops calling it vectorize
- * (libm's expf is a scalar call). e^x = 2^k * e^r with k = round(x / ln 2), |r| <= ln 2 / 2,
- * e^r by its degree-6 Taylor polynomial: relative error below 3e-7. Inputs below -87 give
- * about 1.6e-38 instead of a denormal or zero (a weight that small vanishes next to e^0 = 1).
- */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float shift = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    const float k = (x * 1.44269504f + shift) - shift;
-    const float r = (x - k * 0.693145751953125f) - k * 1.42860677e-6f;
-    const float p =
-        1.0f + r * (1.0f + r * (0.5f + r * (1.6666667e-1f + r * (4.1666668e-2f
-                                + r * (8.3333338e-3f + r * 1.3888889e-3f)))));
-    const int32_t bits = ((int32_t)k + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
-/* silu(v) = v / (1 + e^-v), from e^-|v| (<= 1, so exp_nonpositive applies): relative error
- * below 4e-7. */
-static inline float silu(float v) {
-    const float z = exp_nonpositive(v < 0.0f ? v : -v);
-    return (v < 0.0f ? v * z : v) / (1.0f + z);
-}
+#include "hkv_common.h"
 
 /* Work (elements touched) below which a row kernel runs on the calling thread: waking the
  * OpenMP team costs microseconds, more than a decode step's few rows take, and on a shared
  * machine a team waits for the thread that lost its core. */
 #define HKV_PARALLEL_MIN 32768
 
-/* bfloat16 <-> float32 (the top half of a float32's bits). */
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch's float -> bfloat16 (NaN -> the quiet NaN 0x7fc0). */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
 /* n elements from element i of a float32 (bf16 == 0) or bfloat16 (bf16 == 1) array, as
  * float32, to out. */
 static inline void load_floats(const void *x, int bf16, int64_t i, int64_t n, float *out) {
     if (bf16) {
         const uint16_t *src = (const uint16_t *)x + i;
-        for (int64_t l = 0; l < n; l++) out[l] = bf16_to_f32(src[l]);
+        for (int64_t l = 0; l < n; l++) out[l] = hkv_bf16_to_f32(src[l]);
     } else {
         memcpy(out, (const float *)x + i, sizeof(float) * (size_t)n);
     }
@@ -287,7 +245,7 @@ void hkv_mamba2_scan(void *state, int64_t page_stride, int state_bf16, const int
                           A[h], B, C, bc_ts, D[h], y);
             if (state_bf16) {
                 uint16_t *page = (uint16_t *)state + at;
-                for (int64_t i = 0; i < size; i++) page[i] = f32_to_bf16(s[i]);
+                for (int64_t i = 0; i < size; i++) page[i] = hkv_f32_to_bf16(s[i]);
                 if (s != local) free(s);
             }
         }
@@ -342,7 +300,7 @@ static inline void conv_tap(float *restrict y, const float *restrict w, const vo
     if (in_bf16) {
         const uint16_t *v = in;
 #pragma omp simd
-        for (int64_t c = 0; c < C; c++) y[c] += w[c] * bf16_to_f32(v[c]);
+        for (int64_t c = 0; c < C; c++) y[c] += w[c] * hkv_bf16_to_f32(v[c]);
     } else {
         const float *v = in;
 #pragma omp simd
@@ -361,9 +319,9 @@ static inline void conv_row4(float *restrict y, const float *restrict wt, const 
         const uint16_t *x0 = x3 - 3 * st, *x1 = x3 - 2 * st, *x2 = x3 - st;
 #pragma omp simd
         for (int64_t c = 0; c < C; c++)
-            y[c] = (bias != NULL ? bias[c] : 0.0f) + wt[c] * bf16_to_f32(x0[c])
-                   + wt[C + c] * bf16_to_f32(x1[c]) + wt[2 * C + c] * bf16_to_f32(x2[c])
-                   + wt[3 * C + c] * bf16_to_f32(x3[c]);
+            y[c] = (bias != NULL ? bias[c] : 0.0f) + wt[c] * hkv_bf16_to_f32(x0[c])
+                   + wt[C + c] * hkv_bf16_to_f32(x1[c]) + wt[2 * C + c] * hkv_bf16_to_f32(x2[c])
+                   + wt[3 * C + c] * hkv_bf16_to_f32(x3[c]);
     } else {
         const float *x3 = (const float *)s->x + (s->first + i) * st;
         const float *x0 = x3 - 3 * st, *x1 = x3 - 2 * st, *x2 = x3 - st;
@@ -394,7 +352,7 @@ HKV_INLINE void conv_decode_cols(const int64_t hl, float *restrict st, int has,
         for (int64_t i = 0; i < hl * n; i++) st[i] = 0.0f;
 #pragma omp simd
     for (int64_t c = 0; c < n; c++) {
-        const float xv = bf16 ? bf16_to_f32(x16[c]) : x32[c];
+        const float xv = bf16 ? hkv_bf16_to_f32(x16[c]) : x32[c];
         /* the columns as named scalars, all read before any is written (an array, or reads
            between the writes, vectorised 2-4x slower); the hl tests fold away */
         const float s0 = st[hl * c], s1 = hl > 1 ? st[hl * c + 1] : 0.0f;
@@ -427,7 +385,7 @@ static inline void conv_decode3_cols(float *restrict st, int has, const struct c
         for (int64_t i = 0; i < 3 * n; i++) st[i] = 0.0f;
 #pragma omp simd
     for (int64_t c = 0; c < n; c++) {
-        const float xv = bf16 ? bf16_to_f32(x16[c]) : x32[c];
+        const float xv = bf16 ? hkv_bf16_to_f32(x16[c]) : x32[c];
         const float s0 = st[3 * c], s1 = st[3 * c + 1], s2 = st[3 * c + 2];
         y[c0 + c] = (b != NULL ? b[c] : 0.0f) + w0[c] * s0 + w1[c] * s1 + w2[c] * s2
                     + w3[c] * xv;
@@ -470,7 +428,7 @@ static void conv_decode(void *state, int state_bf16, int64_t page, int has,
         if (has) load_floats(st, 1, 0, hl * n, buf);
         conv_decode_block(hl, buf, has, s, c0, n, wt, bias, y);
 #pragma omp simd
-        for (int64_t i = 0; i < hl * n; i++) st[i] = f32_to_bf16(buf[i]);
+        for (int64_t i = 0; i < hl * n; i++) st[i] = hkv_f32_to_bf16(buf[i]);
     }
 }
 
@@ -485,7 +443,7 @@ static void conv_history(const void *state, int state_bf16, int64_t page, int ha
     for (int64_t c = 0; c < C; c++)
         for (int64_t j = 0; j < hist_len; j++) {
             const int64_t at = page + c * hist_len + j;
-            hist[j * C + c] = state_bf16 ? bf16_to_f32(((const uint16_t *)state)[at])
+            hist[j * C + c] = state_bf16 ? hkv_bf16_to_f32(((const uint16_t *)state)[at])
                                          : ((const float *)state)[at];
         }
 }
@@ -495,11 +453,11 @@ static void conv_history(const void *state, int state_bf16, int64_t page, int ha
 static inline void conv_finish(float *yt, int64_t C, int act_silu, int round_bf16) {
     if (act_silu) {
 #pragma omp simd
-        for (int64_t c = 0; c < C; c++) yt[c] = silu(yt[c]);
+        for (int64_t c = 0; c < C; c++) yt[c] = hkv_silu(yt[c]);
     }
     if (round_bf16)
 #pragma omp simd
-        for (int64_t c = 0; c < C; c++) yt[c] = bf16_to_f32(f32_to_bf16(yt[c]));
+        for (int64_t c = 0; c < C; c++) yt[c] = hkv_bf16_to_f32(hkv_f32_to_bf16(yt[c]));
 }
 
 /* Rows a .. b - 1 of one request's output (one task). */
@@ -533,10 +491,11 @@ static void conv_new_state(void *state, int state_bf16, int64_t page, const stru
         int bf16;
         const void *in = conv_row(s, len - hist_len + j, &bf16);
         for (int64_t c = 0; c < C; c++) {
-            const float v = bf16 ? bf16_to_f32(((const uint16_t *)in)[c]) : ((const float *)in)[c];
+            const float v =
+                bf16 ? hkv_bf16_to_f32(((const uint16_t *)in)[c]) : ((const float *)in)[c];
             const int64_t at = page + c * hist_len + j;
             if (state_bf16)
-                ((uint16_t *)state)[at] = f32_to_bf16(v);
+                ((uint16_t *)state)[at] = hkv_f32_to_bf16(v);
             else
                 ((float *)state)[at] = v;
         }
@@ -855,7 +814,7 @@ static void gdn_head(void *page_head, int state_bf16, int init, int64_t tok0, in
         const float *row = S + k * Vp;
         if (state_bf16) {
             uint16_t *dst = (uint16_t *)page_head + k * V;
-            for (int64_t c = 0; c < V; c++) dst[c] = f32_to_bf16(row[c]);
+            for (int64_t c = 0; c < V; c++) dst[c] = hkv_f32_to_bf16(row[c]);
         } else {
             memcpy((float *)page_head + k * V, row, sizeof(float) * (size_t)V);
         }
@@ -948,7 +907,7 @@ void hkv_add_rms_norm_f32(const float *x, const float *h, float mult, const floa
     }
 }
 
-/* SwiGLU's activation: out[r][i] = silu(gate[r][i]) * up[r][i]; gate and up rows at their
+/* SwiGLU's activation: out[r][i] = hkv_silu(gate[r][i]) * up[r][i]; gate and up rows at their
  * row strides (one fused [gate | up] projection: up = gate + I), out: [rows, I]. */
 void hkv_silu_mul_f32(const float *gate, int64_t g_stride, const float *up, int64_t u_stride,
                       float *out, int64_t rows, int64_t I) {
@@ -957,7 +916,7 @@ void hkv_silu_mul_f32(const float *gate, int64_t g_stride, const float *up, int6
         const float *g = gate + r * g_stride, *u = up + r * u_stride;
         float *o = out + r * I;
 #pragma omp simd
-        for (int64_t i = 0; i < I; i++) o[i] = silu(g[i]) * u[i];
+        for (int64_t i = 0; i < I; i++) o[i] = hkv_silu(g[i]) * u[i];
     }
 }
 
@@ -990,11 +949,12 @@ void hkv_rope(const void *x, int64_t tok_stride, int64_t head_stride, const void
             const uint16_t *sn = (const uint16_t *)sin + t * R;
             uint16_t *o = (uint16_t *)out + dst;
             for (int64_t i = 0; i < R; i++) {
-                const float xv = bf16_to_f32(xs[i]);
-                const float r = i < half ? -bf16_to_f32(xs[i + half]) : bf16_to_f32(xs[i - half]);
-                const float a = bf16_to_f32(f32_to_bf16(xv * bf16_to_f32(c[i])));
-                const float b = bf16_to_f32(f32_to_bf16(r * bf16_to_f32(sn[i])));
-                o[i] = f32_to_bf16(a + b);
+                const float xv = hkv_bf16_to_f32(xs[i]);
+                const float r =
+                    i < half ? -hkv_bf16_to_f32(xs[i + half]) : hkv_bf16_to_f32(xs[i - half]);
+                const float a = hkv_bf16_to_f32(hkv_f32_to_bf16(xv * hkv_bf16_to_f32(c[i])));
+                const float b = hkv_bf16_to_f32(hkv_f32_to_bf16(r * hkv_bf16_to_f32(sn[i])));
+                o[i] = hkv_f32_to_bf16(a + b);
             }
             for (int64_t i = R; i < D; i++) o[i] = xs[i];
         }
@@ -1002,8 +962,8 @@ void hkv_rope(const void *x, int64_t tok_stride, int64_t head_stride, const void
 }
 
 /* Gated, grouped RMSNorm of a Mamba2 mixer output, per row and per group of `group` channels:
- *   gate first (default):  out = w * normalise(x * silu(z))
- *   norm first (Falcon-H1): out = w * normalise(x) * silu(z)
+ *   gate first (default):  out = w * normalise(x * hkv_silu(z))
+ *   norm first (Falcon-H1): out = w * normalise(x) * hkv_silu(z)
  * x: [rows, C] contiguous; z rows at z + r * z_stride; w: [C]; out: [rows, C]. */
 void hkv_gated_rms_norm_f32(const float *x, const float *z, int64_t z_stride, const float *w,
                             float *out, int64_t rows, int64_t C, int64_t group, float eps,
@@ -1016,14 +976,14 @@ void hkv_gated_rms_norm_f32(const float *x, const float *z, int64_t z_stride, co
             float sq = 0.0f;
 #pragma omp simd reduction(+ : sq)
             for (int64_t c = 0; c < group; c++) {
-                const float v = norm_before_gate ? xr[c] : xr[c] * silu(zr[c]);
+                const float v = norm_before_gate ? xr[c] : xr[c] * hkv_silu(zr[c]);
                 o[c] = v;
                 sq += v * v;
             }
             const float inv = 1.0f / sqrtf(sq / (float)group + eps);
             if (norm_before_gate) {
 #pragma omp simd
-                for (int64_t c = 0; c < group; c++) o[c] = wr[c] * (o[c] * inv) * silu(zr[c]);
+                for (int64_t c = 0; c < group; c++) o[c] = wr[c] * (o[c] * inv) * hkv_silu(zr[c]);
             } else {
 #pragma omp simd
                 for (int64_t c = 0; c < group; c++) o[c] = wr[c] * (o[c] * inv);
@@ -1041,7 +1001,7 @@ void hkv_gated_rms_norm_f32(const float *x, const float *z, int64_t z_stride, co
  * widened exactly, or a float32 one such as Qwen3-Next's 1 + weight), so either kind is exact. */
 
 static inline uint16_t hkv_weigh(float w, float x_hat, int w_fp32) {
-    return f32_to_bf16(w * (w_fp32 ? x_hat : bf16_to_f32(f32_to_bf16(x_hat))));
+    return hkv_f32_to_bf16(w * (w_fp32 ? x_hat : hkv_bf16_to_f32(hkv_f32_to_bf16(x_hat))));
 }
 
 /* One row: out = weighted normalise(v), v: [cols] float32. */
@@ -1084,17 +1044,17 @@ void hkv_add_rms_norm_bf16(const uint16_t *x, const uint16_t *h, float mult, con
         const uint16_t *xr = x + r * cols, *hr = h + r * cols;
         uint16_t *sr = sum + r * cols;
         for (int64_t c = 0; c < cols; c++) {
-            float hv = bf16_to_f32(hr[c]);
-            if (mult != 1.0f) hv = bf16_to_f32(f32_to_bf16(hv * mult));
-            sr[c] = f32_to_bf16(bf16_to_f32(xr[c]) + hv);
-            v[c] = bf16_to_f32(sr[c]);
+            float hv = hkv_bf16_to_f32(hr[c]);
+            if (mult != 1.0f) hv = hkv_bf16_to_f32(hkv_f32_to_bf16(hv * mult));
+            sr[c] = hkv_f32_to_bf16(hkv_bf16_to_f32(xr[c]) + hv);
+            v[c] = hkv_bf16_to_f32(sr[c]);
         }
         hkv_norm_row_bf16(v, w, out + r * cols, cols, eps, w_fp32);
         if (v != stack) free(v);
     }
 }
 
-/* SwiGLU's activation on bfloat16 rows: out = bf16(bf16(silu(gate)) * up). */
+/* SwiGLU's activation on bfloat16 rows: out = bf16(bf16(hkv_silu(gate)) * up). */
 void hkv_silu_mul_bf16(const uint16_t *gate, int64_t g_stride, const uint16_t *up,
                        int64_t u_stride, uint16_t *out, int64_t rows, int64_t I) {
 #pragma omp parallel for schedule(static) if (rows * I >= HKV_PARALLEL_MIN)
@@ -1102,8 +1062,8 @@ void hkv_silu_mul_bf16(const uint16_t *gate, int64_t g_stride, const uint16_t *u
         const uint16_t *g = gate + r * g_stride, *u = up + r * u_stride;
         uint16_t *o = out + r * I;
         for (int64_t i = 0; i < I; i++) {
-            const float a = bf16_to_f32(f32_to_bf16(silu(bf16_to_f32(g[i]))));
-            o[i] = f32_to_bf16(a * bf16_to_f32(u[i]));
+            const float a = hkv_bf16_to_f32(hkv_f32_to_bf16(hkv_silu(hkv_bf16_to_f32(g[i]))));
+            o[i] = hkv_f32_to_bf16(a * hkv_bf16_to_f32(u[i]));
         }
     }
 }
@@ -1112,9 +1072,9 @@ void hkv_silu_mul_bf16(const uint16_t *gate, int64_t g_stride, const uint16_t *u
  * z_bf16, out_bf16); w: [C] float32. The gate's silu and the products stay float32, and the
  * result is rounded where PyTorch's reference (ops/norm.py), which computes in x's dtype, then
  * casts to out's, rounds:
- *   gate first:  out = weighted normalise(x * silu(z))   (the Llama-order bf16(x_hat) only for
+ *   gate first:  out = weighted normalise(x * hkv_silu(z))   (the Llama-order bf16(x_hat) only for
  *                                                          bfloat16 x without w_fp32)
- *   norm first:  out = w * normalise(x) * silu(z)        (Falcon-H1; w_fp32 is implied)
+ *   norm first:  out = w * normalise(x) * hkv_silu(z)        (Falcon-H1; w_fp32 is implied)
  * A float32 x (a Mamba2 scan's output) with a bfloat16 gate and out is the mixer's norm and
  * its cast to the model dtype in one pass. x: [rows, C] contiguous; z rows at z + r *
  * z_stride (elements); out: [rows, C]. */
@@ -1128,13 +1088,13 @@ void hkv_gated_rms_norm_mixed(const void *x, int x_bf16, const void *z, int z_bf
         float stack[2 * HKV_ROW_STACK];
         float *v = group <= HKV_ROW_STACK ? stack : malloc(sizeof(float) * 2 * (size_t)group);
         if (v == NULL) continue;
-        float *gate = v + group; /* silu(z) of the group */
+        float *gate = v + group; /* hkv_silu(z) of the group */
         for (int64_t g0 = 0; g0 < C; g0 += group) {
             load_floats(x, x_bf16, r * C + g0, group, v);
             load_floats(z, z_bf16, r * z_stride + g0, group, gate);
             float sq = 0.0f;
             for (int64_t c = 0; c < group; c++) {
-                gate[c] = silu(gate[c]);
+                gate[c] = hkv_silu(gate[c]);
                 if (!norm_before_gate) v[c] *= gate[c];
                 sq += v[c] * v[c];
             }
@@ -1142,10 +1102,10 @@ void hkv_gated_rms_norm_mixed(const void *x, int x_bf16, const void *z, int z_bf
             const float *wr = w + g0;
             for (int64_t c = 0; c < group; c++) {
                 float x_hat = v[c] * inv;
-                if (round_x_hat) x_hat = bf16_to_f32(f32_to_bf16(x_hat));
+                if (round_x_hat) x_hat = hkv_bf16_to_f32(hkv_f32_to_bf16(x_hat));
                 const float o = norm_before_gate ? wr[c] * x_hat * gate[c] : wr[c] * x_hat;
                 if (out_bf16)
-                    ((uint16_t *)out)[r * C + g0 + c] = f32_to_bf16(o);
+                    ((uint16_t *)out)[r * C + g0 + c] = hkv_f32_to_bf16(o);
                 else
                     ((float *)out)[r * C + g0 + c] = o;
             }
@@ -1185,14 +1145,14 @@ void hkv_argmax_f32(const float *x, int64_t x_stride, int64_t rows, int64_t cols
  * through the request's tokens with delta = softplus(dt_t[d] + dt_bias[d]):
  *
  *     h[d][n] = exp(delta * A[d][n]) * h[d][n] + delta * x_t[d] * B_t[n]
- *     y_t[d]  = (sum_n h[d][n] * C_t[n] + D[d] * x_t[d]) * silu(z_t[d])
+ *     y_t[d]  = (sum_n h[d][n] * C_t[n] + D[d] * x_t[d]) * hkv_silu(z_t[d])
  *
  * Unlike Mamba2 the decay differs for every (d, n), so the cost is one exp per state element
  * and token. One task per (request, block of HKV_M1_CHANNELS channels): the block's state is
  * copied out of its page transposed, st[n][l] (l: channel in the block, along a vector's
  * lanes; 4 KB for N = 16, in L1), goes through all of the request's tokens, and is written back
  * once; the per-token work is plain loops over the block's channels that GCC vectorises, with
- * the exp and softplus in polynomial arithmetic (exp_nonpositive; libm's calls do not
+ * the exp and softplus in polynomial arithmetic (hkv_exp_nonpositive; libm's calls do not
  * vectorise). x, dt, z: [T, Di] and B, C: [T, N] rows at a stride (float32, or all bfloat16);
  * the state float32 or bfloat16; the math float32 throughout.
  */
@@ -1203,7 +1163,7 @@ void hkv_argmax_f32(const float *x, int64_t x_stride, int64_t rows, int64_t cols
 /* softplus(v) = max(v, 0) + log1p(e^-|v|), log1p(e) = 2 atanh(e / (2 + e)) by its series to
  * s^11 (s <= 1/3: the first term left out is below 1e-7): relative error below 3e-7. */
 static inline float softplus(float v) {
-    const float e = exp_nonpositive(v < 0.0f ? v : -v);
+    const float e = hkv_exp_nonpositive(v < 0.0f ? v : -v);
     const float s = e / (2.0f + e), s2 = s * s;
     const float series =
         1.0f + s2 * (3.3333334e-1f + s2 * (2.0e-1f + s2 * (1.4285715e-1f
@@ -1306,7 +1266,7 @@ static void m1_state_in(const void *page, int state_bf16, int init, int64_t c0, 
         const uint16_t *src = (const uint16_t *)page + c0 * N;
         for (int64_t l = 0; l < nc; l++)
             for (int64_t n = 0; n < N; n++)
-                st[n * HKV_M1_CHANNELS + l] = bf16_to_f32(src[l * N + n]);
+                st[n * HKV_M1_CHANNELS + l] = hkv_bf16_to_f32(src[l * N + n]);
     } else {
         const float *src = (const float *)page + c0 * N;
         for (int64_t l = 0; l < nc; l++)
@@ -1339,7 +1299,7 @@ static void m1_state_out(void *page, int state_bf16, int64_t c0, int64_t nc, int
         uint16_t *dst = (uint16_t *)page + c0 * N;
         for (int64_t l = 0; l < nc; l++)
             for (int64_t n = 0; n < N; n++)
-                dst[l * N + n] = f32_to_bf16(st[n * HKV_M1_CHANNELS + l]);
+                dst[l * N + n] = hkv_f32_to_bf16(st[n * HKV_M1_CHANNELS + l]);
     } else {
         float *dst = (float *)page + c0 * N;
         for (int64_t l = 0; l < nc; l++)
@@ -1373,7 +1333,7 @@ static inline void m1_token(float *restrict st, const float *restrict At, int64_
         const float bn = b[n], cn = c[n];
 #pragma omp simd
         for (int64_t l = 0; l < HKV_M1_CHANNELS; l++) {
-            const float v = row[l] * exp_nonpositive(delta[l] * a[l]) + dx[l] * bn;
+            const float v = row[l] * hkv_exp_nonpositive(delta[l] * a[l]) + dx[l] * bn;
             row[l] = v;
             acc[l] += v * cn;
         }
@@ -1426,7 +1386,7 @@ static void m1_block(void *page, int state_bf16, int init, int64_t tok0, int64_t
             const float *zs = m1_row(in->z, in->bf16, t * in->z_stride + c0, nc, zbuf);
 #pragma omp simd
             for (int64_t l = 0; l < HKV_M1_CHANNELS; l++)
-                acc[l] = (acc[l] + D[l] * xs[l]) * silu(zs[l]);
+                acc[l] = (acc[l] + D[l] * xs[l]) * hkv_silu(zs[l]);
         } else {
 #pragma omp simd
             for (int64_t l = 0; l < HKV_M1_CHANNELS; l++) acc[l] += D[l] * xs[l];
@@ -1530,7 +1490,7 @@ int hkv_mamba2_mix(const void *zx, int zx_bf16, int64_t zx_stride, void *conv_st
     for (int64_t t = 0; t < T; t++) /* softplus as PyTorch's (threshold 20), then the limits */
         for (int64_t h = 0; h < H; h++) {
             const int64_t at = t * zx_stride + I + conv_dim + h;
-            const float raw = zx_bf16 ? bf16_to_f32(((const uint16_t *)zx)[at])
+            const float raw = zx_bf16 ? hkv_bf16_to_f32(((const uint16_t *)zx)[at])
                                       : ((const float *)zx)[at];
             const float v = raw + dt_bias[h];
             float sp = v > 20.0f ? v : log1pf(expf(v));

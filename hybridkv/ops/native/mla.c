@@ -18,19 +18,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-static inline float mla_bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include "hkv_common.h"
 
 /* n values from element i of a float32 or bfloat16 array, as float32 into out */
 static void mla_load(const void *x, int bf16, int64_t i, int64_t n, float *out) {
     if (bf16) {
         const uint16_t *src = (const uint16_t *)x + i;
-        for (int64_t l = 0; l < n; l++) out[l] = mla_bf16_to_f32(src[l]);
+        for (int64_t l = 0; l < n; l++) out[l] = hkv_bf16_to_f32(src[l]);
     } else {
         memcpy(out, (const float *)x + i, sizeof(float) * (size_t)n);
     }

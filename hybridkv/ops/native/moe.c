@@ -52,6 +52,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "hkv_common.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) &&                 \
     defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__) && defined(__linux__)
@@ -93,37 +94,6 @@ MOE_INLINE __m512 moe_round16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-/* e^x for x <= 0 and silu(v) = v / (1 + e^-v), 16 lanes: kernels.c's formulas (its silu
- * behind hkv_silu_mul_bf16) with the same operations in the same order (no fused
- * multiply-adds), so that h is the value the PyTorch path's native silu_and_mul gives. */
-MOE_INLINE __m512 moe_exp_nonpositive(__m512 x) {
-#define MOE_C(v) _mm512_set1_ps(v)
-    x = _mm512_max_ps(x, MOE_C(-87.0f));
-    const __m512 shift = MOE_C(12582912.0f);
-    const __m512 k = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, MOE_C(1.44269504f)), shift),
-                                   shift);
-    const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(k, MOE_C(0.693145751953125f))),
-                                   _mm512_mul_ps(k, MOE_C(1.42860677e-6f)));
-    __m512 p = _mm512_add_ps(MOE_C(8.3333338e-3f), _mm512_mul_ps(r, MOE_C(1.3888889e-3f)));
-    p = _mm512_add_ps(MOE_C(4.1666668e-2f), _mm512_mul_ps(r, p));
-    p = _mm512_add_ps(MOE_C(1.6666667e-1f), _mm512_mul_ps(r, p));
-    p = _mm512_add_ps(MOE_C(0.5f), _mm512_mul_ps(r, p));
-    p = _mm512_add_ps(MOE_C(1.0f), _mm512_mul_ps(r, p));
-    p = _mm512_add_ps(MOE_C(1.0f), _mm512_mul_ps(r, p));
-    const __m512i bits = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
-MOE_INLINE __m512 moe_silu(__m512 v) {
-    const __mmask16 neg = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ);
-    const __m512 z =
-        moe_exp_nonpositive(_mm512_mask_blend_ps(neg, _mm512_sub_ps(MOE_C(0.0f), v), v));
-    const __m512 num = _mm512_mask_mul_ps(v, neg, v, z);
-    return _mm512_div_ps(num, _mm512_add_ps(MOE_C(1.0f), z));
-#undef MOE_C
-}
-
 /* the lanes below n (n <= 16) */
 static inline __mmask16 moe_mask(int64_t n) {
     return n <= 0 ? 0 : n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
@@ -136,22 +106,6 @@ int hkv_moe_amx_ready(void) {
     static int ready = -1;
     if (ready < 0) ready = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     return ready;
-}
-
-struct moe_tilecfg {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-/* every tile 16 rows of 64 bytes: A (16 x 32 bfloat16), B (16 k pairs x 16 x 2), C (16 x 16
- * float32) */
-static void moe_load_tiles(void) {
-    struct moe_tilecfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
-    _tile_loadconfig(&cfg);
 }
 
 /* Sums of 32 rows (16 when !two_rows) of A (row stride lda values) by one or two column tiles
@@ -278,7 +232,7 @@ static void moe_phase_a(const struct moe_args *s, int64_t e, int64_t p0, int row
             const __m512 g = moe_round16(_mm512_loadu_ps(c));
             const __m512 u = moe_round16(_mm512_loadu_ps(c + 16));
             moe_store16(s->h + (p0 + r) * s->Kp2 + j * 16,
-                        _mm512_mul_ps(moe_round16(moe_silu(g)), u), 0xffff);
+                        _mm512_mul_ps(moe_round16(hkv_silu16(g)), u), 0xffff);
         }
     }
 }
@@ -392,7 +346,7 @@ static int moe_run(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
 #pragma omp atomic write
             failed = 1;
         } else {
-            moe_load_tiles();
+            hkv_tiles_16x64();
         }
 #pragma omp single
         num_tasks = moe_tasks(offsets, E, Ip / MOE_TILE_N, threads, tasks);
@@ -478,16 +432,8 @@ static inline float moe_dot(const uint16_t *x, const uint16_t *w, int64_t n) {
     return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
-static inline uint16_t moe_bf16_1(float f) { /* round to nearest even, as torch */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
 static inline float moe_round1(float f) {
-    const uint32_t bits = (uint32_t)moe_bf16_1(f) << 16;
+    const uint32_t bits = (uint32_t)hkv_f32_to_bf16(f) << 16;
     float r;
     memcpy(&r, &bits, sizeof r);
     return r;
@@ -522,11 +468,11 @@ void hkv_moe_route_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t 
         }
         for (int64_t j = 0; j < k; j++) {
             const float p = work[T * E + t * k + j];
-            weights[t * k + j] = moe_bf16_1(normalize ? p / chosen_sum : p);
+            weights[t * k + j] = hkv_f32_to_bf16(normalize ? p / chosen_sum : p);
         }
         if (shared_gate != NULL) {
             const float g = moe_round1(moe_dot(xt, shared_gate, H));
-            scale[t] = moe_bf16_1(1.0f / (1.0f + expf(-g)));
+            scale[t] = hkv_f32_to_bf16(1.0f / (1.0f + expf(-g)));
         }
     }
 }

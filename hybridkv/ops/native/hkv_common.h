@@ -1,0 +1,106 @@
+/* Helpers shared by the C files of hybridkv/ops/native (each includes this header; they are
+ * compiled together into one library, and the header is part of the build's hash). */
+#ifndef HKV_COMMON_H
+#define HKV_COMMON_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* bfloat16 -> float32: a bfloat16 is the top half of a float32's bits (exact). */
+static inline float hkv_bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* float32 -> bfloat16, rounded to nearest even as torch rounds (NaN -> the quiet NaN 0x7fc0). */
+static inline uint16_t hkv_f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* e^x for x <= 0 in plain arithmetic, so that loops calling it vectorize (libm's expf is a
+ * scalar call). e^x = 2^k * e^r with k = round(x / ln 2), |r| <= ln 2 / 2, e^r by its degree-6
+ * Taylor polynomial: relative error below 3e-7. Inputs below -87 give about 1.6e-38 instead of
+ * a denormal or zero (a softmax weight that small vanishes next to e^0 = 1). */
+static inline float hkv_exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float shift = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    const float k = (x * 1.44269504f + shift) - shift;
+    const float r = (x - k * 0.693145751953125f) - k * 1.42860677e-6f;
+    const float p =
+        1.0f + r * (1.0f + r * (0.5f + r * (1.6666667e-1f + r * (4.1666668e-2f
+                                + r * (8.3333338e-3f + r * 1.3888889e-3f)))));
+    const int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* silu(v) = v / (1 + e^-v), from e^-|v| (<= 1, so hkv_exp_nonpositive applies): relative
+ * error below 4e-7. */
+static inline float hkv_silu(float v) {
+    const float z = hkv_exp_nonpositive(v < 0.0f ? v : -v);
+    return (v < 0.0f ? v * z : v) / (1.0f + z);
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* hkv_exp_nonpositive and hkv_silu on 16 lanes: the same operations in the same order (no
+ * fused multiply-adds), so that vector and scalar loops give the same bits. */
+static inline __attribute__((always_inline)) __m512 hkv_exp16_nonpositive(__m512 x) {
+#define HKV_C(v) _mm512_set1_ps(v)
+    x = _mm512_max_ps(x, HKV_C(-87.0f));
+    const __m512 shift = HKV_C(12582912.0f);
+    const __m512 k = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, HKV_C(1.44269504f)), shift),
+                                   shift);
+    const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(k, HKV_C(0.693145751953125f))),
+                                   _mm512_mul_ps(k, HKV_C(1.42860677e-6f)));
+    __m512 p = _mm512_add_ps(HKV_C(8.3333338e-3f), _mm512_mul_ps(r, HKV_C(1.3888889e-3f)));
+    p = _mm512_add_ps(HKV_C(4.1666668e-2f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(HKV_C(1.6666667e-1f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(HKV_C(0.5f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(HKV_C(1.0f), _mm512_mul_ps(r, p));
+    p = _mm512_add_ps(HKV_C(1.0f), _mm512_mul_ps(r, p));
+    const __m512i bits = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+static inline __attribute__((always_inline)) __m512 hkv_silu16(__m512 v) {
+    const __mmask16 neg = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 z =
+        hkv_exp16_nonpositive(_mm512_mask_blend_ps(neg, _mm512_sub_ps(HKV_C(0.0f), v), v));
+    const __m512 num = _mm512_mask_mul_ps(v, neg, v, z);
+    return _mm512_div_ps(num, _mm512_add_ps(HKV_C(1.0f), z));
+#undef HKV_C
+}
+#endif
+
+#if defined(__AMX_TILE__)
+/* Whether this process may use AMX tiles (moe.c asks the kernel once; 0 without AMX). */
+int hkv_moe_amx_ready(void);
+
+struct hkv_tilecfg { /* the 64-byte operand of ldtilecfg */
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Tiles 0..7 all 16 rows of 64 bytes: 16 x 32 bfloat16 (A), 16 pairs x 16 x 2 (B) or 16 x 16
+ * float32 (C). */
+static inline void hkv_tiles_16x64(void) {
+    struct hkv_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+    _tile_loadconfig(&cfg);
+}
+#endif
+
+#endif
