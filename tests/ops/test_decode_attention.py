@@ -156,6 +156,44 @@ def test_long_request_split_over_two_threads(dtype, window):
 
 
 @needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kbs", [2, 8])
+def test_tiles_over_blocks_whose_ends_look_consecutive(kbs, dtype):
+    """A tile of 16 positions that starts at offset 1 of a kernel block and ends at row 0 of the
+    block placed right after the first one in the cache: its first and last K rows are 15 rows
+    apart, as in one block, but V rows and other blocks lie between. (The AMX path once read
+    such a tile straight from the cache.) Every request's block table is laid out that way."""
+    g = torch.Generator().manual_seed(kbs)
+    heads, kv_heads, d, n = 16, 4, 24, 16 * 12 + 1
+    blocks = -(-n // kbs)
+    # the tile from position 1 + 16 j starts in block (1 + 16 j) // kbs at offset 1 and ends
+    # at offset 0 of block (16 j + 16) // kbs, where the next tile starts: 2 kbs * step - 1 =
+    # 15 rows apart when that block sits step = 8 / kbs blocks after its first in the cache
+    step = 8 // kbs
+    chain = sorted({(1 + 16 * j) // kbs for j in range(n // 16 + 1)} | {n // kbs})
+    chain = [b for b in chain if b < blocks]
+    slots = {b: j * step for j, b in enumerate(chain)}
+    others = [i for i in range(blocks * step + blocks) if i not in set(slots.values())]
+    others = [others[i] for i in torch.randperm(len(others), generator=g).tolist()]
+    table = torch.zeros(1, blocks + 1, dtype=torch.int32)
+    for b in range(blocks):
+        table[0, b] = slots[b] if b in slots else others.pop()
+    num_blocks = int(table.max()) + 1
+    cache = torch.full((num_blocks, 2, kbs, kv_heads, d), float("nan"), dtype=dtype)
+    k = torch.randn(n, kv_heads, d, generator=g).to(dtype)
+    v = torch.randn(n, kv_heads, d, generator=g).to(dtype)
+    pos = torch.arange(n)
+    cache[table[0, pos // kbs].long(), 0, pos % kbs] = k
+    cache[table[0, pos // kbs].long(), 1, pos % kbs] = v
+    q = torch.randn(1, heads, d, generator=g).to(dtype)
+    sl = torch.tensor([n], dtype=torch.int32)
+    for window in (n - 1, n - 1 - 16 * 3, None):
+        out = native.paged_decode_attention(q, cache, table, sl, d**-0.5, window)
+        ref = reference(q, [k.float()], [v.float()], [n], d**-0.5, window)
+        check(out, ref, dtype)
+
+
+@needs_compiler
 def test_softmax_over_a_wide_score_range_on_amx_tiles():
     """bfloat16 scores hundreds apart (the weights underflow), long enough for the AMX path."""
     lens = [300]

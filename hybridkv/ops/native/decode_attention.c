@@ -429,13 +429,22 @@ static void da_tiles(const da_shape *A) {
     _tile_loadconfig(&cfg);
 }
 
+/* Whether the 16 positions at off are consecutive rows (of one kernel block). Every step
+ * is checked: the ends alone can be 15 rows apart across three blocks (kbs 8, from offset 1:
+ * 7 rows of block X, 8 of Y, row 0 of block X + 1), with V rows in between. */
+static inline int da_consecutive16(const da_shape *A, const int64_t *off) {
+    int same = 1;
+    for (int64_t i = 1; i < 16; i++) same &= off[i] - off[i - 1] == A->row;
+    return same;
+}
+
 /* Where the keys of a tile's n positions are read from, and their row stride in bytes:
  * straight from the cache when all 16 are consecutive rows of one kernel block, else copied
  * (the n valid rows only; zeros after) to stage. */
 static const uint16_t *da_key_rows(const da_shape *A, const int64_t *off, int64_t n,
                                    int64_t hoff, uint16_t *stage, int64_t *stride) {
     const uint16_t *cache = A->cache;
-    if (n == 16 && off[15] - off[0] == 15 * A->row) {
+    if (n == 16 && da_consecutive16(A, off)) {
         *stride = 2 * A->row;
         return cache + off[0] + hoff;
     }
