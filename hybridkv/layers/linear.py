@@ -39,6 +39,14 @@ _OPS = getattr(torch.ops, "mkldnn", None)
 SMALL_KERNELS = {torch.bfloat16: native_bf16, torch.float32: native_f32}
 
 
+def native_small_linear(dtype: torch.dtype) -> bool:
+    """Whether this build runs small-batch linears with weights of `dtype` on a native kernel
+    (AVX-512 builds): what lets a decode step be captured (`hybridkv.worker.graphs`); without
+    it the step's linears are PyTorch ops and every step runs eagerly."""
+    small = SMALL_KERNELS.get(dtype)
+    return small is not None and small.kernel() is not None
+
+
 def prepack_available() -> bool:
     return (
         _OPS is not None

@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from hybridkv.engine import Engine
+from hybridkv.layers.linear import native_small_linear
 
 from .utils import (
     engine_greedy,
@@ -214,6 +216,7 @@ def test_captured_decode_equals_eager(family: Family, dtype: str, request) -> No
     assert runs[False] == runs[True]
     checkpoint = request.node.callspec.params.get("checkpoint")
     captured = checkpoint is not None and checkpoint in getattr(request.module, "CAPTURED", ())
-    if captured and dtype == "float32":
+    # (a build without AVX-512 has no native small-batch linears: every step stays eager)
+    if captured and dtype == "float32" and native_small_linear(torch.float32):
         assert graphs.disabled is None, graphs.disabled
         assert graphs.replays > 0
