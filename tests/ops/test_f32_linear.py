@@ -109,6 +109,33 @@ def test_declines_what_it_does_not_take():
     assert native_f32.f32_linear(x, w, b[:4]) is None  # bias of another length
 
 
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_x_of_another_width_raises_instead_of_reading_past_its_rows(dtype):
+    """`run` (PackedLinear's per-call path) on x whose K is not the weight's: a RuntimeError,
+    as F.linear gives, where it used to read K values of each row (past the rows of a narrower
+    x, the garbage returned as [M, N])."""
+    from hybridkv.ops.native import bf16_linear as native_bf16
+
+    small = native_f32 if dtype == torch.float32 else native_bf16
+    if small.kernel() is None:
+        pytest.skip("no native kernel for this dtype here")
+    torch.manual_seed(0)
+    lin = nn.Linear(100, 37).to(dtype)
+    packed = PackedLinear.from_linear(lin)
+    assert packed.small is small
+    with torch.inference_mode():
+        for k in (50, 150):
+            x = torch.randn(2, k, dtype=dtype)
+            with pytest.raises(RuntimeError):
+                nn.functional.linear(x, lin.weight, lin.bias)
+            with pytest.raises(RuntimeError, match="does not fit"):
+                small.run(small.kernel(), x, lin.weight, lin.bias)
+            with pytest.raises(RuntimeError):
+                packed(x)
+        assert packed(torch.randn(2, 100, dtype=dtype)).shape == (2, 37)
+
+
 def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
     assert native.library() is None and native_f32.kernel() is None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridkv.layers.quantization import dequantize_rows, quantize_rows
+from hybridkv.layers.quantization import Int8Linear, dequantize_rows, quantize_rows
 from hybridkv.ops.native import int8_linear as native_int8
 
 pytestmark = pytest.mark.skipif(
@@ -131,3 +131,20 @@ def test_non_finite_inputs_reach_their_rows_only():
         assert y[1].isnan().all() and not y[3].isfinite().any()
         rows = [0, 2, 4]
         assert torch.equal(y[rows], clean[rows])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_x_of_another_width_raises_instead_of_reading_past_its_rows(dtype):
+    """`run` (the int8 layers' per-call path) on x whose K is not the weight's: a RuntimeError,
+    as F.linear gives, where it used to read K values of each row (past the rows of a narrower
+    x, the garbage returned as [M, N])."""
+    torch.manual_seed(0)
+    layer = Int8Linear.from_linear(torch.nn.Linear(100, 37))
+    with torch.inference_mode():
+        for k in (50, 150):
+            x = torch.randn(2, k).to(dtype)
+            with pytest.raises(RuntimeError, match="does not fit"):
+                native_int8.run(native_int8.kernel(), x, layer.qweight, layer.scale)
+            with pytest.raises(RuntimeError):
+                layer(x)
+        assert layer(torch.randn(2, 100).to(dtype)).shape == (2, 37)

@@ -52,7 +52,10 @@ def weights_fit(q: torch.Tensor, scale: torch.Tensor) -> bool:
 
 def run(fn: Any, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The kernel on checked weights (`weights_fit`) and x [M, K] float32/bfloat16 on the
-    CPU: [M, N] in x's dtype. The per-call path of the int8 layers (few checks)."""
+    CPU: [M, N] in x's dtype. The per-call path of the int8 layers (few checks); x of another K
+    raises, as F.linear does (the kernel would read K values of each row of x)."""
+    if x.shape[1] != q.shape[1]:
+        raise RuntimeError(f"x {list(x.shape)} does not fit the weight {list(q.shape)}")
     if x.stride(1) != 1:
         x = x.contiguous()
     m, n = x.shape[0], q.shape[0]

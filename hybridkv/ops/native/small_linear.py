@@ -52,7 +52,10 @@ class SmallBatchLinear:
         self, fn: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """The kernel on a checked weight and bias (`weight_fits`) and x [M, K] of its dtype on
-        the CPU (any row stride): [M, N]. The per-call path (few checks)."""
+        the CPU (any row stride): [M, N]. The per-call path (few checks); x of another K raises,
+        as F.linear does (the kernel would read K values of each row of x)."""
+        if x.shape[1] != weight.shape[1]:
+            raise RuntimeError(f"x {list(x.shape)} does not fit the weight {list(weight.shape)}")
         if x.stride(1) != 1:
             x = x.contiguous()
         m, n = x.shape[0], weight.shape[0]
