@@ -335,6 +335,32 @@ def test_gated_norm_mixed_dtypes_is_the_reference_then_the_cast(
 
 
 @needs_compiler
+@pytest.mark.parametrize("norm_before_gate", [False, True])
+@pytest.mark.parametrize("gate_dtype", [torch.bfloat16, torch.float32])
+def test_gated_norm_of_bfloat16_x_into_float32_is_rounded_in_x_dtype(
+    gate_dtype, norm_before_gate, monkeypatch
+):
+    """bfloat16 x, float32 out: the reference computes in x's dtype (bfloat16 values), then
+    widens them; the kernel stored its float32 value unrounded (up to half a bfloat16 step
+    off, in almost every element)."""
+    from hybridkv.ops import norm
+
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(6, 96, generator=g) * 3).bfloat16()
+    z = torch.randn(6, 96, generator=g).to(gate_dtype)
+    w = (torch.randn(96, generator=g) + 1).bfloat16()
+    args = (x, z, w, 1e-5, 32, norm_before_gate)
+    assert native.gated_rms_norm(*args, False, torch.float32) is not None
+    fast = norm.gated_rms_norm(*args, out_dtype=torch.float32)
+    monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    ref = norm.gated_rms_norm(*args, out_dtype=torch.float32)
+    assert fast.dtype == ref.dtype == torch.float32
+    assert torch.equal(fast, fast.bfloat16().float())  # bfloat16 values, widened
+    torch.testing.assert_close(fast, ref, rtol=2**-7, atol=1e-6)
+    assert (fast == ref).float().mean() >= 0.98
+
+
+@needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rotary_dim", [32, 16])  # full and partial rotary
 def test_rope_is_the_pytorch_rotation(dtype, rotary_dim, monkeypatch):

@@ -1076,8 +1076,9 @@ void hkv_silu_mul_bf16(const uint16_t *gate, int64_t g_stride, const uint16_t *u
  *                                                          bfloat16 x without w_fp32)
  *   norm first:  out = w * normalise(x) * hkv_silu(z)        (Falcon-H1; w_fp32 is implied)
  * A float32 x (a Mamba2 scan's output) with a bfloat16 gate and out is the mixer's norm and
- * its cast to the model dtype in one pass. x: [rows, C] contiguous; z rows at z + r *
- * z_stride (elements); out: [rows, C]. */
+ * its cast to the model dtype in one pass. A bfloat16 x with a float32 out is rounded to
+ * bfloat16 all the same (the reference's result in x's dtype), then widened. x: [rows, C]
+ * contiguous; z rows at z + r * z_stride (elements); out: [rows, C]. */
 void hkv_gated_rms_norm_mixed(const void *x, int x_bf16, const void *z, int z_bf16,
                               int64_t z_stride, const float *w, void *out, int out_bf16,
                               int64_t rows, int64_t C, int64_t group, float eps,
@@ -1106,6 +1107,8 @@ void hkv_gated_rms_norm_mixed(const void *x, int x_bf16, const void *z, int z_bf
                 const float o = norm_before_gate ? wr[c] * x_hat * gate[c] : wr[c] * x_hat;
                 if (out_bf16)
                     ((uint16_t *)out)[r * C + g0 + c] = hkv_f32_to_bf16(o);
+                else if (x_bf16) /* bfloat16 in x's dtype first, exactly widened */
+                    ((float *)out)[r * C + g0 + c] = hkv_bf16_to_f32(hkv_f32_to_bf16(o));
                 else
                     ((float *)out)[r * C + g0 + c] = o;
             }
