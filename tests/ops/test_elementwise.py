@@ -112,6 +112,17 @@ def test_relu2_rounds_as_pytorch(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_relu2_keeps_nan_as_pytorch(dtype):
+    """F.relu keeps a NaN (and the square of it is NaN): the kernel gave 0 for it."""
+    x = torch.tensor([float("nan"), -1.0, 0.0, 2.5, float("inf"), -float("inf"), -0.0] * 3)
+    x = x.to(dtype).reshape(3, 7)
+    got, want = ew.relu2(x), torch.nn.functional.relu(x).square()
+    assert got.isnan().sum() == 3
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_mul_of_projection_slices(dtype):
     proj = torch.randn(4, 30).to(dtype)
     a, b = proj[:, :10], proj[:, 20:]  # column slices: strided rows

@@ -122,12 +122,13 @@ void hkv_logits_f32(const void *x, int64_t x_stride, int bf16, float *out, int64
 }
 
 /* relu(x)^2 over n elements (Nemotron-H's MLP activation): the square of the float32 value,
- * rounded once to bfloat16 when bf16, as F.relu(x).square() does. */
+ * rounded once to bfloat16 when bf16, as F.relu(x).square() does (NaN stays NaN, as F.relu
+ * keeps it). */
 void hkv_relu2(const void *x, void *out, int64_t n, int bf16) {
 #pragma omp parallel for schedule(static) if (n >= EW_PARALLEL_MIN)
     for (int64_t i = 0; i < n; i++) {
         float v = bf16 ? hkv_bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-        v = v > 0.0f ? v * v : 0.0f;
+        v = v > 0.0f ? v * v : (v != v ? v : 0.0f);
         if (bf16)
             ((uint16_t *)out)[i] = hkv_f32_to_bf16(v);
         else
