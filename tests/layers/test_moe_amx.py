@@ -215,3 +215,18 @@ def test_route_declines_what_it_does_not_take():
         assert moe.route(x, router, None, 7, True) is None  # k > E
         assert moe.route(x, router[:, :16], None, 2, True) is None
         assert moe.route(x, router, router[:2], 2, True) is None  # the shared gate: one row
+
+
+@pytest.mark.parametrize(("hidden", "inter"), [(32, 0), (0, 16)])
+def test_declines_empty_sizes(hidden, inter):
+    """An intermediate or hidden size of 0 has no tiles to pack (the packing raised): None, and
+    `gated_experts` gives the PyTorch path's zeros."""
+    needs_amx()
+    x, experts, weights, gate_up, down = _problem(5, 3, hidden, inter, 2, seed=4)
+    scale = torch.full((5, 1), 0.5, dtype=BF16)
+    with torch.inference_mode():
+        assert moe.routed_experts(x, experts, weights, gate_up, down) is None
+        gate, up = gate_up[0, :inter], gate_up[0, inter:]
+        assert moe.swiglu_expert(x, gate, up, down[0], scale) is None
+        out = mlp.gated_experts(x, experts, weights, gate_up, down)
+    assert out.shape == (5, hidden) and bool((out == 0).all())

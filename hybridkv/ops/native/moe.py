@@ -134,6 +134,8 @@ def routed_experts(
     num_experts, two_inter, hidden = gate_up.shape
     if x.shape[1] != hidden or two_inter % 2 or down.shape != (num_experts, hidden, two_inter // 2):
         return None
+    if hidden == 0 or two_inter == 0:  # (no tiles to pack: the PyTorch path's zeros)
+        return None
     if weights.shape != experts.shape or experts.shape[0] != x.shape[0]:
         return None
     if extra is not None and (extra.shape != x.shape or not _bf16_cpu(extra)):
@@ -160,6 +162,8 @@ def swiglu_expert(
         return None
     inter, hidden = gate.shape
     if up.shape != gate.shape or down.shape != (hidden, inter) or x.shape[1] != hidden:
+        return None
+    if hidden == 0 or inter == 0:
         return None
     if scale.shape != (x.shape[0], 1):
         return None
