@@ -431,3 +431,18 @@ def test_provided_spans_survive_a_full_table():
     assert native._spans(*first) is a and native._spans(*second) is b
     assert native._spans_inside(*first, num_pages=3, num_tokens=3)
     assert len(native._recent_spans) == native._SPANS_KEPT
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_silu_mul_far_below_zero_is_torch_silu(dtype):
+    """Below -87 e^v leaves float32's normal range: silu is then -0 as torch's (the clamped
+    exponential once gave v * 1.6e-38: -4.9 at -3e38), and NaN at -inf; every lane width."""
+    values = [-3e38, -1e30, -1000.0, -88.0, -87.5, -86.0, -20.0, 0.0, 5.0, 1e30, -float("inf")]
+    gate = torch.tensor(values * 3, dtype=dtype)[None, :].repeat(3, 1)  # 33 columns: tails
+    up = torch.ones_like(gate)
+    out = native.silu_mul(gate, up)
+    ref = F.silu(gate.float()).to(dtype) * up
+    assert out is not None
+    rtol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(out, ref, equal_nan=True, rtol=rtol, atol=1e-30)

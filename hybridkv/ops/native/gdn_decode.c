@@ -168,7 +168,7 @@ static void gd_head(void *head, int sb, int init, int64_t K, int64_t V, const fl
 #define GD_CALL(SB, INIT, FULL)                                                                \
     gd_block(SB, INIT, FULL, (char *)head, K, V, c0, qn, kn, qk, vrow, vb, decay, beta, o, nx,  \
              per_row, &next_left)
-        switch (sb * 4 + init * 2 + full) {
+        switch ((sb != 0) * 4 + (init != 0) * 2 + full) { /* flags: any nonzero is 1 */
         case 0: GD_CALL(0, 0, 0); break;
         case 1: GD_CALL(0, 0, 1); break;
         case 2: GD_CALL(0, 1, 0); break;

@@ -42,10 +42,12 @@ static inline float hkv_exp_nonpositive(float x) {
 }
 
 /* silu(v) = v / (1 + e^-v), from e^-|v| (<= 1, so hkv_exp_nonpositive applies): relative
- * error below 4e-7. */
+ * error below 4e-7. Below -87, where e^v leaves float32's normal range (and the clamped
+ * exponential would give v * 1.6e-38, -4.9 at v = -3e38), v * 0: -0 as torch's silu, NaN
+ * at -inf. */
 static inline float hkv_silu(float v) {
     const float z = hkv_exp_nonpositive(v < 0.0f ? v : -v);
-    return (v < 0.0f ? v * z : v) / (1.0f + z);
+    return v < -87.0f ? v * 0.0f : (v < 0.0f ? v * z : v) / (1.0f + z);
 }
 
 #if defined(__AVX512F__)
@@ -77,7 +79,9 @@ static inline __attribute__((always_inline)) __m512 hkv_silu16(__m512 v) {
     const __m512 z =
         hkv_exp16_nonpositive(_mm512_mask_blend_ps(neg, _mm512_sub_ps(HKV_C(0.0f), v), v));
     const __m512 num = _mm512_mask_mul_ps(v, neg, v, z);
-    return _mm512_div_ps(num, _mm512_add_ps(HKV_C(1.0f), z));
+    const __mmask16 under = _mm512_cmp_ps_mask(v, HKV_C(-87.0f), _CMP_LT_OQ);
+    const __m512 y = _mm512_div_ps(num, _mm512_add_ps(HKV_C(1.0f), z));
+    return _mm512_mask_mul_ps(y, under, v, _mm512_setzero_ps()); /* as hkv_silu below -87 */
 #undef HKV_C
 }
 #endif
