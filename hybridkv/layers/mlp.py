@@ -67,7 +67,10 @@ def gated_experts(
     kernel (its weights streamed once); otherwise one bmm over all experts, each group padded to
     the busiest (rows of a zero token), and the weighted rows go back to their tokens in one
     index_add_. Many (prefill): per expert hit, gather its rows, two GEMMs, add them back.
-    Either way a token's outputs are added in expert order.
+    Per expert, a token's outputs are added in expert order, rounded to x's dtype after each;
+    the one index_add_ of the batched path adds them in its own order (in bfloat16 on the CPU
+    it was seen to sum a token's rows in float32 and round once), so the two differ in the
+    last bits of bfloat16 outputs, each within bfloat16's rounding.
 
     bfloat16 on a CPU with AMX: all of it in one native call (`ops.native.moe`: the pairs
     sorted, each expert's groups of up to 32 pairs through both GEMMs on AMX tiles, the same
