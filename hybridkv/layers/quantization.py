@@ -25,10 +25,16 @@ hidden-size 768 shapes and the 32000-row lm_head: benchmarks/quantization.py):
                    applied once, one rounding to x's dtype. float32 x: float32 FMAs, exact
                    float32 math (the error is the int8 weight's alone), at every M: up to 16
                    rows the weight streams from memory at the pace of a plain read of its bytes
-                   (M = 1; 2.5-4x the native float32 linear, benchmarks/README.md); 15-25%
-                   slower than the float32 layer at M = 64-512 (Zen 5). bfloat16 x (widened to
+                   (M = 1; 2.5-4x the native float32 linear, benchmarks/README.md); up to
+                   DEQUANT_M - 1 rows (below, float32 chunks), 15-25% slower than the
+                   float32 layer at M = 64 (Zen 5). bfloat16 x (widened to
                    float32 once, exactly: the same tiles): up to M = SMALL_M rows, where it
                    beats the path below (decode of the 100m model at batch 1: +25%)
+    float32 chunks float32 x of DEQUANT_M rows or more (prefill): q converted to float32 in
+                   chunks of DEQUANT_ELEMENTS weights (exact), one float32 GEMM per chunk,
+                   the output scaled per column: float32 math as above, on PyTorch's GEMM.
+                   1.1-1.5x the native tiles at M = 128-1024 (Xeon, 1 and 2 threads; within
+                   1.1-1.2x of the float32 layer), which still win at M = 64
     PyTorch        bfloat16 x above SMALL_M rows, or no native kernel (`HYBRIDKV_NATIVE=0`,
                    no compiler, no AVX-512): in bfloat16 with float32 accumulation (a float32
                    input rounded to bfloat16, the output cast back):
@@ -65,6 +71,8 @@ from hybridkv.ops.native import int8_linear as native_int8
 
 SMALL_M = 16  # rows of x up to which the kernels beat dequantize + bfloat16 GEMM
 CHUNK_ELEMENTS = 1 << 20  # weights dequantized at once on the GEMM path (2 MiB of bfloat16)
+DEQUANT_M = 128  # rows of float32 x from which float32 chunks + GEMM beat the native tiles
+DEQUANT_ELEMENTS = 1 << 21  # weights converted at once there (8 MiB of float32)
 # _weight_int8pack_mm's AVX-512 kernel steps over K by 16 with aligned loads of x (32 bytes)
 # and of the weight rows: another K reads past the rows (wrong sums or a crash), so those
 # layers (a tensor-parallel shard of 24 columns, say) take the GEMM path at every M
@@ -106,6 +114,8 @@ def int8_matmul(
     """x [M, K] float, q int8 [N, K], scale bfloat16 [N] -> x @ (q * scale).T [M, N] in x's
     dtype: on the native kernel (float32 x; bfloat16 x up to SMALL_M rows), else on PyTorch's
     bfloat16 path (the module docstring). `native_fits`: `weights_fit(q, scale)`, if known."""
+    if x.dtype == torch.float32 and x.shape[0] >= DEQUANT_M:
+        return f32_int8_matmul(x, q, scale)
     if x.device.type == "cpu" and (
         x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and x.shape[0] <= SMALL_M)
     ):
@@ -115,6 +125,21 @@ def int8_matmul(
         if fn is not None and native_fits:
             return native_int8.run(fn, x, q, scale)
     return bf16_int8_matmul(x, q, scale)
+
+
+def f32_int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`int8_matmul` of float32 x in float32: q converted in chunks of output rows (exactly:
+    |q| <= 127), a GEMM per chunk, each output column scaled once."""
+    m, (n, k) = x.shape[0], q.shape
+    rows = max(1, DEQUANT_ELEMENTS // max(k, 1))
+    if rows >= n:
+        out = torch.mm(x, q.to(torch.float32).T)
+    else:
+        out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+        for start in range(0, n, rows):
+            chunk = q[start : start + rows].to(torch.float32)  # [rows, K]
+            torch.mm(x, chunk.T, out=out[:, start : start + rows])
+    return out.mul_(scale.to(torch.float32))
 
 
 def bf16_int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
