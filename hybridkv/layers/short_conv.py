@@ -52,7 +52,7 @@ SHORT_CONV_OPS = (
         "native",
         _OPS + "NativeMamba2Ops",
         frozenset({"cpu"}),
-        frozenset({"float32"}),
+        frozenset({"float32", "bfloat16"}),
         needs="native",
         description="C conv1d kernel (hybridkv.ops.native), state in place",
     ),
@@ -126,5 +126,8 @@ class ShortConv(CacheOwner):
         place) -> [T, hidden]."""
         b, c, x = self.in_proj(hidden_states).chunk(3, dim=-1)  # each [T, C]
         bx = _mul(b, x, x.dtype)  # [T, C] contiguous
-        conv = ops.conv1d(bx, self.conv.weight[:, 0, :], self.conv.bias, conv_state, meta, None)
+        # float32 holding x.dtype's values (a bfloat16 conv result rounded by the kernel, not
+        # cast by a tensor op: a bfloat16 decode step stays capturable); _mul reads it exactly
+        w = self.conv.weight[:, 0, :]
+        conv = ops.conv1d(bx, w, self.conv.bias, conv_state, meta, None, torch.float32)
         return self.out_proj(_mul(c, conv, c.dtype))  # [T, hidden]

@@ -137,7 +137,9 @@ class NativeMamba2Ops(TorchMamba2Ops):
         if x.shape[0] == 0:
             return x.new_empty(x.shape, dtype=out_dtype)
         fused = activation in ("silu", "swish")  # the kernel applies silu itself
-        rounded = fused and x.dtype == torch.bfloat16 and out_dtype == torch.float32
+        # (without an activation to apply after it, the kernel's rounding is the whole cast)
+        rounded = (fused or activation is None) and x.dtype == torch.bfloat16
+        rounded = rounded and out_dtype == torch.float32
         y = native.conv1d(
             x, weight, bias, conv_state, meta.state_pages, meta.has_initial_state,
             meta.query_start_loc, fused, rounded,

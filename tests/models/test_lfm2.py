@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from hybridkv.engine import Engine
+from hybridkv.ops import native
 
 from .conformance import (  # noqa: F401
     check_prefill_logits,
@@ -131,18 +132,22 @@ def test_the_variants_are_what_they_claim(checkpoint):
     assert tied == cfg.tie_word_embeddings
 
 
-def test_bfloat16_model_is_as_close_to_float32_as_transformers_bfloat16(checkpoint):
-    """bfloat16 weights, activations and conv states (the PyTorch conv ops: the native ones
-    are float32 only): prefill logits stay as close to the float32 model's as transformers' own
-    bfloat16 model's are, by the median over positions."""
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_bfloat16_model_is_as_close_to_float32_as_transformers_bfloat16(checkpoint, backend):
+    """bfloat16 weights, activations and conv states, on the native conv kernel (float32 math,
+    bfloat16 states read and written in place, the result rounded once) and on the PyTorch
+    ops: prefill logits stay as close to the float32 model's as transformers' own bfloat16
+    model's are, by the median over positions."""
+    if backend == "native" and native.library() is None:
+        pytest.skip("no native kernels here (no C compiler)")
     folder, hf = checkpoint
     # eager experts: transformers' grouped_mm refuses the odd model's bf16 expert strides
     hf16 = type(hf).from_pretrained(
         str(folder), dtype=torch.bfloat16, experts_implementation="eager"
     )
     ids = prompts(VOCAB, [37], seed=7)[0]
-    engine = Engine(str(folder), dtype="bfloat16", kernel_block_size=8)
-    assert {g.backend for g in engine.plan.groups if g.kind == "short_conv"} == {"torch"}
+    engine = Engine(str(folder), dtype="bfloat16", kernel_block_size=8, state_backend=backend)
+    assert {g.backend for g in engine.plan.groups if g.kind == "short_conv"} == {backend}
     check_bf16_as_close_as_transformers(engine, hf, hf16, ids)
 
 
