@@ -216,10 +216,15 @@ class GraniteMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]; tensor parallel: this rank's partial sum (the caller
         all-reduces it)."""
-        # x: [T, hidden]; logits: [T, experts] (routing in float32, as the reference does)
-        logits = self.router.layer(x).float()
-        top_logits, top_idx = logits.topk(self.top_k, dim=-1)  # [T, k]
-        weights = torch.softmax(top_logits, dim=-1).to(x.dtype)
+        # bfloat16 on AMX: the router's linear, top-k and softmax in one native pass
+        routed = native_moe.route_topk_softmax(x, self.router.layer.weight, self.top_k)
+        if routed is not None:
+            top_idx, weights = routed  # [T, k] each
+        else:
+            # x: [T, hidden]; logits: [T, experts] (routing in float32, as the reference does)
+            logits = self.router.layer(x).float()
+            top_logits, top_idx = logits.topk(self.top_k, dim=-1)  # [T, k]
+            weights = torch.softmax(top_logits, dim=-1).to(x.dtype)
         return gated_experts(
             x, top_idx, weights, self.input_linear.weight, self.output_linear.weight
         )

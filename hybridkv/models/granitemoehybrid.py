@@ -166,7 +166,7 @@ class GraniteDecoderLayer(nn.Module):
         x, h = self.post_attention_layernorm.add_forward(x, h, self.residual_multiplier)
         out = self.shared_mlp(h, reduce=False)  # tensor parallel: partial sums, reduced once
         if self.block_sparse_moe is not None:
-            out = self.block_sparse_moe(h) + out
+            out = residual_add(self.block_sparse_moe(h), out)  # (native: capturable)
         return residual_add(x, self.tp.all_reduce(out), self.residual_multiplier)
 
 

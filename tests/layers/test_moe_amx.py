@@ -206,6 +206,58 @@ def test_route_matches_the_pytorch_router(tokens, num_experts, hidden, k, normal
     assert torch.equal(our_scale, scale)
 
 
+@pytest.mark.parametrize(
+    ("tokens", "num_experts", "hidden", "k"),
+    [(64, 8, 768, 2), (300, 40, 96, 8), (7, 5, 40, 5), (20, 64, 200, 10), (3, 3, 17, 1)],
+)
+def test_route_topk_softmax_matches_granites_router(tokens, num_experts, hidden, k):
+    """Granite MoE's routing: the k largest bf16 logits, then the softmax of those k in float32
+    rounded to bf16, as GraniteMoE's PyTorch ops compute them; expert sets may differ only
+    where two logits tie at the k-th place."""
+    needs_amx()
+    g = torch.Generator().manual_seed(tokens + k)
+    x = torch.randn(tokens, hidden, generator=g).to(BF16)
+    router = (torch.randn(num_experts, hidden, generator=g) / hidden**0.5).to(BF16)
+    with torch.inference_mode():
+        logits = F.linear(x, router).float()
+        top, experts = logits.topk(k, dim=-1)
+        weights_ref = torch.softmax(top, dim=-1).to(BF16)
+        got = moe.route_topk_softmax(x, router, k)
+    assert got is not None
+    ours, weights = got
+    assert ours.dtype == torch.int64 and weights.dtype == BF16 and ours.shape == (tokens, k)
+    same_set = (ours.sort(-1).values == experts.sort(-1).values).all(-1)
+    kth = logits.gather(1, experts[:, -1:])
+    tie = (logits == kth).sum(-1) > 1
+    assert bool((same_set | tie).all())
+    # largest first, as torch.topk orders them
+    assert bool((logits.gather(1, ours).diff(dim=-1) <= 0).all())
+    rows = same_set & ~tie
+    assert torch.equal(weights[rows], weights_ref[rows])
+
+
+def test_granite_moe_native_routing_equals_its_pytorch_routing():
+    """A bfloat16 Granite MoE layer takes the native router on AMX and equals its PyTorch
+    routing (the native router declined) on the same input."""
+    needs_amx()
+    from hybridkv.layers.mlp import GraniteMoE
+
+    torch.manual_seed(0)
+    layer = GraniteMoE(64, 48, num_experts=6, top_k=2).to(BF16)
+    for p in layer.parameters():
+        p.data.normal_(0, 0.1)
+    x = torch.randn(9, 64).to(BF16)
+    with torch.inference_mode():
+        native_out = layer(x)
+        original = moe.route_topk_softmax
+        try:
+            moe.route_topk_softmax = lambda *a: None
+            torch_out = layer(x)
+        finally:
+            moe.route_topk_softmax = original
+    torch.testing.assert_close(native_out, torch_out, rtol=0, atol=0)
+
+
 def test_route_declines_what_it_does_not_take():
     needs_amx()
     x = torch.randn(4, 32).to(BF16)

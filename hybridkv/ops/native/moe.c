@@ -72,6 +72,7 @@
 #define MOE_TASKS_PER_THREAD 4 /* column splits aim at this many tasks per thread */
 #define MOE_KC 8 /* k tiles per pass over a block's rows: 2 x 8 weight tiles, 16 KiB, in L1 */
 #define MOE_INLINE static inline __attribute__((always_inline))
+#define MOE_MAX_K 64 /* experts per token the top-k softmax router takes (moe.py checks) */
 
 static inline int64_t moe_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -439,6 +440,50 @@ static inline float moe_round1(float f) {
     return r;
 }
 
+/* The softmax of a token's E logits, then its k largest probabilities (largest first; the
+ * lower index among equals), renormalised to sum 1 when `normalize` (Qwen3-Next). */
+static void moe_softmax_topk(float *prob, int64_t E, int64_t k, float top, int normalize,
+                             int64_t *experts, uint16_t *weights, float *chosen) {
+    float sum = 0.0f;
+    for (int64_t e = 0; e < E; e++) sum += (prob[e] = expf(prob[e] - top));
+    const float inv = 1.0f / sum;
+    for (int64_t e = 0; e < E; e++) prob[e] *= inv;
+    float chosen_sum = 0.0f;
+    for (int64_t j = 0; j < k; j++) { /* k passes: the largest not taken yet */
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)
+            if (prob[e] != -1.0f && (best < 0 || prob[e] > prob[best])) best = e;
+        experts[j] = best;
+        chosen[j] = prob[best];
+        chosen_sum += prob[best];
+        prob[best] = -1.0f; /* taken (probabilities are >= 0) */
+    }
+    for (int64_t j = 0; j < k; j++)
+        weights[j] = hkv_f32_to_bf16(normalize ? chosen[j] / chosen_sum : chosen[j]);
+}
+
+/* The k largest of a token's E logits (largest first; the lower index among equals), then the
+ * softmax of those k alone: e^(l - top) / sum, top the largest logit. */
+static void moe_topk_softmax(float *logit, int64_t E, int64_t k, float top, int64_t *experts,
+                             uint16_t *weights) {
+    float e_k[MOE_MAX_K], sum = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)
+            if (logit[e] != -INFINITY && (best < 0 || logit[e] > logit[best])) best = e;
+        if (best < 0) /* (only -inf left: the lowest index not taken) */
+            for (int64_t e = 0; e < E && best < 0; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++) taken |= experts[i] == e;
+                if (!taken) best = e;
+            }
+        experts[j] = best;
+        sum += (e_k[j] = expf(logit[best] - top));
+        logit[best] = -INFINITY; /* taken */
+    }
+    for (int64_t j = 0; j < k; j++) weights[j] = hkv_f32_to_bf16(e_k[j] / sum);
+}
+
 void hkv_moe_route_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
                         const uint16_t *router, int64_t E, const uint16_t *shared_gate, int64_t k,
                         int normalize, int64_t *experts, uint16_t *weights, uint16_t *scale,
@@ -452,23 +497,11 @@ void hkv_moe_route_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t 
             prob[e] = moe_round1(moe_dot(xt, router + e * H, H));
             top = prob[e] > top ? prob[e] : top;
         }
-        float sum = 0.0f;
-        for (int64_t e = 0; e < E; e++) sum += (prob[e] = expf(prob[e] - top));
-        const float inv = 1.0f / sum;
-        for (int64_t e = 0; e < E; e++) prob[e] *= inv;
-        float chosen_sum = 0.0f;
-        for (int64_t j = 0; j < k; j++) { /* k passes: the largest not taken yet */
-            int64_t best = -1;
-            for (int64_t e = 0; e < E; e++)
-                if (prob[e] != -1.0f && (best < 0 || prob[e] > prob[best])) best = e;
-            experts[t * k + j] = best;
-            work[T * E + t * k + j] = prob[best];
-            chosen_sum += prob[best];
-            prob[best] = -1.0f; /* taken (probabilities are >= 0) */
-        }
-        for (int64_t j = 0; j < k; j++) {
-            const float p = work[T * E + t * k + j];
-            weights[t * k + j] = hkv_f32_to_bf16(normalize ? p / chosen_sum : p);
+        if (normalize == 2) { /* softmax over the top-k logits (Granite, gpt-oss) */
+            moe_topk_softmax(prob, E, k, top, experts + t * k, weights + t * k);
+        } else {
+            moe_softmax_topk(prob, E, k, top, normalize, experts + t * k, weights + t * k,
+                             work + T * E + t * k);
         }
         if (shared_gate != NULL) {
             const float g = moe_round1(moe_dot(xt, shared_gate, H));

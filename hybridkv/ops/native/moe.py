@@ -175,18 +175,36 @@ def swiglu_expert(
     return _run(x, None, scale, gate_up_tiles, down_tiles, 1, inter)
 
 
+TOPK_SOFTMAX = 2  # the kernel's routing mode after "softmax top-k" (0) and "renormalised" (1)
+MAX_TOPK_SOFTMAX = 64  # moe.c's MOE_MAX_K
+
+
+def route_topk_softmax(
+    x: torch.Tensor, router: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Granite MoE's router (gpt-oss's without a bias) in one pass per token: x [T, H]; router
+    [E, H] (an nn.Linear weight, no bias) -> experts [T, k] int64 (the k largest bfloat16
+    logits, largest first) and weights [T, k] bfloat16 = softmax of those k logits in float32,
+    as `logits.float().topk(k)` then `softmax(...).to(bfloat16)` compute them; None when the
+    kernel or these tensors don't fit."""
+    if k > MAX_TOPK_SOFTMAX:
+        return None
+    routed = route(x, router, None, k, TOPK_SOFTMAX)
+    return None if routed is None else routed[:2]
+
+
 def route(
     x: torch.Tensor,
     router: torch.Tensor,
     shared_gate: torch.Tensor | None,
     k: int,
-    normalize: bool,
+    normalize: bool | int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """Qwen3-Next's router in one pass per token: x [T, H]; router [E, H] and shared_gate [1, H]
     or None (nn.Linear weights, no bias) -> experts [T, k] int64, weights [T, k] bfloat16 (the
-    softmax top-k, renormalised when `normalize`) and scale [T, 1] bfloat16 = sigmoid(x @
-    shared_gate^T) (None without one), computed as the PyTorch ops compute them (see moe.c);
-    None when the kernel or these tensors don't fit."""
+    softmax top-k, renormalised when `normalize`; `TOPK_SOFTMAX`: see route_topk_softmax) and
+    scale [T, 1] bfloat16 = sigmoid(x @ shared_gate^T) (None without one), computed as the
+    PyTorch ops compute them (see moe.c); None when the kernel or these tensors don't fit."""
     if not available() or torch.is_grad_enabled() or x.dim() != 2 or router.dim() != 2:
         return None
     gates = (router,) if shared_gate is None else (router, shared_gate)
