@@ -154,6 +154,22 @@ def test_a_model_with_pytorch_ops_in_its_step_stays_eager(tmp_path_factory, capl
     assert "run eagerly" in caplog.text
 
 
+def test_bfloat16_granite_moe_captures_on_amx(tmp_path_factory):
+    """In bfloat16 on an AMX CPU the MoE's router and experts are native kernels, so the same
+    MoE checkpoint's decode steps are captured and equal the eager ones."""
+    from hybridkv.ops.native import moe
+
+    if not moe.available():
+        pytest.skip("no AMX-BF16 kernels here (the MoE stays in PyTorch: eager steps)")
+    folder = granite(tmp_path_factory, experts=4, name="granite-moe-bf16")
+    ids = prompts(VOCAB, [7, 12, 3])
+    params = uneven_params(len(ids))
+    eager, _ = run(folder, ids, params, dtype="bfloat16", enforce_eager=True)
+    captured, graphs = run(folder, ids, params, dtype="bfloat16")
+    assert captured == eager
+    assert graphs.disabled is None and graphs.replays > 0
+
+
 def test_sizes_above_the_limit_run_eagerly(dense):
     ids = prompts(VOCAB, [5, 6, 7, 8])
     params = SamplingParams(max_tokens=8, temperature=0)
