@@ -122,7 +122,7 @@ class Mamba1Mixer(CacheOwner):
         self.hidden_size, self.d_inner, self.d_state = hidden_size, d_inner, d_state
         self.d_conv, self.dt_rank = d_conv, dt_rank
         self.dt_norms, self.norm_eps, self.activation = dt_norms, norm_eps, activation
-        self._ones: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # weightless norms' weight
+        self._ones: dict[tuple[int, torch.device], torch.Tensor] = {}  # weightless norms' weight
 
         self.in_proj = nn.Linear(hidden_size, 2 * d_inner, bias=proj_bias)
         # Depthwise: weight [Di, 1, d_conv] as in the checkpoints (padding is unused here).
@@ -171,11 +171,14 @@ class Mamba1Mixer(CacheOwner):
         if self.dt_norms == "jamba":
             weight = getattr(self, which).weight
             return rms_norm(x, weight, self.norm_eps)
-        # falcon_mamba: no weight (the native norm with a weight of ones: the same rounding)
-        key = (x.shape[-1], x.dtype)
+        # falcon_mamba: no weight (the native norm with a weight of ones: the same rounding).
+        # float32 ones: the form the kernel reads for either dtype of x, so no step converts
+        # them (made in inference mode, a converted copy could not be cached)
+        key = (x.shape[-1], x.device)
         ones = self._ones.get(key)
         if ones is None:
-            ones = self._ones[key] = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+            ones = torch.ones(x.shape[-1], dtype=torch.float32, device=x.device)
+            self._ones[key] = ones
         out = native.rms_norm(x, ones, self.norm_eps)
         if out is not None:
             return out

@@ -22,7 +22,7 @@ from hybridkv.distributed.layers import vocab_embedding, vocab_head
 from hybridkv.layers.cache import CacheOwner
 from hybridkv.layers.mlp import RMSNorm
 from hybridkv.models.base import CausalLM
-from hybridkv.ops.elementwise import residual_add
+from hybridkv.ops.elementwise import residual_add, to_dtype
 from hybridkv.worker.batch import ForwardBatch
 
 
@@ -45,9 +45,10 @@ class StateBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, dtype: torch.dtype) -> torch.Tensor:
         # x: [T, hidden], float32 when residual_in_fp32 (as transformers keeps the residual)
-        h = self.mixer(self.norm(x.to(dtype)), batch)
+        h = self.mixer(self.norm(to_dtype(x, dtype)), batch)
         if self.residual_in_fp32 and h.dtype != torch.float32:
-            return x.float() + h  # (a bfloat16 model's float32 residual: promoted)
+            # a bfloat16 model's float32 residual: x.float() + h, both widened exactly
+            return residual_add(to_dtype(x, torch.float32), to_dtype(h, torch.float32))
         return residual_add(x, h)
 
 
@@ -80,4 +81,4 @@ class StateCausalLM(CausalLM):
         for layer in self.backbone.layers:
             x = layer(x, batch, dtype)
         # transformers: norm_f in the residual's dtype, then the cast for lm_head
-        return self.backbone.norm_f(x).to(dtype)
+        return to_dtype(self.backbone.norm_f(x), dtype)

@@ -29,3 +29,16 @@ def logits_float32(logits: torch.Tensor, divisor: float = 1.0) -> torch.Tensor:
         return out
     out = logits.float()
     return out if divisor == 1.0 else out / divisor
+
+
+def to_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x.to(dtype), exactly as torch converts, on a native kernel for a contiguous float32 <->
+    bfloat16 conversion on the CPU (a decode step that converts stays capturable)."""
+    if x.dtype == dtype:
+        return x
+    out = None
+    if x.dtype == torch.bfloat16 and dtype == torch.float32 and x.dim() == 2:
+        out = native_ew.logits_f32(x)  # (the exact widening, nothing divided)
+    elif x.dtype == torch.float32 and dtype == torch.bfloat16:
+        out = native_ew.to_bfloat16(x)
+    return out if out is not None else x.to(dtype)

@@ -25,6 +25,7 @@ import torch
 
 from hybridkv.layers.state_base import StateMetadata
 from hybridkv.ops import native
+from hybridkv.ops.elementwise import to_dtype
 from hybridkv.ops.mamba1 import DecodeRows, mamba1_scan_varlen
 from hybridkv.ops.mamba2_ops import NativeMamba2Ops, TorchMamba2Ops, TritonMamba2Ops
 
@@ -84,9 +85,10 @@ class TorchMamba1Ops:
 class NativeMamba1Ops(TorchMamba1Ops):
     """The C kernels of `hybridkv.ops.native` (CPU). The scan runs natively for float32 and
     bfloat16 inputs and states (`layers.mamba1.MAMBA1_OPS` declares both); the conv1d natively
-    where its kernel applies (float32 activations, weight and conv state, at most
-    `native.CONV_MAX_HISTORY` history columns), else in PyTorch. The route is fixed by the
-    layer's dtypes and width, never a fallback after a kernel declined."""
+    where its kernel applies (float32 or bfloat16 activations, weight and conv state of one
+    dtype, at most `native.CONV_MAX_HISTORY` history columns; bfloat16: float32 math, the
+    result rounded once), else in PyTorch. The route is fixed by the layer's dtypes and width,
+    never a fallback after a kernel declined."""
 
     name = "native"
     _native_conv = NativeMamba2Ops()
@@ -100,9 +102,13 @@ class NativeMamba1Ops(TorchMamba1Ops):
         meta: StateMetadata,
         activation: str | None,
     ) -> torch.Tensor:
-        fp32 = all(t.dtype == torch.float32 for t in (x, weight, conv_state))
-        if fp32 and weight.shape[-1] - 1 <= native.CONV_MAX_HISTORY:
-            return self._native_conv.conv1d(x, weight, bias, conv_state, meta, activation)
+        dtypes = {t.dtype for t in (x, weight, conv_state)}
+        same = len(dtypes) == 1 and dtypes <= {torch.float32, torch.bfloat16}
+        if same and weight.shape[-1] - 1 <= native.CONV_MAX_HISTORY:
+            y = self._native_conv.conv1d(
+                x, weight, bias, conv_state, meta, activation, torch.float32
+            )  # float32 holding x.dtype's values (the kernel rounds a bfloat16 result)
+            return to_dtype(y, x.dtype)
         return super().conv1d(x, weight, bias, conv_state, meta, activation)
 
     def scan(
@@ -127,7 +133,7 @@ class NativeMamba1Ops(TorchMamba1Ops):
                 f"{ssm_state.dtype} state on {x.device}: the plan should not have chosen "
                 "native ops for this layer"
             )
-        return y.to(out_dtype)
+        return to_dtype(y, out_dtype)
 
 
 class TritonMamba1Ops(TorchMamba1Ops):

@@ -199,8 +199,8 @@ def test_captured_decode_equals_eager(family: Family, dtype: str, request) -> No
     """Decode steps replayed from their capture (hybridkv.worker.graphs) compute the eager
     steps' numbers: the same tokens and log-probabilities, bit for bit, as the batch shrinks
     from 4 requests to 1 (each size: an eager step, its capture, a replay at least), in
-    float32 and bfloat16. Checkpoints named in their module's CAPTURED must capture in
-    float32; in bfloat16 those that do must equal their eager steps too."""
+    float32 and bfloat16. Checkpoints named in their module's CAPTURED (float32) and
+    CAPTURED_BF16 (bfloat16) must capture; the others must equal their eager steps too."""
     from hybridkv import LLM, SamplingParams
 
     params = [
@@ -215,8 +215,9 @@ def test_captured_decode_equals_eager(family: Family, dtype: str, request) -> No
         graphs = llm.engine.runner.graphs
     assert runs[False] == runs[True]
     checkpoint = request.node.callspec.params.get("checkpoint")
-    captured = checkpoint is not None and checkpoint in getattr(request.module, "CAPTURED", ())
+    listed = "CAPTURED" if dtype == "float32" else "CAPTURED_BF16"
+    captured = checkpoint is not None and checkpoint in getattr(request.module, listed, ())
     # (a build without AVX-512 has no native small-batch linears: every step stays eager)
-    if captured and dtype == "float32" and native_small_linear(torch.float32):
+    if captured and native_small_linear(getattr(torch, dtype)):
         assert graphs.disabled is None, graphs.disabled
         assert graphs.replays > 0

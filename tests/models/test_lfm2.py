@@ -37,6 +37,7 @@ from .utils import (
 
 # checkpoints whose decode steps must be captured (test_captured_decode_equals_eager)
 CAPTURED = ("dense",)  # float32 (the others: MoE routing in PyTorch)
+CAPTURED_BF16 = ("dense",)  # (the short conv on the native kernel in bf16 too)
 
 VOCAB = 96
 

@@ -138,3 +138,20 @@ def test_gelu_tanh_mul(dtype):
     want = torch.nn.functional.gelu(gate, approximate="tanh") * up
     tol = 2e-6 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(ew.gelu_tanh_mul(gate, up), want, rtol=tol, atol=tol)
+
+
+def test_to_bfloat16_rounds_as_torch():
+    """Nearest even, ties, denormals, infinities and NaN as x.to(torch.bfloat16); strided x is
+    declined (the caller's .to then)."""
+    if native.library() is None:
+        pytest.skip("no native kernels here")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 77, generator=g) * torch.logspace(-40, 38, 77)
+    x[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-45])
+    x[1, :3] = torch.tensor([1.00390625, 1.01171875, -1.00390625])  # halfway: to even
+    out = ew.to_bfloat16(x)
+    assert out is not None and out.dtype == torch.bfloat16
+    ref = x.to(torch.bfloat16)
+    assert torch.equal(out.view(torch.int16)[~ref.isnan()], ref.view(torch.int16)[~ref.isnan()])
+    assert out.isnan().equal(ref.isnan())
+    assert ew.to_bfloat16(x[:, ::2]) is None and ew.to_bfloat16(x.bfloat16()) is None

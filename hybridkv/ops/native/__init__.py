@@ -847,12 +847,16 @@ def _rows(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def _row_weight(x: torch.Tensor, weight: torch.Tensor, cols: int) -> torch.Tensor | None:
-    """The norm weight a row kernel takes for x, cols long, else None: of x's dtype for float32
-    rows; float32 for bfloat16 rows (a bfloat16 weight widened exactly, or a float32 weight such
-    as a zero-centred norm's 1 + weight)."""
+    """The norm weight a row kernel takes for x, cols long, else None: float32 (a float32
+    weight, or a bfloat16 one widened exactly: float32 rows times a bfloat16 weight are float32
+    products in PyTorch too); for bfloat16 rows also a float32 weight such as a zero-centred
+    norm's 1 + weight."""
     if weight.device.type != "cpu" or weight.numel() != cols:
         return None
     if x.dtype == torch.bfloat16 and weight.dtype in FLOAT_DTYPES:
+        return derived(weight, "f32", _contiguous_f32)
+    if x.dtype == torch.float32 and weight.dtype == torch.bfloat16:
+        # (float32 rows, a bfloat16 model's weight: the product is float32 either way)
         return derived(weight, "f32", _contiguous_f32)
     return weight.contiguous() if weight.dtype == x.dtype else None
 

@@ -121,6 +121,13 @@ void hkv_logits_f32(const void *x, int64_t x_stride, int bf16, float *out, int64
     }
 }
 
+/* out = x rounded to bfloat16 (nearest even, NaN -> 0x7fc0, as torch) over n float32
+ * elements. */
+void hkv_to_bf16(const float *x, uint16_t *out, int64_t n) {
+#pragma omp parallel for schedule(static) if (n >= 4 * EW_PARALLEL_MIN)
+    for (int64_t i = 0; i < n; i++) out[i] = hkv_f32_to_bf16(x[i]);
+}
+
 /* relu(x)^2 over n elements (Nemotron-H's MLP activation): the square of the float32 value,
  * rounded once to bfloat16 when bf16, as F.relu(x).square() does (NaN stays NaN, as F.relu
  * keeps it). */

@@ -18,6 +18,7 @@ native.declare({
     "hkv_logits_f32": [_ptr, _i64, _int, _ptr, _i64, _i64, _f32],
     "hkv_relu2": [_ptr, _ptr, _i64, _int],
     "hkv_mul_rows": [_ptr, _i64, _int, _ptr, _i64, _int, _ptr, _int, _i64, _i64],
+    "hkv_to_bf16": [_ptr, _ptr, _i64],
     "hkv_gelu_tanh_mul": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _int],
 })  # fmt: skip
 native.returns_status("hkv_embedding")
@@ -99,6 +100,19 @@ def logits_f32(x: torch.Tensor, divisor: float = 1.0) -> torch.Tensor | None:
         x.data_ptr(), x.stride(0), native._is_bf16(x), out.data_ptr(), x.shape[0], x.shape[1],
         divisor,
     )  # fmt: skip
+    return out
+
+
+def to_bfloat16(x: torch.Tensor) -> torch.Tensor | None:
+    """x.to(torch.bfloat16) for contiguous float32 x on the CPU (rounded as torch rounds), as
+    a native kernel call (a step that casts stays capturable); None when not supported."""
+    lib = native.library()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    if not x.is_contiguous():
+        return None
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    lib.hkv_to_bf16(x.data_ptr(), out.data_ptr(), x.numel())
     return out
 
 
