@@ -50,6 +50,8 @@ from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import HFConfig
 from hybridkv.models.loader import stack_gated_experts
 from hybridkv.models.qwen3_next import Experts
+from hybridkv.ops.elementwise import residual_add
+from hybridkv.ops.native import moe as native_moe
 from hybridkv.worker.batch import ForwardBatch
 
 EXPERT_WEIGHT = re.compile(
@@ -167,9 +169,15 @@ class JambaSparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        probs = torch.softmax(self.router(x).float(), dim=-1)  # [T, E] float32
-        top, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
-        return self.tp.all_reduce(self.experts(x, experts, top.to(x.dtype)))  # partial sums
+        # bfloat16 on AMX: the router's linear, softmax and top-k in one native pass
+        routed = native_moe.route(x, self.router.weight, None, self.top_k, False)
+        if routed is not None:
+            experts, weights, _ = routed  # [T, k] each
+        else:
+            probs = torch.softmax(self.router(x).float(), dim=-1)  # [T, E] float32
+            top, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
+            weights = top.to(x.dtype)
+        return self.tp.all_reduce(self.experts(x, experts, weights))  # partial sums
 
 
 class JambaDecoderLayer(nn.Module):
@@ -192,7 +200,7 @@ class JambaDecoderLayer(nn.Module):
         h = self.input_layernorm(x)
         h = self.mamba(h, batch) if hasattr(self, "mamba") else self.self_attn(h, batch)
         x, h = self.pre_ff_layernorm.add_forward(x, h)
-        return x + self.feed_forward(h)
+        return residual_add(x, self.feed_forward(h))
 
 
 class JambaModel(nn.Module):

@@ -96,6 +96,31 @@ def checkpoint(request, tmp_path_factory):
     return build(tmp_path_factory, request.param, SEEDS.get(request.param, 0))
 
 
+def test_bfloat16_steps_are_captured_on_amx(checkpoint):
+    """In bfloat16 on an AMX CPU the router (softmax over every expert, top-k), the experts
+    and the Mamba1 mixers are native kernels: decode steps are captured and replayed, with the
+    eager steps' tokens and log-probabilities."""
+    from hybridkv import LLM, SamplingParams
+    from hybridkv.ops.native import moe
+
+    if not moe.available():
+        pytest.skip("no AMX-BF16 kernels here (the MoE stays in PyTorch: eager steps)")
+    folder, _ = checkpoint
+    asks = prompts(VOCAB, [7, 19, 3], seed=5)
+    params = [
+        SamplingParams(max_tokens=5 + 3 * i, temperature=0, logprobs=1, ignore_eos=True)
+        for i in range(3)
+    ]
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(str(folder), dtype="bfloat16", enforce_eager=eager)
+        runs[eager] = [(o.token_ids, o.logprobs) for o in llm.generate(asks, params)]
+        graphs = llm.engine.runner.graphs
+    assert runs[False] == runs[True]
+    assert graphs.disabled is None, graphs.disabled
+    assert graphs.replays > 0
+
+
 def test_prefill_logits_match(checkpoint):
     check_prefill_logits(*checkpoint)
 
