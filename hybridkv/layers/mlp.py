@@ -217,9 +217,10 @@ class GraniteMoE(nn.Module):
         """x: [T, hidden] -> [T, hidden]; tensor parallel: this rank's partial sum (the caller
         all-reduces it)."""
         # bfloat16 on AMX: the router's linear, top-k and softmax in one native pass
-        routed = native_moe.route_topk_softmax(x, self.router.layer.weight, self.top_k)
+        top_k, softmax = self.top_k, native_moe.TOPK_SOFTMAX
+        routed = native_moe.route(x, self.router.layer.weight, None, top_k, softmax)
         if routed is not None:
-            top_idx, weights = routed  # [T, k] each
+            top_idx, weights, _ = routed  # [T, k] each
         else:
             # x: [T, hidden]; logits: [T, experts] (routing in float32, as the reference does)
             logits = self.router.layer(x).float()

@@ -170,7 +170,7 @@ class JambaSparseMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
         # bfloat16 on AMX: the router's linear, softmax and top-k in one native pass
-        routed = native_moe.route(x, self.router.weight, None, self.top_k, False)
+        routed = native_moe.route(x, self.router.weight, None, self.top_k, native_moe.SOFTMAX_TOPK)
         if routed is not None:
             experts, weights, _ = routed  # [T, k] each
         else:

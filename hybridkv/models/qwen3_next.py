@@ -309,7 +309,8 @@ class SparseMoe(nn.Module):
         mlp, gate, shared_gate = self.shared_expert, self.gate, self.shared_expert_gate
         if gate.bias is not None or shared_gate.bias is not None:
             return None
-        routing = native_moe.route(x, gate.weight, shared_gate.weight, self.top_k, self.normalize)
+        mode = native_moe.SOFTMAX_TOPK_RENORMALISED if self.normalize else native_moe.SOFTMAX_TOPK
+        routing = native_moe.route(x, gate.weight, shared_gate.weight, self.top_k, mode)
         if routing is None:
             return None
         experts, weights, scale = routing

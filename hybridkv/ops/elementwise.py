@@ -36,9 +36,7 @@ def to_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     bfloat16 conversion on the CPU (a decode step that converts stays capturable)."""
     if x.dtype == dtype:
         return x
-    out = None
-    if x.dtype == torch.bfloat16 and dtype == torch.float32 and x.dim() == 2:
-        out = native_ew.logits_f32(x)  # (the exact widening, nothing divided)
-    elif x.dtype == torch.float32 and dtype == torch.bfloat16:
-        out = native_ew.to_bfloat16(x)
+    if x.dtype == torch.bfloat16 and dtype == torch.float32:
+        return logits_float32(x)  # (the exact widening: nothing divided)
+    out = native_ew.to_bfloat16(x) if dtype == torch.bfloat16 else None
     return out if out is not None else x.to(dtype)

@@ -105,10 +105,7 @@ class NativeMamba1Ops(TorchMamba1Ops):
         dtypes = {t.dtype for t in (x, weight, conv_state)}
         same = len(dtypes) == 1 and dtypes <= {torch.float32, torch.bfloat16}
         if same and weight.shape[-1] - 1 <= native.CONV_MAX_HISTORY:
-            y = self._native_conv.conv1d(
-                x, weight, bias, conv_state, meta, activation, torch.float32
-            )  # float32 holding x.dtype's values (the kernel rounds a bfloat16 result)
-            return to_dtype(y, x.dtype)
+            return self._native_conv.conv1d(x, weight, bias, conv_state, meta, activation)
         return super().conv1d(x, weight, bias, conv_state, meta, activation)
 
     def scan(

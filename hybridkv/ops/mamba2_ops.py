@@ -27,6 +27,7 @@ import torch
 from hybridkv.layers.state_base import StateMetadata
 from hybridkv.ops import native
 from hybridkv.ops.conv1d import activate, causal_conv1d_varlen, is_decode
+from hybridkv.ops.elementwise import to_dtype
 from hybridkv.ops.mamba2 import decode_in_place, mamba2_scan_varlen, scan_inputs
 
 
@@ -130,25 +131,21 @@ class NativeMamba2Ops(TorchMamba2Ops):
         activation: str | None,
         out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """As TorchMamba2Ops.conv1d. The kernel computes in float32; a float32 `out_dtype` for a
-        bfloat16 x takes its result with bfloat16 values (the kernel rounds them), the numbers
-        the model gives in its dtype, without a bfloat16 tensor to widen again."""
+        """As TorchMamba2Ops.conv1d. The kernel computes in float32 and, for bfloat16 x,
+        rounds its result to bfloat16 values (after silu), the numbers the model gives in its
+        dtype: a float32 `out_dtype` takes them without a bfloat16 tensor to widen again, a
+        bfloat16 one gets them narrowed exactly by a native kernel (`to_dtype`)."""
         out_dtype = x.dtype if out_dtype is None else out_dtype
         if x.shape[0] == 0:
             return x.new_empty(x.shape, dtype=out_dtype)
         fused = activation in ("silu", "swish")  # the kernel applies silu itself
-        # (without an activation to apply after it, the kernel's rounding is the whole cast)
-        rounded = (fused or activation is None) and x.dtype == torch.bfloat16
-        rounded = rounded and out_dtype == torch.float32
         y = native.conv1d(
             x, weight, bias, conv_state, meta.state_pages, meta.has_initial_state,
-            meta.query_start_loc, fused, rounded,
+            meta.query_start_loc, fused, x.dtype == torch.bfloat16,
         )  # fmt: skip
         if y is None:
             raise RuntimeError(_declined("conv1d", x, conv_state))
-        if rounded:
-            return y
-        return (y if fused else activate(y, activation)).to(x.dtype).to(out_dtype)
+        return to_dtype(y if fused else activate(y, activation), out_dtype)
 
     def fused_mix(
         self,

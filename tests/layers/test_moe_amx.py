@@ -192,8 +192,8 @@ def test_route_matches_the_pytorch_router(tokens, num_experts, hidden, k, normal
         if normalize:
             top = top / top.sum(dim=-1, keepdim=True)
         scale = torch.sigmoid(F.linear(x, shared_gate))
-        got = moe.route(x, router, shared_gate, k, normalize)
-        alone = moe.route(x, router, None, k, normalize)
+        got = moe.route(x, router, shared_gate, k, int(normalize))
+        alone = moe.route(x, router, None, k, int(normalize))
     assert got is not None and alone is not None and alone[2] is None
     ours, weights, our_scale = got
     assert ours.dtype == torch.int64 and weights.dtype == BF16 and our_scale.shape == (tokens, 1)
@@ -222,9 +222,9 @@ def test_route_topk_softmax_matches_granites_router(tokens, num_experts, hidden,
         logits = F.linear(x, router).float()
         top, experts = logits.topk(k, dim=-1)
         weights_ref = torch.softmax(top, dim=-1).to(BF16)
-        got = moe.route_topk_softmax(x, router, k)
-    assert got is not None
-    ours, weights = got
+        got = moe.route(x, router, None, k, moe.TOPK_SOFTMAX)
+    assert got is not None and got[2] is None
+    ours, weights, _ = got
     assert ours.dtype == torch.int64 and weights.dtype == BF16 and ours.shape == (tokens, k)
     same_set = (ours.sort(-1).values == experts.sort(-1).values).all(-1)
     kth = logits.gather(1, experts[:, -1:])
@@ -249,12 +249,12 @@ def test_granite_moe_native_routing_equals_its_pytorch_routing():
     x = torch.randn(9, 64).to(BF16)
     with torch.inference_mode():
         native_out = layer(x)
-        original = moe.route_topk_softmax
+        original = moe.route
         try:
-            moe.route_topk_softmax = lambda *a: None
+            moe.route = lambda *a: None
             torch_out = layer(x)
         finally:
-            moe.route_topk_softmax = original
+            moe.route = original
     torch.testing.assert_close(native_out, torch_out, rtol=0, atol=0)
 
 
@@ -263,10 +263,10 @@ def test_route_declines_what_it_does_not_take():
     x = torch.randn(4, 32).to(BF16)
     router = torch.randn(6, 32).to(BF16)
     with torch.inference_mode():
-        assert moe.route(x.float(), router, None, 2, True) is None
-        assert moe.route(x, router, None, 7, True) is None  # k > E
-        assert moe.route(x, router[:, :16], None, 2, True) is None
-        assert moe.route(x, router, router[:2], 2, True) is None  # the shared gate: one row
+        assert moe.route(x.float(), router, None, 2, moe.SOFTMAX_TOPK) is None
+        assert moe.route(x, router, None, 7, moe.SOFTMAX_TOPK) is None  # k > E
+        assert moe.route(x, router[:, :16], None, 2, moe.SOFTMAX_TOPK) is None
+        assert moe.route(x, router, router[:2], 2, moe.SOFTMAX_TOPK) is None  # shared gate: 1 row
 
 
 @pytest.mark.parametrize(("hidden", "inter"), [(32, 0), (0, 16)])

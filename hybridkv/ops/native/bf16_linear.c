@@ -54,27 +54,6 @@ int hkv_bf16_linear_fast(void) { return B16_FAST; }
 
 #if B16_FAST
 
-/* lane p of the result = the sum of the 16 lanes of v[p] */
-B16_INLINE __m512 b16_reduce16(const __m512 v[16]) {
-    __m512 r[8], s[4];
-    B16_UNROLL for (int i = 0; i < 8; i++) /* 128-bit lanes [a0+a2, a1+a3, b0+b2, b1+b3] */
-        r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
-    B16_UNROLL for (int i = 0; i < 4; i++) /* 128-bit lane t: 4 partial sums of v[4i + t] */
-        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0xdd));
-    const __m512 t01 =
-        _mm512_add_ps(_mm512_unpacklo_ps(s[0], s[1]), _mm512_unpackhi_ps(s[0], s[1]));
-    const __m512 t23 =
-        _mm512_add_ps(_mm512_unpacklo_ps(s[2], s[3]), _mm512_unpackhi_ps(s[2], s[3]));
-    /* 128-bit lane t: the sums of v[t], v[4 + t], v[8 + t], v[12 + t] */
-    const __m512 u =
-        _mm512_add_ps(_mm512_shuffle_ps(t01, t23, 0x44), _mm512_shuffle_ps(t01, t23, 0xee));
-    const __m512i order =
-        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(order, u);
-}
-
 #define B16_LOADZ(MASK, P) _mm512_maskz_loadu_epi16(MASK, P)
 #define B16_LOAD(MASK, P) _mm512_loadu_si512(P)
 
@@ -126,7 +105,7 @@ B16_INLINE void b16_tile(const uint16_t *x, int64_t ldx, const uint16_t *w, cons
         for (; k < whole; k += 32) B16_STEP(0, B16_LOAD);
         if (k < K) B16_STEP(tail, B16_LOADZ);
     }
-    __m512 sums = b16_reduce16(acc); /* lane i * NB + j: y[m0 + i, n0 + j] */
+    __m512 sums = hkv_reduce16(acc); /* lane i * NB + j: y[m0 + i, n0 + j] */
     if (bias) {
         float b[16];
         B16_UNROLL for (int t = 0; t < 16; t++) {

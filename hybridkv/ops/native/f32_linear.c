@@ -45,6 +45,7 @@
 
 #include <stdint.h>
 #include <string.h>
+#include "hkv_common.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -63,45 +64,8 @@ int hkv_f32_linear_fast(void) { return F32_FAST; }
 
 #if F32_FAST
 
-/* lane p of the result = the sum of the 16 lanes of v[p] (a 16 x 16 transpose folded into the
- * additions: each level halves the vectors and doubles the sums each lane holds) */
-F32_INLINE __m512 f32_reduce16(const __m512 v[16]) {
-    __m512 h[8], q[4];
-    /* h[i], 128-bit lane t: v[2i] lanes t and t + 2 summed (t = 0, 1), then v[2i + 1]'s */
-    F32_UNROLL for (int i = 0; i < 8; i++) {
-        const __m512 lo = _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44); /* 0 1 | 0 1 */
-        const __m512 hi = _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee); /* 2 3 | 2 3 */
-        h[i] = _mm512_add_ps(lo, hi);
-    }
-    /* q[i], 128-bit lane t: 4 partial sums (one per 32-bit lane) of v[4i + t] */
-    F32_UNROLL for (int i = 0; i < 4; i++) {
-        const __m512 even = _mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0x88);
-        const __m512 odd = _mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0xdd);
-        q[i] = _mm512_add_ps(even, odd);
-    }
-    /* within each 128-bit lane, a 4 x 4 transpose-and-add of q[0..3] */
-    const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(q[0], q[1]), _mm512_unpackhi_ps(q[0], q[1]));
-    const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(q[2], q[3]), _mm512_unpackhi_ps(q[2], q[3]));
-    /* 128-bit lane t, lane c: the whole sum of v[4c + t] */
-    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xee));
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(order, s);
-}
-
 #define F32_LOADZ(MASK, P) _mm512_maskz_loadu_ps(MASK, P)
 #define F32_LOAD(MASK, P) _mm512_loadu_ps(P)
-
-/* the far prefetch, spread evenly over a block's steps (Bresenham): `lines` of its `total`
- * steps issue one line each (lines <= total: a step reads at most one line of the block) */
-#define F32_FAR_STEP()                                                                       \
-    do {                                                                                     \
-        debt += lines;                                                                       \
-        if (debt >= total) {                                                                 \
-            _mm_prefetch(pf, _MM_HINT_T1);                                                   \
-            pf += 64;                                                                        \
-            debt -= total;                                                                   \
-        }                                                                                    \
-    } while (0)
 
 /* weight rows side by side: acc[i * NB + j] += x[row i, k .. k + 15] * w[row j, same] for every
  * (i, j) of the tile */
@@ -109,7 +73,7 @@ F32_INLINE __m512 f32_reduce16(const __m512 v[16]) {
     do {                                                                                     \
         __m512 wv[16];                                                                       \
         F32_UNROLL for (int j = 0; j < NB; j++) wv[j] = LOAD(MASK, wr[j] + k);               \
-        F32_FAR_STEP();                                                                      \
+        HKV_FAR_STEP(debt, lines, total, pf);                                                \
         F32_UNROLL for (int i = 0; i < mb; i++) {                                            \
             const __m512 xv = LOAD(MASK, xr[i] + k);                                         \
             F32_UNROLL for (int j = 0; j < NB; j++) acc[i * NB + j] =                        \
@@ -123,7 +87,7 @@ F32_INLINE __m512 f32_reduce16(const __m512 v[16]) {
     do {                                                                                     \
         const __m512 wv = LOAD(MASK, wr[j] + (K0));                                          \
         _mm_prefetch((const char *)(wr[j] + (K0)) + F32_NEAR, _MM_HINT_T0);                  \
-        F32_FAR_STEP();                                                                      \
+        HKV_FAR_STEP(debt, lines, total, pf);                                                \
         F32_UNROLL for (int i = 0; i < mb; i++) SUM[i] =                                     \
             _mm512_fmadd_ps(LOAD(MASK, xr[i] + (K0)), wv, SUM[i]);                           \
     } while (0)
@@ -175,7 +139,7 @@ F32_INLINE void f32_tile(const float *x, int64_t ldx, const float *w, const floa
         if (k < K) F32_SIDE_STEP(tail, F32_LOADZ);
     }
     far->at = pf, far->debt = debt;
-    __m512 sums = f32_reduce16(acc); /* lane i * NB + j: y[m0 + i, n0 + j] */
+    __m512 sums = hkv_reduce16(acc); /* lane i * NB + j: y[m0 + i, n0 + j] */
     if (bias) {
         float b[16];
         F32_UNROLL for (int t = 0; t < 16; t++) {

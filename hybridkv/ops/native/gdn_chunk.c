@@ -137,17 +137,6 @@ GC_INLINE __m512 gc_exp(__m512 x) {
 #undef GC_C
 }
 
-/* 16 float32 -> bfloat16, round to nearest even as torch (denormals kept, NaN -> 0x7fc0) */
-GC_INLINE __m256i gc_to_bf16(__m512 v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
-    return _mm512_cvtepi32_epi16(r);
-}
-
 /* A thread's work space (float32 unless said), kept between calls, grown when needed. */
 struct gc_work {
     uint16_t *X;     /* [128, K] bf16: rows 0..63 the chunk's raw k, 64..127 its raw q */
@@ -428,10 +417,12 @@ static void gc_task(const struct gc_args *s, char *pages_base, int init, int64_t
     for (int64_t j = 0; j < per; j++) {
         const float *S = w->S + j * K * V;
         char *page = pages_base + (kh * per + j) * K * V * elem;
-        if (s->state_bf16)
-            for (int64_t x = 0; x < K * V; x += 16)
-                _mm256_storeu_si256((void *)(page + 2 * x), gc_to_bf16(_mm512_loadu_ps(S + x)));
-        else
+        if (s->state_bf16) {
+            for (int64_t x = 0; x < K * V; x += 16) {
+                const __m256i h = hkv_f32x16_to_bf16(_mm512_loadu_ps(S + x));
+                _mm256_storeu_si256((void *)(page + 2 * x), h);
+            }
+        } else
             memcpy(page, S, sizeof(float) * (size_t)(K * V));
     }
 }

@@ -84,6 +84,50 @@ static inline __attribute__((always_inline)) __m512 hkv_silu16(__m512 v) {
     return _mm512_mask_mul_ps(y, under, v, _mm512_setzero_ps()); /* as hkv_silu below -87 */
 #undef HKV_C
 }
+/* lane p of the result = the sum of the 16 lanes of v[p] (a 16 x 16 transpose folded into the
+ * additions: each level halves the vectors and doubles the sums each lane holds; every lane
+ * only ever adds its own vector's numbers). The small-batch linears' tile reduction. */
+static inline __attribute__((always_inline)) __m512 hkv_reduce16(const __m512 v[16]) {
+    __m512 h[8], s[4];
+    /* h[i], 128-bit lane t: v[2i] lanes t and t + 2 summed (t = 0, 1), then v[2i + 1]'s */
+    _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++)
+        h[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
+    /* s[i], 128-bit lane t: 4 partial sums (one per 32-bit lane) of v[4i + t] */
+    _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++)
+        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0xdd));
+    /* within each 128-bit lane, a 4 x 4 transpose-and-add of s[0..3] */
+    const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(s[0], s[1]), _mm512_unpackhi_ps(s[0], s[1]));
+    const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(s[2], s[3]), _mm512_unpackhi_ps(s[2], s[3]));
+    /* 128-bit lane t, lane c: the whole sum of v[4c + t] */
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xee));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, u);
+}
+
+/* hkv_f32_to_bf16 of 16 values (nearest even, NaN -> 0x7fc0; vcvtneps2bf16 would flush
+ * denormals) */
+static inline __attribute__((always_inline)) __m256i hkv_f32x16_to_bf16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0)));
+}
+
+/* One step of a block's far prefetch spread evenly over its `total` steps (Bresenham): `lines`
+ * of them issue one cache line each at pf (lines <= total). The small-batch linears' stream. */
+#define HKV_FAR_STEP(debt, lines, total, pf)                                                 \
+    do {                                                                                     \
+        (debt) += (lines);                                                                   \
+        if ((debt) >= (total)) {                                                             \
+            _mm_prefetch((const char *)(pf), _MM_HINT_T1);                                   \
+            (pf) += 64;                                                                      \
+            (debt) -= (total);                                                               \
+        }                                                                                    \
+    } while (0)
 #endif
 
 #if defined(__AMX_TILE__)

@@ -231,46 +231,12 @@ static void i8_block(const void *x, int64_t ldx, int xbf16, const int8_t *q,
 
 /* ---- the streaming path ------------------------------------------------------------------ */
 
-/* lane p of the result = the sum of the 16 lanes of v[p] (a 16 x 16 transpose folded into the
- * additions: each level halves the vectors and doubles the sums each lane holds) */
-I8_INLINE __m512 i8_reduce16(const __m512 v[16]) {
-    __m512 h[8], s[4];
-    /* h[i], 128-bit lane t: v[2i] lanes t and t + 2 summed (t = 0, 1), then v[2i + 1]'s */
-    I8_UNROLL16 for (int i = 0; i < 8; i++)
-        h[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
-    /* s[i], 128-bit lane t: 4 partial sums (one per 32-bit lane) of v[4i + t] */
-    I8_UNROLL16 for (int i = 0; i < 4; i++)
-        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0xdd));
-    /* within each 128-bit lane, a 4 x 4 transpose-and-add of s[0..3] */
-    const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(s[0], s[1]), _mm512_unpackhi_ps(s[0], s[1]));
-    const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(s[2], s[3]), _mm512_unpackhi_ps(s[2], s[3]));
-    /* 128-bit lane t, lane c: the whole sum of v[4c + t] */
-    const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xee));
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(order, u);
-}
-
 /* 16 int8 weights at P widened to float32: vpmovsxbd from memory, vcvtdq2ps (MASK: the first
  * values only, zeros past them; never reads past them) */
 #define I8_W(MASK, P) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)(P))))
 #define I8_WZ(MASK, P) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(MASK, P)))
 #define I8_X(MASK, P) _mm512_loadu_ps(P)
 #define I8_XZ(MASK, P) _mm512_maskz_loadu_ps(MASK, P)
-
-/* i8_f32_to_bf16 of 16 values: round to nearest even, NaN stays NaN (vcvtneps2bf16 would
- * flush denormals) */
-I8_INLINE __m256i i8_round_bf16(__m512 v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-        _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
-}
 
 /* bfloat16 rows x [M, K] (row stride ldx) -> float32 xw [M, ldw] (exact) */
 static void i8_widen_x(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, float *xw,
@@ -291,23 +257,13 @@ typedef struct {
     int64_t debt, lines, total;
 } I8Far;
 
-#define I8_FAR_STEP()                                                                        \
-    do {                                                                                     \
-        debt += lines;                                                                       \
-        if (debt >= total) {                                                                 \
-            _mm_prefetch(pf, _MM_HINT_T1);                                                   \
-            pf += 64;                                                                        \
-            debt -= total;                                                                   \
-        }                                                                                    \
-    } while (0)
-
 /* one step of group g (weight rows g * I8_G ..): acc[i * NB + g * I8_G + j] += x[row i, K0 ..
  * K0 + 15] * w[row g * I8_G + j, same], each weight vector widened once for the mb rows of x */
 #define I8S_STEP(K0, WLOAD, XLOAD, MASK)                                                     \
     do {                                                                                     \
         __m512 wv[I8_G];                                                                     \
         I8_UNROLL16 for (int j = 0; j < G; j++) wv[j] = WLOAD(MASK, wr[g * G + j] + (K0));   \
-        I8_FAR_STEP();                                                                       \
+        HKV_FAR_STEP(debt, lines, total, pf);                                                \
         I8_UNROLL16 for (int i = 0; i < mb; i++) {                                           \
             const __m512 xv = XLOAD(MASK, xr + i * ldx + (K0));                              \
             I8_UNROLL16 for (int j = 0; j < G; j++) acc[i * NB + g * G + j] =                \
@@ -352,10 +308,10 @@ I8_INLINE void i8s_tile(const float *x, int64_t ldx, const int8_t *q, const uint
         const int j = t % NB;
         s[t] = j < nb ? hkv_bf16_to_f32(scale[n0 + j]) : 0.0f;
     }
-    const __m512 sums = _mm512_mul_ps(i8_reduce16(acc), _mm512_loadu_ps(s));
+    const __m512 sums = _mm512_mul_ps(hkv_reduce16(acc), _mm512_loadu_ps(s));
     if (ybf16) {
         uint16_t out[16];
-        _mm256_storeu_si256((__m256i *)out, i8_round_bf16(sums));
+        _mm256_storeu_si256((__m256i *)out, hkv_f32x16_to_bf16(sums));
         I8_UNROLL16 for (int i = 0; i < mb; i++)
             memcpy((uint16_t *)y + (m0 + i) * ldy + n0, out + i * NB, (size_t)nb * 2);
     } else {

@@ -486,7 +486,7 @@ static void moe_topk_softmax(float *logit, int64_t E, int64_t k, float top, int6
 
 void hkv_moe_route_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
                         const uint16_t *router, int64_t E, const uint16_t *shared_gate, int64_t k,
-                        int normalize, int64_t *experts, uint16_t *weights, uint16_t *scale,
+                        int mode, int64_t *experts, uint16_t *weights, uint16_t *scale,
                         float *work) {
 #pragma omp parallel for schedule(static) if (T * E * H >= (1 << 20))
     for (int64_t t = 0; t < T; t++) {
@@ -497,10 +497,10 @@ void hkv_moe_route_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t 
             prob[e] = moe_round1(moe_dot(xt, router + e * H, H));
             top = prob[e] > top ? prob[e] : top;
         }
-        if (normalize == 2) { /* softmax over the top-k logits (Granite, gpt-oss) */
+        if (mode == 2) { /* softmax over the top-k logits (Granite MoE) */
             moe_topk_softmax(prob, E, k, top, experts + t * k, weights + t * k);
-        } else {
-            moe_softmax_topk(prob, E, k, top, normalize, experts + t * k, weights + t * k,
+        } else { /* softmax, top-k, renormalised when mode is 1 (Jamba: 0, Qwen3-Next: 1) */
+            moe_softmax_topk(prob, E, k, top, mode, experts + t * k, weights + t * k,
                              work + T * E + t * k);
         }
         if (shared_gate != NULL) {

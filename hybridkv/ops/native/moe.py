@@ -175,22 +175,11 @@ def swiglu_expert(
     return _run(x, None, scale, gate_up_tiles, down_tiles, 1, inter)
 
 
-TOPK_SOFTMAX = 2  # the kernel's routing mode after "softmax top-k" (0) and "renormalised" (1)
-MAX_TOPK_SOFTMAX = 64  # moe.c's MOE_MAX_K
-
-
-def route_topk_softmax(
-    x: torch.Tensor, router: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Granite MoE's router (gpt-oss's without a bias) in one pass per token: x [T, H]; router
-    [E, H] (an nn.Linear weight, no bias) -> experts [T, k] int64 (the k largest bfloat16
-    logits, largest first) and weights [T, k] bfloat16 = softmax of those k logits in float32,
-    as `logits.float().topk(k)` then `softmax(...).to(bfloat16)` compute them; None when the
-    kernel or these tensors don't fit."""
-    if k > MAX_TOPK_SOFTMAX:
-        return None
-    routed = route(x, router, None, k, TOPK_SOFTMAX)
-    return None if routed is None else routed[:2]
+# routing modes of `route` (moe.c's hkv_moe_route_bf16)
+SOFTMAX_TOPK = 0  # softmax over every expert, the k largest probabilities (Jamba)
+SOFTMAX_TOPK_RENORMALISED = 1  # the same, the k renormalised to sum 1 (Qwen3-Next)
+TOPK_SOFTMAX = 2  # the k largest logits, then the softmax of those k (Granite MoE)
+MAX_TOPK_SOFTMAX = 64  # experts per token TOPK_SOFTMAX takes (moe.c's MOE_MAX_K)
 
 
 def route(
@@ -198,13 +187,18 @@ def route(
     router: torch.Tensor,
     shared_gate: torch.Tensor | None,
     k: int,
-    normalize: bool | int,
+    mode: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """Qwen3-Next's router in one pass per token: x [T, H]; router [E, H] and shared_gate [1, H]
-    or None (nn.Linear weights, no bias) -> experts [T, k] int64, weights [T, k] bfloat16 (the
-    softmax top-k, renormalised when `normalize`; `TOPK_SOFTMAX`: see route_topk_softmax) and
-    scale [T, 1] bfloat16 = sigmoid(x @ shared_gate^T) (None without one), computed as the
-    PyTorch ops compute them (see moe.c); None when the kernel or these tensors don't fit."""
+    """A softmax router in one pass per token: x [T, H]; router [E, H] and shared_gate [1, H]
+    or None (nn.Linear weights, no bias) -> experts [T, k] int64 (largest first), weights
+    [T, k] bfloat16 as `mode` says (SOFTMAX_TOPK, SOFTMAX_TOPK_RENORMALISED, TOPK_SOFTMAX) and
+    scale [T, 1] bfloat16 = sigmoid(x @ shared_gate^T) (None without one, Qwen3-Next's shared
+    expert gate), from the bfloat16 logits in float32 as the PyTorch ops compute them (see
+    moe.c); None when the kernel or these tensors don't fit."""
+    if mode not in (SOFTMAX_TOPK, SOFTMAX_TOPK_RENORMALISED, TOPK_SOFTMAX):
+        raise ValueError(f"routing mode {mode!r}: expected 0, 1 or 2 (moe.SOFTMAX_TOPK, ...)")
+    if mode == TOPK_SOFTMAX and k > MAX_TOPK_SOFTMAX:
+        return None
     if not available() or torch.is_grad_enabled() or x.dim() != 2 or router.dim() != 2:
         return None
     gates = (router,) if shared_gate is None else (router, shared_gate)
@@ -224,7 +218,7 @@ def route(
     work = torch.empty(tokens * (num_experts + k), dtype=torch.float32)
     native.library().hkv_moe_route_bf16(
         x.data_ptr(), x.stride(0), tokens, hidden, router.data_ptr(), num_experts,
-        None if shared_gate is None else shared_gate.data_ptr(), k, int(normalize),
+        None if shared_gate is None else shared_gate.data_ptr(), k, mode,
         experts.data_ptr(), weights.data_ptr(), None if scale is None else scale.data_ptr(),
         work.data_ptr(),
     )  # fmt: skip
