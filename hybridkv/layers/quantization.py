@@ -34,7 +34,7 @@ hidden-size 768 shapes and the 32000-row lm_head: benchmarks/quantization.py):
                    chunks of DEQUANT_ELEMENTS weights (exact), one float32 GEMM per chunk,
                    the output scaled per column: float32 math as above, on PyTorch's GEMM.
                    1.1-1.5x the native tiles at M = 128-1024 (Xeon, 1 and 2 threads; within
-                   1.1-1.2x of the float32 layer), which still win at M = 64
+                   1.06-1.3x of the float32 layer), which still win at M = 64
     PyTorch        bfloat16 x above SMALL_M rows, or no native kernel (`HYBRIDKV_NATIVE=0`,
                    no compiler, no AVX-512): in bfloat16 with float32 accumulation (a float32
                    input rounded to bfloat16, the output cast back):
