@@ -47,7 +47,7 @@ from hybridkv.config import (
     split_kwargs,
 )
 from hybridkv.core.coordinator import CacheManager
-from hybridkv.core.request import Request
+from hybridkv.core.request import Request, RequestStatus
 from hybridkv.core.scheduler import Scheduler
 from hybridkv.distributed.parallel import SINGLE, building
 from hybridkv.distributed.runtime import (
@@ -80,13 +80,15 @@ from hybridkv.sampling_params import MAX_SEED, SamplingParams, check_unicode
 from hybridkv.tokenizer import load_tokenizer
 from hybridkv.worker.cpu_threads import CpuShare
 from hybridkv.worker.host_memory import keep_freed_memory
-from hybridkv.worker.model_runner import ModelRunner
+from hybridkv.worker.model_runner import ModelRunner, StepLogits
+from hybridkv.worker.sampler import Sample, Sampler, SamplingRow
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "default_model"
 MIN_REQUEST_TOKENS = 16  # the shortest request a pool must hold (else the engine refuses it)
 # More characters than any one token of a real vocabulary holds (the longest are runs of
 # spaces or dashes, under 100 characters).
 MAX_CHARS_PER_TOKEN = 256
+GREEDY = SamplingParams(temperature=0.0)
 logger = logging.getLogger("hybridkv")
 
 
@@ -308,6 +310,9 @@ class Engine:
         self.eos_token_ids = eos_token_ids(text_config(hf_config), generation_config(folder))
         self.vocab_size = family.vocab_size
         self.requests: dict[str, Request] = {}
+        self._held: dict[str, list[Request]] = {}  # request id -> requests waiting for its prompt
+        self.sampler = Sampler(self.model_config.seed)
+        self._grammars: Any = None  # hybridkv.structured.GrammarCompiler, made when first needed
         self._ids = itertools.count()
         if self.cpu_share is not None:
             self.cpu_share.settle()  # from what other programs did while the engine started
@@ -332,7 +337,6 @@ class Engine:
             self.plan,
             self.scheduler_config.max_num_seqs,
             self.device,
-            self.model_config.seed,
             driver=self.tp.rank == 0,
             max_capture_size=self._capture_size(),
         )
@@ -411,7 +415,11 @@ class Engine:
         request_id: str | None = None,
         extra_keys: tuple = (),
         stream: bool = False,
+        after: str | None = None,
     ) -> Request:
+        """Add a request. `after`: the id of a request whose prompt is the same; this one
+        waits until that prompt is computed and then takes it from the prefix cache (the
+        other choices of an n > 1 request share one prefill)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(
@@ -419,15 +427,49 @@ class Engine:
             )
         ids, text = self._prompt_ids(prompt)
         self._check_stop_strings(params)
+        self._check_logit_bias(params)
+        matcher = self._matcher(params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(
             request_id, ids, params, self.eos_token_ids, extra_keys, prompt_text=text, stream=stream
         )
+        req.matcher = matcher
         self.requests[request_id] = req
-        self.scheduler.add_request(req)
+        if after is not None and after in self.requests:
+            self._held.setdefault(after, []).append(req)
+        else:
+            self.scheduler.add_request(req)
         return req
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"logit_bias token ids must be in [0, {self.vocab_size}), got {bad[:3]}"
+            )
+
+    @property
+    def grammars(self) -> Any:
+        """The structured-outputs grammar compiler (hybridkv.structured), made on first use;
+        its compile() is cached and may be called from other threads."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"{self._no_tokenizer()}, so structured outputs (which need its vocabulary) "
+                    "are not available"
+                )
+            from hybridkv.structured import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    def _matcher(self, params: SamplingParams) -> Any:
+        """A new grammar matcher for a request with structured outputs (else None)."""
+        if params.structured is None:
+            return None
+        return self.grammars.compile(params.structured).matcher()
 
     def _no_tokenizer(self) -> str:
         return f"this model has no tokenizer (no tokenizer.json in {self.model_config.folder})"
@@ -482,12 +524,17 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return
+        for held in self._held.values():
+            if req in held:  # never reached the scheduler
+                held.remove(req)
+                req.status, req.finish_reason = RequestStatus.FINISHED, "abort"
+                return
         self.scheduler.abort(req)
         self.runner.release([request_id])
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or any(self._held.values())
 
     # -- step ----------------------------------------------------------------------------------
 
@@ -501,24 +548,28 @@ class Engine:
         written); the pool stays consistent and every other request goes on."""
         if self.cpu_share is not None:
             self.cpu_share.tick()
+        self._release_held()
         out = self.scheduler.schedule()
         # the step's live requests (one aborted while the step ran is gone)
         stepped = [r for c in out.chunks if (r := self.requests.get(c.request_id)) is not None]
         try:
-            samples = self.runner.execute(out)
+            result = self.runner.execute(out)
+            samples = self._sample(result)
         except TensorParallelError:
             raise  # a rank died or hung: fatal, not one step's failure
         except Exception as exc:
             self.runner.release(out.preempted, finished=False)
             return self._fail(stepped, f"the step running this request failed: {exc!r}")
         now = time.monotonic()
+        self._record_prompt_logprobs(result)
+        failed: list[Request] = []
         for req in stepped:
             sample = samples.get(req.request_id)
             if sample is not None:
-                self._record_sample(req, sample, now)
+                self._record_sample(req, sample, now, failed)
         finished = self.scheduler.update(out, {rid: s.token for rid, s in samples.items()})
-        sampled = [r for r in stepped if r.request_id in samples]
-        failed: list[Request] = []
+        sampled = [r for r in stepped if r.request_id in samples and r not in failed]
+        finished += self._finish_grammars(sampled)
         finished += self._apply_stop_strings(sampled, failed)
         rejected = self.scheduler.drain_rejected()
         self.runner.release([r.request_id for r in finished + rejected])
@@ -567,7 +618,33 @@ class Engine:
             req.error,
         )
 
-    def _record_sample(self, req: Request, sample, now: float) -> None:
+    # -- sampling ------------------------------------------------------------------------------
+
+    def _sample(self, result: StepLogits) -> dict[str, Sample]:
+        """Sample a token for every request of the step that samples (the engine owns their
+        sampling state: generators, the tokens the penalties count, grammar matchers)."""
+        if result.logits is None or not result.request_ids:
+            return {}
+        rows = [self._sampling_row(self.requests.get(rid)) for rid in result.request_ids]
+        samples = self.sampler(result.logits, rows)
+        return dict(zip(result.request_ids, samples, strict=True))
+
+    def _sampling_row(self, req: Request | None) -> SamplingRow:
+        if req is None:  # aborted while the step ran: its token is dropped
+            return SamplingRow(GREEDY)
+        params = req.sampling_params
+        if params.seed is not None and req.generator is None:
+            req.generator = torch.Generator().manual_seed(params.seed)
+        penalised = params.has_penalties
+        return SamplingRow(
+            params,
+            req.generator,
+            req.output_token_ids if penalised else (),
+            req.prompt_token_ids if params.repetition_penalty != 1.0 else (),
+            req.matcher,
+        )
+
+    def _record_sample(self, req: Request, sample: Sample, now: float, failed: list) -> None:
         if req.first_token_time is None:
             req.first_token_time = now
         req.token_times.append(now)
@@ -575,6 +652,50 @@ class Engine:
             entry = dict(sample.top_logprobs or {})
             entry[sample.token] = sample.logprob
             req.logprobs.append(entry)
+        if req.matcher is not None and not req.matcher.accept_token(sample.token):
+            req.error = f"the grammar of this request rejected token {sample.token}"
+            failed.append(req)
+
+    def _finish_grammars(self, sampled: list[Request]) -> list[Request]:
+        """Requests whose grammar is complete stop (also with ignore_eos or min_tokens: no
+        token could follow)."""
+        done = [
+            r
+            for r in sampled
+            if r.matcher is not None and not r.is_finished and r.matcher.is_terminated()
+        ]
+        self.scheduler.finish_requests(done, "stop")
+        return done
+
+    def _record_prompt_logprobs(self, result: StepLogits) -> None:
+        """Append each chunk's prompt log-probs (a chunk recomputed after a preemption adds
+        only the positions not recorded yet)."""
+        for rid, part in result.prompt_logprobs.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            have = len(req.prompt_logprobs)  # entries for prompt tokens 1 .. have
+            skip = have - part.start
+            if skip < 0:
+                continue  # not contiguous (cannot happen: chunks run in order)
+            targets = req.prompt_token_ids[part.start + 1 :]
+            for k in range(skip, len(part.token_logprobs)):
+                entry = dict(part.top[k])
+                entry[targets[k]] = part.token_logprobs[k]
+                req.prompt_logprobs.append(entry)
+
+    # -- held requests (n > 1: the other choices wait for the first one's prompt) ------------
+
+    def _release_held(self) -> None:
+        """Requests held behind another (`add_request(..., after=...)`) enter the scheduler
+        once its prompt is computed (and in the prefix cache) or it is gone."""
+        for parent_id in list(self._held):
+            parent = self.requests.get(parent_id)
+            if parent is not None and parent.num_computed_tokens < parent.num_prompt_tokens:
+                continue
+            for req in self._held.pop(parent_id):
+                if req.request_id in self.requests:
+                    self.scheduler.add_request(req)
 
     def _text(self, req: Request) -> str:
         """The output text so far. While a request with stop strings still runs, the last
@@ -641,4 +762,13 @@ class Engine:
             req.num_cached_tokens,
             metrics,
             req.error,
+            self._prompt_logprobs_of(req),
         )
+
+    @staticmethod
+    def _prompt_logprobs_of(req: Request) -> list[dict[int, float] | None] | None:
+        if req.sampling_params.prompt_logprobs is None:
+            return None
+        if len(req.prompt_logprobs) < req.num_prompt_tokens - 1:
+            return None  # not all computed yet (a streaming output during prefill)
+        return [None, *req.prompt_logprobs]

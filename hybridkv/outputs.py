@@ -26,6 +26,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # set when the engine gave up on this request alone (one line)
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first, then the prompt
+    # token's log-prob and the top-n (vLLM's shape); set once the whole prompt is computed
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def text(self) -> str:

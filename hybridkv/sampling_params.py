@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_SEED = 2**64 - 1  # what torch.Generator.manual_seed takes
 MAX_TOKENS = 2**31 - 1
@@ -31,7 +32,18 @@ class SamplingParams:
 
     temperature 0 is greedy. `top_k` <= 0 and `top_p` = 1 disable those filters. `seed` makes a
     request's sampling reproducible whatever else is in the batch. `logprobs` = n returns the
-    log-probabilities of the chosen token and of the top n tokens at every step.
+    log-probabilities of the chosen token and of the top n tokens at every step;
+    `prompt_logprobs` = n those of every prompt token after the first (such a request computes
+    its whole prompt: it skips the prefix cache for itself, and still fills it for others).
+
+    Logits processing, in this order (as vLLM): `logit_bias` (token id -> added to its logit,
+    in [-100, 100]); `repetition_penalty` (> 1 discourages every token of the prompt and the
+    output: positive logits divided by it, negative ones multiplied); `frequency_penalty` and
+    `presence_penalty` (in [-2, 2], OpenAI's: subtracted per occurrence / once per token of the
+    output); the grammar of `structured` (a `hybridkv.structured.GrammarSpec`: only tokens
+    that keep the output valid); then temperature, `min_p` (drop tokens less likely than
+    min_p times the most likely one), top_k and top_p. Log-probs are those of the model's raw
+    distribution, before any of these.
     """
 
     max_tokens: int = 16
@@ -45,6 +57,13 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); a dict is converted
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    structured: Any = None  # hybridkv.structured.GrammarSpec
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -58,6 +77,7 @@ class SamplingParams:
                 f"{self.stop_token_ids!r}"
             )
         object.__setattr__(self, "stop", tuple(self.stop))
+        self._check_processing()
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         # Every integer within what the engine's tensors and generators hold (int64 / uint64).
         self._check_int("max_tokens", self.max_tokens, 1, MAX_TOKENS)
@@ -90,6 +110,44 @@ class SamplingParams:
                 f"stop_token_ids must be integers in [0, {MAX_TOKEN_ID}], got "
                 f"{list(self.stop_token_ids)!r}"
             )
+
+    def _check_processing(self) -> None:
+        """The logits-processing fields (logit_bias as a dict becomes sorted pairs)."""
+        bias = self.logit_bias
+        if isinstance(bias, dict):
+            bias = tuple(sorted(bias.items()))
+        if not isinstance(bias, list | tuple) or not all(
+            isinstance(p, list | tuple) and len(p) == 2 for p in bias
+        ):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+        for token, value in bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+            if not _is_number(value) or not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r}")
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(v)) for t, v in bias))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not 0 < rp <= 100:
+            raise ValueError(f"repetition_penalty must be a number in (0, 100], got {rp!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if self.prompt_logprobs is not None:
+            self._check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
+
+    @property
+    def processes_logits(self) -> bool:
+        """Anything between the raw logits and temperature (bias, penalties, a grammar)."""
+        return bool(self.logit_bias) or self.has_penalties or self.structured is not None
 
     @staticmethod
     def _check_int(name: str, value: object, minimum: int, maximum: int) -> None:

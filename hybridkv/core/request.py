@@ -6,6 +6,7 @@ import enum
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 from hybridkv.sampling_params import SamplingParams
 
@@ -41,6 +42,10 @@ class Request:
         self.logprobs: list[dict] = []
         self.stop_text: str | None = None  # the output text cut at a matched stop string
         self.error: str | None = None  # why the engine gave up on it (finish_reason "abort")
+        # sampling state, owned by the engine (kept across preemptions)
+        self.generator: Any = None  # torch.Generator of a seeded request, made at its 1st sample
+        self.matcher: Any = None  # grammar matcher (structured outputs)
+        self.prompt_logprobs: list[dict[int, float]] = []  # for prompt tokens 1, 2, ...
 
     @property
     def output_token_ids(self) -> list[int]:

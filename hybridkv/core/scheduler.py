@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from hybridkv.config import SchedulerConfig
-from hybridkv.core.coordinator import CacheManager, PrefixHit, StepAllocation
+from hybridkv.core.coordinator import NO_HIT, CacheManager, PrefixHit, StepAllocation
 from hybridkv.core.request import Request, RequestStatus
 from hybridkv.sampling_params import SamplingParams
 
@@ -39,6 +39,10 @@ class ScheduledChunk:
     allocation: StepAllocation
     sampling: SamplingParams | None  # set when the step samples a token for it (its prompt and
     # output so far are all computed after this chunk)
+    # prompt log-probs: the prompt token that follows each of the chunk's first tokens (the
+    # chunk's token i predicts prompt_targets[i]), and how many top log-probs each wants
+    prompt_targets: tuple[int, ...] = ()
+    prompt_top: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -120,8 +124,19 @@ class Scheduler:
     def _chunk(self, req: Request, start: int, n: int, alloc: StepAllocation) -> ScheduledChunk:
         samples = start + n == req.num_tokens
         tokens = tuple(req.all_token_ids[start : start + n])
+        params = req.sampling_params
+        targets: tuple[int, ...] = ()
+        if params.prompt_logprobs is not None and start + 1 < req.num_prompt_tokens:
+            end = min(start + n + 1, req.num_prompt_tokens)
+            targets = tuple(req.all_token_ids[start + 1 : end])
         return ScheduledChunk(
-            req.request_id, tokens, start, alloc, req.sampling_params if samples else None
+            req.request_id,
+            tokens,
+            start,
+            alloc,
+            params if samples else None,
+            targets,
+            params.prompt_logprobs or 0,
         )
 
     def request(self, request_id: str) -> Request:
@@ -200,7 +215,9 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            hit = self.cache.lookup(req)
+            # a request that wants its prompt's log-probs computes its whole prompt
+            wants_logits = req.sampling_params.prompt_logprobs is not None
+            hit = NO_HIT if wants_logits else self.cache.lookup(req)
             n = self._chunk_size(req, hit.num_tokens, budget, hit)
             # With others running, a request that does not fit waits for memory; alone, it takes
             # the largest chunk that fits rather than being refused.

@@ -7,19 +7,22 @@ One step, in order:
     3. append new kernel-block ids to each attention group's table row; record new
        running-state pages in each state group's page table
     4. copy prefix-hit snapshots into running-state pages        (before the forward)
-    5. build the immutable ForwardBatch, run the model, compute logits, sample (a decode step
-       of a captured size replays its native program instead: hybridkv.worker.graphs)
+    5. build the immutable ForwardBatch, run the model, compute the logits of the sampling
+       requests (a decode step of a captured size replays its native program instead:
+       hybridkv.worker.graphs) and the prompt log-probs of chunks that ask for them
     6. copy running states into new snapshot pages               (after the forward)
 
 Everything it needs comes in the step description (`SchedulerOutput`: plain ids and values);
 it never calls back into the cache manager. Each group runs on the kernels its plan names: an
-attention backend per attention group, the ops of its layer kind per state group.
+attention backend per attention group, the ops of its layer kind per state group. It returns
+logits (`StepLogits`); the engine, which owns each request's sampling state, samples.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -39,7 +42,29 @@ from hybridkv.worker.batch import ForwardBatch
 from hybridkv.worker.block_table import BlockTable
 from hybridkv.worker.buffers import CacheBuffers
 from hybridkv.worker.graphs import DecodeGraphs
-from hybridkv.worker.sampler import Sample, Sampler
+from hybridkv.worker.sampler import prompt_logprobs
+
+PROMPT_LOGITS_ROWS = 256  # prompt log-probs: logits rows computed at once ([rows, vocab] fp32)
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Log-probs of prompt tokens `start + 1 .. start + len(token_logprobs)` of one request."""
+
+    start: int
+    token_logprobs: list[float]
+    top: list[dict[int, float]]
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """What a step computed for sampling: `logits` row i belongs to `request_ids[i]`
+    ([num_sampled, vocab] float32; None when no request samples, and on the ranks that do not
+    sample). The captured-step path returns its static buffer: sample before the next step."""
+
+    request_ids: tuple[str, ...] = ()
+    logits: torch.Tensor | None = None
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 def load_state_ops(group: GroupPlan) -> Any:
@@ -63,12 +88,11 @@ class ModelRunner:
         plan: MemoryPlan,
         max_num_seqs: int,
         device: torch.device,
-        seed: int = 0,
         driver: bool = True,
         max_capture_size: int = 0,
     ) -> None:
-        """`driver`: this runner samples (rank 0 of a tensor-parallel group, or the only one);
-        the other ranks run their shard of the forward and of the logits, and sample nothing.
+        """`driver`: this runner returns logits (rank 0 of a tensor-parallel group, or the only
+        one); the other ranks run their shard of the forward and of the logits.
         `max_capture_size`: decode steps of up to this many requests are captured and replayed
         natively (`hybridkv.worker.graphs`; CPU, one process); 0: every step runs eagerly."""
         self.model = model
@@ -97,8 +121,6 @@ class ModelRunner:
         model.bind_cache(self._layer_caches())
         self.rows: dict[str, int] = {}
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
-        self.generators: dict[str, torch.Generator] = {}
-        self.sampler = Sampler(seed)
         capturable = max_capture_size > 0 and device.type == "cpu" and native.library() is not None
         self.graphs = DecodeGraphs(self, max_capture_size) if capturable else None
 
@@ -117,16 +139,14 @@ class ModelRunner:
     # -- rows ----------------------------------------------------------------------------------
 
     def release(self, request_ids: Iterable[str], finished: bool = True) -> None:
-        """Forget requests whose cache the scheduler freed: finished ones entirely, preempted
-        ones (`finished=False`) keep their sampling generator for when they resume."""
+        """Forget the rows of requests whose cache the scheduler freed (finished or preempted:
+        `finished` is kept for the tensor-parallel protocol; a row holds no sampling state)."""
         for rid in request_ids:
             row = self.rows.pop(rid, None)
             if row is not None:
                 for table in self.tables.values():
                     table.clear_row(row)
                 self.free_rows.append(row)
-            if finished:
-                self.generators.pop(rid, None)
 
     def _row_of(self, request_id: str) -> int:
         row = self.rows.get(request_id)
@@ -245,46 +265,61 @@ class ModelRunner:
     # -- step ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, Sample]:
-        """Run one scheduled step; returns the sampled token of every request that samples."""
+    def execute(self, out: SchedulerOutput) -> StepLogits:
+        """Run one scheduled step; returns the logits of every request that samples (on the
+        driver) and the prompt log-probs of the chunks that ask for them."""
         self.release(out.preempted, finished=False)
         if out.is_empty:
-            return {}
+            return StepLogits()
         self._apply_allocations(out)
         # a captured decode step replays (hybridkv.worker.graphs); any other step runs eagerly
-        logits = self.graphs.logits(out.chunks) if self.graphs is not None else None
+        prompt: dict[str, PromptLogprobs] = {}
+        logits = None
+        if self.graphs is not None and not any(c.prompt_targets for c in out.chunks):
+            logits = self.graphs.logits(out.chunks)
         if logits is None:
-            logits = self._forward(out.chunks)
-        samplers = [(c.request_id, c.sampling) for c in out.chunks if c.sampling is not None]
-        samples: list[Sample] = []
-        if samplers and self.driver:  # (other ranks sent their part of the logits to rank 0)
-            params = [p for _, p in samplers]
-            gens = [self._generator(rid, p.seed) for rid, p in samplers]
-            samples = self.sampler(logits, params, gens)
+            logits = self._forward(out.chunks, prompt)
         self._copy_states([op for c in out.chunks for op in c.allocation.snapshots])
         if not self.driver:
-            return {}
-        return {rid: s for (rid, _), s in zip(samplers, samples, strict=True)}
+            return StepLogits()
+        ids = tuple(c.request_id for c in out.chunks if c.sampling is not None)
+        return StepLogits(ids, logits, prompt)
 
-    def _forward(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
+    def _forward(
+        self, chunks: Sequence[ScheduledChunk], prompt: dict[str, PromptLogprobs]
+    ) -> torch.Tensor | None:
         """The model on one step: the logits of its sampling requests ([num_sampled, vocab]
-        float32), None when none samples."""
+        float32), None when none samples; prompt log-probs go into `prompt`."""
         batch = self.build_batch(chunks)
         hidden = self.model(batch)
+        start = 0
+        for chunk in chunks:
+            if chunk.prompt_targets:
+                rows = hidden[start : start + len(chunk.prompt_targets)]
+                prompt[chunk.request_id] = self._prompt_logprobs(chunk, rows)
+            start += chunk.num_tokens
         if batch.logits_indices.shape[0] == 0:
             return None
         if batch.logits_indices.shape[0] != hidden.shape[0]:  # (else every token samples)
             hidden = hidden[batch.logits_indices]
         return self.model.compute_logits(hidden)
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
-        gen = self.generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator().manual_seed(seed)
-            self.generators[request_id] = gen
-        return gen
+    def _prompt_logprobs(self, chunk: ScheduledChunk, hidden: torch.Tensor) -> PromptLogprobs:
+        """hidden: [len(prompt_targets), hidden_size], the rows of the chunk's tokens that a
+        prompt token follows. Logits are computed PROMPT_LOGITS_ROWS rows at a time (a whole
+        chunk of a 150k vocabulary would be gigabytes); every rank runs the same slices (the
+        tensor-parallel lm_head gathers)."""
+        targets = torch.tensor(chunk.prompt_targets, dtype=torch.int64)
+        chosen: list[float] = []
+        top: list[dict[int, float]] = []
+        for a in range(0, hidden.shape[0], PROMPT_LOGITS_ROWS):
+            logits = self.model.compute_logits(hidden[a : a + PROMPT_LOGITS_ROWS])
+            if self.driver:
+                c, t = prompt_logprobs(logits.cpu(), targets[a : a + PROMPT_LOGITS_ROWS],
+                                       chunk.prompt_top)  # fmt: skip
+                chosen += c
+                top += t
+        return PromptLogprobs(chunk.start, chosen, top)
 
 
 def _load_attention_backend(group: GroupPlan) -> AttentionImpl:

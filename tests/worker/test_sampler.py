@@ -3,7 +3,7 @@ import torch
 
 from hybridkv.ops import native
 from hybridkv.sampling_params import SamplingParams
-from hybridkv.worker.sampler import Sampler
+from hybridkv.worker.sampler import Sampler, SamplingRow
 
 
 def logits_with_edge_rows() -> torch.Tensor:
@@ -34,9 +34,9 @@ def test_greedy_rows_take_the_argmax_next_to_sampled_rows(kernels):
     x[3, 10] = 0.0  # no NaN here: a sampled row would reject it
     params = [SamplingParams(temperature=0.0)] * 9
     params[6] = SamplingParams(temperature=0.8, seed=1)
-    samples = Sampler()(x, params, [None] * 9)
+    samples = Sampler()(x, [SamplingRow(p) for p in params])
     greedy = [s.token for i, s in enumerate(samples) if i != 6]
     expected = [int(t) for i, t in enumerate(x.argmax(dim=-1)) if i != 6]
     assert greedy == expected
-    all_greedy = Sampler()(x, [SamplingParams(temperature=0.0)] * 9, [None] * 9)
+    all_greedy = Sampler()(x, [SamplingRow(SamplingParams(temperature=0.0))] * 9)
     assert [s.token for s in all_greedy] == x.argmax(dim=-1).tolist()
