@@ -196,7 +196,8 @@ def responses_to_chat(body: dict) -> dict:
     body = _body(body)
     _check_fields(body, _RESPONSES_FIELDS, _RESPONSES_REFUSED)
     _check_responses_extras(body)
-    chat: Json = {"model": body.get("model"), "messages": _responses_messages(body)}
+    model = _need(body.get("model"), str, "model", "a string")
+    chat: Json = {"model": model, "messages": _responses_messages(body)}
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
     _copy(body, chat, ("temperature", "top_p", "parallel_tool_calls", "user"))
@@ -729,7 +730,7 @@ def messages_to_chat(body: dict) -> dict:
     if body.get("max_tokens") is None:
         raise OpenAIError("'max_tokens' is required", param="max_tokens")
     chat: Json = {
-        "model": body.get("model"),
+        "model": _need(body.get("model"), str, "model", "a string"),
         "messages": _system_messages(body.get("system")) + _anthropic_messages(body),
         "max_completion_tokens": _need(body["max_tokens"], int, "max_tokens", "an integer"),
     }

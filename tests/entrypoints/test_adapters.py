@@ -369,6 +369,7 @@ RESPONSES_REFUSED = [
     ("input", [{"type": "function_call", "call_id": "c", "name": "f"}], "input.0.arguments"),
     ("input", [{"type": "computer_call_output", "call_id": "c", "output": {}}], "input.0.type"),
     ("input", None, "input"),
+    ("model", None, "model"),
 ]
 
 
@@ -710,6 +711,7 @@ def test_messages_output_format() -> None:
 USER = [{"role": "user", "content": "x"}]
 MESSAGES_REFUSED = [
     ("max_tokens", None, "max_tokens"),
+    ("model", None, "model"),
     ("max_tokens", 1.5, "max_tokens"),
     ("thinking", {"type": "enabled", "budget_tokens": 2048}, "thinking.type"),
     ("thinking", {"type": "disabled"}, "thinking.type"),
