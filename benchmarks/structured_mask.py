@@ -293,15 +293,21 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def bench_backend(
-    backend: Backend, docs: list[list[int]], vocab_size: int, steps: int
+    backend: Backend,
+    docs: list[list[int]],
+    vocab_size: int,
+    steps: int,
+    snapshots: list[torch.Tensor] | None = None,
 ) -> dict[str, float]:
+    """One library's row of the table. snapshots, if given, collects real 64-row bitmasks
+    (every 8th step) for the apply_bitmask measurement."""
     schema = json.dumps(MEDIUM_SCHEMA)  # no sort_keys: property order is output order
     row: dict[str, float] = {"tokenizer_ms": backend.tokenizer_s * 1e3}
     cold = [timed(lambda: backend.compile_cold(schema))[0] for _ in range(3)]
     backend.compile_cached(schema)  # warm the cache
     cached = [timed(lambda: backend.compile_cached(schema))[0] for _ in range(20)]
     row["compile_cold_ms"] = statistics.median(cold) * 1e3
-    row["compile_cached_ms"] = statistics.median(cached) * 1e3
+    row["compile_cached_us"] = statistics.median(cached) * 1e6
 
     bitmask = torch.full((BATCH, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
@@ -338,6 +344,8 @@ def bench_backend(
             else:
                 dt, _ = timed(lambda ms=matchers: backend.fill_par(ms, bitmask))
                 fills.append(dt)
+                if snapshots is not None and s % 8 == 0:
+                    snapshots.append(bitmask.clone())
             t0 = time.perf_counter()
             for i, mm in enumerate(matchers):
                 if not backend.accept(mm, docs[i][s]):
@@ -348,26 +356,45 @@ def bench_backend(
     return row
 
 
-def bench_apply(vocab_size: int) -> dict[str, float]:
-    """Cost of the logits side: hybridkv.structured.apply_bitmask (torch) at 1 and 64 rows."""
+def bench_apply(vocab_size: int, snapshots: list[torch.Tensor]) -> dict[str, float]:
+    """Cost of the logits side, median us over real bitmasks taken along the 64 walks:
+    hybridkv.structured.apply_bitmask at 1 and 64 rows, the same on uniformly random bitmasks
+    (its worst case), and xgrammar's CPU kernel on the real ones when xgrammar is installed."""
     from hybridkv.structured import apply_bitmask
 
     out: dict[str, float] = {}
+    logits = torch.randn(BATCH, vocab_size)
+
+    def run(fn: Callable[[torch.Tensor, torch.Tensor], None], n: int, masks: list[Any]) -> float:
+        samples = []
+        for bm in masks:
+            work = logits[:n].clone()
+            samples.append(timed(lambda w=work, b=bm: fn(w, b[:n]))[0])
+        return median_us(samples)
+
     for n in (1, BATCH):
-        logits = torch.randn(n, vocab_size)
-        bitmask = torch.randint(
-            -(2**31), 2**31 - 1, (n, (vocab_size + 31) // 32), dtype=torch.int32
-        )
-        apply_bitmask(logits, bitmask)
-        samples = [timed(lambda l=logits, b=bitmask: apply_bitmask(l, b))[0] for _ in range(20)]
-        out[f"apply{n}_us"] = median_us(samples)
+        out[f"hybridkv {n} rows"] = run(apply_bitmask, n, snapshots)
+    rand = [
+        torch.randint(-(2**31), 2**31 - 1, (BATCH, (vocab_size + 31) // 32), dtype=torch.int32)
+        for _ in range(5)
+    ]
+    out[f"hybridkv {BATCH} random rows"] = run(apply_bitmask, BATCH, rand)
+    try:
+        import xgrammar as xgr
+
+        def xgr_apply(w: torch.Tensor, b: torch.Tensor) -> None:
+            xgr.apply_token_bitmask_inplace(w, b)
+
+        out[f"xgrammar kernel {BATCH} rows"] = run(xgr_apply, BATCH, snapshots)
+    except ImportError:
+        pass
     return out
 
 
 COLUMNS = [
     ("tokenizer_ms", "tokenizer ms"),
     ("compile_cold_ms", "compile cold ms"),
-    ("compile_cached_ms", "compile cached ms"),
+    ("compile_cached_us", "compile cached us"),
     ("fill1_us", "fill 1 us"),
     ("fill1_p90_us", "fill 1 p90 us"),
     ("accept1_us", "accept 1 us"),
@@ -385,7 +412,9 @@ def main() -> None:
         "--only", choices=["xgrammar", "llguidance"], help="measure one library only"
     )
     args = parser.parse_args()
-    torch.set_num_threads(THREADS)
+    # One torch thread: with two, a busy second core (a shared 2-core machine) stalls every
+    # OpenMP region by milliseconds and apply_bitmask timings swing 100x.
+    torch.set_num_threads(1)
     from tokenizers import Tokenizer
 
     vocabs = [("default 4k", (DEFAULT_MODEL / "tokenizer.json").read_text(), 4096)]
@@ -394,6 +423,14 @@ def main() -> None:
     backends: list[type[Backend]] = [XGrammarBackend, LLGuidanceBackend]
     if args.only:
         backends = [b for b in backends if b.name == args.only]
+    available = []
+    for b in backends:
+        try:
+            __import__(b.name)
+            available.append(b)
+        except ImportError:
+            print(f"({b.name} is not installed: left out)")
+    backends = available
 
     rng = random.Random(0)
     texts = [medium_instance(rng) for _ in range(BATCH)]
@@ -404,22 +441,19 @@ def main() -> None:
         tok = Tokenizer.from_str(tok_json)
         eos = tok.token_to_id("<|endoftext|>")
         docs = [tok.encode(t, add_special_tokens=False).ids for t in texts]
+        snapshots: list[torch.Tensor] = []
         for cls in backends:
-            row = bench_backend(cls(tok_json, vocab_size, eos), docs, vocab_size, args.steps)
+            row = bench_backend(
+                cls(tok_json, vocab_size, eos), docs, vocab_size, args.steps, snapshots
+            )
             cells = " ".join(f"{row[k]:>17.1f}" for k, _ in COLUMNS)
             print(f"{label:<11} {cls.name:<11} {cells}", flush=True)
         lens = [len(d) for d in docs]
         print(f"{label:<11} docs: {min(lens)}-{max(lens)} tokens per output", flush=True)
-        try:
-            applied = bench_apply(vocab_size)
-        except ImportError:
-            continue
+        applied = bench_apply(vocab_size, snapshots)
         print(
-            f"{label:<11} apply_bitmask (torch, logits {vocab_size} wide): "
-            + ", ".join(
-                f"{k.removeprefix('apply').removesuffix('_us')} rows {v:.1f} us"
-                for k, v in applied.items()
-            ),
+            f"{label:<11} apply_bitmask, logits {vocab_size} wide, median us: "
+            + ", ".join(f"{k} {v:.0f}" for k, v in applied.items()),
             flush=True,
         )
 
