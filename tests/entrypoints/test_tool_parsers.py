@@ -350,3 +350,23 @@ def test_default_tool_parser() -> None:
     assert default_tool_parser(xml) == "qwen3_coder"
     assert default_tool_parser('{{- "<tool_call>\\n" + tool_call | tojson }}') == "hermes"
     assert default_tool_parser(None) == "hermes"
+
+
+FRAGMENTS = [
+    "<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>",
+    ">", "\n", "<", "</", "<tool", " ", "a b", "{", "}", '"', "1", "true", "get_weather", "days",
+    '{"name": "f", "arguments": {"x": [1, "é"]}}',
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("cls", [HermesToolParser, Qwen3CoderToolParser])
+def test_random_tag_soup_never_raises_and_streams_like_parse(cls: type[ToolParser]) -> None:
+    rng = random.Random(1234)
+    for _ in range(300):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 20)))
+        parsed = cls(TOOLS).parse(text)
+        expected = (parsed.content or "", _calls(parsed))
+        cuts = sorted(rng.randint(0, len(text)) for _ in range(rng.randint(0, 8)))
+        bounds = [0, *cuts, len(text)]
+        pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+        assert _stream(cls(TOOLS), pieces) == expected, pieces
