@@ -116,10 +116,13 @@ class AsyncEngine:
         prompts: Sequence[str | list[int]],
         params: Sequence[SamplingParams],
         prefix: str = "req",
+        options: Sequence[dict[str, Any]] | None = None,
     ) -> Submission:
         """Add one request per prompt, all in the same pause between two engine steps (they
         are scheduled together), and wait until the engine took them. The engine's ValueError
-        for a bad prompt or params is raised here, and then none of them was added."""
+        for a bad prompt or params is raised here, and then none of them was added.
+        `options[k]`: add_request keywords of prompt k: "extra_keys", and "after" as the index
+        of an earlier prompt of this submission (held until that one's prompt is computed)."""
         if len(prompts) != len(params):
             raise ValueError("one SamplingParams per prompt")
         if not self.alive:
@@ -128,7 +131,12 @@ class AsyncEngine:
         sub = Submission(self, ids)
         for k, request_id in enumerate(ids):
             self._streams[request_id] = (sub, k)
-        self._commands.put(("add", sub, list(zip(ids, prompts, params, strict=True))))
+        opts = [dict(o) for o in options] if options is not None else [{} for _ in prompts]
+        for o in opts:
+            if o.get("after") is not None:
+                o["after"] = ids[o["after"]]
+        items = list(zip(ids, prompts, params, opts, strict=True))
+        self._commands.put(("add", sub, items))
         try:
             item = await sub.queue.get()
         except BaseException:  # cancelled while waiting: whatever was added is aborted
@@ -206,8 +214,10 @@ class AsyncEngine:
             _, sub, items = cmd
             added: list[str] = []
             try:
-                for request_id, prompt, params in items:
-                    self.engine.add_request(prompt, params, request_id=request_id, stream=True)
+                for request_id, prompt, params, opts in items:
+                    self.engine.add_request(
+                        prompt, params, request_id=request_id, stream=True, **opts
+                    )
                     added.append(request_id)
             except Exception as exc:  # all or none: take back those already added
                 for request_id in added:

@@ -428,7 +428,33 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         default="4MiB",
         help="the largest request body taken, e.g. 4MiB (default); larger ones get a 413",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="how the model writes tool calls: hermes (JSON in <tool_call> tags) or qwen3_coder "
+        "(<function=...> XML); default: read from the chat template",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split <think>...</think> into reasoning_content: qwen3 or deepseek_r1 "
+        "(default: none)",
+    )
     p.set_defaults(func=cmd_serve)
+
+
+def _check_parsers(args: argparse.Namespace) -> None:
+    from hybridkv.entrypoints.reasoning import get_reasoning_parser
+    from hybridkv.entrypoints.tool_parsers import get_tool_parser
+
+    try:
+        if args.tool_call_parser is not None:
+            get_tool_parser(args.tool_call_parser)
+        if args.reasoning_parser is not None:
+            get_reasoning_parser(args.reasoning_parser)
+    except ValueError as exc:
+        flag = "--tool-call-parser" if "tool" in str(exc) else "--reasoning-parser"
+        raise CliError(f"{flag}: {exc}") from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -442,6 +468,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError(f"--max-request-bytes: {exc}") from None
     if max_request_bytes < 1:
         raise CliError(f"--max-request-bytes must be at least 1 byte, got {args.max_request_bytes}")
+    _check_parsers(args)
     # The address is taken before the model loads: a busy port is an error at once.
     try:
         sock = bind_socket(args.host, args.port)
@@ -451,7 +478,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         engine = _load_engine(args)
         name = args.served_model_name or args.model or "hybridkv-default"
-        fatal = serve(engine, name, args.host, args.port, max_request_bytes, sock=sock)
+        fatal = serve(
+            engine, name, args.host, args.port, max_request_bytes, sock=sock,
+            tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        )  # fmt: skip
     finally:
         sock.close()
     if fatal is not None:

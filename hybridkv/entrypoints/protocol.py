@@ -46,23 +46,97 @@ class OpenAIError(Exception):
         }
 
 
+# Fields of the OpenAI schemas (and vLLM's extensions) that hybridkv does not honour: a
+# request that sets one to anything but the listed neutral values gets a 400 naming it.
+# Any other field that no schema here declares is ignored (README: "Request fields").
+_REFUSED_BOTH: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((False,), "beam search is not implemented"),
+    "length_penalty": ((1, 1.0), "length_penalty applies to beam search, not implemented"),
+    "bad_words": (([],), "bad_words is not implemented; use logit_bias"),
+    "allowed_token_ids": ((), "allowed_token_ids is not implemented; use logit_bias"),
+    "logits_processors": (([],), "custom logits processors are not supported"),
+    "priority": ((0,), "priority scheduling is not implemented"),
+    "skip_special_tokens": ((True,), "special tokens are always skipped in output text"),
+    "spaces_between_special_tokens": ((True,), "not configurable here"),
+    "guided_whitespace_pattern": ((), "not configurable here"),
+    "kv_transfer_params": ((), "disaggregated prefill is not implemented"),
+    "vllm_xargs": ((), "not supported"),
+    "mm_processor_kwargs": ((), "multimodal inputs are not supported"),
+    "prompt_embeds": ((), "prompt embeddings are not supported"),
+    "logprobs_mode": ((), "log-probs are always those of the raw distribution"),
+}
+_REFUSED_COMPLETION = {
+    **_REFUSED_BOTH,
+    "suffix": (("",), "suffix (fill-in-the-middle) is not supported"),
+    "add_special_tokens": ((True,), "prompts are always tokenized with special tokens"),
+}
+_REFUSED_CHAT = {
+    **_REFUSED_BOTH,
+    "audio": ((), "audio output is not supported"),
+    "modalities": ((["text"],), "only the text modality is supported"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "reasoning_effort": ((), "reasoning effort is not configurable; see chat_template_kwargs"),
+    "verbosity": ((), "verbosity is not configurable"),
+    "web_search_options": ((), "built-in web search is not available"),
+    "functions": ((), "the deprecated `functions` is not supported: use `tools`"),
+    "function_call": ((), "the deprecated `function_call` is not supported: use `tool_choice`"),
+    "store": ((False,), "this server stores nothing"),
+    "service_tier": (("auto", "default"), "there is one service tier"),
+    "echo": ((False,), "echo is not supported on chat completions"),
+    "continue_final_message": ((False,), "continue_final_message is not implemented"),
+    "add_special_tokens": ((False,), "chat prompts are tokenized without added special tokens"),
+    "documents": ((), "documents (RAG templates) are not supported"),
+}
+
+
+def refused_fields(extra: dict[str, Any] | None, refused: dict[str, tuple[tuple, str]]) -> None:
+    """400 for the first field of `refused` set to a value other than its neutral ones (null
+    always passes)."""
+    for name, value in (extra or {}).items():
+        rule = refused.get(name)
+        if rule is None or value is None:
+            continue
+        neutral, why = rule
+        if not any(value == v and type(value) is type(v) for v in neutral):
+            raise OpenAIError(f"'{name}' is not supported ({why})", param=name)
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")
 
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # extension
     n: int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    ignore_eos: bool = False  # extension
-    min_tokens: int = 0  # extension
-    stop_token_ids: list[int] | None = None  # extension
     user: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_decoding_backend: str | None = None
+    cache_salt: str | None = None
+    truncate_prompt_tokens: int | None = None
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
+    request_id: str | None = None
 
 
 def _prompt_kind(value: Any) -> str | None:
@@ -98,6 +172,11 @@ class CompletionRequest(_Request):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None
+    prompt_logprobs: int | None = None
+
+    def refuse_unsupported(self) -> None:
+        refused_fields(self.model_extra, _REFUSED_COMPLETION)
 
 
 class ChatMessage(BaseModel):
@@ -105,6 +184,10 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant (an extension: earlier reasoning)
 
 
 class ChatCompletionRequest(_Request):
@@ -112,6 +195,19 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    metadata: dict[str, Any] | None = None  # kept by OpenAI for stored completions: unused here
+    prompt_cache_key: str | None = None  # a routing hint: the prefix cache needs none
+    safety_identifier: str | None = None
+    # vLLM's extensions
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    def refuse_unsupported(self) -> None:
+        refused_fields(self.model_extra, _REFUSED_CHAT)
 
 
 def message_text(message: ChatMessage, index: int = 0) -> str:
@@ -129,3 +225,26 @@ def message_text(message: ChatMessage, index: int = 0) -> str:
             )
         parts.append(part["text"])
     return "".join(parts)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a completion prompt, or chat messages rendered by the template."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    return_token_strs: bool = False
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]

@@ -39,6 +39,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -49,16 +50,33 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from hybridkv.engine import Engine
+from hybridkv.entrypoints.adapters import (
+    anthropic_error,
+    chat_stream_to_message_events,
+    chat_stream_to_response_events,
+    chat_to_message,
+    chat_to_response,
+    messages_to_chat,
+    responses_to_chat,
+)
 from hybridkv.entrypoints.async_engine import AsyncEngine, RequestFailed, Submission
+from hybridkv.entrypoints.chat import ChatOutput
+from hybridkv.entrypoints.chat_template import ChatTemplate, normalise_messages
 from hybridkv.entrypoints.metrics import Metrics
 from hybridkv.entrypoints.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
     OpenAIError,
+    TokenizeRequest,
     message_text,
 )
+from hybridkv.entrypoints.reasoning import get_reasoning_parser
+from hybridkv.entrypoints.structured import check_tools, grammar_of, tool_grammar, tool_mode
+from hybridkv.entrypoints.tool_parsers import default_tool_parser, get_tool_parser
 from hybridkv.outputs import RequestOutput
-from hybridkv.sampling_params import SamplingParams, check_unicode
+from hybridkv.sampling_params import MAX_SEED, SamplingParams, check_unicode
 
 logger = logging.getLogger(__name__)
 
@@ -79,9 +97,21 @@ class Server:
         engine: Engine,
         model_name: str,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
+        """`tool_parser`: how this model writes tool calls ("hermes", "qwen3_coder"; None: read
+        from its chat template). `reasoning_parser`: None (no reasoning split), "qwen3" or
+        "deepseek_r1" (<think>...</think> -> reasoning_content)."""
         if max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+        tok = engine.tokenizer
+        if tool_parser is None:
+            tool_parser = default_tool_parser(tok.chat_template if tok is not None else None)
+        get_tool_parser(tool_parser)  # a ValueError listing the valid names
+        if reasoning_parser is not None:
+            get_reasoning_parser(reasoning_parser)
+        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
         self.engine = engine
         self.model_name = model_name
         self.max_request_bytes = max_request_bytes
@@ -134,12 +164,12 @@ class Server:
         max_tokens: int | None,
         logprobs: int | None,
         names: dict[str, str] | None = None,
+        **more: Any,
     ) -> SamplingParams:
         """`names` maps a SamplingParams field to the request field it came from when they
-        differ (chat's "max_completion_tokens", "top_logprobs"), for the error's `param`."""
+        differ (chat's "max_completion_tokens", "top_logprobs"), for the error's `param`.
+        `more`: SamplingParams fields the handler sets itself (seed, structured, ...)."""
         names = names or {}
-        if body.n != 1:
-            raise OpenAIError(f"n must be 1 (got {body.n})", param="n")
         room = self.engine.max_model_len - prompt_len
         if max_tokens is None:
             max_tokens = room
@@ -157,8 +187,11 @@ class Server:
             "ignore_eos": body.ignore_eos,
             "min_tokens": body.min_tokens,
             "logprobs": logprobs,
+            "include_stop_str_in_output": body.include_stop_str_in_output,
+            "logit_bias": _logit_bias(body.logit_bias),
         }
-        for name in ("temperature", "top_p", "top_k"):
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):  # fmt: skip
             if getattr(body, name) is not None:
                 kwargs[name] = getattr(body, name)
         if body.stop is not None:
@@ -171,8 +204,11 @@ class Server:
                 )
         if body.stop_token_ids:
             kwargs["stop_token_ids"] = body.stop_token_ids
+        kwargs |= more
         try:
-            return SamplingParams(**kwargs)
+            params = SamplingParams(**kwargs)
+            self.engine._check_logit_bias(params)
+            return params
         except ValueError as exc:
             # SamplingParams' messages start with the field at fault ("seed must be ...")
             message = str(exc)
@@ -181,6 +217,16 @@ class Server:
             if field in names:
                 message = names[field] + message[len(field) :]  # type: ignore[index]
             raise OpenAIError(message, param=names.get(field, field)) from None
+
+    def grammar(self, spec: Any, param: str) -> Any:
+        """Compile a grammar now (worker thread; cached) so that a bad one is a 400 here."""
+        if spec is None:
+            return None
+        try:
+            self.engine.grammars.compile(spec)
+        except ValueError as exc:
+            raise OpenAIError(f"invalid {param}: {exc}", param=param) from None
+        return spec
 
     def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         if isinstance(prompt, str) and self.engine.tokenizer is None:
@@ -195,45 +241,68 @@ class Server:
             raise OpenAIError(str(exc), param=param) from None
         return ids
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> str:
-        import jinja2.sandbox
-
+    def chat_prompt(self, body: ChatCompletionRequest, tools: list[dict] | None = None) -> str:
         if self.engine.tokenizer is None:
             raise OpenAIError(
                 "this model has no tokenizer, so chat completions (which need one for the chat "
                 "template) are not available: use /v1/completions with token-id prompts",
                 param="messages",
             )
-        if self._template is None:
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=False)
-            source = self.engine.tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
-            self._template = env.from_string(source)
-        messages = []
-        for k, m in enumerate(body.messages):
-            text = message_text(m, k)
+        template = self.template
+        if body.chat_template is not None:
             try:
-                check_unicode(text, "message content")
+                template = ChatTemplate(body.chat_template)
             except ValueError as exc:
-                raise OpenAIError(str(exc), param=f"messages.{k}.content") from None
-            messages.append({"role": m.role, "content": text})
+                raise OpenAIError(str(exc), param="chat_template") from None
+        messages = [self._chat_message(m, k) for k, m in enumerate(body.messages)]
         cfg = self.engine.tokenizer.config
         try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=True,
+            return template.render(
+                normalise_messages(messages),
+                tools=tools,
+                add_generation_prompt=body.add_generation_prompt,
                 bos_token=_token_text(cfg.get("bos_token")),
                 eos_token=_token_text(cfg.get("eos_token")),
+                **(body.chat_template_kwargs or {}),
             )
-        except Exception as exc:  # a template error is the request's fault (its messages)
+        except ValueError as exc:  # a template error is the request's fault (its messages)
             raise OpenAIError(f"cannot apply the chat template: {exc}", param="messages") from None
+
+    @property
+    def template(self) -> ChatTemplate:
+        if self._template is None:
+            assert self.engine.tokenizer is not None
+            source = self.engine.tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
+            self._template = ChatTemplate(source)
+        return self._template
+
+    @staticmethod
+    def _chat_message(m: ChatMessage, k: int) -> dict[str, Any]:
+        text = message_text(m, k)
+        try:
+            check_unicode(text, "message content")
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param=f"messages.{k}.content") from None
+        message: dict[str, Any] = {"role": m.role, "content": text}
+        if m.tool_calls is not None:
+            message["tool_calls"] = m.tool_calls
+        for name in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(m, name) is not None:
+                message[name] = getattr(m, name)
+        return message
 
     # -- running -------------------------------------------------------------------------------
 
     async def submit(
-        self, ids: list[list[int]], params: list[SamplingParams], prefix: str, param: str
+        self,
+        ids: list[list[int]],
+        params: list[SamplingParams],
+        prefix: str,
+        param: str,
+        options: list[dict[str, Any]] | None = None,
     ) -> Submission:
         try:
-            return await self.async_engine.submit(ids, params, prefix)
+            return await self.async_engine.submit(ids, params, prefix, options)
         except ValueError as exc:  # the engine's own checks (the server's came first)
             raise OpenAIError(str(exc), param=param) from None
         except RequestFailed as exc:
@@ -338,6 +407,17 @@ def _token_text(token: Any) -> str:
     return str(token or "")
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias has token ids as JSON object keys (strings)."""
+    out = {}
+    for key, value in (bias or {}).items():
+        if not key.isdigit():
+            raise OpenAIError(f"logit_bias keys must be token ids, got {key!r}",
+                              param="logit_bias")  # fmt: skip
+        out[int(key)] = value
+    return out
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -383,25 +463,38 @@ class _Delta:
 # ---------------------------------------------------------------------------------------------
 
 
-def _token_str(tok, token_id: int) -> str:
-    """One token as text; "token_id:<id>" without a tokenizer (as vLLM writes them)."""
-    if tok is None:
+def _token_str(tok, token_id: int, as_ids: bool = False) -> str:
+    """One token as text; "token_id:<id>" without a tokenizer or when asked
+    (return_tokens_as_token_ids), as vLLM writes them."""
+    if tok is None or as_ids:
         return f"token_id:{token_id}"
     return tok.decode([token_id], skip_special_tokens=False)
 
 
 def _completion_logprobs(
-    tok, token_ids: list[int], entries: list[dict[int, float]], offset: int = 0
+    tok,
+    token_ids: list[int],
+    entries: Sequence[dict[int, float] | None],
+    offset: int = 0,
+    as_ids: bool = False,
 ) -> tuple[dict[str, Any], int]:
     """The completions `logprobs` object of these tokens, their text offsets counted from
-    `offset`; and the offset after them."""
-    tokens = [_token_str(tok, t) for t in token_ids]
-    chosen = [_finite(entry.get(t)) for t, entry in zip(token_ids, entries, strict=False)]
-    tops = [{_token_str(tok, k): _finite(v) for k, v in entry.items()} for entry in entries]
+    `offset`; and the offset after them. An entry None (a prompt's first token) has neither a
+    log-prob nor top log-probs (null, as OpenAI)."""
+    tokens = [_token_str(tok, t, as_ids) for t in token_ids]
+    chosen, tops = [], []
+    for t, entry in zip(token_ids, entries, strict=False):
+        chosen.append(None if entry is None else _finite(entry.get(t)))
+        tops.append(
+            None
+            if entry is None
+            else {_token_str(tok, k, as_ids): _finite(v) for k, v in entry.items()}
+        )
     offsets = []
-    for t in tokens:
+    for t in token_ids:
         offsets.append(offset)
-        offset += len(t) if tok is not None else 0  # offsets into the (empty) text
+        # offsets into the text (empty in token-id mode)
+        offset += len(_token_str(tok, t)) if tok is not None else 0
     logprobs = {
         "tokens": tokens,
         "token_logprobs": chosen,
@@ -409,6 +502,30 @@ def _completion_logprobs(
         "text_offset": offsets,
     }
     return logprobs, offset
+
+
+def _vllm_prompt_logprobs(
+    tok, ids: list[int], entries: Sequence[dict[int, float] | None] | None, top: int
+) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob,
+    rank, decoded_token}} for the prompt token and the `top` most likely ones (rank 1-based;
+    null for a prompt token outside the top)."""
+    out: list[dict[str, Any] | None] = []
+    for t, entry in zip(ids, entries or [None] * len(ids), strict=False):
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = sorted(entry, key=lambda k: -entry[k])
+        item: dict[str, Any] = {}
+        for rank, k in enumerate(ranked, 1):
+            if rank <= top or k == t:
+                item[str(k)] = {
+                    "logprob": _finite(entry[k]),
+                    "rank": rank if rank <= top or len(ranked) <= top else None,
+                    "decoded_token": _token_str(tok, k) if tok is not None else "",
+                }
+        out.append(item)
+    return out
 
 
 def _completion_prompts(body: CompletionRequest) -> list[str | list[int]]:
@@ -422,65 +539,175 @@ def _completion_prompts(body: CompletionRequest) -> list[str | list[int]]:
     return list(p)  # type: ignore[arg-type]
 
 
-def _prepare_completion(
-    server: Server, body: CompletionRequest
-) -> tuple[list[list[int]], list[SamplingParams], list[str]]:
-    """Token ids, sampling params and echo text of every prompt (in a worker thread)."""
+MAX_CHOICES = 32  # n and best_of
+
+
+def _choice_counts(n: int, best_of: int | None, stream: bool) -> tuple[int, int]:
+    """(n, best_of): best_of sequences are generated and the n most likely returned."""
+    if not 1 <= n <= MAX_CHOICES:
+        raise OpenAIError(f"n must be in [1, {MAX_CHOICES}], got {n}", param="n")
+    best = n if best_of is None else best_of
+    if not n <= best <= MAX_CHOICES:
+        raise OpenAIError(f"best_of must be in [n, {MAX_CHOICES}] (n is {n}), got {best}",
+                          param="best_of")  # fmt: skip
+    if stream and best > n:
+        raise OpenAIError("best_of > n cannot be streamed", param="best_of")
+    return n, best
+
+
+def _choice_seed(seed: int | None, k: int) -> int | None:
+    """Choice k's seed: seed + k (mod 2**64), so n seeded choices differ and repeat."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+        return seed  # (SamplingParams refuses it, naming it)
+    return (seed + k) % (MAX_SEED + 1)
+
+
+def _truncate(ids: list[int], keep: int | None) -> list[int]:
+    if keep is None:
+        return ids
+    if keep < 1:
+        raise OpenAIError(f"truncate_prompt_tokens must be >= 1, got {keep}",
+                          param="truncate_prompt_tokens")  # fmt: skip
+    return ids[-keep:]
+
+
+def _cache_options(body, after: int | None) -> dict[str, Any]:
+    salt = () if body.cache_salt is None else (("cache_salt", body.cache_salt),)
+    return {"after": after, "extra_keys": salt}
+
+
+@dataclass
+class _CompletionPlan:
+    """Every engine request of one completion request: `best_of` per prompt, the first of
+    each prompt prefills and the others wait for it (`after`) and hit its prompt."""
+
+    ids: list[list[int]]  # per prompt
+    echo: list[str]  # per prompt: the prompt's text (echo)
+    n: int
+    best_of: int
+    echo_only: bool  # max_tokens 0 with echo: score the prompt, generate nothing
+    params: list[SamplingParams] = field(default_factory=list)  # per engine request
+    options: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def requests(self) -> list[list[int]]:
+        return [i for i in self.ids for _ in range(self.best_of)]
+
+
+def _prepare_completion(server: Server, body: CompletionRequest) -> _CompletionPlan:
+    """Token ids, sampling params and echo text of every request (in a worker thread)."""
+    body.refuse_unsupported()
     prompts = _completion_prompts(body)
-    ids = [server.prompt_ids(p) for p in prompts]
-    params = [server.sampling_params(body, len(i), body.max_tokens, body.logprobs) for i in ids]
+    n, best_of = _choice_counts(body.n, body.best_of, body.stream)
+    spec = server.grammar(grammar_of(body), "structured output")
+    ids = [_truncate(server.prompt_ids(p), body.truncate_prompt_tokens) for p in prompts]
+    echo_only = body.echo and body.max_tokens == 0
     tok = server.engine.tokenizer
     echo = []
     if body.echo:
         for p in prompts:
             echo.append(p if isinstance(p, str) else tok.decode(p) if tok is not None else "")
-    return ids, params, echo
+    plan = _CompletionPlan(ids, echo, n, best_of, echo_only)
+    echo_lp = body.logprobs if body.echo else None
+    scored = [x for x in (body.prompt_logprobs, echo_lp) if x is not None]
+    logprobs = body.logprobs if body.logprobs is not None or best_of == n else 0
+    for i in ids:
+        first = len(plan.params)
+        for c in range(best_of):
+            more: dict[str, Any] = {"seed": _choice_seed(body.seed, c), "structured": spec}
+            if c == 0 and scored:
+                more["prompt_logprobs"] = max(scored)
+            max_tokens = 1 if echo_only else body.max_tokens
+            plan.params.append(server.sampling_params(body, len(i), max_tokens, logprobs, **more))
+            plan.options.append(_cache_options(body, first if c else None))
+    return plan
+
+
+def _pick_best(plan: _CompletionPlan, outs: list[RequestOutput]) -> list[tuple[int, RequestOutput]]:
+    """(prompt index, output) of every returned choice, in choice-index order: per prompt the
+    n of its best_of outputs with the highest cumulative log-prob."""
+    picked = []
+    for p in range(len(plan.ids)):
+        group = outs[p * plan.best_of : (p + 1) * plan.best_of]
+        if plan.best_of > plan.n:
+            key = lambda o: o.outputs[0].cumulative_logprob or -math.inf  # noqa: E731
+            group = sorted(group, key=key, reverse=True)[: plan.n]
+        picked += [(p, o) for o in group]
+    return picked
+
+
+def _completion_choice(
+    server: Server, body: CompletionRequest, plan: _CompletionPlan, k: int, p: int,
+    out: RequestOutput, first: RequestOutput,
+) -> dict[str, Any]:  # fmt: skip
+    """Choice number k (of prompt p); `first` is the prompt's first request (it has the
+    prompt's log-probs)."""
+    tok = server.engine.tokenizer
+    gen_ids = [] if plan.echo_only else out.token_ids
+    text = "" if plan.echo_only else out.text
+    choice: dict[str, Any] = {
+        "index": k,
+        "text": (plan.echo[p] if body.echo else "") + text,
+        "logprobs": None,
+        "finish_reason": "length" if plan.echo_only else _finish_reason(out),
+        "stop_reason": None if plan.echo_only else out.outputs[0].stop_reason,
+    }
+    if body.logprobs is not None:
+        choice["logprobs"] = _choice_logprobs(server, body, plan.ids[p], first, gen_ids, out)
+    if body.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = _vllm_prompt_logprobs(
+            tok, plan.ids[p], first.prompt_logprobs, body.prompt_logprobs
+        )
+    if tok is None or body.return_token_ids:  # token-id mode: the text is empty
+        choice["prompt_token_ids"], choice["token_ids"] = plan.ids[p], gen_ids
+    return choice
+
+
+def _choice_logprobs(server, body, prompt_ids, first, gen_ids, out, offset: int = 0):
+    tok, as_ids = server.engine.tokenizer, body.return_tokens_as_token_ids
+    ids, entries = list(gen_ids), list(out.logprobs or [])[: len(gen_ids)]
+    if body.echo:
+        ids, entries = prompt_ids + ids, list(first.prompt_logprobs or []) + entries
+    return _completion_logprobs(tok, ids, entries, offset, as_ids)[0]
+
+
+def _usage_of(plan_prompts: list[list[int]], firsts: list[RequestOutput], generated: int):
+    usage = _usage(sum(len(i) for i in plan_prompts), generated)
+    usage["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens for o in firsts)}
+    return usage
 
 
 async def completions(server: Server, request: Request):
     body = await server.read_body(request, CompletionRequest)
     server.check_model(body.model)
-    ids, params, echo = await asyncio.to_thread(_prepare_completion, server, body)
-    sub = await server.submit(ids, params, "cmpl", param="prompt")
-    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    plan = await asyncio.to_thread(_prepare_completion, server, body)
+    sub = await server.submit(plan.requests, plan.params, "cmpl", "prompt", plan.options)
+    rid, created = f"cmpl-{body.request_id or uuid.uuid4().hex}", int(time.time())
     if body.stream:
-        return _stream(_completion_chunks(server, body, sub, rid, created, ids, echo))
+        return _stream(_completion_chunks(server, body, sub, rid, created, plan))
     outs = await server.results(request, sub)
     if outs is None:
         return Response(status_code=CLIENT_GONE)
-    tok = server.engine.tokenizer
+    firsts = outs[:: plan.best_of]
     choices = [
-        {
-            "index": k,
-            "text": (echo[k] if body.echo else "") + o.text,
-            "logprobs": (
-                _completion_logprobs(tok, o.token_ids, o.logprobs)[0]
-                if o.logprobs is not None
-                else None
-            ),
-            "finish_reason": _finish_reason(o),
-            "stop_reason": o.outputs[0].stop_reason,
-        }
-        for k, o in enumerate(outs)
+        _completion_choice(server, body, plan, k, p, o, firsts[p])
+        for k, (p, o) in enumerate(_pick_best(plan, outs))
     ]
-    if tok is None:  # token-id mode: the text is empty, so say which tokens came out
-        for choice, i, o in zip(choices, ids, outs, strict=True):
-            choice["prompt_token_ids"], choice["token_ids"] = i, o.token_ids
-    done = sum(len(o.token_ids) for o in outs)
+    generated = 0 if plan.echo_only else sum(len(o.token_ids) for o in outs)
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": body.model,
         "choices": choices,
-        "usage": _usage(sum(len(i) for i in ids), done),
+        "usage": _usage_of(plan.ids, firsts, generated),
     }
 
 
 async def _completion_chunks(
-    server: Server, body: CompletionRequest, sub: Submission, rid, created, ids, echo
+    server: Server, body: CompletionRequest, sub: Submission, rid, created, plan: _CompletionPlan
 ) -> AsyncIterator[str]:
-    def chunk(k: int, text: str, finish: str | None, logprobs=None, **extra: list[int]) -> str:
+    def chunk(k: int, text: str, finish: str | None, logprobs=None, **extra: Any) -> str:
         choice = {"index": k, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return _sse(
             {
@@ -493,16 +720,26 @@ async def _completion_chunks(
         )
 
     tok = server.engine.tokenizer
-    token_ids = tok is None  # token-id mode: chunks carry new token ids
-    n = len(ids)
+    token_ids = tok is None or body.return_token_ids  # chunks carry new token ids
+    n = len(plan.requests)
     deltas = [_Delta() for _ in range(n)]
-    sent, offsets = [0] * n, [0] * n  # tokens (and their text) sent per prompt
+    sent, offsets = [0] * n, [0] * n  # tokens (and their text) sent per request
+    started = [False] * n
+    firsts: dict[int, RequestOutput] = {}
     completion_tokens = 0
     try:
-        if body.echo:
-            for k, text in enumerate(echo):
-                yield chunk(k, text, None, **({"prompt_token_ids": ids[k]} if token_ids else {}))
         async for k, out in sub.outputs():
+            p = k // plan.best_of
+            if k % plan.best_of == 0:
+                firsts[p] = out
+            if not started[k]:  # the echo goes first, with the prompt's log-probs
+                started[k] = True
+                if body.echo:
+                    yield _echo_chunk(chunk, server, body, plan, k, p, out, offsets)
+            if plan.echo_only:
+                if out.finished:
+                    yield chunk(k, "", "length")
+                continue
             text = deltas[k](out)
             if out.finished:
                 completion_tokens += len(out.token_ids)
@@ -510,15 +747,18 @@ async def _completion_chunks(
             if not (text or out.finished or (token_ids and new)):
                 continue  # nothing to show yet (held back): its tokens go with the next chunk
             logprobs = None
-            if out.logprobs is not None:
+            if out.logprobs is not None and body.logprobs is not None:
                 entries = out.logprobs[sent[k] :]
-                logprobs, offsets[k] = _completion_logprobs(tok, new, entries, offsets[k])
+                logprobs, offsets[k] = _completion_logprobs(
+                    tok, new, entries, offsets[k], body.return_tokens_as_token_ids
+                )
             sent[k] = len(out.token_ids)
             extra = {"token_ids": new} if token_ids else {}
             yield chunk(k, text, _finish_reason(out), logprobs, **extra)
     finally:
         sub.close()
     if (body.stream_options or {}).get("include_usage"):
+        usage = _usage_of(plan.ids, [firsts[p] for p in sorted(firsts)], completion_tokens)
         yield _sse(
             {
                 "id": rid,
@@ -526,10 +766,29 @@ async def _completion_chunks(
                 "created": created,
                 "model": body.model,
                 "choices": [],
-                "usage": _usage(sum(len(i) for i in ids), completion_tokens),
+                "usage": usage,
             }
         )
     yield _sse("[DONE]")
+
+
+def _echo_chunk(chunk, server, body, plan, k: int, p: int, out, offsets: list[int]) -> str:
+    """The first chunk of choice k: its prompt's text (and log-probs, first token null)."""
+    extra: dict[str, Any] = {}
+    if server.engine.tokenizer is None or body.return_token_ids:
+        extra["prompt_token_ids"] = plan.ids[p]
+    if body.prompt_logprobs is not None:
+        tok = server.engine.tokenizer
+        extra["prompt_logprobs"] = _vllm_prompt_logprobs(
+            tok, plan.ids[p], out.prompt_logprobs, body.prompt_logprobs
+        )
+    logprobs = None
+    if body.logprobs is not None:
+        entries = out.prompt_logprobs or [None] * len(plan.ids[p])
+        logprobs, offsets[k] = _completion_logprobs(
+            server.engine.tokenizer, plan.ids[p], entries, 0, body.return_tokens_as_token_ids
+        )
+    return chunk(k, plan.echo[p], None, logprobs, **extra)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -538,7 +797,7 @@ async def _completion_chunks(
 
 
 def _chat_logprob_content(
-    tok, token_ids: list[int], entries: list[dict[int, float]]
+    tok, token_ids: list[int], entries: Sequence[dict[int, float]], top: int = 20
 ) -> list[dict[str, Any]]:
     def one(token_id: int, logprob: float | None) -> dict[str, Any]:
         text = tok.decode([token_id], skip_special_tokens=False)
@@ -546,14 +805,32 @@ def _chat_logprob_content(
 
     content = []
     for t, entry in zip(token_ids, entries, strict=False):
-        top = sorted(entry.items(), key=lambda kv: -kv[1])
-        content.append({**one(t, entry.get(t)), "top_logprobs": [one(k, v) for k, v in top]})
+        best = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
+        content.append({**one(t, entry.get(t)), "top_logprobs": [one(k, v) for k, v in best]})
     return content
 
 
-def _prepare_chat(server: Server, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+@dataclass
+class _ChatPlan:
+    ids: list[int]
+    params: list[SamplingParams]  # one per choice
+    options: list[dict[str, Any]]
+    mode: str  # tool mode: none, auto, required, named
+    function: str | None
+    tools: list[dict[str, Any]] | None
+    top: int  # top_logprobs
+
+
+def _prepare_chat(server: Server, body: ChatCompletionRequest) -> _ChatPlan:
     """The rendered and tokenized prompt and the sampling params (in a worker thread)."""
-    ids = server.prompt_ids(server.chat_prompt(body), param="messages")
+    body.refuse_unsupported()
+    n, _ = _choice_counts(body.n, None, body.stream)
+    tools = check_tools(body.tools)
+    mode, function = tool_mode(body.tool_choice, tools)
+    forced = tool_grammar(mode, function, tools, body.parallel_tool_calls)
+    spec = server.grammar(grammar_of(body, forced), "structured output")
+    ids = server.prompt_ids(server.chat_prompt(body, body.tools or None), param="messages")
+    ids = _truncate(ids, body.truncate_prompt_tokens)
     top = body.top_logprobs if body.logprobs else None
     if body.logprobs and top is None:
         top = 0
@@ -562,91 +839,204 @@ def _prepare_chat(server: Server, body: ChatCompletionRequest) -> tuple[list[int
     if body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
         names["max_tokens"] = "max_completion_tokens"
-    return ids, server.sampling_params(body, len(ids), max_tokens, top, names)
+    params = [
+        server.sampling_params(body, len(ids), max_tokens, top, names,
+                               seed=_choice_seed(body.seed, c), structured=spec)  # fmt: skip
+        for c in range(n)
+    ]
+    options = [_cache_options(body, 0 if c else None) for c in range(n)]
+    return _ChatPlan(ids, params, options, mode, function, body.tools, top or 0)
+
+
+def _chat_output(server: Server, plan: _ChatPlan) -> ChatOutput:
+    parser = None
+    if plan.mode == "auto":
+        parser = get_tool_parser(server.tool_parser)(plan.tools)
+    reasoning = get_reasoning_parser(server.reasoning_parser)() if server.reasoning_parser else None
+    return ChatOutput(plan.mode, parser, reasoning, plan.function)
 
 
 async def chat_completions(server: Server, request: Request):
     body = await server.read_body(request, ChatCompletionRequest)
+    result = await run_chat(server, request, body)
+    if result is None:
+        return Response(status_code=CLIENT_GONE)
+    if isinstance(result, dict):
+        return result
+    return _stream(_sse_of(result))
+
+
+async def _sse_of(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    try:
+        async for c in chunks:
+            yield _sse(c)
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+    yield _sse("[DONE]")
+
+
+async def run_chat(
+    server: Server, request: Request, body: ChatCompletionRequest
+) -> dict[str, Any] | AsyncIterator[dict[str, Any]] | None:
+    """A chat completion: the response, or (streaming) its chunk objects, or None when the
+    client left. The /v1/responses and /v1/messages adapters run through here too."""
     server.check_model(body.model)
-    ids, params = await asyncio.to_thread(_prepare_chat, server, body)
-    sub = await server.submit([ids], [params], "chat", param="messages")
-    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    plan = await asyncio.to_thread(_prepare_chat, server, body)
+    prompts = [plan.ids] * len(plan.params)
+    sub = await server.submit(prompts, plan.params, "chat", "messages", plan.options)
+    rid, created = f"chatcmpl-{body.request_id or uuid.uuid4().hex}", int(time.time())
     if body.stream:
-        return _stream(_chat_chunks(server, body, sub, rid, created, len(ids)))
+        return _chat_chunks(server, body, sub, rid, created, plan)
     outs = await server.results(request, sub)
     if outs is None:
-        return Response(status_code=CLIENT_GONE)
-    (out,) = outs
+        return None
     tok = server.engine.tokenizer
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": out.text},
-        "logprobs": (
-            {"content": _chat_logprob_content(tok, out.token_ids, out.logprobs)}
-            if out.logprobs is not None
-            else None
-        ),
-        "finish_reason": _finish_reason(out),
-    }
-    return {
+    choices = []
+    for k, out in enumerate(outs):
+        message, finish = _chat_output(server, plan).message(out.text, _finish_reason(out))
+        logprobs = None
+        if out.logprobs is not None:
+            content = _chat_logprob_content(tok, out.token_ids, out.logprobs, plan.top)
+            logprobs = {"content": content}
+        choice = {"index": k, "message": message, "logprobs": logprobs, "finish_reason": finish,
+                  "stop_reason": out.outputs[0].stop_reason}  # fmt: skip
+        if body.return_token_ids:
+            choice["token_ids"] = out.token_ids
+        choices.append(choice)
+    response = {
         "id": rid,
         "object": "chat.completion",
         "created": created,
         "model": body.model,
-        "choices": [choice],
-        "usage": _usage(len(ids), len(out.token_ids)),
+        "choices": choices,
+        "usage": _usage_of([plan.ids], outs[:1], sum(len(o.token_ids) for o in outs)),
     }
+    if body.return_token_ids:
+        response["prompt_token_ids"] = plan.ids
+    return response
 
 
 async def _chat_chunks(
-    server: Server, body: ChatCompletionRequest, sub: Submission, rid, created, prompt_tokens
-) -> AsyncIterator[str]:
-    def chunk(delta: dict[str, Any], finish: str | None, logprobs=None) -> str:
-        return _sse(
-            {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": body.model,
-                "choices": [
-                    {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-                ],
-            }
-        )
+    server: Server, body: ChatCompletionRequest, sub: Submission, rid, created, plan: _ChatPlan
+) -> AsyncIterator[dict[str, Any]]:
+    def chunk(k: int, delta: dict[str, Any], finish: str | None, logprobs=None, **extra) -> dict:
+        choice = {"index": k, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": body.model,
+            "choices": [choice | extra],
+        }
 
     tok = server.engine.tokenizer
-    delta, sent, completion_tokens = _Delta(), 0, 0
+    n = len(plan.params)
+    deltas = [_Delta() for _ in range(n)]
+    outputs = [_chat_output(server, plan) for _ in range(n)]
+    sent, completion_tokens = [0] * n, 0
+    firsts: list[RequestOutput] = []
     try:
-        yield chunk({"role": "assistant", "content": ""}, None)
-        async for _, out in sub.outputs():
-            text = delta(out)
+        for k in range(n):
+            yield chunk(k, {"role": "assistant", "content": ""}, None)
+        async for k, out in sub.outputs():
+            if k == 0 and not firsts:
+                firsts.append(out)
+            text = deltas[k](out)
             if not (text or out.finished):
                 continue  # held back: its tokens' log-probs go with the next chunk
             logprobs = None
             if out.logprobs is not None:
-                new = out.token_ids[sent:]
-                logprobs = {"content": _chat_logprob_content(tok, new, out.logprobs[sent:])}
-                sent = len(out.token_ids)
-            if text:
-                yield chunk({"content": text}, None, logprobs)
+                new = out.token_ids[sent[k] :]
+                content = _chat_logprob_content(tok, new, out.logprobs[sent[k] :], plan.top)
+                logprobs = {"content": content}
+                sent[k] = len(out.token_ids)
+            for delta in outputs[k].deltas(text) if text else []:
+                yield chunk(k, delta, None, logprobs)
                 logprobs = None
             if out.finished:
-                completion_tokens = len(out.token_ids)
-                yield chunk({}, _finish_reason(out), logprobs)
+                completion_tokens += len(out.token_ids)
+                held, finish = outputs[k].finish(_finish_reason(out))
+                for delta in held:
+                    yield chunk(k, delta, None, logprobs)
+                    logprobs = None
+                yield chunk(k, {}, finish, logprobs, stop_reason=out.outputs[0].stop_reason)
     finally:
         sub.close()
     if (body.stream_options or {}).get("include_usage"):
-        yield _sse(
-            {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": body.model,
-                "choices": [],
-                "usage": _usage(prompt_tokens, completion_tokens),
-            }
-        )
-    yield _sse("[DONE]")
+        yield {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": body.model,
+            "choices": [],
+            "usage": _usage_of([plan.ids], firsts, completion_tokens),
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses API and Anthropic Messages: adapters over the chat path
+# ---------------------------------------------------------------------------------------------
+
+
+class _RawBody(BaseModel):
+    """Any JSON object (the adapters check the fields themselves)."""
+
+    model_config = {"extra": "allow"}
+
+
+async def _adapted_chat(server: Server, request: Request, convert) -> tuple[dict, Any]:
+    raw = (await server.read_body(request, _RawBody)).model_dump()
+    chat = await asyncio.to_thread(convert, raw)
+    try:
+        body = ChatCompletionRequest.model_validate(chat)
+    except ValidationError as exc:
+        raise _validation_error(exc.errors(include_url=False), chat) from None
+    return raw, await run_chat(server, request, body)
+
+
+async def _error_chunks(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    """Chat chunks; a failure mid-stream becomes one {"error": ...} chunk (the adapters turn
+    it into their own error event)."""
+    try:
+        async for c in chunks:
+            yield c
+    except RequestFailed as exc:
+        yield OpenAIError(str(exc), status=500).body()
+    except Exception as exc:
+        logger.exception("a stream failed")
+        yield OpenAIError(f"internal server error: {exc!r}", status=500).body()
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+
+
+async def responses(server: Server, request: Request):
+    raw, result = await _adapted_chat(server, request, responses_to_chat)
+    if result is None:
+        return Response(status_code=CLIENT_GONE)
+    if isinstance(result, dict):
+        return chat_to_response(result, raw)
+
+    async def events() -> AsyncIterator[str]:
+        async for event in chat_stream_to_response_events(_error_chunks(result), raw):
+            yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+    return _EventStream(events(), media_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache"})  # fmt: skip
+
+
+async def messages(server: Server, request: Request):
+    raw, result = await _adapted_chat(server, request, messages_to_chat)
+    if result is None:
+        return Response(status_code=CLIENT_GONE)
+    if isinstance(result, dict):
+        return chat_to_message(result, raw)
+
+    async def events() -> AsyncIterator[str]:
+        async for name, data in chat_stream_to_message_events(_error_chunks(result), raw):
+            yield f"event: {name}\ndata: {json.dumps(data)}\n\n"
+
+    return _EventStream(events(), media_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache"})  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -776,6 +1166,42 @@ def build_app(server: Server) -> FastAPI:
             ],
         }
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await server.read_body(request, TokenizeRequest)
+        if body.model is not None:
+            server.check_model(body.model)
+        return await asyncio.to_thread(_tokenize, server, body)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await server.read_body(request, DetokenizeRequest)
+        if body.model is not None:
+            server.check_model(body.model)
+        return await asyncio.to_thread(_detokenize, server, body)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        tok = _need_tokenizer(server, "tokenizer_info")
+        info = {k: v for k, v in tok.config.items() if k != "added_tokens_decoder"}
+        info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        limit = server.engine.max_model_len
+        return {**info, "vocab_size": tok.vocab_size, "model_max_length": limit}
+
+    @app.post("/v1/responses")
+    async def v1_responses(request: Request):
+        return await responses(server, request)
+
+    @app.post("/v1/messages")
+    async def v1_messages(request: Request):
+        try:
+            return await messages(server, request)
+        except OpenAIError as exc:  # Anthropic's error shape on this route
+            server.metrics.count_request(f"error_{exc.status}")
+            if exc.status == CLIENT_GONE:
+                return Response(status_code=CLIENT_GONE)
+            return JSONResponse(anthropic_error(exc.status, exc.message), status_code=exc.status)
+
     @app.post("/v1/completions")
     async def v1_completions(request: Request):
         return await completions(server, request)
@@ -785,6 +1211,54 @@ def build_app(server: Server) -> FastAPI:
         return await chat_completions(server, request)
 
     return app
+
+
+def _need_tokenizer(server: Server, what: str) -> Any:
+    tok = server.engine.tokenizer
+    if tok is None:
+        raise OpenAIError(f"this model has no tokenizer, so {what} is not available", status=404)
+    return tok
+
+
+def _tokenize(server: Server, body: TokenizeRequest) -> dict[str, Any]:
+    tok = _need_tokenizer(server, "/tokenize")
+    if (body.prompt is None) == (body.messages is None):
+        raise OpenAIError("give either prompt or messages", param="prompt")
+    if body.messages is not None:
+        chat = ChatCompletionRequest.model_validate(
+            {"model": server.model_name, "messages": [m.model_dump() for m in body.messages],
+             "add_generation_prompt": body.add_generation_prompt, "tools": body.tools,
+             "chat_template": body.chat_template,
+             "chat_template_kwargs": body.chat_template_kwargs}  # fmt: skip
+        )
+        text, special = server.chat_prompt(chat, body.tools), False
+    else:
+        assert body.prompt is not None
+        text, special = body.prompt, True
+    try:
+        check_unicode(text, "prompt")
+    except ValueError as exc:
+        raise OpenAIError(str(exc), param="prompt") from None
+    if body.add_special_tokens is not None:
+        special = body.add_special_tokens
+    ids = tok.encode(text, add_special_tokens=special)
+    strs = [_token_str(tok, t) for t in ids] if body.return_token_strs else None
+    return {
+        "count": len(ids),
+        "max_model_len": server.engine.max_model_len,
+        "tokens": ids,
+        "token_strs": strs,
+    }
+
+
+def _detokenize(server: Server, body: DetokenizeRequest) -> dict[str, Any]:
+    tok = _need_tokenizer(server, "/detokenize")
+    vocab = server.engine.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise OpenAIError(f"tokens must be token ids in [0, {vocab}), got {bad[:3]}",
+                          param="tokens")  # fmt: skip
+    return {"prompt": tok.decode(body.tokens)}
 
 
 def _validation_error_of(exc: RequestValidationError) -> OpenAIError:
@@ -819,13 +1293,15 @@ def serve(
     port: int = 8000,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     sock: socket.socket | None = None,
+    tool_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> str | None:
     """Serve until interrupted; on `sock` (from bind_socket) if given, else on host:port.
     Returns None, or the error that stopped the engine (a tensor-parallel rank died or hung):
     requests then get 503 and the server shuts down, for the caller to exit non-zero."""
     import uvicorn
 
-    state = Server(engine, model_name, max_request_bytes)
+    state = Server(engine, model_name, max_request_bytes, tool_parser, reasoning_parser)
     app = build_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level="info")
     http = uvicorn.Server(config)

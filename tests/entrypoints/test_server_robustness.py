@@ -145,7 +145,7 @@ def test_chunked_body_over_the_limit_is_413(server):
 
 
 def test_unexpected_exception_is_500_in_the_shape(server, monkeypatch):
-    def boom(body):
+    def boom(*args):
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(server, "chat_prompt", boom)

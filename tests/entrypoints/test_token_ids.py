@@ -138,7 +138,12 @@ def test_server_completions_with_token_ids(base_url, expected):
     (choice,) = r.json()["choices"]
     assert choice["text"] == "" and choice["token_ids"] == expected[0]
     assert choice["prompt_token_ids"] == PROMPTS[0] and choice["finish_reason"] == "length"
-    assert r.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+    assert r.json()["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 6,
+        "total_tokens": 9,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     r = post(base_url, "/v1/completions", prompt=PROMPTS, **kw)
     assert r.status_code == 200, r.text
     assert [c["token_ids"] for c in r.json()["choices"]] == expected
@@ -150,10 +155,12 @@ def test_server_echo_logprobs_and_stream(base_url, expected):
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["text"] == "" and choice["token_ids"] == expected[0]
-    lp = choice["logprobs"]
-    assert lp["tokens"] == [f"token_id:{t}" for t in expected[0]]
-    assert all(k.startswith("token_id:") for top in lp["top_logprobs"] for k in top)
-    assert lp["text_offset"] == [0] * 6
+    lp = choice["logprobs"]  # echo: the prompt's tokens (the first without a log-prob) first
+    assert lp["tokens"] == [f"token_id:{t}" for t in PROMPTS[0] + expected[0]]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v < 0 for v in lp["token_logprobs"][1:])
+    assert all(k.startswith("token_id:") for top in lp["top_logprobs"][1:] for k in top)
+    assert lp["text_offset"] == [0] * (len(PROMPTS[0]) + 6)
     body = {"model": MODEL, "stream": True, "echo": True, **kw}
     with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as r:
         lines = [line for line in r.iter_lines() if line]
