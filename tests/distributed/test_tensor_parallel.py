@@ -16,6 +16,7 @@ import torch
 
 from hybridkv.distributed.runtime import TensorParallelError
 from hybridkv.engine import Engine
+from hybridkv.sampling_params import SamplingParams
 from tests.models.conformance import MIN_MARGIN, NEW_TOKENS, make_family
 from tests.models.utils import engine_greedy, prompts, reference_greedy, save_model, seeded
 
@@ -74,8 +75,27 @@ def test_granite_page_mode_shared_prefix(granite_family) -> None:
     try:
         assert engine_greedy(engine, fam.shared[:3], NEW_TOKENS) == fam.shared_ref[:3]
         assert engine_greedy(engine, fam.shared, NEW_TOKENS) == fam.shared_ref
+        # prompt log-probs (every rank computes the same lm_head slices) and logits
+        # processing (on rank 0's gathered logits) as in one process
+        single = Engine(str(fam.folder), dtype="float32", allocation="page")
+        params = SamplingParams(max_tokens=4, prompt_logprobs=2, logprobs=1, temperature=0,
+                                presence_penalty=1.5, logit_bias={3: 2.0})  # fmt: skip
+        got, want = (_run_one(e, fam.plain[1], params) for e in (engine, single))
+        assert got.token_ids == want.token_ids
+        for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True):
+            assert a.keys() == b.keys()
+            assert all(abs(a[k] - b[k]) < 1e-4 for k in a)
     finally:
         engine.shutdown()
+
+
+def _run_one(engine: Engine, prompt: list[int], params: SamplingParams):
+    req = engine.add_request(prompt, params)
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.request_id == req.request_id and out.finished:
+                return out
+    raise AssertionError("the request did not finish")
 
 
 def test_granite_small_pool_preempts(granite_family) -> None:
