@@ -7,13 +7,24 @@ OpenAI-style structured outputs use finds the combinations we did not. Every sch
 Keywords generated (all compiled exactly by llguidance): type object / array / string /
 integer / number / boolean, properties + required + additionalProperties false, items,
 minItems / maxItems (small), enum (strings, numbers, null, booleans mixed), minimum / maximum
-on integers and numbers, string pattern (anchored, simple classes and counts) and maxLength.
+on integers and numbers, multipleOf 0.5 or 0.25 on numbers, string pattern (anchored, simple
+classes and counts) and maxLength.
+
+Every value's text is bounded, as OpenAI strict schemas are in practice: strings have a
+maxLength or a pattern, arrays a maxItems, integers a minimum and maximum, and numbers also a
+multipleOf (a minimum and maximum bound the integer part only: "0.1234..." may go on forever).
+Why: a model that knows no JSON (the tests' default model) sampled at temperature ~1 writes
+digits or string characters until max_tokens for about one schema in 500 otherwise, and the
+server tests want every output to end by itself. The multipleOf values are binary fractions
+because both sides check them exactly: llguidance checks the decimal text (it refuses some
+valid spellings, e.g. "2.5" for 0.25, so its outputs are a subset of the valid ones), and
+jsonschema's float division x / 0.25 has no rounding error (x / 0.1 has: 0.7 / 0.1 fails).
 
 Left out on purpose, because llguidance does not enforce them exactly or at all:
 format (only some formats, e.g. date-time / email / uuid, are known), multipleOf on numbers
-with fractions, uniqueItems, patternProperties, dependentRequired / dependentSchemas,
-if / then / else, contains / minContains, not, and oneOf that is not disjoint (compiled as
-anyOf). $ref / $defs and anyOf are supported but not generated here.
+with decimal fractions (see above), uniqueItems, patternProperties, dependentRequired /
+dependentSchemas, if / then / else, contains / minContains, not, and oneOf that is not
+disjoint (compiled as anyOf). $ref / $defs and anyOf are supported but not generated here.
 """
 
 from __future__ import annotations
@@ -39,19 +50,16 @@ def _scalar(rng: random.Random) -> dict[str, Any]:
     if kind == "pattern":
         return {"type": "string", "pattern": rng.choice(PATTERNS)}
     if kind == "integer":
-        schema: dict[str, Any] = {"type": "integer"}
-        if rng.random() < 0.7:
-            lo = rng.randint(-1000, 1000)
-            schema["minimum"] = lo
-            schema["maximum"] = lo + rng.randint(0, 5000)
-        return schema
+        lo = rng.randint(-1000, 1000)
+        return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 5000)}
     if kind == "number":
-        schema = {"type": "number"}
-        if rng.random() < 0.7:
-            lo = rng.choice([-10.5, 0, 1, 2.25, -100])
-            schema["minimum"] = lo
-            schema["maximum"] = lo + rng.choice([1, 10, 99.5, 1000])
-        return schema
+        lo = rng.choice([-10.5, 0, 1, 2.25, -100])
+        return {
+            "type": "number",
+            "minimum": lo,
+            "maximum": lo + rng.choice([1, 10, 99.5, 1000]),
+            "multipleOf": rng.choice([0.5, 0.25]),
+        }
     if kind == "boolean":
         return {"type": "boolean"}
     pool: list[Any] = rng.sample(WORDS, rng.randint(1, 4))
