@@ -435,3 +435,29 @@ def test_no_error_is_a_500_and_pages_return(server):
     server.engine.cache.check_integrity()
     assert server.engine.cache.usage()["in_use"] == 0
     assert math.isfinite(server.async_engine.stats["usage"]["in_use"])
+
+
+def test_multi_turn_tool_messages_round_trip_through_the_template(server, client):
+    """Assistant tool calls and `tool` results of an earlier turn render through a Hermes-style
+    template exactly as transformers renders them (the server's /tokenize of the chat request
+    decodes back to transformers' text), and the chat request itself is served."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.entrypoints.test_chat_template import CALLS, HERMES_TEMPLATE, TOKENIZER, TOOLS
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(TOKENIZER))
+    want = tok.apply_chat_template(
+        CALLS, tools=TOOLS, chat_template=HERMES_TEMPLATE, tokenize=False,
+        add_generation_prompt=True,
+    )  # fmt: skip
+    body = {"messages": CALLS, "tools": TOOLS, "chat_template": HERMES_TEMPLATE}
+    ids = post(server, "/tokenize", body).json()["tokens"]
+    assert post(server, "/detokenize", {"tokens": ids}).json()["prompt"] == want
+    assert "<tool_response>" in want and "get_weather" in want
+    short = CALLS[:3] + [{"role": "user", "content": "ok"}]
+    body = {"messages": short, "chat_template": HERMES_TEMPLATE}
+    ids = post(server, "/tokenize", body).json()["tokens"]
+    out = client.chat.completions.create(
+        model=MODEL, messages=short, max_tokens=3, extra_body={"chat_template": HERMES_TEMPLATE}
+    )
+    assert out.usage.prompt_tokens == len(ids)
