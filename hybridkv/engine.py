@@ -32,6 +32,7 @@ import logging
 import os
 import time
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from hybridkv.config import (
 )
 from hybridkv.core.coordinator import CacheManager
 from hybridkv.core.request import Request, RequestStatus
-from hybridkv.core.scheduler import Scheduler
+from hybridkv.core.scheduler import Scheduler, SchedulerOutput
 from hybridkv.distributed.parallel import SINGLE, building
 from hybridkv.distributed.runtime import (
     DriverRunner,
@@ -81,7 +82,7 @@ from hybridkv.tokenizer import load_tokenizer
 from hybridkv.worker.cpu_threads import CpuShare
 from hybridkv.worker.host_memory import keep_freed_memory
 from hybridkv.worker.model_runner import ModelRunner, StepLogits
-from hybridkv.worker.sampler import Sample, Sampler, SamplingRow
+from hybridkv.worker.sampler import Sample, Sampler, SamplingRow, fill_bitmasks
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "default_model"
 MIN_REQUEST_TOKENS = 16  # the shortest request a pool must hold (else the engine refuses it)
@@ -313,6 +314,7 @@ class Engine:
         self._held: dict[str, list[Request]] = {}  # request id -> requests waiting for its prompt
         self.sampler = Sampler(self.model_config.seed)
         self._grammars: Any = None  # hybridkv.structured.GrammarCompiler, made when first needed
+        self._mask_thread: ThreadPoolExecutor | None = None  # fills grammar masks (_start_masks)
         self._ids = itertools.count()
         if self.cpu_share is not None:
             self.cpu_share.settle()  # from what other programs did while the engine started
@@ -552,9 +554,10 @@ class Engine:
         out = self.scheduler.schedule()
         # the step's live requests (one aborted while the step ran is gone)
         stepped = [r for c in out.chunks if (r := self.requests.get(c.request_id)) is not None]
+        masks = self._start_masks(out)  # grammar masks, filled while the forward runs
         try:
             result = self.runner.execute(out)
-            samples = self._sample(result)
+            samples = self._sample(result, masks)
         except TensorParallelError:
             raise  # a rank died or hung: fatal, not one step's failure
         except Exception as exc:
@@ -620,14 +623,29 @@ class Engine:
 
     # -- sampling ------------------------------------------------------------------------------
 
-    def _sample(self, result: StepLogits) -> dict[str, Sample]:
+    def _sample(self, result: StepLogits, masks: Future | None) -> dict[str, Sample]:
         """Sample a token for every request of the step that samples (the engine owns their
         sampling state: generators, the tokens the penalties count, grammar matchers)."""
+        bitmask = masks.result() if masks is not None else None  # (before any early return)
         if result.logits is None or not result.request_ids:
             return {}
         rows = [self._sampling_row(self.requests.get(rid)) for rid in result.request_ids]
-        samples = self.sampler(result.logits, rows)
+        samples = self.sampler(result.logits, rows, bitmask)
         return dict(zip(result.request_ids, samples, strict=True))
+
+    def _start_masks(self, out: SchedulerOutput) -> Future | None:
+        """Fill the grammar masks of the step's sampling rows in the mask thread, so that
+        they are ready when the logits are (llguidance drops the GIL; the rows are the
+        runner's `StepLogits.request_ids`, in chunk order). None: no row has a grammar."""
+        ids = [c.request_id for c in out.chunks if c.sampling is not None]
+        reqs = [self.requests.get(rid) for rid in ids]
+        rows = [i for i, r in enumerate(reqs) if r is not None and r.matcher is not None]
+        if not rows:
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="hybridkv-masks")
+        matchers = [reqs[i].matcher for i in rows]  # type: ignore[union-attr]
+        return self._mask_thread.submit(fill_bitmasks, matchers, rows, len(ids), self.vocab_size)
 
     def _sampling_row(self, req: Request | None) -> SamplingRow:
         if req is None:  # aborted while the step ran: its token is dropped

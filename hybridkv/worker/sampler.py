@@ -89,12 +89,18 @@ def _token_counts(rows: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
-        self._bitmask: torch.Tensor | None = None  # grammar masks, reused between steps
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sample]:
-        """logits: [n, vocab] float32, one row per sampling request (left unchanged)."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        bitmask: torch.Tensor | None = None,
+    ) -> list[Sample]:
+        """logits: [n, vocab] float32, one row per sampling request (left unchanged).
+        `bitmask`: the grammar rows' masks, filled already (int32 [n, words], row i for logits
+        row i; the engine fills them while the forward runs); None: filled here."""
         n = logits.shape[0]
-        x = self._process(logits, rows)
+        x = self._process(logits, rows, bitmask)
         tokens = torch.empty(n, dtype=torch.int64)
         params = [r.params for r in rows]
         greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -109,7 +115,9 @@ class Sampler:
 
     # -- logits processing ---------------------------------------------------------------------
 
-    def _process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def _process(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], bitmask: torch.Tensor | None
+    ) -> torch.Tensor:
         """The logits to sample from: a processed copy when any row asks for processing."""
         todo = [i for i, r in enumerate(rows) if r.params.processes_logits]
         if not todo:
@@ -127,7 +135,7 @@ class Sampler:
             x[penalised] = self._penalise(x[penalised], [rows[i] for i in penalised])
         grammar = [i for i in todo if rows[i].matcher is not None]
         if grammar:
-            self._mask_grammar(x, rows, grammar)
+            self._mask_grammar(x, rows, grammar, bitmask)
         return x
 
     @staticmethod
@@ -144,17 +152,19 @@ class Sampler:
         pres = torch.tensor([r.params.presence_penalty for r in rows])[:, None]
         return x - freq * out_counts - pres * (out_counts > 0).float()
 
-    def _mask_grammar(self, x: torch.Tensor, rows: Sequence[SamplingRow], grammar: list[int]):
+    def _mask_grammar(
+        self,
+        x: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        grammar: list[int],
+        bitmask: torch.Tensor | None,
+    ) -> None:
         """Disallowed tokens of each grammar row -> -inf (the structured-outputs mask)."""
-        from hybridkv.structured import allocate_bitmask, apply_bitmask
+        from hybridkv.structured import apply_bitmask
 
-        n, vocab = x.shape
-        words = (vocab + 31) // 32
-        if self._bitmask is None or self._bitmask.shape[0] < n or self._bitmask.shape[1] != words:
-            self._bitmask = allocate_bitmask(max(n, 8), vocab)
-        for i in grammar:
-            rows[i].matcher.fill_bitmask(self._bitmask, i)
-        apply_bitmask(x, self._bitmask[:n], grammar)
+        if bitmask is None:
+            bitmask = fill_bitmasks([rows[i].matcher for i in grammar], grammar, *x.shape)
+        apply_bitmask(x, bitmask, grammar)
 
     # -- sampling ------------------------------------------------------------------------------
 
@@ -190,6 +200,18 @@ class Sampler:
             top = {int(a): float(b) for a, b in zip(top_i[j, :k], top_v[j, :k], strict=True)}
             out[i] = Sample(int(tokens[i]), float(lp[j, tokens[i]]), top)
         return out
+
+
+def fill_bitmasks(matchers: Sequence[Any], rows: Sequence[int], n: int, vocab: int) -> torch.Tensor:
+    """A bitmask [n, words] with row rows[j] filled by matchers[j] (grammar matchers); the
+    other rows stay zero (unused). Runs in the engine's mask thread during the forward, or
+    in the sampler; the matchers are not touched elsewhere meanwhile."""
+    from hybridkv.structured import allocate_bitmask
+
+    bitmask = allocate_bitmask(n, vocab)
+    for matcher, row in zip(matchers, rows, strict=True):
+        matcher.fill_bitmask(bitmask, row)
+    return bitmask
 
 
 def prompt_logprobs(

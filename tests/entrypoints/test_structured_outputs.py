@@ -98,9 +98,10 @@ def test_random_schemas_all_at_once(server, monkeypatch):
     widths: list[int] = []  # grammar rows per sampler call
     mask = sampler._mask_grammar
 
-    def spy(x, rows, grammar):
+    def spy(x, rows, grammar, bitmask):
         widths.append(len(grammar))
-        return mask(x, rows, grammar)
+        assert bitmask is not None  # filled by the engine's mask thread during the forward
+        return mask(x, rows, grammar, bitmask)
 
     monkeypatch.setattr(sampler, "_mask_grammar", spy)
     results = run_all(server, bodies)

@@ -62,7 +62,7 @@ def test_penalties_and_bias_follow_the_reference_formulas():
         SamplingRow(SamplingParams(temperature=0.0, logit_bias={5: 100})),
     ]
     raw = x.clone()
-    processed = Sampler()._process(x, rows)
+    processed = Sampler()._process(x, rows, None)
     assert torch.equal(x, raw)  # the raw logits are kept for the log-probs
     assert torch.equal(processed[0], x[0])
     want = x[1].clone()
