@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
@@ -130,6 +131,53 @@ _MESSAGES_FIELDS = {
     "output_config",
 }
 # fmt: on
+
+
+# An error the chat path raises names a chat field: the field of the adapted request that set
+# it instead (first matching pattern; `structured output` is the grammar of text.format /
+# output_config.format, or else of the forced tool call). Message indices are not kept: the
+# conversion merges and splits messages.
+_RESPONSES_NAMES = [
+    (r"max_completion_tokens", "max_output_tokens"),
+    (r"messages(\..*)?", "input"),
+    (r"tools\.(\d+)\.function(\..*)?", r"tools.\1\2"),
+    (r"tool_choice\.function\.name", "tool_choice.name"),
+    (r"(response_format|structured output)(\..*)?", "text.format"),
+    (r"stream_options(\..*)?", "stream"),
+]
+_MESSAGES_NAMES = [
+    (r"max_completion_tokens", "max_tokens"),
+    (r"stop(\..*)?", r"stop_sequences\1"),
+    (r"user", "metadata.user_id"),
+    (r"messages(\..*)?", "messages"),
+    (r"tools\.(\d+)\.function\.parameters(\..*)?", r"tools.\1.input_schema\2"),
+    (r"tools\.(\d+)\.function(\..*)?", r"tools.\1\2"),
+    (r"tool_choice\.function\.name", "tool_choice.name"),
+    (r"parallel_tool_calls", "tool_choice.disable_parallel_tool_use"),
+    (r"(response_format|structured output)(\..*)?", "output_config.format"),
+    (r"stream_options(\..*)?", "stream"),
+]
+
+
+def rename_chat_error(exc: OpenAIError, chat: dict, api: str) -> OpenAIError:
+    """`exc`, raised for chat body `chat` (converted by the "responses" or "messages"
+    adapter), with its param and the param's mentions in its message renamed to the field the
+    client sent ("max_completion_tokens" -> "max_output_tokens" / "max_tokens")."""
+    old = exc.param
+    if old is None:
+        return exc
+    if old == "structured output" and "response_format" not in chat:
+        new = "tools"
+    else:
+        new = old
+        for pattern, repl in _RESPONSES_NAMES if api == "responses" else _MESSAGES_NAMES:
+            if re.fullmatch(pattern, old):
+                new = re.sub(f"^{pattern}$", repl, old)
+                break
+    if new == old:
+        return exc
+    message = re.sub(rf"(?<![\w.]){re.escape(old)}(?!\w)", new, exc.message)
+    return OpenAIError(message, exc.status, new, exc.code, exc.kind)
 
 
 def _new_id(prefix: str) -> str:
