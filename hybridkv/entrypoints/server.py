@@ -57,6 +57,7 @@ from hybridkv.entrypoints.adapters import (
     chat_to_message,
     chat_to_response,
     messages_to_chat,
+    rename_chat_error,
     responses_to_chat,
 )
 from hybridkv.entrypoints.async_engine import AsyncEngine, RequestFailed, Submission
@@ -987,11 +988,15 @@ class _RawBody(BaseModel):
 async def _adapted_chat(server: Server, request: Request, convert) -> tuple[dict, Any]:
     raw = (await server.read_body(request, _RawBody)).model_dump()
     chat = await asyncio.to_thread(convert, raw)
-    try:
-        body = ChatCompletionRequest.model_validate(chat)
-    except ValidationError as exc:
-        raise _validation_error(exc.errors(include_url=False), chat) from None
-    return raw, await run_chat(server, request, body)
+    api = "responses" if convert is responses_to_chat else "messages"
+    try:  # errors of the chat path name the adapted request's fields
+        try:
+            body = ChatCompletionRequest.model_validate(chat)
+        except ValidationError as exc:
+            raise _validation_error(exc.errors(include_url=False), chat) from None
+        return raw, await run_chat(server, request, body)
+    except OpenAIError as exc:
+        raise rename_chat_error(exc, chat, api) from None
 
 
 async def _error_chunks(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
