@@ -19,8 +19,10 @@ tokens (the warm-up), `--repeat` timed runs each (median). tokens/s = tokens gen
 seconds of `LLM.generate` (the 16-token prefill included; it is the same for both).
 
 The per-step mask cost is measured in a separate, instrumented schema run: per sampler call,
-the time of the grammar rows' `fill_bitmask` calls (fill) and of `apply_bitmask` (apply), and
-of the whole `Sampler._mask_grammar` (mask; fill + apply + bookkeeping). Medians over steps.
+the time of one step's `fill_bitmasks` (fill: every grammar row, in the engine's mask thread
+while the forward runs, so off the critical path), of `apply_bitmask` (apply), and of the
+whole `Sampler._mask_grammar` on the engine thread (mask: apply + bookkeeping). Medians over
+steps.
 
     python benchmarks/structured_overhead.py [--batches 1 64] [--repeat 3] [--threads 2]
 """
@@ -88,23 +90,26 @@ def timed(llm, prompts, params) -> tuple[float, list]:
 
 
 class MaskTimer:
-    """Instruments the sampler's grammar path: per sampler call, seconds in fill_bitmask (all
-    rows), apply_bitmask, and the whole _mask_grammar."""
+    """Instruments the grammar path. fill: seconds of one step's `fill_bitmasks` (all grammar
+    rows), which the engine runs in its mask thread while the forward runs (off the critical
+    path); apply: `apply_bitmask`; mask: the whole `Sampler._mask_grammar` on the engine
+    thread (waiting for nothing: the masks are ready), apply included."""
 
     def __init__(self) -> None:
-        self.steps: list[dict[str, float]] = []
+        self.steps: list[dict[str, float]] = []  # sampler side, one per sampler call
+        self.fills: list[dict[str, float]] = []  # mask-thread side, one per step
 
     def __enter__(self) -> MaskTimer:
+        import hybridkv.engine as engine
         import hybridkv.structured as structured
-        from hybridkv.structured import GrammarMatcher
         from hybridkv.worker.sampler import Sampler
 
         self._saved = (
             (structured, "apply_bitmask", structured.apply_bitmask),
-            (GrammarMatcher, "fill_bitmask", GrammarMatcher.fill_bitmask),
+            (engine, "fill_bitmasks", engine.fill_bitmasks),
             (Sampler, "_mask_grammar", Sampler._mask_grammar),
         )
-        steps = self.steps
+        steps, fills = self.steps, self.fills
         apply, fill, mask = (saved[2] for saved in self._saved)
 
         def timed_apply(*a, **k):
@@ -112,19 +117,20 @@ class MaskTimer:
             apply(*a, **k)
             steps[-1]["apply"] += time.perf_counter() - t
 
-        def timed_fill(*a, **k):
+        def timed_fill(matchers, rows, *a, **k):
             t = time.perf_counter()
-            fill(*a, **k)
-            steps[-1]["fill"] += time.perf_counter() - t
+            out = fill(matchers, rows, *a, **k)
+            fills.append({"fill": time.perf_counter() - t, "rows": len(rows)})
+            return out
 
         def timed_mask(*a, **k):
-            steps.append({"fill": 0.0, "apply": 0.0, "rows": len(a[3])})
+            steps.append({"apply": 0.0, "rows": len(a[3])})
             t = time.perf_counter()
             mask(*a, **k)
             steps[-1]["mask"] = time.perf_counter() - t
 
         structured.apply_bitmask = timed_apply
-        GrammarMatcher.fill_bitmask = timed_fill
+        engine.fill_bitmasks = timed_fill
         Sampler._mask_grammar = timed_mask
         return self
 
@@ -133,13 +139,16 @@ class MaskTimer:
             setattr(owner, name, value)
 
     def medians_ms(self, rows: int) -> dict[str, float]:
-        """Median ms per step over the steps that masked exactly `rows` rows (the full
-        batch; steps at the tail, where requests have finished, mask fewer)."""
+        """Median ms per step over the steps with exactly `rows` grammar rows (the full
+        batch; steps at the tail, where requests have finished, have fewer)."""
         steps = [s for s in self.steps if s["rows"] == rows] or self.steps
-        return {
-            k: round(statistics.median(s[k] for s in steps) * 1e3, 3)
-            for k in ("fill", "apply", "mask")
-        } | {"steps": len(steps)}
+        fills = [s for s in self.fills if s["rows"] == rows] or self.fills
+
+        def median_ms(items: list[dict[str, float]], key: str) -> float:
+            return round(statistics.median(s[key] for s in items) * 1e3, 3)
+
+        return {"fill": median_ms(fills, "fill"), "apply": median_ms(steps, "apply"),
+                "mask": median_ms(steps, "mask"), "steps": len(steps)}  # fmt: skip
 
 
 def run_batch(llm, batch: int, args: argparse.Namespace) -> dict:

@@ -22,7 +22,7 @@ output's first characters while they could still be the opening tag.
 
 from __future__ import annotations
 
-from hybridkv.entrypoints.tool_parsers import scan_tags
+from hybridkv.entrypoints.tool_parsers import lookup, scan_tags
 
 __all__ = [
     "REASONING_PARSERS",
@@ -184,8 +184,4 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:
-    try:
-        return REASONING_PARSERS[name]
-    except KeyError:
-        valid = ", ".join(sorted(REASONING_PARSERS))
-        raise ValueError(f"unknown reasoning parser {name!r}; valid: {valid}") from None
+    return lookup(REASONING_PARSERS, name, "reasoning parser")

@@ -1014,34 +1014,37 @@ async def _error_chunks(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[
         await chunks.aclose()  # type: ignore[attr-defined]
 
 
-async def responses(server: Server, request: Request):
-    raw, result = await _adapted_chat(server, request, responses_to_chat)
+async def _adapter(server: Server, request: Request, convert, to_object, to_events, sse):
+    """One adapter route: convert the request to chat, run it, convert the response (or each
+    stream event: `sse` writes one as server-sent-event text)."""
+    raw, result = await _adapted_chat(server, request, convert)
     if result is None:
         return Response(status_code=CLIENT_GONE)
     if isinstance(result, dict):
-        return chat_to_response(result, raw)
+        return to_object(result, raw)
 
     async def events() -> AsyncIterator[str]:
-        async for event in chat_stream_to_response_events(_error_chunks(result), raw):
-            yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+        async for event in to_events(_error_chunks(result), raw):
+            yield sse(event)
 
     return _EventStream(events(), media_type="text/event-stream",
                         headers={"Cache-Control": "no-cache"})  # fmt: skip
+
+
+async def responses(server: Server, request: Request):
+    def sse(event: dict[str, Any]) -> str:
+        return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+    return await _adapter(server, request, responses_to_chat, chat_to_response,
+                          chat_stream_to_response_events, sse)  # fmt: skip
 
 
 async def messages(server: Server, request: Request):
-    raw, result = await _adapted_chat(server, request, messages_to_chat)
-    if result is None:
-        return Response(status_code=CLIENT_GONE)
-    if isinstance(result, dict):
-        return chat_to_message(result, raw)
+    def sse(event: tuple[str, dict[str, Any]]) -> str:
+        return f"event: {event[0]}\ndata: {json.dumps(event[1])}\n\n"
 
-    async def events() -> AsyncIterator[str]:
-        async for name, data in chat_stream_to_message_events(_error_chunks(result), raw):
-            yield f"event: {name}\ndata: {json.dumps(data)}\n\n"
-
-    return _EventStream(events(), media_type="text/event-stream",
-                        headers={"Cache-Control": "no-cache"})  # fmt: skip
+    return await _adapter(server, request, messages_to_chat, chat_to_message,
+                          chat_stream_to_message_events, sse)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

@@ -481,12 +481,17 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 }
 
 
-def get_tool_parser(name: str) -> type[ToolParser]:
+def lookup(registry: dict[str, Any], name: str, what: str) -> Any:
+    """registry[name], or a ValueError naming the valid names."""
     try:
-        return TOOL_PARSERS[name]
+        return registry[name]
     except KeyError:
-        valid = ", ".join(sorted(TOOL_PARSERS))
-        raise ValueError(f"unknown tool parser {name!r}; valid: {valid}") from None
+        valid = ", ".join(sorted(registry))
+        raise ValueError(f"unknown {what} {name!r}; valid: {valid}") from None
+
+
+def get_tool_parser(name: str) -> type[ToolParser]:
+    return lookup(TOOL_PARSERS, name, "tool parser")
 
 
 def default_tool_parser(chat_template: str | None) -> str:
