@@ -75,6 +75,8 @@ def test_generate_text_and_prompts_file(capsys, tiny_model_dir, tmp_path):
         (["generate", "--dtype", "int4"], "dtype must be"),
         (["serve", "--port", "0"], "--port must be in 1..65535"),
         (["serve", "--max-request-bytes", "lots"], "--max-request-bytes"),
+        (["serve", "--tool-call-parser", "nope"], "--tool-call-parser: unknown tool parser 'nope'"),
+        (["serve", "--reasoning-parser", "nope"], "valid: deepseek_r1, qwen3"),
         (["bench", "--requests", "0"], "--requests and --new-tokens must be >= 1"),
         (["generate", "--quantization", "int4"], "quantization must be None or one of 'int8'"),
         (["serve", "--quantization", "fp8"], "quantization must be None or one of 'int8'"),
