@@ -47,6 +47,13 @@ def native_small_linear(dtype: torch.dtype) -> bool:
     return small is not None and small.kernel() is not None
 
 
+def prepack_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes oneDNN packs on this CPU: float32 always; bfloat16 where oneDNN has
+    bf16 kernels (AVX512-BW/VL/DQ or AMX; not on an AVX2-only CPU, where its reorder fails)."""
+    bf16 = getattr(_OPS, "_is_mkldnn_bf16_supported", None)
+    return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
+
+
 def prepack_available() -> bool:
     return (
         _OPS is not None
@@ -120,12 +127,13 @@ def prepack_linears(model: nn.Module) -> int:
     `F.linear` once); returns how many were swapped."""
     if not prepack_available():
         return 0
+    dtypes = prepack_dtypes()
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child.weight.device.type != "cpu":
                 continue
-            if child.weight.dtype not in (torch.float32, torch.bfloat16):
+            if child.weight.dtype not in dtypes:
                 continue
             try:
                 packed = PackedLinear.from_linear(child)
