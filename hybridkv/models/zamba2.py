@@ -13,8 +13,9 @@ weights are shared between the layers that call them.
                       out = mlp(pre_ff_layernorm(a), h) [T, hidden]   (no residual)
     logits = lm_head(final_layernorm(x))                lm_head tied to embed by default
 
-- Attention sees 2 * hidden channels: head_dim = 2 * hidden // num_attention_heads, scores
-  scaled by (head_dim / 2) ** -0.5, no biases; RoPE over the whole head when `use_mem_rope`.
+- Attention sees 2 * hidden channels: head_dim = config.json's attention_head_dim (alias
+  head_dim), by default 2 * hidden // num_attention_heads; scores scaled by
+  (head_dim / 2) ** -0.5, no biases; RoPE over the whole head when `use_mem_rope`.
 - Adapters (LoRA-like, two bias-free linears through `adapter_rank`) belong to one call h:
   q/k/v adapters when `use_shared_attention_adapter` (each adds a [2 * hidden] term, so it needs
   heads * head_dim == kv_heads * head_dim == 2 * hidden), and a gate_up adapter on the MLP
@@ -53,8 +54,8 @@ MLP splits its intermediate size ([gate | up] each by rows). An adapter's first 
 rows of the weight it adapts. The per-layer `linear` acts on the all-reduced block output and
 is replicated; embeddings and lm_head are split by vocabulary.
 
-Config: transformers 5.24 `Zamba2Config`, whose derived sizes (attention_head_dim,
-mamba_headdim) are computed from the other keys whatever config.json says. Zyphra's first
+Config: transformers 5.24 `Zamba2Config`: attention_head_dim (or `head_dim`) is read from
+config.json when present, else derived; mamba_headdim is derived from n_mamba_heads. Zyphra's first
 configs use other keys (`state_size`, `conv_dimension`, `expansion_factor`,
 `use_shared_attention_lora`, layer types "m" / "g", `mamba_headdim` without `n_mamba_heads`);
 transformers 5.24 ignores them, reading those checkpoints with its defaults, which do not fit
@@ -129,6 +130,7 @@ class Zamba2Config(RopeConfig):
         "mamba_d_conv": ("conv_dimension",),
         "mamba_expand": ("expansion_factor",),
         "use_shared_attention_adapter": ("use_shared_attention_lora",),
+        "attention_head_dim": ("head_dim",),  # transformers' attribute_map
     }
 
     vocab_size: int = 32000
@@ -150,6 +152,7 @@ class Zamba2Config(RopeConfig):
     hidden_act: str = "gelu"
     num_attention_heads: int = 32
     num_key_value_heads: int | None = None  # None: num_attention_heads
+    attention_head_dim: int | None = None  # None: 2 * hidden_size // num_attention_heads
     num_mem_blocks: int = 1
     use_shared_attention_adapter: bool = False
     adapter_rank: int = 128
@@ -192,6 +195,8 @@ class Zamba2Config(RopeConfig):
             self._set("intermediate_size", 4 * self.hidden_size)
         if self.num_key_value_heads is None:
             self._set("num_key_value_heads", self.num_attention_heads)
+        if self.attention_head_dim is None:  # a stored value is honoured, as transformers does
+            self._set("attention_head_dim", self.width // self.num_attention_heads)
         self._require_positive("intermediate_size", "num_key_value_heads")
 
     def _check_mamba(self) -> None:
@@ -214,19 +219,22 @@ class Zamba2Config(RopeConfig):
                 f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
                 f"({kv_heads})"
             )
-        if self.head_dim == 0:
-            raise ValueError(f"num_attention_heads ({heads}) exceeds 2 * hidden_size ({width})")
-        if self.use_shared_attention_adapter and (width % heads or kv_heads != heads):
+        if self.head_dim <= 0:
             raise ValueError(
-                f"use_shared_attention_adapter needs num_attention_heads ({heads}) to divide "
-                f"2 * hidden_size ({width}) and num_key_value_heads ({kv_heads}) == "
-                f"num_attention_heads: each adapter adds a {width}-wide term to q, k and v"
+                f"attention_head_dim must be >= 1 (default 2 * hidden_size // "
+                f"num_attention_heads), got {self.head_dim}: num_attention_heads ({heads}) "
+                f"exceeds 2 * hidden_size ({width})?"
             )
-        if self.use_mem_rope and self.head_dim % 2:
+        hd = self.head_dim
+        if self.use_shared_attention_adapter and (heads * hd != width or kv_heads != heads):
             raise ValueError(
-                f"use_mem_rope needs an even attention head size, got 2 * hidden_size // "
-                f"num_attention_heads = {self.head_dim}"
+                f"use_shared_attention_adapter needs num_attention_heads * attention_head_dim "
+                f"({heads} * {hd}) == 2 * hidden_size ({width}) and num_key_value_heads "
+                f"({kv_heads}) == num_attention_heads: each adapter adds a {width}-wide term to "
+                "q, k and v"
             )
+        if self.use_mem_rope and hd % 2:
+            raise ValueError(f"use_mem_rope needs an even attention_head_dim, got {hd}")
 
     def _layout(self) -> tuple[str, ...]:
         ids = self.hybrid_layer_ids
@@ -260,12 +268,10 @@ class Zamba2Config(RopeConfig):
 
     @property
     def head_dim(self) -> int:
-        """transformers' attention_head_dim (whatever config.json says)."""
-        return self.width // self.num_attention_heads
-
-    @property
-    def attention_head_dim(self) -> int:
-        return self.head_dim
+        """transformers' attention_head_dim: config.json's value (or its `head_dim`), else
+        2 * hidden_size // num_attention_heads."""
+        assert self.attention_head_dim is not None  # set in __post_init__
+        return self.attention_head_dim
 
     @property
     def shares_blocks(self) -> bool:
