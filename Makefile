@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # requirement would pull a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: run test lint bench-capacity clean
+.PHONY: run test test-fast lint bench-capacity clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n 2
+
+# everything but the model-conformance matrix, tensor parallelism and the soak test
+test-fast: $(VENV)/.installed-test
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -n 2 -m "not conformance and not distributed and not slow"
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .

@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,11 +29,20 @@ def pytest_addoption(parser):
     )
 
 
+# Markers by folder: `make test-fast` runs everything but these (and `slow`).
+FOLDER_MARKERS = {"models": "conformance", "distributed": "distributed"}
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    root = Path(__file__).resolve().parent
     for item in items:
         if "gpu" in item.keywords and not HAS_GPU:
             item.add_marker(skip)
+        parts = Path(str(item.fspath)).resolve().relative_to(root).parts
+        marker = FOLDER_MARKERS.get(parts[0]) if len(parts) > 1 else None
+        if marker is not None:
+            item.add_marker(getattr(pytest.mark, marker))
 
 
 @pytest.fixture(autouse=True)
