@@ -736,7 +736,10 @@ async def _completion_chunks(
             if not started[k]:  # the echo goes first, with the prompt's log-probs
                 started[k] = True
                 if body.echo:
-                    yield _echo_chunk(chunk, server, body, plan, k, p, out, offsets)
+                    # the prompt's log-probs come from its first request (the others are held
+                    # behind it, so its first output came before theirs)
+                    first = firsts.get(p, out)
+                    yield _echo_chunk(chunk, server, body, plan, k, p, first, offsets)
             if plan.echo_only:
                 if out.finished:
                     yield chunk(k, "", "length")

@@ -461,3 +461,22 @@ def test_multi_turn_tool_messages_round_trip_through_the_template(server, client
         model=MODEL, messages=short, max_tokens=3, extra_body={"chat_template": HERMES_TEMPLATE}
     )
     assert out.usage.prompt_tokens == len(ids)
+
+
+def test_streamed_n_choices_each_echo_the_prompt_log_probs(server):
+    body = {"model": MODEL, "prompt": "import os\nimport re\n", "max_tokens": 3, "n": 3,
+            "echo": True, "logprobs": 1, "seed": 2, "temperature": 1.0}  # fmt: skip
+    whole = post(server, "/v1/completions", body).json()["choices"]
+    events = sse_events(post(server, "/v1/completions", body | {"stream": True}))
+    firsts: dict[int, dict] = {}
+    for e in events[:-1]:
+        for c in e["choices"]:
+            firsts.setdefault(c["index"], c)
+    assert sorted(firsts) == [0, 1, 2]
+    n_prompt = len(server.engine.tokenizer.encode(body["prompt"]))
+    for k, c in firsts.items():
+        assert c["text"] == body["prompt"]
+        got = c["logprobs"]["token_logprobs"]
+        assert got[0] is None and len(got) == n_prompt
+        want = whole[k]["logprobs"]["token_logprobs"][:n_prompt]
+        assert got == pytest.approx(want, abs=1e-5)
