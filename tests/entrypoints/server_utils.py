@@ -113,12 +113,16 @@ def post_raw(base_url: str, path: str, body: Any, timeout: float = 60) -> httpx.
 COMPLETION_FIELDS = [
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stream",
     "stream_options", "stop", "seed", "ignore_eos", "min_tokens", "stop_token_ids", "user",
-    "logprobs", "echo", "unknown_field",
+    "logprobs", "echo", "unknown_field", "logit_bias", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "min_p", "best_of", "prompt_logprobs", "guided_choice",
+    "guided_regex", "response_format", "suffix", "truncate_prompt_tokens",
 ]  # fmt: skip
 CHAT_FIELDS = [
     "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
     "n", "stream", "stream_options", "stop", "seed", "ignore_eos", "min_tokens",
-    "stop_token_ids", "user", "logprobs", "top_logprobs", "unknown_field",
+    "stop_token_ids", "user", "logprobs", "top_logprobs", "unknown_field", "logit_bias",
+    "presence_penalty", "min_p", "tools", "tool_choice", "response_format", "guided_json",
+    "parallel_tool_calls", "chat_template_kwargs", "store", "n",
 ]  # fmt: skip
 
 
@@ -146,6 +150,25 @@ VALID = {
     "logprobs": [0, 2, 5, None, True, False],
     "top_logprobs": [0, 3, None],
     "echo": [True, False],
+    "logit_bias": [{"5": 10}, {}, {"7": -100, "8": 1.5}],
+    "presence_penalty": [0, 1.5, -2],
+    "frequency_penalty": [0.5, None],
+    "repetition_penalty": [1.2, 1],
+    "min_p": [0, 0.1],
+    "best_of": [1, 2, None],
+    "prompt_logprobs": [0, 2, None],
+    "guided_choice": [["t1", "t2"], None],
+    "guided_regex": ["t[0-9]", None],
+    "response_format": [{"type": "text"}, {"type": "json_object"}, None],
+    "guided_json": [{"type": "object", "properties": {"a": {"type": "integer"}}}, None],
+    "tools": [[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"]}}}], None],
+    "tool_choice": ["auto", "none", "required", {"type": "function", "function": {"name": "f"}}],
+    "parallel_tool_calls": [True, False],
+    "chat_template_kwargs": [{}, {"enable_thinking": False}],
+    "store": [False],
+    "suffix": [None, ""],
+    "truncate_prompt_tokens": [1, 4, None],
 }
 
 

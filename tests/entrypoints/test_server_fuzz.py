@@ -45,10 +45,10 @@ def check_response(r: httpx.Response, stream: bool) -> str:
         for e in events[:-1]:
             assert "error" not in e, e
             for c in e["choices"]:
-                assert c["finish_reason"] in (None, "stop", "length"), c
+                assert c["finish_reason"] in (None, "stop", "length", "tool_calls"), c
     else:
         for c in r.json()["choices"]:
-            assert c["finish_reason"] in ("stop", "length"), c
+            assert c["finish_reason"] in ("stop", "length", "tool_calls"), c
     return "ok"
 
 
