@@ -763,17 +763,14 @@ async def _completion_chunks(
         sub.close()
     if (body.stream_options or {}).get("include_usage"):
         usage = _usage_of(plan.ids, [firsts[p] for p in sorted(firsts)], completion_tokens)
-        yield _sse(
-            {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": body.model,
-                "choices": [],
-                "usage": usage,
-            }
-        )
+        yield _sse(_usage_chunk(rid, "text_completion", created, body.model, usage))
     yield _sse("[DONE]")
+
+
+def _usage_chunk(rid: str, kind: str, created: int, model: str, usage: dict) -> dict[str, Any]:
+    """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
+    return {"id": rid, "object": kind, "created": created, "model": model, "choices": [],
+            "usage": usage}  # fmt: skip
 
 
 def _echo_chunk(chunk, server, body, plan, k: int, p: int, out, offsets: list[int]) -> str:
@@ -967,14 +964,8 @@ async def _chat_chunks(
     finally:
         sub.close()
     if (body.stream_options or {}).get("include_usage"):
-        yield {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": body.model,
-            "choices": [],
-            "usage": _usage_of([plan.ids], firsts, completion_tokens),
-        }
+        usage = _usage_of([plan.ids], firsts, completion_tokens)
+        yield _usage_chunk(rid, "chat.completion.chunk", created, body.model, usage)
 
 
 # ---------------------------------------------------------------------------------------------
