@@ -14,7 +14,8 @@ RMSNorm (also fused with the residual add before it), SwiGLU's silu(gate) * up a
 gated RMSNorm run as one pass over their rows (PyTorch makes four to six): 1.6 to 2.5x on the
 100M model's prefill shapes (benchmarks/cpu_kernels.py).
 
-Build: `gcc -O3 -march=native -fopenmp -shared` into `$XDG_CACHE_HOME/hybridkv` (default
+Build: `gcc -O3 -march=native -fopenmp -shared` (`HYBRIDKV_NATIVE_MARCH=x86-64-v3` for another
+target) into `$XDG_CACHE_HOME/hybridkv` (default
 `~/.cache/hybridkv`), keyed by the source, the compiler flags and the CPU's flags, so a cache
 shared between machines never loads a build for another CPU. Built once, about a second. No
 compiler, a failed build, a tensor of a dtype the kernel does not take (float32 and bfloat16;
@@ -52,7 +53,10 @@ def sources() -> list[Path]:
     return sorted(SOURCE.parent.glob("*.c"))
 
 
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# HYBRIDKV_NATIVE_MARCH builds for another target than this CPU (e.g. x86-64-v3: AVX2 + FMA +
+# F16C, no AVX-512), to check on an AVX-512 machine what an AVX2-only one runs
+MARCH = os.environ.get("HYBRIDKV_NATIVE_MARCH", "native")
+CFLAGS = ["-O3", f"-march={MARCH}", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 _lib: Library | None = None
 _tried = False
