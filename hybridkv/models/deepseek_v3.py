@@ -272,6 +272,8 @@ class DeepseekV2Config(DeepseekV3Config):
     must give it to run)."""
 
     ARCHITECTURE: ClassVar[str] = "DeepseekV2ForCausalLM"
+    # transformers' DeepseekV2Config attribute_map (V3's num_local_experts is not one of V2's)
+    ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {"n_routed_experts": ("num_experts",)}
 
     vocab_size: int = 102400
     hidden_size: int = 4096

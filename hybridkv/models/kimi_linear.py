@@ -255,6 +255,9 @@ class KimiLinearForCausalLM(CausalLM):
 
     def __init__(self, config: KimiLinearConfig) -> None:
         super().__init__(config)
+        # transformers 5.24 never ties Kimi's lm_head (`_tied_weights_keys = {}`), whatever
+        # tie_word_embeddings says: the checkpoint's lm_head.weight is read
+        self.tie_word_embeddings = False
         self.model = KimiLinearModel(config)
         self.lm_head = vocab_head(config.hidden_size, config.vocab_size)
 

@@ -7,7 +7,8 @@ layer a Mamba1 mixer, no attention.
 
 - Mixer: `hybridkv.layers.mamba1` (in_proj, causal conv1d, x_proj -> dt | B | C, dt_proj,
   selective scan with A_log and the D skip, silu gate, out_proj); intermediate size
-  expand * hidden_size (a saved `intermediate_size` key is ignored, as transformers derives it);
+  config.json's `intermediate_size` when present (transformers 5.24 sets its derived value first,
+  then the saved key over it), else expand * hidden_size;
   time_step_rank "auto" is ceil(hidden_size / 16).
 - Falcon Mamba adds weightless RMSNorms of dt, B and C (eps `mixer_rms_eps`) before dt_proj and
   the scan (dt_norms "falcon_mamba"); in transformers 5.24 its config defaults are otherwise
@@ -59,7 +60,7 @@ class MambaConfig(HFConfig):
     time_step_rank: int | str = "auto"  # "auto": ceil(hidden_size / 16)
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 2**31 - 1  # no positions: any length (max_model_len caps)
-    intermediate_size: int = dataclasses.field(default=0, init=False)  # expand * hidden_size
+    intermediate_size: int | None = None  # None: expand * hidden_size (a saved one wins)
 
     def __post_init__(self) -> None:
         self._require_positive(
@@ -74,7 +75,9 @@ class MambaConfig(HFConfig):
             raise ValueError(f"time_step_rank must be an integer or 'auto', got "
                              f"{self.time_step_rank!r}")  # fmt: skip
         self._require_positive("time_step_rank")
-        self._set("intermediate_size", self.expand * self.hidden_size)
+        if self.intermediate_size is None:
+            self._set("intermediate_size", self.expand * self.hidden_size)
+        self._require_positive("intermediate_size")
 
     @property
     def mixer_eps(self) -> float:

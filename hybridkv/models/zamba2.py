@@ -153,6 +153,7 @@ class Zamba2Config(RopeConfig):
     num_attention_heads: int = 32
     num_key_value_heads: int | None = None  # None: num_attention_heads
     attention_head_dim: int | None = None  # None: 2 * hidden_size // num_attention_heads
+    attention_hidden_size: int | None = None  # derived: 2 * hidden_size (a saved one is checked)
     num_mem_blocks: int = 1
     use_shared_attention_adapter: bool = False
     adapter_rank: int = 128
@@ -186,10 +187,17 @@ class Zamba2Config(RopeConfig):
 
     def _derive_sizes(self) -> None:
         inner = self.mamba_expand * self.hidden_size
+        given = self.mamba_headdim
         if self.n_mamba_heads is None:  # Zyphra's first configs give the head size instead
-            given = self.mamba_headdim
             self._set("n_mamba_heads", inner // given if given else 8)
         self._require_positive("n_mamba_heads")
+        if self.n_mamba_heads and given is not None and given != inner // self.n_mamba_heads:
+            # transformers sets its derived value, then the saved key over it: its mixer would
+            # reshape by a head size that does not fit
+            raise ValueError(
+                f"mamba_headdim ({given}) must be mamba_expand * hidden_size ({inner}) // "
+                f"n_mamba_heads ({self.n_mamba_heads})"
+            )
         self._set("mamba_headdim", inner // self.n_mamba_heads)
         if self.intermediate_size is None:
             self._set("intermediate_size", 4 * self.hidden_size)
@@ -225,6 +233,12 @@ class Zamba2Config(RopeConfig):
                 f"num_attention_heads), got {self.head_dim}: num_attention_heads ({heads}) "
                 f"exceeds 2 * hidden_size ({width})?"
             )
+        if self.attention_hidden_size not in (None, width):
+            raise ValueError(
+                f"attention_hidden_size ({self.attention_hidden_size}) must be 2 * hidden_size "
+                f"({width}): the shared block attends over concat(x, embeddings)"
+            )
+        self._set("attention_hidden_size", width)
         hd = self.head_dim
         if self.use_shared_attention_adapter and (heads * hd != width or kv_heads != heads):
             raise ValueError(
