@@ -30,7 +30,7 @@ def pytest_addoption(parser):
 
 
 # Markers by folder: `make test-fast` runs everything but these (and `slow`).
-FOLDER_MARKERS = {"models": "conformance", "distributed": "distributed"}
+FOLDER_MARKERS = {"models": "conformance", "distributed": "distributed", "serving": "distributed"}
 
 
 def pytest_collection_modifyitems(config, items):
