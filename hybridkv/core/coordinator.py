@@ -29,6 +29,10 @@ Snapshot policy (CacheConfig fields; boundaries are multiples of hit_tokens):
 - `snapshot_interval_blocks`: also every N boundaries inside the prompt;
 - `max_snapshots_per_request` caps the prompt-time snapshots (the tail is at most one more).
 
+Cache events (`events.py`, for a router that sends requests to the replica holding their
+prefix): off by default; after `enable_events()`, `drain_events()` returns what entered and
+left the prefix cache since the last drain.
+
 The scheduler ends prefill chunks at `next_boundary(req)` so that the running state is exactly
 at a boundary when its snapshot is copied. Every snapshot page is cached (evictable) as soon as
 its copy has run: snapshots never lower the number of requests the pool can hold.
@@ -42,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from hybridkv.config import CacheConfig
+from hybridkv.core.events import CLEAR, STORED, CacheEvent, EventLog
 from hybridkv.core.hashing import PrefixKeys
 from hybridkv.core.managers import (
     EMPTY_ALLOCATION,
@@ -147,6 +152,40 @@ class CacheManager:
         self.stats = CacheStats()
         interval = cache.snapshot_tail_interval_tokens
         self.tail_interval = -(-interval // self.hit_tokens) * self.hit_tokens
+        self._events: EventLog | None = None
+
+    # -- cache events ------------------------------------------------------------------------
+
+    def enable_events(self, max_pending: int = 1_000_000) -> None:
+        """Record cache events from now on (`events.py`). The first drain starts with CLEARED
+        and the content already cached; past `max_pending` undrained events the log drops them
+        and the next drain resynchronises the same way (memory stays bounded)."""
+        if self._events is not None:
+            self._events.max_pending = max_pending
+            return
+        log = EventLog(max_pending)
+        log.overflowed = True  # the first drain describes the whole cache
+        for m in self.groups:
+            m.units.log = log
+            m.units.logs_snapshots = not m.caches_tokens
+        self._events = log
+
+    def drain_events(self) -> list[CacheEvent]:
+        """The cache events since the last drain, oldest first ([] when not enabled)."""
+        log = self._events
+        if log is None:
+            return []
+        if not log.overflowed:
+            return log.drain()
+        log.drain()
+        log.overflowed = False
+        out = [CLEAR]
+        for m in self.groups:
+            snap = not m.caches_tokens
+            out.extend(
+                CacheEvent(STORED, m.group_id, key, n, snap) for key, n in m.units.cached_keys()
+            )
+        return out
 
     # -- prefix keys -------------------------------------------------------------------------
 

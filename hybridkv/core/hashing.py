@@ -10,17 +10,30 @@ state snapshot that ends at position L is keyed by h_{L / hash_block_tokens - 1}
 (an adapter id, a cache salt, ...) enter the root, so every hash of the chain depends on them.
 Python's tuple hash is 64-bit and fast; a collision would need two different prefixes with
 equal 64-bit chains.
+
+Keys are the same in every process (a router in another process computes the keys a replica
+caches under, `hybridkv.serving.router`): the root is a constant integer, CPython hashes ints
+and tuples of ints without PYTHONHASHSEED's randomization, and `extra_keys` (often strings,
+whose `hash()` is randomized per process) are folded into the root once per request by a
+stable digest (blake2b of their repr), never per block. So extra keys must have a repr that is
+the same in every process (str, int, bytes, tuples of them; not objects with an id in it).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Hashable, Sequence
 
-ROOT = hash(("hybridkv-prefix-root",))
+# A constant (hash(str) is randomized per process): blake2b-64("hybridkv-prefix-root") >> 1.
+ROOT = 0x2C60_A4F1_0C4C_3E38
 
 
 def root_hash(extra_keys: Sequence[Hashable] = ()) -> int:
-    return hash((ROOT, tuple(extra_keys))) if extra_keys else ROOT
+    """The parent of block 0: ROOT, or a stable digest of ROOT and the extra keys."""
+    if not extra_keys:
+        return ROOT
+    data = repr((ROOT, tuple(extra_keys))).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
 def extend_hashes(

@@ -350,10 +350,15 @@ class FullAttentionManager(GroupManager[AttentionReq]):
         if caching and full > gr.registered:
             keys = key_at.unit_keys(self.unit_tokens, gr.registered, full)
             units = gr.units[gr.registered : gr.registered + len(keys)]
+            tokens = None
+            if self.units.log is not None:  # cache events carry each unit's prefix length
+                t = self.unit_tokens
+                tokens = [(gr.registered + i + 1) * t for i in range(len(keys))]
             if NULL_UNIT in units:  # sliding windows may hold dropped units
-                keys = [k for x, k in zip(units, keys, strict=True) if x != NULL_UNIT]
-                units = [x for x in units if x != NULL_UNIT]
-            self.units.set_keys(units, keys)
+                live = [i for i, x in enumerate(units) if x != NULL_UNIT]
+                keys, units = [keys[i] for i in live], [units[i] for i in live]
+                tokens = None if tokens is None else [tokens[i] for i in live]
+            self.units.set_keys(units, keys, tokens)
         gr.registered = max(gr.registered, full)
 
     def undo(self, gr: AttentionReq) -> None:
@@ -526,7 +531,7 @@ class StateManager(GroupManager[StateReq]):
         """Snapshots taken become cached; copy-in sources are unpinned."""
         for page, length, is_tail in gr.pending:
             key = key_at(length)
-            if key is not None and self.units.set_key(page, key) and is_tail:
+            if key is not None and self.units.set_key(page, key, length) and is_tail:
                 self._drop_tail(gr)
                 gr.tail = (page, key)
             self.units.decref(page)

@@ -24,13 +24,18 @@ A cached unit inside a page that live requests still use cannot leave with its p
 strand memory. Such *stranded* units are kept in their own LRU order, and the group that owns
 them may reclaim one (drop its cached content, reuse its place in the page) when the pool has
 no free page.
+
+Cache events (`events.py`): with a log attached (`CacheManager.enable_events`), every key that
+enters `unit_of` is reported as stored and every key that leaves it as removed; without one the
+only cost is an `is not None` test where keys change.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Iterator
 
+from hybridkv.core.events import REMOVED, STORED, EventLog
 from hybridkv.core.page_pool import PagePool
 
 
@@ -52,6 +57,9 @@ class UnitAllocator:
         self.num_free_units = 0  # free units across owned pages
         self.stranded: OrderedDict[int, None] = OrderedDict()  # cached units in in-use pages
         self.stranded_in_page: dict[int, int] = {}  # page -> how many of its units are stranded
+        self.log: EventLog | None = None  # cache events go here when enabled
+        self.logs_snapshots = False  # its cached units are state snapshots
+        self.tokens_of: dict[Hashable, int] = {}  # key -> prefix length (only with a log)
         pool.register(group_id, self)
 
     # -- allocation --------------------------------------------------------------------------
@@ -149,7 +157,10 @@ class UnitAllocator:
         """Drop the oldest stranded cached unit and hand its place out as a new in-use unit."""
         unit, _ = self.stranded.popitem(last=False)
         self._uncount_stranded(unit)
-        del self.unit_of[self.key_of.pop(unit)]
+        key = self.key_of.pop(unit)
+        del self.unit_of[key]
+        if self.log is not None:
+            self._log_removed(key)
         self.ref[unit] = 1
         self.page_used[unit // self.units_per_page] += 1
         return unit
@@ -248,26 +259,51 @@ class UnitAllocator:
     def lookup(self, key: Hashable) -> int | None:
         return self.unit_of.get(key)
 
-    def set_key(self, unit: int, key: Hashable) -> bool:
-        """Register an in-use unit's content under `key`; False if the key is already cached
-        (the existing unit stays the cached one, this unit is freed when released)."""
+    def set_key(self, unit: int, key: Hashable, tokens: int = 0) -> bool:
+        """Register an in-use unit's content under `key` (the key of a prefix of `tokens`
+        tokens); False if the key is already cached (the existing unit stays the cached one,
+        this unit is freed when released)."""
         if key in self.unit_of or unit in self.key_of:
             return False
         self.key_of[unit] = key
         self.unit_of[key] = unit
+        if self.log is not None:
+            self._log_stored(key, tokens)
         return True
 
-    def set_keys(self, units: list[int], keys: list[Hashable]) -> None:
-        """`set_key` for many units at once (dictionary updates in bulk when no key repeats)."""
+    def set_keys(
+        self, units: list[int], keys: list[Hashable], tokens: list[int] | None = None
+    ) -> None:
+        """`set_key` for many units at once (dictionary updates in bulk when no key repeats);
+        `tokens` (the prefix length of each key) is read only when events are logged."""
         # Units come here once each (when they first fill up), so only keys can repeat:
         # another request may have cached the same content first.
         new = dict(zip(keys, units, strict=True))
+        lengths = tokens if tokens is not None else [0] * len(keys)
         if len(new) == len(units) and not (self.unit_of.keys() & new.keys()):
             self.unit_of.update(new)
             self.key_of.update(zip(units, keys, strict=True))
+            if self.log is not None:
+                for key, length in zip(keys, lengths, strict=True):
+                    self._log_stored(key, length)
             return
-        for unit, key in zip(units, keys, strict=True):
-            self.set_key(unit, key)
+        for unit, key, length in zip(units, keys, lengths, strict=True):
+            self.set_key(unit, key, length)
+
+    def _log_stored(self, key: Hashable, tokens: int) -> None:
+        assert self.log is not None
+        self.tokens_of[key] = tokens
+        self.log.add(STORED, self.group_id, key, tokens, self.logs_snapshots)
+
+    def _log_removed(self, key: Hashable) -> None:
+        assert self.log is not None
+        tokens = self.tokens_of.pop(key, 0)
+        self.log.add(REMOVED, self.group_id, key, tokens, self.logs_snapshots)
+
+    def cached_keys(self) -> Iterator[tuple[Hashable, int]]:
+        """(key, prefix length or 0 if unknown) of everything cached (event resynchronisation)."""
+        for key in self.unit_of:
+            yield key, self.tokens_of.get(key, 0)
 
     def uncache(self, unit: int) -> None:
         """Forget a unit's key; a cached-only unit becomes free at once."""
@@ -275,6 +311,8 @@ class UnitAllocator:
         if key is None:
             return
         del self.unit_of[key]
+        if self.log is not None:
+            self._log_removed(key)
         self._unstrand(unit)
         if self.ref.get(unit) == 0:
             self._free_unit(unit)
@@ -288,7 +326,10 @@ class UnitAllocator:
             count = ref.pop(unit, None)
             if count is not None:
                 assert count == 0, f"evicting unit {unit} that is in use"
-                del unit_of[key_of.pop(unit)]
+                key = key_of.pop(unit)
+                del unit_of[key]
+                if self.log is not None:
+                    self._log_removed(key)
         self.num_free_units -= len(self.free_offsets.get(page, ()))
         for table in (self.page_used, self.page_occupied, self.free_offsets, self.partial):
             table.pop(page, None)
