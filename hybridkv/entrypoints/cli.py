@@ -440,6 +440,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="split <think>...</think> into reasoning_content: qwen3 or deepseek_r1 "
         "(default: none)",
     )
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas behind one endpoint, on Ray Serve (needs ray[serve]); default 1",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="join this Ray cluster (e.g. auto) instead of starting one (implies Ray Serve)",
+    )
+    p.add_argument(
+        "--routing-policy",
+        default="prefix_aware",
+        help="how the replicas share requests: prefix_aware (default), least_loaded, round_robin",
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -469,6 +485,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if max_request_bytes < 1:
         raise CliError(f"--max-request-bytes must be at least 1 byte, got {args.max_request_bytes}")
     _check_parsers(args)
+    if args.data_parallel_size < 1:
+        raise CliError(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    policies = ("prefix_aware", "least_loaded", "round_robin")
+    if args.routing_policy not in policies:
+        raise CliError(
+            f"--routing-policy: unknown policy {args.routing_policy!r} "
+            f"(choose from {', '.join(policies)})"
+        )
+    if args.data_parallel_size > 1 or args.ray_address is not None:
+        if args.tensor_parallel_size != 1:
+            raise CliError("--data-parallel-size with --tensor-parallel-size > 1 is not supported")
+        if importlib.util.find_spec("ray") is None:
+            raise CliError('--data-parallel-size needs Ray Serve: pip install "ray[serve]"')
+        try:  # the port is free now (Ray Serve's proxy binds it later)
+            bind_socket(args.host, args.port).close()
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            raise CliError(f"cannot listen on {args.host}:{args.port}: {reason}") from None
+        from hybridkv.serving.ray_app import run_cli
+
+        return run_cli(args, max_request_bytes)
     # The address is taken before the model loads: a busy port is an error at once.
     try:
         sock = bind_socket(args.host, args.port)

@@ -27,6 +27,7 @@ import contextlib
 import itertools
 import json
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -597,3 +598,72 @@ def build_app(
     return HybridKVIngress.options(
         name="hybridkv-ingress", ray_actor_options={"num_cpus": ingress_cpus}
     ).bind(replicas, model, policy, server_kwargs.get("max_request_bytes"))
+
+
+# ---------------------------------------------------------------------------------------------
+# `hybridkv serve --data-parallel-size N [--ray-address ADDR] [--routing-policy P]`
+# ---------------------------------------------------------------------------------------------
+
+
+def engine_kwargs_of(args: Any) -> dict[str, Any]:
+    """The Engine keyword arguments of `hybridkv serve`'s model flags (as cli._load_engine)."""
+    from hybridkv.dtypes import parse_bytes
+
+    quantization = args.quantization
+    kwargs: dict[str, Any] = {
+        "dtype": args.dtype,
+        "allocation": args.allocation,
+        "quantization": None if quantization is None or quantization.lower() == "none"
+        else quantization,
+        "enforce_eager": args.enforce_eager,
+    }  # fmt: skip
+    if args.max_capture_size is not None:
+        kwargs["max_capture_size"] = args.max_capture_size
+    if args.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.memory is not None:
+        kwargs["memory_bytes"] = parse_bytes(args.memory)
+    return kwargs
+
+
+def run_cli(args: Any, max_request_bytes: int) -> int:
+    """Start (or join, `args.ray_address`) Ray, run the app on args.host:args.port and block
+    until interrupted. Returns the exit status."""
+    import ray
+
+    num = args.data_parallel_size
+    name = args.served_model_name or args.model or "hybridkv-default"
+    server_kwargs = {
+        "max_request_bytes": max_request_bytes,
+        "tool_parser": args.tool_call_parser,
+        "reasoning_parser": args.reasoning_parser,
+    }
+    start = time.monotonic()
+    ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=False)
+    cpus = float(ray.cluster_resources().get("CPU", 1.0))
+    replica_cpus = min(1.0, round(cpus / (num + 1), 2))  # room for the ingress
+    app = build_app(
+        args.model, num, args.routing_policy, engine_kwargs_of(args), name,
+        server_kwargs=server_kwargs, replica_cpus=replica_cpus,
+        ingress_cpus=min(0.25, replica_cpus),
+    )  # fmt: skip
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(app, name="hybridkv", route_prefix="/")
+        print(
+            f"serving {name} on http://{args.host}:{args.port} with {num} replica(s) on Ray "
+            f"({args.routing_policy} routing), up in {time.monotonic() - start:.1f}s",
+            file=sys.stderr,
+            flush=True,
+        )
+        while True:
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        with contextlib.suppress(Exception):
+            if args.ray_address is None:
+                serve.shutdown()
+            else:  # a shared cluster: take down this app only
+                serve.delete("hybridkv")
+        ray.shutdown()
