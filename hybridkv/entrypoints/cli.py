@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from hybridkv.config import CacheConfig, ParallelConfig, check_quantization
 from hybridkv.dtypes import parse_bytes
@@ -261,13 +262,9 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _load_engine(args: argparse.Namespace):
-    """Build the engine, printing progress on stderr (model loading takes a moment)."""
-    import time
-
-    from hybridkv.engine import Engine
-
-    kwargs: dict[str, object] = {
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The Engine keyword arguments of the model flags (generate, serve, bench)."""
+    kwargs: dict[str, Any] = {
         "dtype": args.dtype,
         "allocation": args.allocation,
         "tensor_parallel_size": args.tensor_parallel_size,
@@ -281,6 +278,16 @@ def _load_engine(args: argparse.Namespace):
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.memory is not None:
         kwargs["memory_bytes"] = parse_bytes(args.memory)
+    return kwargs
+
+
+def _load_engine(args: argparse.Namespace):
+    """Build the engine, printing progress on stderr (model loading takes a moment)."""
+    import time
+
+    from hybridkv.engine import Engine
+
+    kwargs = engine_kwargs(args)
     name = args.model or "the built-in default model"
     print(f"loading {name} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()

@@ -606,23 +606,13 @@ def build_app(
 
 
 def engine_kwargs_of(args: Any) -> dict[str, Any]:
-    """The Engine keyword arguments of `hybridkv serve`'s model flags (as cli._load_engine)."""
-    from hybridkv.dtypes import parse_bytes
+    """The Engine keyword arguments of `hybridkv serve`'s model flags, less tensor
+    parallelism (refused together with data parallelism)."""
+    from hybridkv.entrypoints.cli import engine_kwargs
 
-    quantization = args.quantization
-    kwargs: dict[str, Any] = {
-        "dtype": args.dtype,
-        "allocation": args.allocation,
-        "quantization": None if quantization is None or quantization.lower() == "none"
-        else quantization,
-        "enforce_eager": args.enforce_eager,
-    }  # fmt: skip
-    if args.max_capture_size is not None:
-        kwargs["max_capture_size"] = args.max_capture_size
-    if args.max_num_seqs is not None:
-        kwargs["max_num_seqs"] = args.max_num_seqs
-    if args.memory is not None:
-        kwargs["memory_bytes"] = parse_bytes(args.memory)
+    kwargs = engine_kwargs(args)
+    for name in ("tensor_parallel_size", "distributed_timeout_s"):
+        kwargs.pop(name)
     return kwargs
 
 
