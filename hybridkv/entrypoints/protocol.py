@@ -180,7 +180,11 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    """One chat message. Keys no field here declares are refused when set (a 400 naming
+    messages.<k>.<key>), except output metadata a client echoes back from a response
+    (`annotations`, `refusal`: they say nothing to the model); null always passes."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
@@ -208,6 +212,18 @@ class ChatCompletionRequest(_Request):
 
     def refuse_unsupported(self) -> None:
         refused_fields(self.model_extra, _REFUSED_CHAT)
+
+
+ECHOED_MESSAGE_KEYS = frozenset({"annotations", "refusal"})
+
+
+def refuse_message_extras(message: ChatMessage, index: int) -> None:
+    for key, value in (message.model_extra or {}).items():
+        if value is not None and key not in ECHOED_MESSAGE_KEYS:
+            raise OpenAIError(
+                f"'{key}' is not supported in chat messages",
+                param=f"messages.{index}.{key}",
+            )
 
 
 def message_text(message: ChatMessage, index: int = 0) -> str:

@@ -72,6 +72,7 @@ from hybridkv.entrypoints.protocol import (
     OpenAIError,
     TokenizeRequest,
     message_text,
+    refuse_message_extras,
 )
 from hybridkv.entrypoints.reasoning import get_reasoning_parser
 from hybridkv.entrypoints.structured import check_tools, grammar_of, tool_grammar, tool_mode
@@ -279,6 +280,7 @@ class Server:
 
     @staticmethod
     def _chat_message(m: ChatMessage, k: int) -> dict[str, Any]:
+        refuse_message_extras(m, k)
         text = message_text(m, k)
         try:
             check_unicode(text, "message content")

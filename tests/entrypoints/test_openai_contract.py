@@ -480,3 +480,14 @@ def test_streamed_n_choices_each_echo_the_prompt_log_probs(server):
         assert got[0] is None and len(got) == n_prompt
         want = whole[k]["logprobs"]["token_logprobs"][:n_prompt]
         assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_unknown_message_keys_are_refused_and_echoed_metadata_passes(server):
+    user = {"role": "user", "content": "x"}
+    echoed = {"role": "assistant", "content": "y", "refusal": None, "annotations": [],
+              "audio": None, "function_call": None}  # fmt: skip
+    body = {"model": MODEL, "max_tokens": 2, "messages": [user, echoed, user]}
+    assert post(server, "/v1/chat/completions", body).status_code == 200
+    body["messages"][1] = echoed | {"audio": {"id": "a1"}}
+    r = post(server, "/v1/chat/completions", body)
+    assert_error(r, 400, param="messages.1.audio", fragment="'audio'")
