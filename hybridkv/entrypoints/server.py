@@ -484,7 +484,8 @@ def _completion_logprobs(
     """The completions `logprobs` object of these tokens, their text offsets counted from
     `offset`; and the offset after them. An entry None (a prompt's first token) has neither a
     log-prob nor top log-probs (null, as OpenAI)."""
-    tokens = [_token_str(tok, t, as_ids) for t in token_ids]
+    texts = [_token_str(tok, t) for t in token_ids]  # decoded once: names and offsets
+    tokens = [_token_str(tok, t, True) for t in token_ids] if as_ids else texts
     chosen, tops = [], []
     for t, entry in zip(token_ids, entries, strict=False):
         chosen.append(None if entry is None else _finite(entry.get(t)))
@@ -494,10 +495,10 @@ def _completion_logprobs(
             else {_token_str(tok, k, as_ids): _finite(v) for k, v in entry.items()}
         )
     offsets = []
-    for t in token_ids:
+    for text in texts:
         offsets.append(offset)
         # offsets into the text (empty in token-id mode)
-        offset += len(_token_str(tok, t)) if tok is not None else 0
+        offset += len(text) if tok is not None else 0
     logprobs = {
         "tokens": tokens,
         "token_logprobs": chosen,
