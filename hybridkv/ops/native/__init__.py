@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,10 +257,31 @@ def library() -> Library | None:
         path = _library_path(adapters)
         if not path.is_file() and not _build(path, adapters):
             return None
-        _lib = Library(ctypes.CDLL(str(path)), names)
+        lib = Library(ctypes.CDLL(str(path)), names)
     except (OSError, AttributeError):  # unloadable, or a build without a symbol we call
-        _lib = None
+        return None
+    _lib = lib if _runs_here(lib) else None
     return _lib
+
+
+def _runs_here(lib: Library) -> bool:
+    """The build's instruction sets are all on this CPU (a build forced to another target,
+    `HYBRIDKV_NATIVE_MARCH`, would stop the process with an illegal instruction): else a
+    warning naming the missing ones, and no native kernels."""
+    probe = []
+    for name in ("hkv_cpu_built", "hkv_cpu_has"):
+        fn = getattr(lib.cdll, name)
+        fn.argtypes, fn.restype = [], ctypes.c_char_p
+        probe.append(set((fn() or b"").decode().split(",")) - {""})
+    missing = sorted(probe[0] - probe[1])
+    if missing:
+        warnings.warn(
+            f"hybridkv: the native kernels were built for {MARCH} ({', '.join(missing)}), which "
+            "this CPU lacks; running without them",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return not missing
 
 
 def _is_f32_cpu(*tensors: torch.Tensor) -> bool:

@@ -36,9 +36,7 @@
 #include <string.h>
 #include "hkv_common.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&                 \
-    defined(__AVX512BF16__)
-#include <immintrin.h>
+#if HKV_AVX512_BF16
 #define B16_FAST 1
 #else
 #define B16_FAST 0

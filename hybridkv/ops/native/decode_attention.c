@@ -48,7 +48,7 @@
  * long request keeps every thread busy). Below DA_PARALLEL_MIN elements of K the call runs on
  * the calling thread (waking the team costs more than such a step).
  */
-#define _GNU_SOURCE /* syscall() */
+#define _GNU_SOURCE
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -58,25 +58,9 @@
 #include <omp.h>
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) &&                 \
-    defined(__AVX512VL__)
-#include <immintrin.h>
-#define DA_AVX512 1
-#else
-#define DA_AVX512 0
-#endif
-#if DA_AVX512 && defined(__AVX512BF16__)
-#define DA_DOT_BF16 1 /* bfloat16 scores as vdpbf16ps dot products (when not on AMX) */
-#else
-#define DA_DOT_BF16 0
-#endif
-#if DA_AVX512 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define DA_AMX 1
-#else
-#define DA_AMX 0
-#endif
+#define DA_AVX512 HKV_AVX512
+#define DA_DOT_BF16 HKV_AVX512_BF16 /* bfloat16 scores as vdpbf16ps dot products (not on AMX) */
+#define DA_AMX HKV_AMX_BF16
 
 #define DA_TILE 16                /* positions per tile (one AMX tile's rows) */
 #define DA_HEADS 8                /* query heads whose sums of V are in registers together */
@@ -770,7 +754,7 @@ void hkv_paged_decode(const void *q, const void *cache, int bf16, int64_t kbs, i
     int64_t total = 0;
     for (int64_t s = 0; s < S; s++) total += da_len(seq_lens[s], window);
 #if DA_AMX
-    base.amx = bf16 && Dh % 2 == 0 && total * KVH >= DA_AMX_MIN && hkv_moe_amx_ready();
+    base.amx = bf16 && Dh % 2 == 0 && total * KVH >= DA_AMX_MIN && hkv_amx_ready();
 #endif
     const int64_t most = base.amx ? DA_AMX_HEADS : DA_HEADS; /* query heads per pass */
     base.hp = group < most ? group : most;

@@ -47,8 +47,7 @@
 #include <string.h>
 #include "hkv_common.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#if HKV_AVX512
 #define F32_FAST 1
 #else
 #define F32_FAST 0

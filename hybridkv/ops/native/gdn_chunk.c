@@ -33,13 +33,7 @@
 #include <string.h>
 #include "hkv_common.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) &&                 \
-    defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define GC_AMX 1
-#else
-#define GC_AMX 0
-#endif
+#define GC_AMX HKV_AMX_BF16
 
 #define GC_L 64       /* tokens per chunk */
 #define GC_MAX_DIM 256 /* K and V at most */

@@ -26,13 +26,7 @@
 #include <string.h>
 #include "hkv_common.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&                 \
-    defined(__AVX512BF16__)
-#include <immintrin.h>
-#define GD_FAST 1
-#else
-#define GD_FAST 0
-#endif
+#define GD_FAST HKV_AVX512_BF16
 
 #define GD_EPS 1e-6f            /* of the L2 norm, as transformers' l2norm */
 #define GD_MIN_LOG_DECAY -80.0f /* as the general kernel: no denormal decays */

@@ -6,6 +6,65 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The instruction sets this library is built for (one place: every C file of this folder tests
+ * these, never the compiler's macros). Each is 0 or 1; cpu.c reports them and what the CPU has
+ * (hybridkv/ops/native/cpu.py: the CPU record). -march decides them: native by default,
+ * HYBRIDKV_NATIVE_MARCH=x86-64-v3 for AVX2 + FMA + F16C, x86-64 for none of them. */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HKV_AVX2 1 /* 8 float32 lanes with fused multiply-adds; bf16 widened by a shift */
+#else
+#define HKV_AVX2 0
+#endif
+#if defined(__AVXVNNI__) && HKV_AVX2
+#define HKV_AVX_VNNI 1 /* 8-bit dot products on 256-bit vectors (vpdpbusd, VEX) */
+#else
+#define HKV_AVX_VNNI 0
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&                 \
+    defined(__AVX512DQ__)
+#define HKV_AVX512 1 /* 16 float32 lanes, mask registers */
+#else
+#define HKV_AVX512 0
+#endif
+#if HKV_AVX512 && defined(__AVX512BF16__)
+#define HKV_AVX512_BF16 1 /* vdpbf16ps, vcvtneps2bf16 */
+#else
+#define HKV_AVX512_BF16 0
+#endif
+#if HKV_AVX512 && defined(__AVX512VNNI__)
+#define HKV_AVX512_VNNI 1
+#else
+#define HKV_AVX512_VNNI 0
+#endif
+#if HKV_AVX512_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define HKV_AMX_BF16 1 /* tiles (the process asks the kernel's permission once: hkv_amx_ready) */
+#else
+#define HKV_AMX_BF16 0
+#endif
+#if HKV_AMX_BF16 && defined(__AMX_INT8__)
+#define HKV_AMX_INT8 1
+#else
+#define HKV_AMX_INT8 0
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#define HKV_NEON 1
+#else
+#define HKV_NEON 0
+#endif
+#if HKV_NEON && defined(__ARM_FEATURE_DOTPROD)
+#define HKV_NEON_DOT 1
+#else
+#define HKV_NEON_DOT 0
+#endif
+#if HKV_NEON && defined(__ARM_FEATURE_BF16_VECTOR_ARITHMETIC)
+#define HKV_NEON_BF16 1
+#else
+#define HKV_NEON_BF16 0
+#endif
+#if HKV_AVX2 || HKV_AVX512
+#include <immintrin.h>
+#endif
+
 /* bfloat16 -> float32: a bfloat16 is the top half of a float32's bits (exact). */
 static inline float hkv_bf16_to_f32(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
@@ -50,8 +109,7 @@ static inline float hkv_silu(float v) {
     return v < -87.0f ? v * 0.0f : (v < 0.0f ? v * z : v) / (1.0f + z);
 }
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#if HKV_AVX512
 
 /* hkv_exp_nonpositive and hkv_silu on 16 lanes: the same operations in the same order (no
  * fused multiply-adds), so that vector and scalar loops give the same bits. */
@@ -130,9 +188,9 @@ static inline __attribute__((always_inline)) __m256i hkv_f32x16_to_bf16(__m512 v
     } while (0)
 #endif
 
-#if defined(__AMX_TILE__)
-/* Whether this process may use AMX tiles (moe.c asks the kernel once; 0 without AMX). */
-int hkv_moe_amx_ready(void);
+#if HKV_AMX_BF16
+/* Whether this process may use AMX tiles (cpu.c asks the kernel once; 0 without AMX). */
+int hkv_amx_ready(void);
 
 struct hkv_tilecfg { /* the 64-byte operand of ldtilecfg */
     uint8_t palette, start_row, reserved[14];

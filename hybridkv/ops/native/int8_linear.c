@@ -63,8 +63,7 @@
 #include <string.h>
 #include "hkv_common.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
+#if HKV_AVX512
 #define I8_AVX512 1
 #else
 #define I8_AVX512 0
@@ -134,7 +133,7 @@ I8_INLINE __m512 i8_load_w(const int8_t *q, int64_t i, __mmask16 mask) {
         }                                                                                    \
     } while (0)
 
-#ifdef __AVX512BF16__
+#if HKV_AVX512_BF16
 /* bfloat16 x with AVX512-BF16: 32 values of k per step, each weight pair widened to bfloat16
  * (exact for |q| <= 127) and multiplied pairwise with vdpbf16ps, float32 sums: half the
  * multiply instructions of the float32 step */

@@ -40,7 +40,7 @@ static inline void load_floats(const void *x, int bf16, int64_t i, int64_t n, fl
  * hkv_vfu may sit at any 4-byte boundary (unaligned loads and stores). HKV_SCAN_ROWS state rows
  * per register block of the long scan: with 2 sums and 2 temporaries, 20 of AVX-512's 32
  * registers, 12 of AVX2's 16. */
-#ifdef __AVX512F__
+#if HKV_AVX512
 #define HKV_LANES 16
 #define HKV_SCAN_ROWS 16
 #else
@@ -607,7 +607,7 @@ int hkv_conv1d(void *state, int64_t page_stride, int state_bf16, const int64_t *
  */
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
-#ifdef __AVX512F__
+#if HKV_AVX512
 #define HKV_GDN_VECS 4 /* vectors per column block: 4 rows, 4 + 4 sums, 4 deltas in registers */
 #else
 #define HKV_GDN_VECS 2 /* the same in 10 of AVX2's 16 registers */

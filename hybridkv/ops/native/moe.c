@@ -45,7 +45,7 @@
  * then each token sums its pairs' rows of Y in sorted (= expert) order.
  *
  * A build without AMX (or a kernel that refuses the tile data permission) reports no kernel:
- * hkv_moe_amx_ready() returns 0 and the callers keep their PyTorch path.
+ * hkv_amx_ready() (cpu.c) returns 0 and the callers keep their PyTorch path.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -54,12 +54,8 @@
 #include <string.h>
 #include "hkv_common.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) &&                 \
-    defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__) && defined(__linux__)
-#include <immintrin.h>
+#if HKV_AMX_BF16
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define MOE_AMX 1
 #else
 #define MOE_AMX 0
@@ -100,14 +96,6 @@ static inline __mmask16 moe_mask(int64_t n) {
     return n <= 0 ? 0 : n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
 }
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-int hkv_moe_amx_ready(void) {
-    static int ready = -1;
-    if (ready < 0) ready = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return ready;
-}
 
 /* Sums of 32 rows (16 when !two_rows) of A (row stride lda values) by one or two column tiles
  * (B0, B1: Kb packed tiles each, consecutive in k) into C (row stride 32 floats: [32, 32], the
@@ -519,8 +507,6 @@ int hkv_moe_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
 }
 
 #else /* no AMX: no kernel */
-
-int hkv_moe_amx_ready(void) { return 0; }
 
 void hkv_moe_route_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
                         const uint16_t *router, int64_t E, const uint16_t *shared_gate, int64_t k,

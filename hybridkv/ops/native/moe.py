@@ -41,7 +41,7 @@ def available() -> bool:
     if lib is None:
         return False
     if _ready is None:
-        fn = lib.hkv_moe_amx_ready  # a feature probe: a plain ctypes function
+        fn = lib.hkv_amx_ready  # a feature probe (cpu.c): a plain ctypes function
         fn.argtypes, fn.restype = [], ctypes.c_int
         _ready = bool(fn())
     return _ready
