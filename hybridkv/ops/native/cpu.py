@@ -42,6 +42,7 @@ _PROC_FLAGS = {
     "neon_bf16": ("bf16",),
 }
 
+
 @dataclass(frozen=True)
 class CpuRecord:
     """One machine's facts for choosing ops. `built`: the instruction sets the native library
