@@ -42,11 +42,13 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
+from hybridkv.serving.metrics import merge as merge_metrics
 from hybridkv.serving.router import IndexSpec, ReplicaLoad, Router
 
 logger = logging.getLogger(__name__)
 
 REPLICA_HEADER = "x-hybridkv-replica"
+_PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 POLICIES = ("prefix_aware", "least_loaded", "round_robin")
 POLL_INTERVAL_S = 0.1
 POLL_TIMEOUT_S = 2.0
@@ -235,6 +237,10 @@ class ReplicaCore:
 
     # -- state -------------------------------------------------------------------------------
 
+    def metrics_text(self) -> str:
+        """This replica's /metrics (Prometheus text)."""
+        return self.server.metrics.render().decode()
+
     def load(self) -> dict[str, int]:
         """ReplicaLoad's fields, from the engine thread's last published stats."""
         stats = self.server.async_engine.stats
@@ -324,6 +330,9 @@ class HybridKVReplica:
 
     def index_plan(self) -> Any:
         return self.core.index_plan()
+
+    def metrics_text(self) -> str:
+        return self.core.metrics_text()
 
     def health(self) -> dict[str, Any]:
         return self.core.health()
@@ -501,6 +510,21 @@ class HybridKVIngress:
         if not self.up:
             return JSONResponse(_error_body(503, "no replica is serving"), status_code=503)
         return JSONResponse({"status": "ok", "replicas": sorted(self.up)})
+
+    @ingress_app.get("/metrics")
+    async def metrics(self, request: Request) -> Response:
+        """Every replica in routing's metrics, labelled by replica (`x-hybridkv-replica` asks
+        one replica alone, as for any path)."""
+        if request.headers.get(REPLICA_HEADER) is not None:
+            return await self.relay(request, "/metrics")
+        live = [r for r in self.ids if r in self.up]
+        asks = [self.handles[r].metrics_text.remote() for r in live]
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(a, POLL_TIMEOUT_S) for a in asks), return_exceptions=True
+        )
+        texts = {r: a for r, a in zip(live, answers, strict=True) if isinstance(a, str)}
+        up = {r: r in texts for r in self.ids}
+        return Response(merge_metrics(texts, up), media_type=_PROMETHEUS)
 
     @ingress_app.api_route(
         "/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]

@@ -131,6 +131,22 @@ def test_conversations_stick_to_their_replica(client: openai.OpenAI) -> None:
     print(f"\nconversations on {sorted(seen)}")
 
 
+def test_metrics_cover_every_replica(client: openai.OpenAI, base: str) -> None:
+    for k in range(4):  # requests on both replicas (round robin breaks ties when nothing hits)
+        client.completions.create(model=MODEL_NAME, prompt=f"metrics {k}", max_tokens=2)
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    assert 'hybridkv_ingress_replica_up{replica="replica-0"} 1.0' in text
+    assert 'hybridkv_ingress_replica_up{replica="replica-1"} 1.0' in text
+    types = [line for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert len(types) == len(set(types)), "a metric family declared twice"
+    lines = [line for line in text.splitlines() if line.startswith("hybridkv_requests_total")]
+    for rid in ("replica-0", "replica-1"):
+        assert any(f'replica="{rid}"' in line for line in lines), (rid, lines)
+    pinned = httpx.get(f"{base}/metrics", headers={REPLICA_HEADER: "replica-1"}, timeout=30)
+    assert pinned.headers[REPLICA_HEADER] == "replica-1"
+    assert "replica=" not in pinned.text and "hybridkv_" in pinned.text
+
+
 def _replica_actor(rid: str):
     k = rid.rsplit("-", 1)[1]
     for a in ray.util.list_named_actors(all_namespaces=True):
