@@ -1,4 +1,5 @@
-"""Feed-forward blocks: RMSNorm module, SwiGLU MLPs and the GraniteMoeHybrid mixture of experts."""
+"""Feed-forward blocks: RMSNorm modules, SwiGLU MLPs and `gated_experts`, the routed SwiGLU
+experts' computation (the mixture-of-experts blocks and routers: `hybridkv.layers.moe`)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.distributed.parallel import column, current, declare_shards, rank0_bias
-from hybridkv.ops import native
 from hybridkv.ops.derived import derived
 from hybridkv.ops.native import bf16_linear as native_bf16
+from hybridkv.ops.native import elementwise as native_ew
 from hybridkv.ops.native import moe as native_moe
 from hybridkv.ops.norm import add_rms_norm, rms_norm
 
@@ -33,7 +34,7 @@ class RMSNorm(nn.Module):
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [..., 2 * inter] = [gate | up] -> silu(gate) * up: [..., inter]."""
-    out = native.silu_and_mul(x)  # float32 on the CPU: one pass
+    out = native_ew.silu_and_mul(x)  # float32 on the CPU: one pass
     if out is not None:
         return out
     gate, up = x.chunk(2, dim=-1)
@@ -176,59 +177,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        act = native.silu_mul(gate, up)  # one pass on the CPU, rounded as the line below
+        act = native_ew.silu_mul(gate, up)  # one pass on the CPU, rounded as the line below
         out = self.down_proj(act if act is not None else F.silu(gate) * up)
         return self.tp.all_reduce(out) if reduce else out
-
-
-class _Router(nn.Module):
-    def __init__(self, hidden_size: int, num_experts: int) -> None:
-        super().__init__()
-        self.layer = nn.Linear(hidden_size, num_experts, bias=False)
-
-
-class _ExpertWeights(nn.Module):
-    def __init__(self, num_experts: int, out_features: int, in_features: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
-
-
-class GraniteMoE(nn.Module):
-    """Top-k routed experts with stacked weights (checkpoint names `block_sparse_moe.*`).
-
-    router logits -> top-k -> softmax over the k chosen -> each expert runs SwiGLU on the tokens
-    routed to it; outputs are summed weighted (`gated_experts`).
-    """
-
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int):
-        super().__init__()
-        self.tp = tp = current()
-        full = intermediate_size
-        intermediate_size = tp.split(full, "intermediate_size")  # every expert's slice
-        self.top_k = top_k
-        self.num_experts = num_experts
-        self.router = _Router(hidden_size, num_experts)
-        self.input_linear = _ExpertWeights(num_experts, 2 * intermediate_size, hidden_size)
-        self.output_linear = _ExpertWeights(num_experts, hidden_size, intermediate_size)
-        declare_shards(self.input_linear, weight=column(tp, (0, full), (full, full), dim=1))
-        declare_shards(self.output_linear, weight=column(tp, (0, full), dim=2))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]; tensor parallel: this rank's partial sum (the caller
-        all-reduces it)."""
-        # bfloat16 on AMX: the router's linear, top-k and softmax in one native pass
-        top_k, softmax = self.top_k, native_moe.TOPK_SOFTMAX
-        routed = native_moe.route(x, self.router.layer.weight, None, top_k, softmax)
-        if routed is not None:
-            top_idx, weights, _ = routed  # [T, k] each
-        else:
-            # x: [T, hidden]; logits: [T, experts] (routing in float32, as the reference does)
-            logits = self.router.layer(x).float()
-            top_logits, top_idx = logits.topk(self.top_k, dim=-1)  # [T, k]
-            weights = torch.softmax(top_logits, dim=-1).to(x.dtype)
-        return gated_experts(
-            x, top_idx, weights, self.input_linear.weight, self.output_linear.weight
-        )
 
 
 class ZeroCenteredRMSNorm(RMSNorm):
@@ -249,3 +200,13 @@ class ZeroCenteredRMSNorm(RMSNorm):
         self, x: torch.Tensor, h: torch.Tensor, multiplier: float = 1.0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return add_rms_norm(x, h, multiplier, self._scale(), self.eps, True)
+
+
+def __getattr__(name: str) -> object:
+    """`GraniteMoE` moved to `hybridkv.layers.moe` (which imports this module, hence the lazy
+    look-up); older imports from here still find it."""
+    if name == "GraniteMoE":
+        from hybridkv.layers.moe import GraniteMoE
+
+        return GraniteMoE
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,19 +33,17 @@ from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, Self
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.distributed.layers import vocab_embedding, vocab_head
-from hybridkv.distributed.parallel import current
 from hybridkv.kv.specs import ConfigError
 from hybridkv.layers.attention.mla import CosSin, MultiHeadLatentAttention, mla_softmax_scale
 from hybridkv.layers.mlp import GatedMLP, RMSNorm
+from hybridkv.layers.moe import GatedExperts, Router, RoutingRule, SharedExpertsMoE
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig
 from hybridkv.models.loader import stack_gated_experts
-from hybridkv.models.qwen3_next import Experts
 from hybridkv.worker.batch import ForwardBatch
 
 EXPERT_WEIGHT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -132,10 +130,16 @@ class DeepseekV3Config(RopeConfig):
             )
 
     mlp_bias: ClassVar[bool] = False  # a DeepSeek-V2 key; V3 has none
+    correction_bias: ClassVar[bool] = True  # the router's e_score_correction_bias buffer
 
     @property
-    def router(self) -> type[nn.Module]:
-        return GroupedTopkRouter
+    def routing(self) -> RoutingRule:
+        """Sigmoid scores, choice biased by e_score_correction_bias, groups by their top-2."""
+        return RoutingRule(
+            self.num_experts_per_tok, "sigmoid", self.norm_topk_prob, renormalise_eps=1e-20,
+            scaling=self.routed_scaling_factor, groups=self.n_group, groups_kept=self.topk_group,
+            group_score="top2_sum", sorted=False,
+        )  # fmt: skip
 
     @property
     def qk_head_dim(self) -> int:
@@ -146,52 +150,24 @@ class DeepseekV3Config(RopeConfig):
         return mla_softmax_scale(self.qk_head_dim, self.rope)
 
 
-class GroupedTopkRouter(nn.Module):
-    """DeepSeek-V3's router (module `gate`): weight [E, hidden], e_score_correction_bias [E]."""
+class DeepseekV3MoE(SharedExpertsMoE):
+    """Router `gate` (weight [E, hidden], float32 logits; V3: e_score_correction_bias [E]),
+    SwiGLU `experts`, `shared_experts` (one SwiGLU of moe_intermediate_size * n_shared_experts)."""
 
     def __init__(self, cfg: DeepseekV3Config) -> None:
-        super().__init__()
-        e = cfg.n_routed_experts
-        self.num_experts, self.top_k = e, cfg.num_experts_per_tok
-        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
-        self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
-        self.weight = nn.Parameter(torch.empty(e, cfg.hidden_size))
-        self.register_buffer("e_score_correction_bias", torch.empty(e))
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, hidden] -> experts [T, k], weights [T, k] (float32)."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
-        choice = scores + self.e_score_correction_bias.float()
-        t = x.shape[0]
-        grouped = choice.view(t, self.n_group, -1)  # [T, groups, E / groups]
-        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, groups]
-        keep = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-        expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(t, -1)  # [T, E]
-        choice = choice.masked_fill(~expert_mask, float("-inf"))
-        experts = choice.topk(self.top_k, dim=-1, sorted=False)[1]  # [T, k]
-        weights = scores.gather(1, experts)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return experts, weights * self.scaling
-
-
-class DeepseekV3MoE(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config) -> None:
-        super().__init__()
-        self.tp = current()
-        self.gate = cfg.router(cfg)
-        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
-        self.shared_experts = GatedMLP(
-            cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, bias=cfg.mlp_bias
-        )
+        hidden, e, inter = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+        gate = Router(hidden, e, cfg.routing, correction_bias=cfg.correction_bias)
+        shared = GatedMLP(hidden, inter * cfg.n_shared_experts, bias=cfg.mlp_bias)
+        super().__init__(gate, GatedExperts(e, hidden, inter), shared)
+        self.top_k_unset = cfg.num_experts_per_tok is None  # (DeepSeek-V2 may leave it out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]; tensor parallel: every rank routes alike (replicated
-        router), its experts' and shared experts' slices give partial sums, reduced once."""
-        experts, weights = self.gate(x)
-        out = self.experts(x, experts, weights.to(x.dtype)) + self.shared_experts(x, reduce=False)
-        return self.tp.all_reduce(out)
+        """x: [T, hidden] -> [T, hidden]."""
+        if self.top_k_unset:
+            raise ConfigError(
+                "config.json of DeepseekV2ForCausalLM: num_experts_per_tok is not set"
+            )
+        return super().forward(x)
 
 
 class DeepseekV3DecoderLayer(nn.Module):
@@ -314,38 +290,19 @@ class DeepseekV2Config(DeepseekV3Config):
         optional = ("n_group", "topk_group", "num_experts_per_tok")
         super()._require_positive(*(n for n in names if n not in optional))
 
+    correction_bias: ClassVar[bool] = False  # (V3's e_score_correction_bias)
+
     @property
-    def router(self) -> type[nn.Module]:
-        return SoftmaxTopkRouter
-
-
-class SoftmaxTopkRouter(nn.Module):
-    """DeepSeek-V2's router (module `gate`): weight [E, hidden]."""
-
-    def __init__(self, cfg: DeepseekV2Config) -> None:
-        super().__init__()
-        self.top_k, self.method = cfg.num_experts_per_tok, cfg.topk_method
-        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
-        self.scaling = cfg.routed_scaling_factor
-        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, hidden] -> experts [T, k], weights [T, k] (float32)."""
-        if self.top_k is None:
-            raise ConfigError(
-                "config.json of DeepseekV2ForCausalLM: num_experts_per_tok is not set"
-            )
-        scores = F.linear(x.float(), self.weight.float()).softmax(dim=-1)  # [T, E]
-        if self.method == "group_limited_greedy":
-            assert self.n_group is not None and self.topk_group is not None
-            t = x.shape[0]
-            grouped = scores.view(t, self.n_group, -1)  # [T, groups, E / groups]
-            keep = grouped.amax(dim=-1).topk(self.topk_group, dim=-1, sorted=False)[1]
-            mask = torch.zeros(t, self.n_group, dtype=torch.bool, device=x.device)
-            mask.scatter_(1, keep, True)
-            scores = scores.masked_fill(~mask[:, :, None].expand_as(grouped).reshape(t, -1), 0.0)
-        weights, experts = scores.topk(self.top_k, dim=-1, sorted=False)
-        return experts, weights * self.scaling
+    def routing(self) -> RoutingRule:
+        """Softmax over every expert; "group_limited_greedy": only the best topk_group groups
+        by their best expert (the others' scores 0); never renormalised."""
+        limited = self.topk_method == "group_limited_greedy"
+        groups, kept = (self.n_group, self.topk_group) if limited else (1, 1)
+        assert groups is not None and kept is not None
+        return RoutingRule(
+            self.num_experts_per_tok or 0, "softmax", scaling=self.routed_scaling_factor,
+            groups=groups, groups_kept=kept, group_score="max", sorted=False,
+        )  # fmt: skip
 
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):

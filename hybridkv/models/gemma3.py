@@ -26,19 +26,18 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.distributed.layers import vocab_embedding, vocab_head
 from hybridkv.distributed.parallel import column, current, declare_shards
 from hybridkv.kv.specs import ConfigError
+from hybridkv.layers.activation import gelu_tanh_mul
 from hybridkv.layers.attention.self_attention import CosSin, SelfAttention
 from hybridkv.layers.mlp import ZeroCenteredRMSNorm
 from hybridkv.layers.rotary import RotaryEmbedding, rope_parameters
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import HFConfig, layer_types
 from hybridkv.ops.elementwise import logits_float32, residual_add
-from hybridkv.ops.native import elementwise as native_ew
 from hybridkv.worker.batch import ForwardBatch
 
 logger = logging.getLogger("hybridkv")
@@ -188,9 +187,7 @@ class Gemma3MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden] (row-parallel down_proj: all-reduced)."""
         gate, up = self.gate_proj(x), self.up_proj(x)  # [T, inter]
-        act = native_ew.gelu_tanh_mul(gate, up)  # one pass on the CPU, rounded as below
-        if act is None:
-            act = F.gelu(gate, approximate="tanh") * up
+        act = gelu_tanh_mul(gate, up)  # one pass on the CPU
         return self.tp.all_reduce(self.down_proj(act))
 
 

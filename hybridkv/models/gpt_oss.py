@@ -26,14 +26,14 @@ import dataclasses
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.distributed.layers import vocab_embedding, vocab_head
-from hybridkv.distributed.parallel import column, current, declare_shards, rank0_bias
+from hybridkv.distributed.parallel import current
 from hybridkv.kv.specs import ConfigError
 from hybridkv.layers.attention.self_attention import CosSin, SelfAttention
 from hybridkv.layers.mlp import RMSNorm
+from hybridkv.layers.moe import ClampedSwigluExperts, Router, RoutingRule
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import HFConfig, layer_types
@@ -150,82 +150,21 @@ class GptOssConfig(HFConfig):
         )
 
 
-class GptOssRouter(nn.Module):
-    def __init__(self, hidden: int, num_experts: int, top_k: int) -> None:
-        super().__init__()
-        self.top_k = top_k
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
-        self.bias = nn.Parameter(torch.empty(num_experts))
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, hidden] -> experts [T, k], weights [T, k] (softmax over the top-k logits)."""
-        logits = F.linear(x, self.weight, self.bias)  # [T, E]
-        top, experts = torch.topk(logits, self.top_k, dim=-1)
-        return experts, torch.softmax(top, dim=-1)
-
-
-class GptOssExperts(nn.Module):
-    """Stacked experts as the checkpoint stores them (x @ W layout, interleaved gate/up)."""
-
-    def __init__(self, cfg: GptOssConfig) -> None:
-        super().__init__()
-        e, h, full = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
-        # tensor parallel: this rank's slice of every expert's intermediate size; interleaved
-        # (gate, up) pairs keep a slice contiguous; the down bias is added by rank 0 only
-        tp = current()
-        i = tp.split(full, "intermediate_size")
-        self.num_experts, self.alpha, self.limit = e, cfg.swiglu_alpha, cfg.swiglu_limit
-        self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * i))
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i))
-        self.down_proj = nn.Parameter(torch.empty(e, i, h))
-        self.down_proj_bias = nn.Parameter(torch.empty(e, h))
-        declare_shards(
-            self, gate_up_proj=column(tp, (0, 2 * full), dim=2),
-            gate_up_proj_bias=column(tp, (0, 2 * full), dim=1),
-            down_proj=column(tp, (0, full), dim=1), down_proj_bias=rank0_bias(tp),
-        )  # fmt: skip
-
-    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up: [n, 2I] (gate at even columns, up at odd) -> [n, I], the clamped SwiGLU."""
-        gate = gate_up[:, 0::2].clamp(max=self.limit)
-        up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-
-    def forward(
-        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        """x: [T, H]; experts, weights: [T, k] -> [T, H], the weighted sum of the experts'
-        outputs. (token, expert) pairs sorted by expert once; one loop over the experts hit."""
-        k = experts.shape[1]
-        flat = experts.reshape(-1)  # [T * k]
-        order = torch.argsort(flat, stable=True)
-        tokens = order // k
-        pair_weights = weights.reshape(-1)[order]  # [T * k]
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        out = torch.zeros_like(x)
-        start = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = slice(start, start + count)
-            start += count
-            h = x[tokens[rows]] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # [n, 2I]
-            h = self.activation(h) @ self.down_proj[e] + self.down_proj_bias[e]  # [n, H]
-            out.index_add_(0, tokens[rows], (h * pair_weights[rows, None]).to(out.dtype))
-        return out
-
-
 class GptOssMLP(nn.Module):
     def __init__(self, cfg: GptOssConfig) -> None:
         super().__init__()
-        self.router = GptOssRouter(cfg.hidden_size, cfg.num_local_experts, cfg.num_experts_per_tok)
-        self.experts = GptOssExperts(cfg)
+        hidden, e = cfg.hidden_size, cfg.num_local_experts
+        # logits with bias in the model dtype; the top-k of them, softmax over those k
+        rule = RoutingRule(cfg.num_experts_per_tok, "topk_softmax", float32=False)
+        self.router = Router(hidden, e, rule, bias=True)
+        self.experts = ClampedSwigluExperts(
+            e, hidden, cfg.intermediate_size, cfg.swiglu_alpha, cfg.swiglu_limit
+        )
         self.tp = current()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden] (tensor parallel: the experts' partial sums reduced)."""
-        experts, weights = self.router(x)
-        return self.tp.all_reduce(self.experts(x, experts, weights))
+        return self.tp.all_reduce(self.experts(x, self.router(x)))
 
 
 class GptOssDecoderLayer(nn.Module):

@@ -21,7 +21,8 @@ from hybridkv.distributed.layers import vocab_embedding, vocab_head
 from hybridkv.distributed.parallel import current
 from hybridkv.layers.attention.self_attention import SelfAttention
 from hybridkv.layers.mamba2 import Mamba2Mixer
-from hybridkv.layers.mlp import FusedGateUpMLP, GraniteMoE, RMSNorm
+from hybridkv.layers.mlp import FusedGateUpMLP, RMSNorm
+from hybridkv.layers.moe import GraniteMoE
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig, config_float, layer_types

@@ -46,12 +46,11 @@ from hybridkv.distributed.parallel import current
 from hybridkv.layers.attention.self_attention import SelfAttention
 from hybridkv.layers.mamba1 import Mamba1Mixer
 from hybridkv.layers.mlp import GatedMLP, RMSNorm
+from hybridkv.layers.moe import GatedExperts, RoutingRule, route
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import HFConfig
 from hybridkv.models.loader import stack_gated_experts
-from hybridkv.models.qwen3_next import Experts
 from hybridkv.ops.elementwise import residual_add
-from hybridkv.ops.native import moe as native_moe
 from hybridkv.worker.batch import ForwardBatch
 
 EXPERT_WEIGHT = re.compile(
@@ -163,21 +162,14 @@ class JambaSparseMoe(nn.Module):
     def __init__(self, cfg: JambaConfig) -> None:
         super().__init__()
         self.tp = current()
-        self.top_k = cfg.num_experts_per_tok
+        self.rule = RoutingRule(cfg.num_experts_per_tok, "softmax")  # not renormalised
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size)
+        self.experts = GatedExperts(cfg.num_experts, cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        # bfloat16 on AMX: the router's linear, softmax and top-k in one native pass
-        routed = native_moe.route(x, self.router.weight, None, self.top_k, native_moe.SOFTMAX_TOPK)
-        if routed is not None:
-            experts, weights, _ = routed  # [T, k] each
-        else:
-            probs = torch.softmax(self.router(x).float(), dim=-1)  # [T, E] float32
-            top, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
-            weights = top.to(x.dtype)
-        return self.tp.all_reduce(self.experts(x, experts, weights))  # partial sums
+        routing = route(x, self.router, self.rule)  # bfloat16 on AMX: one native pass
+        return self.tp.all_reduce(self.experts(x, routing))  # partial sums
 
 
 class JambaDecoderLayer(nn.Module):

@@ -17,8 +17,8 @@ latent attention (MLA) layer every few layers, MoE MLPs after the first dense on
   LoRA norms use eps 1e-6 (transformers builds them with its RMSNorm default).
 - MoE (`mlp_layer_types`, else dense for the first `first_k_dense_replace` layers): DeepSeek-V3's
   grouped sigmoid router with score-correction bias and `routed_scaling_factor`
-  (`models.deepseek_v3.GroupedTopkRouter`, the same routing as transformers' KimiLinear), SwiGLU
-  experts and `num_shared_experts` shared experts.
+  (`layers.moe.RoutingRule`, the same routing as transformers' KimiLinear), SwiGLU experts and
+  `num_shared_experts` shared experts.
 - Checkpoints: the released names (`block_sparse_moe.experts.{e}.w1/w3/w2`, read as
   `mlp.experts` and stacked into `gate_up_proj` / `down_proj`; `self_attn.q_conv1d`,
   `f_a_proj`, `A_log`, ...), which is also how transformers saves them.
@@ -39,16 +39,14 @@ import torch
 from torch import nn
 
 from hybridkv.distributed.layers import vocab_embedding, vocab_head
-from hybridkv.distributed.parallel import current
 from hybridkv.kv.specs import ConfigError
 from hybridkv.layers.attention.mla import MultiHeadLatentAttention
 from hybridkv.layers.kda import KimiDeltaAttention
 from hybridkv.layers.mlp import GatedMLP, RMSNorm
+from hybridkv.layers.moe import GatedExperts, Router, RoutingRule, SharedExpertsMoE
 from hybridkv.models.base import CausalLM
-from hybridkv.models.deepseek_v3 import GroupedTopkRouter
 from hybridkv.models.hf_config import HFConfig
 from hybridkv.models.loader import stack_gated_experts
-from hybridkv.models.qwen3_next import Experts
 from hybridkv.worker.batch import ForwardBatch
 
 EXPERT_WEIGHT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(w1|w3|w2)\.weight$")
@@ -180,30 +178,27 @@ class KimiLinearConfig(HFConfig):
             self._fail(f"num_experts_per_token ({self.num_experts_per_tok}) must be at most the "
                        f"experts of topk_group groups ({self.topk_group * (e // groups)})")
 
-    # the names GroupedTopkRouter reads (DeepSeek-V3's spellings)
     @property
-    def n_routed_experts(self) -> int:
-        return self.num_local_experts
+    def routing(self) -> RoutingRule:
+        """DeepSeek-V3's: sigmoid scores, choice biased by e_score_correction_bias, groups by
+        their top-2 (transformers' KimiLinear routes alike)."""
+        return RoutingRule(
+            self.num_experts_per_tok, "sigmoid", self.norm_topk_prob, renormalise_eps=1e-20,
+            scaling=self.routed_scaling_factor, groups=self.n_group, groups_kept=self.topk_group,
+            group_score="top2_sum", sorted=False,
+        )  # fmt: skip
 
 
-class KimiLinearMoE(nn.Module):
+class KimiLinearMoE(SharedExpertsMoE):
     """Module `mlp` of a sparse layer (`block_sparse_moe` in checkpoints): the grouped sigmoid
-    router `gate`, `experts`, `shared_experts`."""
+    router `gate` (weight [E, hidden], e_score_correction_bias [E]), `experts`,
+    `shared_experts`; the partial sums reduced once (tensor parallel)."""
 
     def __init__(self, cfg: KimiLinearConfig) -> None:
-        super().__init__()
-        self.tp = current()
-        self.gate = GroupedTopkRouter(cfg)  # type: ignore[arg-type]  # same routing keys
-        self.experts = Experts(cfg.num_local_experts, cfg.hidden_size, cfg.moe_intermediate_size)
-        self.shared_experts = GatedMLP(
-            cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden] (tensor parallel: the partial sums reduced once)."""
-        experts, weights = self.gate(x)
-        out = self.experts(x, experts, weights.to(x.dtype)) + self.shared_experts(x, reduce=False)
-        return self.tp.all_reduce(out)
+        hidden, e, inter = cfg.hidden_size, cfg.num_local_experts, cfg.moe_intermediate_size
+        gate = Router(hidden, e, cfg.routing, correction_bias=True)
+        shared = GatedMLP(hidden, inter * cfg.n_shared_experts)
+        super().__init__(gate, GatedExperts(e, hidden, inter), shared)
 
 
 class KimiLinearDecoderLayer(nn.Module):

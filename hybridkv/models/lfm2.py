@@ -46,21 +46,20 @@ import re
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.distributed.layers import vocab_embedding, vocab_head
 from hybridkv.distributed.parallel import column, current, declare_shards
 from hybridkv.kv.specs import ConfigError
+from hybridkv.layers.activation import silu_mul
 from hybridkv.layers.attention.self_attention import CosSin, SelfAttention
 from hybridkv.layers.mlp import RMSNorm
+from hybridkv.layers.moe import GatedExperts, RoutingRule, route
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.layers.short_conv import ShortConv
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig
 from hybridkv.models.loader import stack_gated_experts
-from hybridkv.models.qwen3_next import Experts
-from hybridkv.ops import native
 from hybridkv.ops.elementwise import residual_add
 from hybridkv.worker.batch import ForwardBatch
 
@@ -246,9 +245,7 @@ class Lfm2MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        gate, up = self.w1(x), self.w3(x)
-        act = native.silu_mul(gate, up)  # one pass on the CPU, rounded as the line below
-        return self.tp.all_reduce(self.w2(act if act is not None else F.silu(gate) * up))
+        return self.tp.all_reduce(self.w2(silu_mul(self.w1(x), self.w3(x))))
 
 
 class Lfm2SparseMoe(nn.Module):
@@ -258,25 +255,20 @@ class Lfm2SparseMoe(nn.Module):
     def __init__(self, cfg: Lfm2MoeConfig) -> None:
         super().__init__()
         self.tp = current()
-        self.top_k, self.normalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.scaling = cfg.routed_scaling_factor
+        # sigmoid scores in the model dtype (float32=False), as transformers computes them
+        self.rule = RoutingRule(
+            cfg.num_experts_per_tok, "sigmoid", cfg.norm_topk_prob, renormalise_eps=1e-6,
+            scaling=cfg.routed_scaling_factor, float32=False,
+        )  # fmt: skip
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = GatedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         bias = torch.zeros(cfg.num_experts) if cfg.use_expert_bias else None  # [E]
         self.register_buffer("expert_bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        scores = self.gate(x).sigmoid()  # [T, E] in the model dtype
-        if self.expert_bias is not None:
-            _, experts = torch.topk(scores + self.expert_bias.float(), self.top_k, dim=-1)
-            weights = scores.gather(1, experts)  # [T, k]
-        else:
-            weights, experts = torch.topk(scores, self.top_k, dim=-1)
-        if self.normalise:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
-        routed = self.experts(x, experts, (weights * self.scaling).to(x.dtype))
-        return self.tp.all_reduce(routed)  # partial sums
+        routing = route(x, self.gate, self.rule, self.expert_bias)  # bias: the choice only
+        return self.tp.all_reduce(self.experts(x, routing))  # partial sums
 
 
 class Lfm2DecoderLayer(nn.Module):

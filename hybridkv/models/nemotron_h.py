@@ -41,13 +41,14 @@ from torch import nn
 
 from hybridkv.distributed.layers import vocab_embedding, vocab_head
 from hybridkv.distributed.parallel import column, current, declare_shards, rank0_bias
+from hybridkv.layers.activation import relu2
 from hybridkv.layers.attention.self_attention import SelfAttention
 from hybridkv.layers.mamba2 import Mamba2Mixer
 from hybridkv.layers.mlp import RMSNorm
+from hybridkv.layers.moe import Router, RoutingRule, UngatedExperts
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import HFConfig, layer_types
 from hybridkv.ops.elementwise import residual_add
-from hybridkv.ops.native import elementwise as native_ew
 from hybridkv.worker.batch import ForwardBatch
 
 # default layout of transformers' NemotronHConfig when config.json gives none
@@ -59,13 +60,8 @@ EXPERT_WEIGHT = re.compile(
 )
 
 
-def _relu2(x: torch.Tensor) -> torch.Tensor:
-    out = native_ew.relu2(x)  # (one kernel call: a decode step stays capturable)
-    return out if out is not None else F.relu(x).square()
-
-
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "relu2": _relu2,
+    "relu2": relu2,  # (one kernel call: a decode step stays capturable)
     "relu": F.relu,
     "silu": F.silu,
     "gelu": F.gelu,
@@ -202,95 +198,6 @@ class NemotronHMLP(nn.Module):
         return self.tp.all_reduce(out) if reduce else out
 
 
-class NemotronHRouter(nn.Module):
-    """Sigmoid top-k router with grouped selection and a selection-only score bias (float32)."""
-
-    def __init__(self, cfg: NemotronHConfig, hidden: int, num_experts: int) -> None:
-        super().__init__()
-        self.num_experts = num_experts
-        self.top_k = cfg.num_experts_per_tok
-        self.n_group = cfg.n_group
-        self.topk_group = cfg.topk_group
-        self.norm_topk_prob = cfg.norm_topk_prob
-        self.scaling = float(cfg.routed_scaling_factor)
-        self.weight = nn.Parameter(torch.zeros(num_experts, hidden, dtype=torch.float32))
-        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
-
-    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
-        """Move with the model but stay float32 (transformers' `_keep_in_fp32_modules_strict`)."""
-
-        def keep_fp32(t: torch.Tensor) -> torch.Tensor:
-            out = fn(t)
-            if out.is_floating_point() and out.dtype != torch.float32:
-                return t.to(device=out.device, dtype=torch.float32)
-            return out
-
-        return super()._apply(keep_fp32, recurse)
-
-    def _keep_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
-        """choice: [T, E] -> the same with experts outside the best `topk_group` groups at -inf."""
-        t = choice.shape[0]
-        grouped = choice.view(t, self.n_group, self.num_experts // self.n_group)
-        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
-        best = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-        return grouped.masked_fill(~keep[..., None], float("-inf")).view(t, self.num_experts)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, hidden] -> weights [T, k] float32, expert ids [T, k] int64."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
-        choice = scores + self.e_score_correction_bias.float()
-        if self.topk_group < self.n_group:
-            choice = self._keep_best_groups(choice)
-        experts = choice.topk(self.top_k, dim=-1, sorted=False).indices  # [T, k]
-        weights = scores.gather(1, experts)  # [T, k]
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, experts
-
-
-class NemotronHExperts(nn.Module):
-    """Stacked non-gated expert MLPs: up_proj [E, inter, dim], down_proj [E, dim, inter]."""
-
-    def __init__(self, num_experts: int, dim: int, intermediate: int, act: str) -> None:
-        super().__init__()
-        tp, full = current(), intermediate
-        intermediate = tp.split(full, "moe_intermediate_size")  # every expert's slice
-        self.num_experts = num_experts
-        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate, dim))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, intermediate))
-        self.act = activation(act)
-        declare_shards(
-            self, up_proj=column(tp, (0, full), dim=1), down_proj=column(tp, (0, full), dim=2)
-        )
-
-    def forward(
-        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        """x: [T, dim]; experts, weights: [T, k] -> sum of weighted expert outputs [T, dim].
-
-        The T * k (token, expert) pairs are sorted by expert once; then one loop over the
-        experts that got tokens, each running on all of its tokens at once.
-        """
-        k = experts.shape[1]
-        flat = experts.reshape(-1)  # [T * k]
-        order = torch.argsort(flat, stable=True)  # pairs grouped by expert
-        tokens = order // k  # [T * k] token of each sorted pair
-        pair_weights = weights.reshape(-1)[order]  # [T * k] float32
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, dim]
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = slice(start, start + count)
-            start += count
-            h = self.act(F.linear(x[tokens[rows]], self.up_proj[expert]))  # [n, inter]
-            h = F.linear(h, self.down_proj[expert])  # [n, dim]
-            out.index_add_(0, tokens[rows], h * pair_weights[rows, None])
-        return out.to(x.dtype)
-
-
 class NemotronHMoE(nn.Module):
     def __init__(self, cfg: NemotronHConfig) -> None:
         super().__init__()
@@ -298,8 +205,15 @@ class NemotronHMoE(nn.Module):
         num_experts = cfg.n_routed_experts
         latent = cfg.moe_latent_size
         dim = latent if latent else hidden
-        self.gate = NemotronHRouter(cfg, hidden, num_experts)
-        self.experts = NemotronHExperts(num_experts, dim, cfg.moe_intermediate_size, act)
+        # float32 router (kept float32 as transformers keeps it): sigmoid scores, the choice
+        # biased by e_score_correction_bias, the best topk_group of n_group groups by their top-2
+        rule = RoutingRule(
+            cfg.num_experts_per_tok, "sigmoid", cfg.norm_topk_prob, renormalise_eps=1e-20,
+            scaling=float(cfg.routed_scaling_factor), groups=cfg.n_group,
+            groups_kept=min(cfg.topk_group, cfg.n_group), group_score="top2_sum", sorted=False,
+        )  # fmt: skip
+        self.gate = Router(hidden, num_experts, rule, correction_bias=True, keep_float32=True)
+        self.experts = UngatedExperts(num_experts, dim, cfg.moe_intermediate_size, activation(act))
         self.shared_experts = NemotronHMLP(
             hidden, cfg.moe_shared_expert_intermediate_size, act, bias
         )
@@ -313,9 +227,9 @@ class NemotronHMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]; the router and the shared expert see x, the experts its latent
-        weights, experts = self.gate(x)
+        routing = self.gate(x)  # weights: [T, k] float32
         h = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
-        h = self.experts(h, experts, weights)
+        h = self.experts(h, routing)
         if self.fc2_latent_proj is not None:
             h = self.fc2_latent_proj(h)
         return self.tp.all_reduce(h + self.shared_experts(x, reduce=False))

@@ -38,17 +38,17 @@ import torch
 from torch import nn
 
 from hybridkv.distributed.layers import vocab_embedding, vocab_head
-from hybridkv.distributed.parallel import column, current, declare_shards, explicit, rank0_bias
+from hybridkv.distributed.parallel import current, declare_shards, explicit, rank0_bias
+from hybridkv.layers.activation import sigmoid_gate
 from hybridkv.layers.attention.layer import PagedAttention
 from hybridkv.layers.attention.self_attention import CosSin
 from hybridkv.layers.gated_delta_net import GatedDeltaNet
-from hybridkv.layers.mlp import GatedMLP, ZeroCenteredRMSNorm, gated_experts
+from hybridkv.layers.mlp import GatedMLP, ZeroCenteredRMSNorm
+from hybridkv.layers.moe import GatedExperts, RoutingRule, gated_shared_expert_native
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig, layer_types
 from hybridkv.ops.elementwise import residual_add
-from hybridkv.ops.native import gdn_prep as native_prep
-from hybridkv.ops.native import moe as native_moe
 from hybridkv.worker.batch import ForwardBatch
 
 logger = logging.getLogger("hybridkv")
@@ -241,88 +241,35 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         q, k = rotary(q, k, *cos_sin)
         out = self.attn(q, k, v, batch)  # [T, heads * head_dim]
-        gated = native_prep.sigmoid_gate(out, gate)  # one pass, gate read in place
-        if gated is None:
-            gated = out * torch.sigmoid(gate.reshape(t, -1))
-        return self.tp.all_reduce(self.o_proj(gated))
-
-
-class Experts(nn.Module):
-    """Stacked SwiGLU experts: gate_up_proj [E, 2I, H] ([gate | up] rows), down_proj [E, H, I]."""
-
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        tp, full = current(), intermediate
-        intermediate = tp.split(full, "moe_intermediate_size")  # every expert's slice
-        self.num_experts = num_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
-        declare_shards(
-            self, gate_up_proj=column(tp, (0, full), (full, full), dim=1),
-            down_proj=column(tp, (0, full), dim=2),
-        )  # fmt: skip
-
-    def forward(
-        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        """x: [T, H]; experts, weights: [T, k] -> the weighted sum of the experts' outputs."""
-        return gated_experts(x, experts, weights, self.gate_up_proj, self.down_proj)
+        return self.tp.all_reduce(self.o_proj(sigmoid_gate(out, gate)))  # gate read in place
 
 
 class SparseMoe(nn.Module):
-    """Softmax top-k router, experts, and a shared expert gated by sigmoid(shared_expert_gate)."""
+    """Softmax top-k router `gate` (renormalised as `normalize_topk` says), GatedExperts
+    `experts`, and a `shared_expert` scaled by sigmoid(shared_expert_gate(x))."""
 
     def __init__(self, cfg: Qwen3NextConfig) -> None:
         super().__init__()
         hidden = cfg.hidden_size
-        self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.normalize_topk
+        self.rule = RoutingRule(cfg.num_experts_per_tok, "softmax", cfg.normalize_topk)
         self.gate = nn.Linear(hidden, cfg.num_experts, bias=False)
-        self.experts = Experts(cfg.num_experts, hidden, cfg.moe_intermediate_size)
+        self.experts = GatedExperts(cfg.num_experts, hidden, cfg.moe_intermediate_size)
         self.shared_expert = GatedMLP(hidden, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
         self.tp = current()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = self._native(x)
+        """x: [T, hidden] -> [T, hidden]."""
+        fused = gated_shared_expert_native(
+            x, self.gate, self.rule, self.experts, self.shared_expert, self.shared_expert_gate
+        )
         if fused is not None:
             return self.tp.all_reduce(fused)
-        # router in float32, as transformers does; weights back in the model dtype
-        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E]
-        top, experts = probs.topk(self.top_k, dim=-1)
-        if self.normalize:
-            top = top / top.sum(dim=-1, keepdim=True)
-        routed = self.experts(x, experts, top.to(x.dtype))  # this rank's partial sums
+        routed = self.experts(x, self.rule(self.gate(x)))  # this rank's partial sums
         # the gate is replicated, so it scales the shared expert's partial sum before the one
         # all-reduce of both
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, reduce=False)
         return self.tp.all_reduce(routed + shared)
-
-    def _native(self, x: torch.Tensor) -> torch.Tensor | None:
-        """bfloat16 on a CPU with AMX (`ops.native.moe`), computed as the PyTorch path above
-        computes it: the router (both gates' dot products, softmax, top-k, renormalisation and
-        the sigmoid) in one pass per token, the shared expert on AMX (its gate and silu fused;
-        as fast as oneDNN's three linears at 300-1740 tokens, faster at decode sizes), and the
-        routed experts with the shared output added last. None where any of it does not apply
-        (the PyTorch path runs)."""
-        if not native_moe.available() or x.dtype != torch.bfloat16:
-            return None
-        mlp, gate, shared_gate = self.shared_expert, self.gate, self.shared_expert_gate
-        if gate.bias is not None or shared_gate.bias is not None:
-            return None
-        mode = native_moe.SOFTMAX_TOPK_RENORMALISED if self.normalize else native_moe.SOFTMAX_TOPK
-        routing = native_moe.route(x, gate.weight, shared_gate.weight, self.top_k, mode)
-        if routing is None:
-            return None
-        experts, weights, scale = routing
-        shared = None
-        if mlp.gate_proj.bias is None:
-            shared = native_moe.swiglu_expert(
-                x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, scale
-            )
-        if shared is None:
-            shared = scale * mlp(x, reduce=False)
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        return native_moe.routed_experts(x, experts, weights, gate_up, down, extra=shared)
 
 
 class Qwen3NextDecoderLayer(nn.Module):
@@ -424,7 +371,7 @@ class Qwen3NextForCausalLM(CausalLM):
 
     def _num_experts(self, prefix: str) -> int:
         module = self.get_submodule(prefix)
-        assert isinstance(module, Experts)
+        assert isinstance(module, GatedExperts)
         return module.num_experts
 
 
