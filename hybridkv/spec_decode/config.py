@@ -268,6 +268,10 @@ class SpeculativeConfig:
         method = _resolve_method(config.get("method"), config.get("model"))
         hi, lo = config.get("prompt_lookup_max"), config.get("prompt_lookup_min")
         if method == "ngram":
+            # the given bounds are checked under their own names before one fills the other
+            for key, value in (("prompt_lookup_max", hi), ("prompt_lookup_min", lo)):
+                if value is not None:
+                    _int_in(key, value, 1, MAX_PROMPT_LOOKUP)
             # vLLM's defaults: neither bound -> 5 and 5; one bound -> the other takes its value
             if hi is None and lo is None:
                 hi = lo = DEFAULT_PROMPT_LOOKUP
