@@ -191,7 +191,8 @@ class NgramProposer:
 
     Call `propose` / `propose_batch` every step with each request's full token list (prompt +
     output so far; a list or a NumPy array): only the tokens appended since the last call are
-    indexed. Call `discard` when a request finishes or is preempted."""
+    indexed. Call `discard` when a request finishes or is aborted (a preempted request keeps
+    its index: its tokens do not change)."""
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
@@ -254,5 +255,5 @@ class NgramProposer:
         ]
 
     def discard(self, request_id: str) -> None:
-        """Forget a request's index (finished, aborted or preempted)."""
+        """Forget a request's index (finished or aborted)."""
         self.indexes.pop(request_id, None)
