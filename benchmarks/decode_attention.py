@@ -27,8 +27,9 @@ relative to the largest output: `rel_diff`).
 workload (qwen3next-100m, bfloat16: 64 requests of 32..512 prompt tokens + 128 new tokens) on
 `--threads`' first count of threads, run `--repeat` times alternating the two kernels in one
 process (the library's `hkv_paged_decode` function swapped for the old build's), with a timer
-around `native.paged_decode_attention`: mean milliseconds per call for the steps of 64 requests
-(what the engine's profile calls "per layer and step"), all calls' seconds, and the run's.
+around `native_attn.paged_decode_attention`: mean milliseconds per call for the steps of 64
+requests (what the engine's profile calls "per layer and step"), all calls' seconds, and the
+run's.
 
 Prints `uptime`'s load average before and after the table: the machine is shared.
 """
@@ -50,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from hybridkv.ops import native  # noqa: E402
+from hybridkv.ops.native import decode_attention as native_attn  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {  # name: (heads, kv_heads, head_dim)
@@ -208,7 +210,7 @@ def engine(args, kernel_obj, old_fn, new_fn) -> int:
 
     torch.set_num_threads(args.threads[0])
     calls: dict[str, list[float]] = {"64": [], "other": []}
-    timed = native.paged_decode_attention
+    timed = native_attn.paged_decode_attention
 
     def timer(q, *a, **k):
         t0 = time.perf_counter()
@@ -216,7 +218,7 @@ def engine(args, kernel_obj, old_fn, new_fn) -> int:
         calls["64" if q.shape[0] == 64 else "other"].append(time.perf_counter() - t0)
         return out
 
-    native.paged_decode_attention = timer  # (attention.py calls it through the module)
+    native_attn.paged_decode_attention = timer  # (attention.py calls it through the module)
     load0 = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(f"before: {load0}\n")
     print("| run | kernel | run s | calls at 64 | ms per call at 64 | all calls s |")

@@ -44,9 +44,9 @@ from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
 from hybridkv.layers.cache import CacheOwner, StateCache
 from hybridkv.layers.linear import small_linear
 from hybridkv.layers.state_base import StateMetadata
-from hybridkv.ops import native
 from hybridkv.ops.derived import derived
 from hybridkv.ops.mamba1_ops import Mamba1Params, TorchMamba1Ops
+from hybridkv.ops.native import norms as native_norms
 from hybridkv.ops.norm import rms_norm
 from hybridkv.worker.batch import ForwardBatch
 
@@ -179,7 +179,7 @@ class Mamba1Mixer(CacheOwner):
         if ones is None:
             ones = torch.ones(x.shape[-1], dtype=torch.float32, device=x.device)
             self._ones[key] = ones
-        out = native.rms_norm(x, ones, self.norm_eps)
+        out = native_norms.rms_norm(x, ones, self.norm_eps)
         if out is not None:
             return out
         xf = x.float()

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.ops import native
 from hybridkv.ops.native import elementwise as native_ew
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -157,7 +156,7 @@ class RotaryEmbedding(nn.Module):
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
     """x: [T, heads, head_dim]; cos, sin: [T, rotary_dim] -> x rotated over its first
     rotary_dim channels (halves), in one native pass on the CPU where it applies."""
-    out = native.rope(x, cos, sin, rotary_dim)
+    out = native_ew.rope(x, cos, sin, rotary_dim)
     if out is not None:
         return out
     rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]

@@ -28,9 +28,9 @@ from hybridkv.distributed.parallel import column, current, declare_shards, rank0
 from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
 from hybridkv.layers.cache import CacheOwner, StateCache
 from hybridkv.layers.state_base import StateMetadata
-from hybridkv.ops import native
 from hybridkv.ops.mamba2_ops import TorchMamba2Ops
 from hybridkv.ops.native import elementwise as native_ew
+from hybridkv.ops.native import ssm as native_ssm
 from hybridkv.worker.batch import ForwardBatch
 
 
@@ -102,7 +102,7 @@ class ShortConv(CacheOwner):
     def cache_spec(self, dtypes: CacheDtypes) -> StateSpec:
         """conv: the last L_cache - 1 conv inputs (B * x) of every channel."""
         ops = SHORT_CONV_OPS
-        if self.l_cache - 1 > native.CONV_MAX_HISTORY:  # the C conv keeps at most this many
+        if self.l_cache - 1 > native_ssm.CONV_MAX_HISTORY:  # the C conv keeps at most this many
             ops = tuple(o for o in ops if o.name != "native")
         shape = (self.channels, self.l_cache - 1)
         return StateSpec("short_conv", (StateTensor(CONV, shape, dtypes.conv),), ops)

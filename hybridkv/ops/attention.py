@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from hybridkv.ops import native
+from hybridkv.ops.native import decode_attention as native_attn
 
 
 def write_kv_cache(
@@ -38,7 +38,7 @@ def write_kv_cache(
     k, v: [num_tokens, kv_heads, head_dim]; slot_mapping: [num_tokens] int64
     kv_cache: [num_kernel_blocks, 2, kernel_block_size, kv_heads, head_dim]
     """
-    if native.write_kv_cache(k, v, kv_cache, slot_mapping):  # one pass on the CPU
+    if native_attn.write_kv_cache(k, v, kv_cache, slot_mapping):  # one pass on the CPU
         return
     kbs = kv_cache.shape[2]
     valid = slot_mapping >= 0
@@ -170,7 +170,7 @@ def _grouped_decode_attention(
 ) -> torch.Tensor:
     """Native decode attention when available, else `_decode_attention` per group of similar
     context lengths (see `_decode_groups`)."""
-    out = native.paged_decode_attention(
+    out = native_attn.paged_decode_attention(
         q, kv_cache, block_table, seq_lens, scale, sliding_window, sinks=sinks
     )
     if out is not None:

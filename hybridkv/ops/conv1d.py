@@ -14,7 +14,7 @@ Prefill: requests are packed as `[state_0 | tokens_0 | state_1 | tokens_1 | ...]
 inside its own request's segment, so nothing leaks between requests and no per-request padding is
 needed. Decode (every request has exactly one token): a direct `[S, C, K]` multiply-sum.
 
-This is the PyTorch reference. The native CPU kernel (`hybridkv.ops.native.conv1d`) and the
+This is the PyTorch reference. The native CPU kernel (`hybridkv.ops.native.ssm.conv1d`) and the
 Triton decode kernel (`hybridkv.ops.triton_mamba.conv1d_decode`) are tested against it; which one
 a model runs is the plan's choice (`hybridkv.ops.mamba2_ops`), never tried in turn here.
 

@@ -8,7 +8,7 @@ takes its conv from the Mamba2 ops class of the same backend) and the gated delt
     torch      PyTorch (ops.conv1d)                 PyTorch chunked form + recurrence
                                                     (ops.gated_delta)
     native     C kernel, state in place, float32    C kernel, token by token, state in place
-               math on float32 or bfloat16          (ops.native.gated_delta_rule): float32 or
+               math on float32 or bfloat16          (ops.native.gdn): float32 or
                activations, weight and state        bfloat16 q/k/v and state, float32 math;
                                                     one-token requests: one pass per state
                                                     (ops.native.gdn_decode); longer ones with
@@ -24,7 +24,6 @@ from __future__ import annotations
 import torch
 
 from hybridkv.layers.state_base import StateMetadata
-from hybridkv.ops import native
 from hybridkv.ops.derived import derived
 from hybridkv.ops.gated_delta import DecodeRows, gated_delta_rule_varlen
 from hybridkv.ops.mamba2_ops import (
@@ -33,8 +32,11 @@ from hybridkv.ops.mamba2_ops import (
     TritonMamba2Ops,
     _declined,
 )
+from hybridkv.ops.native import gdn as native_gdn
 from hybridkv.ops.native import gdn_chunk as native_gdn_chunk
 from hybridkv.ops.native import gdn_decode as native_gdn_decode
+from hybridkv.ops.native import ssm as native_ssm
+from hybridkv.ops.native.common import FLOAT_DTYPES
 
 
 class TorchGDNOps(TorchMamba2Ops):
@@ -68,13 +70,14 @@ class TorchGDNOps(TorchMamba2Ops):
 class NativeGDNOps(NativeMamba2Ops, TorchGDNOps):
     """The C kernels of `hybridkv.ops.native` (CPU). The gated delta rule runs natively for
     float32 and bfloat16 inputs and states (`layers.gated_delta_net.GDN_OPS` declares both);
-    a step whose requests all have one token takes the decode kernel (`native.gdn_decode`: each
+    a step whose requests all have one token takes the decode kernel (`native_gdn_decode`: each
     state read from memory once, 1.9x the general kernel's speed at 64 requests), and with
-    bfloat16 q, k, v the longer requests take the chunked form on AMX (`native.gdn_chunk`, 2.5x
+    bfloat16 q, k, v the longer requests take the chunked form on AMX (`native_gdn_chunk`, 2.5x
     on prefill chunks; a mixed step's one-token requests then go to the decode kernel). The
     conv1d runs natively where its kernel applies (float32 or bfloat16 activations, weight and
-    conv state, at most `native.CONV_MAX_HISTORY` history columns), else in PyTorch: the route
-    is fixed per layer by its dtypes and width, never a fallback after a kernel declined."""
+    conv state, at most `native_ssm.CONV_MAX_HISTORY` history columns), else in PyTorch: the
+    route is fixed per layer by its dtypes and width, never a fallback after a kernel
+    declined."""
 
     name = "native"
 
@@ -115,7 +118,7 @@ class NativeGDNOps(NativeMamba2Ops, TorchGDNOps):
                 if native_gdn_decode.gdn_decode(q, k, v, g, beta, state, *spans, out=o) is None:
                     raise RuntimeError(_declined("gated delta rule", v, state))
                 return o
-        o = native.gated_delta_rule(
+        o = native_gdn.gated_delta_rule(
             q, k, v, g, beta, state, meta.state_pages, meta.has_initial_state,
             meta.query_start_loc,
         )  # fmt: skip
@@ -163,5 +166,5 @@ class TritonGDNOps(TritonMamba2Ops, TorchGDNOps):
 def native_conv_applies(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> bool:
     """Whether the native conv1d kernel takes these tensors (float32 or bfloat16 each, widened
     as read; a short enough history)."""
-    floats = all(t.dtype in native.FLOAT_DTYPES for t in (x, weight, conv_state))
-    return floats and weight.shape[-1] - 1 <= native.CONV_MAX_HISTORY
+    floats = all(t.dtype in FLOAT_DTYPES for t in (x, weight, conv_state))
+    return floats and weight.shape[-1] - 1 <= native_ssm.CONV_MAX_HISTORY

@@ -8,7 +8,7 @@ the same backend) and the selective scan:
     backend    causal conv1d                        selective scan
     torch      PyTorch (ops.conv1d)                 PyTorch token walk (ops.mamba1)
     native     C kernel, state in place, for        C kernel, state in place
-               float32 activations, weight and      (ops.native.mamba1_scan): float32 or
+               float32 activations, weight and      (ops.native.ssm): float32 or
                state; PyTorch for bfloat16 ones     bfloat16 inputs and state, float32 math
     triton     Triton decode step (Mamba2's),       Triton decode step for one-token requests
                PyTorch for prefill chunks           (ops.triton_mamba1), PyTorch for prefill
@@ -24,10 +24,10 @@ from typing import NamedTuple
 import torch
 
 from hybridkv.layers.state_base import StateMetadata
-from hybridkv.ops import native
 from hybridkv.ops.elementwise import to_dtype
 from hybridkv.ops.mamba1 import DecodeRows, mamba1_scan_varlen
 from hybridkv.ops.mamba2_ops import NativeMamba2Ops, TorchMamba2Ops, TritonMamba2Ops
+from hybridkv.ops.native import ssm as native_ssm
 
 
 class Mamba1Params(NamedTuple):
@@ -86,7 +86,7 @@ class NativeMamba1Ops(TorchMamba1Ops):
     """The C kernels of `hybridkv.ops.native` (CPU). The scan runs natively for float32 and
     bfloat16 inputs and states (`layers.mamba1.MAMBA1_OPS` declares both); the conv1d natively
     where its kernel applies (float32 or bfloat16 activations, weight and conv state of one
-    dtype, at most `native.CONV_MAX_HISTORY` history columns; bfloat16: float32 math, the
+    dtype, at most `native_ssm.CONV_MAX_HISTORY` history columns; bfloat16: float32 math, the
     result rounded once), else in PyTorch. The route is fixed by the layer's dtypes and width,
     never a fallback after a kernel declined."""
 
@@ -104,7 +104,7 @@ class NativeMamba1Ops(TorchMamba1Ops):
     ) -> torch.Tensor:
         dtypes = {t.dtype for t in (x, weight, conv_state)}
         same = len(dtypes) == 1 and dtypes <= {torch.float32, torch.bfloat16}
-        if same and weight.shape[-1] - 1 <= native.CONV_MAX_HISTORY:
+        if same and weight.shape[-1] - 1 <= native_ssm.CONV_MAX_HISTORY:
             return self._native_conv.conv1d(x, weight, bias, conv_state, meta, activation)
         return super().conv1d(x, weight, bias, conv_state, meta, activation)
 
@@ -120,7 +120,7 @@ class NativeMamba1Ops(TorchMamba1Ops):
         p: Mamba1Params,
         out_dtype: torch.dtype,
     ) -> torch.Tensor:
-        y = native.mamba1_scan(
+        y = native_ssm.mamba1_scan(
             x, dt, p.A, B, C, p.D, z, p.dt_bias, ssm_state, meta.state_pages,
             meta.has_initial_state, meta.query_start_loc,
         )  # fmt: skip

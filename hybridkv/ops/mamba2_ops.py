@@ -25,10 +25,10 @@ from typing import NamedTuple
 import torch
 
 from hybridkv.layers.state_base import StateMetadata
-from hybridkv.ops import native
 from hybridkv.ops.conv1d import activate, causal_conv1d_varlen, is_decode
 from hybridkv.ops.elementwise import to_dtype
 from hybridkv.ops.mamba2 import decode_in_place, mamba2_scan_varlen, scan_inputs
+from hybridkv.ops.native import ssm as native_ssm
 
 
 class ScanParams(NamedTuple):
@@ -117,7 +117,7 @@ class TorchMamba2Ops:
 
 class NativeMamba2Ops(TorchMamba2Ops):
     """The C kernels of `hybridkv.ops.native` (CPU; float32 or bfloat16 states, float32 math; conv
-    history up to `native.CONV_MAX_HISTORY` columns, which the layer's declaration checks)."""
+    history up to `native_ssm.CONV_MAX_HISTORY` columns, which the layer's declaration checks)."""
 
     name = "native"
 
@@ -139,7 +139,7 @@ class NativeMamba2Ops(TorchMamba2Ops):
         if x.shape[0] == 0:
             return x.new_empty(x.shape, dtype=out_dtype)
         fused = activation in ("silu", "swish")  # the kernel applies silu itself
-        y = native.conv1d(
+        y = native_ssm.conv1d(
             x, weight, bias, conv_state, meta.state_pages, meta.has_initial_state,
             meta.query_start_loc, fused, x.dtype == torch.bfloat16,
         )  # fmt: skip
@@ -159,9 +159,9 @@ class NativeMamba2Ops(TorchMamba2Ops):
         norm: NormArgs,
         n_groups: int,
     ) -> torch.Tensor | None:
-        """One native call (`native.mamba2_mix`): the kernels the separate ops run, with their
+        """One native call (`native_ssm.mamba2_mix`): the kernels the separate ops run, with their
         numbers, without the small tensor ops and checks between them."""
-        y = native.mamba2_mix(
+        y = native_ssm.mamba2_mix(
             zxbcdt, conv_weight, conv_bias, conv_state, ssm_state, meta.state_pages,
             meta.has_initial_state, meta.query_start_loc, (p.A, p.D, p.dt_bias, p.dt_limit),
             tuple(norm), n_groups, zxbcdt.dtype,
@@ -184,7 +184,7 @@ class NativeMamba2Ops(TorchMamba2Ops):
         if x.shape[0] == 0:
             return x.new_empty(x.shape, dtype=out_dtype)
         f = scan_inputs(x, dt, p.A, B, C, p.D, p.dt_bias, p.dt_limit)
-        y = native.mamba2_scan(
+        y = native_ssm.mamba2_scan(
             ssm_state, meta.state_pages, meta.has_initial_state, meta.query_start_loc, *f
         )
         if y is None:

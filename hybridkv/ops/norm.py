@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridkv.ops import native
+from hybridkv.ops.native import norms as native_norms
 
 
 def _normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,7 +45,7 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool = False
 ) -> torch.Tensor:
     """RMSNorm over the last dimension. x: [..., hidden]; weight: [hidden] -> [..., hidden]."""
-    out = native.rms_norm(x, weight, eps, weight_in_fp32)
+    out = native_norms.rms_norm(x, weight, eps, weight_in_fp32)
     if out is not None:
         return out
     x_hat = _normalise(x.float(), eps)
@@ -62,7 +62,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A residual add and the next norm: (s, rms_norm(s)) with s = x + h * multiplier.
     x, h: [..., hidden] of one dtype; weight: [hidden]."""
-    fused = native.add_rms_norm(x, h, multiplier, weight, eps, weight_in_fp32)
+    fused = native_norms.add_rms_norm(x, h, multiplier, weight, eps, weight_in_fp32)
     if fused is not None:
         return fused
     total = x + (h if multiplier == 1.0 else h * multiplier)
@@ -88,7 +88,7 @@ def gated_rms_norm(
     weight_in_fp32=True` gives silu(gate) * (weight * normalise(x)) computed in float32.
     """
     if gate is not None:
-        out = native.gated_rms_norm(
+        out = native_norms.gated_rms_norm(
             x, gate, weight, eps, group_size, norm_before_gate, weight_in_fp32, out_dtype
         )
         if out is not None:

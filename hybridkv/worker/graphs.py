@@ -36,8 +36,8 @@ import torch
 from hybridkv.core.scheduler import ScheduledChunk
 from hybridkv.layers.attention.base import AttentionMetadata
 from hybridkv.layers.state_base import StateMetadata
-from hybridkv.ops import native
 from hybridkv.ops.native.program import Arena, Program, capture
+from hybridkv.ops.native.spans import provide_spans
 from hybridkv.worker.batch import ForwardBatch
 
 if TYPE_CHECKING:
@@ -199,7 +199,7 @@ class DecodeGraphs:
         size = inputs.ids.shape[0]
         for gid, meta in inputs.batch.state.items():
             pages = inputs.pages[gid]
-            native.provide_spans(
+            provide_spans(
                 meta.state_pages, meta.has_initial_state, meta.query_start_loc,
                 (meta.state_pages, *inputs.spans), (int(pages.min()), int(pages.max()), 1, 0, size),
             )  # fmt: skip

@@ -38,6 +38,7 @@ from hybridkv.layers.cache import AttentionCache, LayerCache, StateCache
 from hybridkv.layers.state_base import StateMetadata
 from hybridkv.models.base import CausalLM
 from hybridkv.ops import native
+from hybridkv.ops.native.spans import provide_spans
 from hybridkv.worker.batch import ForwardBatch
 from hybridkv.worker.block_table import BlockTable
 from hybridkv.worker.buffers import CacheBuffers
@@ -235,7 +236,7 @@ class ModelRunner:
                          torch.from_numpy(qsl[:-1]), torch.from_numpy(q_lens))  # fmt: skip
                 bounds = (int(step_pages.min()), int(step_pages.max()), int(q_lens.min()), 0,
                           num_tokens)  # fmt: skip
-                native.provide_spans(meta.state_pages, has_initial_state, qsl_dev, spans, bounds)
+                provide_spans(meta.state_pages, has_initial_state, qsl_dev, spans, bounds)
             state[gid] = meta
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         ids = [t for c in chunks for t in c.token_ids]

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.ops import native
+from hybridkv.ops.native import elementwise as native_ew
 from hybridkv.sampling_params import SamplingParams
 
 
@@ -72,7 +72,7 @@ def _filter_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Greedy tokens of [n, vocab] logits, on the CPU."""
-    tokens = native.argmax_rows(logits)  # float32 on the CPU
+    tokens = native_ew.argmax_rows(logits)  # float32 on the CPU
     return tokens if tokens is not None else logits.argmax(dim=-1).cpu()
 
 

@@ -12,6 +12,7 @@ from hybridkv.layers.short_conv import ShortConv
 from hybridkv.layers.state_base import StateMetadata
 from hybridkv.ops import native
 from hybridkv.ops.mamba2_ops import NativeMamba2Ops, TorchMamba2Ops
+from hybridkv.ops.native import ssm as native_ssm
 
 HIDDEN = 24
 FP32 = CacheDtypes("float32", "float32", "float32")
@@ -88,7 +89,7 @@ def test_the_spec_is_the_plan_only_short_conv_state():
     assert (spec.kind, spec.tensors) == (plan_only.kind, plan_only.tensors)
     assert spec.tensors[0].name == "conv" and spec.tensors[0].shape == (HIDDEN, 2)
     assert [o.name for o in spec.ops] == ["native", "triton", "torch"]
-    long = ShortConv(HIDDEN, native.CONV_MAX_HISTORY + 2).cache_spec(FP32)
+    long = ShortConv(HIDDEN, native_ssm.CONV_MAX_HISTORY + 2).cache_spec(FP32)
     assert "native" not in [o.name for o in long.ops]  # the C conv keeps at most 8 columns
 
 

@@ -19,8 +19,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hybridkv.ops import native  # noqa: E402
 from hybridkv.ops.attention import paged_attention  # noqa: E402
+from hybridkv.ops.native import decode_attention as native_attn  # noqa: E402
 
 from .test_attention import make_batch  # noqa: E402
 
@@ -80,7 +80,7 @@ def test_torch_path_matches_reference(kbs, window, kernels):
 def test_native_decode_matches_reference(kbs, window):
     args, sinks, ref = batch_and_reference([1] * 5, [1, 9, 23, 5, 40], kbs, 6, 2, window, seed=3)
     q, cache, table, _, sl = args
-    out = native.paged_decode_attention(q, cache, table, sl, SCALE, window, sinks=sinks)
+    out = native_attn.paged_decode_attention(q, cache, table, sl, SCALE, window, sinks=sinks)
     assert out is not None and not out.isnan().any()
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 

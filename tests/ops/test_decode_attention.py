@@ -23,6 +23,7 @@ import torch
 
 from hybridkv.ops import native
 from hybridkv.ops.attention import paged_attention
+from hybridkv.ops.native import decode_attention as native_attn
 
 needs_compiler = pytest.mark.skipif(
     shutil.which("gcc") is None or not sys.platform.startswith("linux"),
@@ -105,7 +106,7 @@ def test_matches_float64_softmax(shape, kbs, dtype):
     lens = [1, 17, 45, 200, 33]
     q, cache, table, sl, ks, vs = paged_problem(lens, heads, kv_heads, d, kbs, dtype, seed=kbs)
     scale = d**-0.5
-    out = native.paged_decode_attention(q, cache, table, sl, scale, None)
+    out = native_attn.paged_decode_attention(q, cache, table, sl, scale, None)
     assert out is not None and out.dtype == dtype and out.shape == q.shape
     check(out, reference(q, ks, vs, lens, scale), dtype)
 
@@ -119,7 +120,7 @@ def test_windows_and_sinks(window, with_sinks, dtype):
     lens = [3, 40, 41, 150, 7, 300]
     q, cache, table, sl, ks, vs = paged_problem(lens, heads, kv_heads, d, kbs, dtype, seed=window)
     sinks = torch.linspace(-3.0, 6.0, heads) if with_sinks else None
-    out = native.paged_decode_attention(q, cache, table, sl, 0.2, window, sinks=sinks)
+    out = native_attn.paged_decode_attention(q, cache, table, sl, 0.2, window, sinks=sinks)
     check(out, reference(q, ks, vs, lens, 0.2, window, sinks), dtype)
 
 
@@ -128,7 +129,7 @@ def test_windows_and_sinks(window, with_sinks, dtype):
 def test_empty_requests_get_zeros(dtype):
     lens = [0, 50, 0, 1]
     q, cache, table, sl, ks, vs = paged_problem(lens, 4, 2, 32, 16, dtype)
-    out = native.paged_decode_attention(q, cache, table, sl, 0.3, None)
+    out = native_attn.paged_decode_attention(q, cache, table, sl, 0.3, None)
     assert torch.equal(out[[0, 2]].float(), torch.zeros(2, 4, 32))
     check(out, reference(q, ks, vs, lens, 0.3), dtype)
 
@@ -145,9 +146,9 @@ def test_long_request_split_over_two_threads(dtype, window):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        two = native.paged_decode_attention(q, cache, table, sl, 0.1, window, sinks=sinks)
+        two = native_attn.paged_decode_attention(q, cache, table, sl, 0.1, window, sinks=sinks)
         torch.set_num_threads(1)
-        one = native.paged_decode_attention(q, cache, table, sl, 0.1, window, sinks=sinks)
+        one = native_attn.paged_decode_attention(q, cache, table, sl, 0.1, window, sinks=sinks)
     finally:
         torch.set_num_threads(before)
     ref = reference(q, ks, vs, lens, 0.1, window, sinks)
@@ -188,7 +189,7 @@ def test_tiles_over_blocks_whose_ends_look_consecutive(kbs, dtype):
     q = torch.randn(1, heads, d, generator=g).to(dtype)
     sl = torch.tensor([n], dtype=torch.int32)
     for window in (n - 1, n - 1 - 16 * 3, None):
-        out = native.paged_decode_attention(q, cache, table, sl, d**-0.5, window)
+        out = native_attn.paged_decode_attention(q, cache, table, sl, d**-0.5, window)
         ref = reference(q, [k.float()], [v.float()], [n], d**-0.5, window)
         check(out, ref, dtype)
 
@@ -198,7 +199,7 @@ def test_softmax_over_a_wide_score_range_on_amx_tiles():
     """bfloat16 scores hundreds apart (the weights underflow), long enough for the AMX path."""
     lens = [300]
     q, cache, table, sl, ks, vs = paged_problem(lens, 4, 1, 32, 16, torch.bfloat16, seed=3)
-    out = native.paged_decode_attention(q, cache, table, sl, 30.0, None)
+    out = native_attn.paged_decode_attention(q, cache, table, sl, 30.0, None)
     ref = reference(q, ks, vs, lens, 30.0)
     check(out, ref, torch.bfloat16)
 

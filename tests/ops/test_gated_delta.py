@@ -1,5 +1,5 @@
 """The gated delta rule: the PyTorch reference (ops.gated_delta) against transformers, and the
-native CPU kernel (ops.native.gated_delta_rule, NativeGDNOps) against the reference.
+native CPU kernel (ops.native.gdn.gated_delta_rule, NativeGDNOps) against the reference.
 
 Pages are handed out in random order; the pages of requests without an initial state hold NaN
 bit patterns (they must never be read), and pages of nobody must stay bit for bit untouched.
@@ -20,6 +20,7 @@ from hybridkv.layers.gated_delta_net import GDN_OPS, GatedDeltaNet
 from hybridkv.ops import gated_delta as ref
 from hybridkv.ops import native
 from hybridkv.ops.gdn_ops import NativeGDNOps, TorchGDNOps
+from hybridkv.ops.native import gdn as native_gdn
 from tests.conftest import state_meta
 
 BF16 = torch.bfloat16
@@ -71,7 +72,7 @@ class Problem:
     def native(self):
         """-> (o, state after) of the native kernel, on a copy of the state."""
         state = self.state.clone()
-        o = native.gated_delta_rule(*self.inputs(), state, self.pages, self.has, self.qsl)
+        o = native_gdn.gated_delta_rule(*self.inputs(), state, self.pages, self.has, self.qsl)
         assert o is not None, "the kernel declined"
         return o, state
 
@@ -223,7 +224,9 @@ def test_native_chunked_prefill_equals_one_shot(state_dtype):
         qsl = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
         has = torch.tensor([True, piece > 0])
         q, k, v, g, beta = (x[tok] for x in whole.inputs())
-        outs.append((tok, native.gated_delta_rule(q, k, v, g, beta, state, whole.pages, has, qsl)))
+        outs.append(
+            (tok, native_gdn.gated_delta_rule(q, k, v, g, beta, state, whole.pages, has, qsl))
+        )
     o = torch.empty_like(o_all)
     for tok, piece_out in outs:
         o[tok] = piece_out
@@ -237,12 +240,12 @@ def test_native_declines_what_it_does_not_take():
     p = Problem([3, 1], [True, True])
     q, k, v, g, beta = p.inputs()
     args = (p.state.clone(), p.pages, p.has, p.qsl)
-    assert native.gated_delta_rule(q.half(), k.half(), v.half(), g, beta, *args) is None
-    assert native.gated_delta_rule(q.to(BF16), k, v, g, beta, *args) is None  # mixed dtypes
-    assert native.gated_delta_rule(q, k, v, g, beta, p.state.half(), *args[1:]) is None
-    assert native.gated_delta_rule(q, k, v, g, beta, args[0], p.pages + 100, *args[2:]) is None
+    assert native_gdn.gated_delta_rule(q.half(), k.half(), v.half(), g, beta, *args) is None
+    assert native_gdn.gated_delta_rule(q.to(BF16), k, v, g, beta, *args) is None  # mixed dtypes
+    assert native_gdn.gated_delta_rule(q, k, v, g, beta, p.state.half(), *args[1:]) is None
+    assert native_gdn.gated_delta_rule(q, k, v, g, beta, args[0], p.pages + 100, *args[2:]) is None
     long = torch.tensor([0, 3, 9], dtype=torch.int32)  # tokens beyond q
-    assert native.gated_delta_rule(q, k, v, g, beta, args[0], p.pages, p.has, long) is None
+    assert native_gdn.gated_delta_rule(q, k, v, g, beta, args[0], p.pages, p.has, long) is None
     with pytest.raises(RuntimeError, match="plan should not have chosen"):
         NativeGDNOps().rule(q.half(), k.half(), v.half(), g, beta, args[0],
                             state_meta(p.pages, p.has, p.qsl, 3))  # fmt: skip

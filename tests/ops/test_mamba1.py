@@ -18,6 +18,7 @@ from hybridkv.layers.state_base import StateMetadata
 from hybridkv.ops import native
 from hybridkv.ops.mamba1 import mamba1_scan_varlen
 from hybridkv.ops.mamba1_ops import Mamba1Params, NativeMamba1Ops, TorchMamba1Ops
+from hybridkv.ops.native import ssm as native_ssm
 
 DI, N = 24, 8
 
@@ -233,7 +234,7 @@ needs_native = pytest.mark.skipif(native.library() is None, reason="no native ke
 
 def native_scan(x, dt, A, B, C, D, z, dt_bias, state, pages, has_init, qsl, max_len):
     """The native kernel with the reference's signature (max_len unused)."""
-    y = native.mamba1_scan(x, dt, A, B, C, D, z, dt_bias, state, pages, has_init, qsl)
+    y = native_ssm.mamba1_scan(x, dt, A, B, C, D, z, dt_bias, state, pages, has_init, qsl)
     assert y is not None, "the native kernel declined"
     return y
 
@@ -296,11 +297,11 @@ def test_native_declines_what_it_cannot_run() -> None:
     c = Case(lens=[3], has_init=[True])
     args = (c.A, c.B, c.C, c.D, c.z, c.dt_bias)
     meta = (c.pages, c.has_init, c.meta.query_start_loc)
-    assert native.mamba1_scan(c.x.half(), c.dt, *args, c.state, *meta) is None
-    assert native.mamba1_scan(c.x, c.dt, *args, c.state.double(), *meta) is None
-    assert native.mamba1_scan(c.x, c.dt, c.A[:, :-1], *args[1:], c.state, *meta) is None
+    assert native_ssm.mamba1_scan(c.x.half(), c.dt, *args, c.state, *meta) is None
+    assert native_ssm.mamba1_scan(c.x, c.dt, *args, c.state.double(), *meta) is None
+    assert native_ssm.mamba1_scan(c.x, c.dt, c.A[:, :-1], *args[1:], c.state, *meta) is None
     bad_page = torch.tensor([c.state.shape[0]])
-    assert native.mamba1_scan(c.x, c.dt, *args, c.state, bad_page, *meta[1:]) is None
+    assert native_ssm.mamba1_scan(c.x, c.dt, *args, c.state, bad_page, *meta[1:]) is None
 
 
 @needs_native

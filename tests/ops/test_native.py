@@ -7,6 +7,11 @@ import torch.nn.functional as F
 
 from hybridkv.ops import native
 from hybridkv.ops.mamba2 import ssd_step
+from hybridkv.ops.native import decode_attention as native_attn
+from hybridkv.ops.native import elementwise as native_ew
+from hybridkv.ops.native import norms as native_norms
+from hybridkv.ops.native import spans as native_spans
+from hybridkv.ops.native import ssm as native_ssm
 
 needs_compiler = pytest.mark.skipif(
     shutil.which("gcc") is None or not sys.platform.startswith("linux"),
@@ -29,7 +34,7 @@ def test_disabled_by_environment(monkeypatch):
     cache = torch.zeros(2, 2, 4, 1, 4)
     table = torch.ones(1, 1, dtype=torch.int32)
     lens = torch.tensor([3])
-    assert native.paged_decode_attention(q, cache, table, lens, 0.5, None) is None
+    assert native_attn.paged_decode_attention(q, cache, table, lens, 0.5, None) is None
 
 
 def _state_problem():
@@ -58,7 +63,7 @@ def test_mamba2_decode_step_matches_ssd_step_in_place():
     y_ref, h_ref = ssd_step(x, dt, A, B, C, D, state[pages].clone())
     has = torch.ones(5, dtype=torch.bool)
     qsl = torch.arange(6, dtype=torch.int32)  # one token per request
-    y = native.mamba2_scan(state, pages, has, qsl, x, dt, A, B, C, D)
+    y = native_ssm.mamba2_scan(state, pages, has, qsl, x, dt, A, B, C, D)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state[pages], h_ref, rtol=1e-5, atol=1e-5)
     others = torch.tensor([0, 3, 5, 6])
@@ -72,7 +77,7 @@ def test_mamba2_scan_zero_length_request_keeps_its_page():
     before = state[pages].clone()
     has = torch.tensor([True, False, True, True, True])
     qsl = torch.tensor([0, 1, 1, 2, 3, 5], dtype=torch.int32)  # request 1 has no tokens
-    y = native.mamba2_scan(state, pages, has, qsl, x, dt, A, B, C, D)
+    y = native_ssm.mamba2_scan(state, pages, has, qsl, x, dt, A, B, C, D)
     assert y.shape == x.shape and not y.isnan().any()
     assert torch.equal(state[pages[1]], before[1])
 
@@ -81,8 +86,8 @@ def test_mamba2_scan_zero_length_request_keeps_its_page():
 def test_mamba2_scan_declines_other_dtypes():
     _, state, pages, (x, dt, A, B, C, D) = _state_problem()
     has, qsl = torch.ones(5, dtype=torch.bool), torch.arange(6)
-    assert native.mamba2_scan(state.half(), pages, has, qsl, x, dt, A, B, C, D) is None
-    assert native.mamba2_scan(state, pages, has, qsl, x.double(), dt, A, B, C, D) is None
+    assert native_ssm.mamba2_scan(state.half(), pages, has, qsl, x, dt, A, B, C, D) is None
+    assert native_ssm.mamba2_scan(state, pages, has, qsl, x.double(), dt, A, B, C, D) is None
 
 
 @needs_compiler
@@ -103,8 +108,8 @@ def test_mamba2_scan_bf16_state_is_the_float32_scan_rounded(tokens):
     has = torch.tensor([True, False, True])
     qsl = torch.arange(R + 1) * tokens
     wide = state.float()
-    y_ref = native.mamba2_scan(wide, pages, has, qsl, x, dt, A, B, C, D)
-    y = native.mamba2_scan(state, pages, has, qsl, x, dt, A, B, C, D)
+    y_ref = native_ssm.mamba2_scan(wide, pages, has, qsl, x, dt, A, B, C, D)
+    y = native_ssm.mamba2_scan(state, pages, has, qsl, x, dt, A, B, C, D)
     assert torch.equal(y, y_ref)
     assert torch.equal(state[pages], wide[pages].bfloat16())
     assert flat[:, -8:].isnan().all() and flat[[0, 2, 3]].isnan().all()
@@ -144,7 +149,7 @@ def _check_paged_decode(kbs: int, window: int | None, dtype: torch.dtype) -> Non
         ks.append(k)
         vs.append(v)
     q = torch.randn(len(lens), heads, d, generator=g).to(dtype)
-    out = native.paged_decode_attention(q, cache, table, torch.tensor(lens), 0.3, window)
+    out = native_attn.paged_decode_attention(q, cache, table, torch.tensor(lens), 0.3, window)
     assert out is not None and out.dtype == dtype and not out.isnan().any()
     for s, n in enumerate(lens):
         first = 0 if window is None else max(0, n - window)
@@ -172,7 +177,7 @@ def test_conv1d_decode_step_matches_window_sum_with_strided_rows():
     window = torch.cat([state[pages], x[:, :, None]], dim=-1)  # [S, C, K]
     ref = (window * weight).sum(-1) + bias
     has, qsl = torch.ones(S, dtype=torch.bool), torch.arange(S + 1)
-    y = native.conv1d(x, weight, bias, state, pages, has, qsl)
+    y = native_ssm.conv1d(x, weight, bias, state, pages, has, qsl)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state[pages], window[:, :, 1:])
     assert flat[:, -3:].isnan().all() and flat[[0, 2, 3]].isnan().all()
@@ -189,8 +194,8 @@ def test_conv1d_bf16_state_and_input_is_the_float32_conv_rounded():
     weight, bias = torch.randn(C, K, generator=g).bfloat16(), torch.randn(C, generator=g)
     has, qsl = torch.tensor([True, True, False]), torch.tensor([0, 1, 5, 7])
     wide = state.float()
-    ref = native.conv1d(x.float(), weight.float(), bias, wide, pages, has, qsl, silu=True)
-    y = native.conv1d(x, weight, bias, state, pages, has, qsl, silu=True)
+    ref = native_ssm.conv1d(x.float(), weight.float(), bias, wide, pages, has, qsl, silu=True)
+    y = native_ssm.conv1d(x, weight, bias, state, pages, has, qsl, silu=True)
     assert y.dtype == torch.float32 and torch.equal(y, ref)
     assert torch.equal(state[pages], wide[pages].bfloat16())
     assert state[[0, 2, 3]].isnan().all()
@@ -215,7 +220,7 @@ def test_conv1d_long_chunks_wide_rows_against_float64(k: int, dtype: torch.dtype
     has = torch.tensor(has_list)
     qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     old = state.double()
-    y = native.conv1d(x, weight, bias, state, pages, has, qsl, silu=True)
+    y = native_ssm.conv1d(x, weight, bias, state, pages, has, qsl, silu=True)
     for s in range(S):
         hist = old[pages[s]] if has[s] else torch.zeros(C, k - 1, dtype=torch.float64)
         window = torch.cat([hist, x[qsl[s] : qsl[s + 1]].double().t()], dim=1)  # [C, k-1+L]
@@ -230,11 +235,11 @@ def test_conv1d_long_chunks_wide_rows_against_float64(k: int, dtype: torch.dtype
 
 @needs_compiler  # without the library every call declines: nothing to test
 def test_conv1d_declines_a_history_longer_than_the_kernel_keeps():
-    C, K = 4, native.CONV_MAX_HISTORY + 2
+    C, K = 4, native_ssm.CONV_MAX_HISTORY + 2
     state = torch.zeros(3, C, K - 1)
     x, weight = torch.randn(2, C), torch.randn(C, K)
     has, qsl = torch.ones(2, dtype=torch.bool), torch.arange(3)
-    assert native.conv1d(x, weight, None, state, torch.tensor([1, 2]), has, qsl) is None
+    assert native_ssm.conv1d(x, weight, None, state, torch.tensor([1, 2]), has, qsl) is None
 
 
 @needs_compiler
@@ -250,7 +255,7 @@ def test_paged_decode_softmax_over_a_wide_score_range():
     cache[table[0, pos // kbs].long(), 0, pos % kbs] = k
     cache[table[0, pos // kbs].long(), 1, pos % kbs] = v
     q = torch.randn(1, heads, d, generator=g)
-    out = native.paged_decode_attention(q, cache, table, torch.tensor([n]), 40.0, None)
+    out = native_attn.paged_decode_attention(q, cache, table, torch.tensor([n]), 40.0, None)
     scores = torch.einsum("hd,td->ht", q[0].double(), k[:, 0].double()) * 40.0
     ref = torch.softmax(scores, dim=-1) @ v[:, 0].double()
     assert (scores.max(-1).values - scores.min(-1).values).min() > 100  # the range is wide
@@ -262,7 +267,7 @@ def test_silu_mul_bf16_rounds_where_pytorch_does():
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(33, 2 * 200, generator=g) * 6).bfloat16()  # wide range of silu inputs
     gate, up = x.chunk(2, dim=-1)
-    out = native.silu_and_mul(x)
+    out = native_ew.silu_and_mul(x)
     assert out is not None and out.dtype == torch.bfloat16
     assert torch.equal(out, torch.nn.functional.silu(gate) * up)
 
@@ -289,8 +294,8 @@ def test_bf16_norm_rows_round_where_pytorch_does(weight_in_fp32, weight_dtype, m
             norm.gated_rms_norm(x, z, w, 1e-6, 256, weight_in_fp32=weight_in_fp32),
         ]  # fmt: skip
 
-    assert native.rms_norm(x, w, 1e-6, weight_in_fp32) is not None  # the kernels take these
-    assert native.gated_rms_norm(x, z, w, 1e-6, 256, False, weight_in_fp32) is not None
+    assert native_norms.rms_norm(x, w, 1e-6, weight_in_fp32) is not None  # the kernels take these
+    assert native_norms.gated_rms_norm(x, z, w, 1e-6, 256, False, weight_in_fp32) is not None
     fast = run()
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
     ref = run()
@@ -323,7 +328,7 @@ def test_gated_norm_mixed_dtypes_is_the_reference_then_the_cast(
     z = torch.randn(9, 384, generator=g).to(gate_dtype)
     w = (torch.randn(384, generator=g) + 1).bfloat16()
     args = (x, z, w, 1e-5, 128, norm_before_gate)
-    assert native.gated_rms_norm(*args, False, out_dtype) is not None  # the kernel takes these
+    assert native_norms.gated_rms_norm(*args, False, out_dtype) is not None  # the kernel runs
     fast = norm.gated_rms_norm(*args, out_dtype=out_dtype)
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
     ref = norm.gated_rms_norm(*args, out_dtype=out_dtype)
@@ -350,7 +355,7 @@ def test_gated_norm_of_bfloat16_x_into_float32_is_rounded_in_x_dtype(
     z = torch.randn(6, 96, generator=g).to(gate_dtype)
     w = (torch.randn(96, generator=g) + 1).bfloat16()
     args = (x, z, w, 1e-5, 32, norm_before_gate)
-    assert native.gated_rms_norm(*args, False, torch.float32) is not None
+    assert native_norms.gated_rms_norm(*args, False, torch.float32) is not None
     fast = norm.gated_rms_norm(*args, out_dtype=torch.float32)
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
     ref = norm.gated_rms_norm(*args, out_dtype=torch.float32)
@@ -375,7 +380,7 @@ def test_rope_is_the_pytorch_rotation(dtype, rotary_dim, monkeypatch):
     angles = torch.randn(7, rotary_dim // 2, generator=g)
     cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
     sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
-    assert native.rope(k, cos, sin, rotary_dim) is not None
+    assert native_ew.rope(k, cos, sin, rotary_dim) is not None
     fast = [_rotate(t, cos, sin, rotary_dim) for t in (q, k)]
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
     ref = [_rotate(t, cos, sin, rotary_dim) for t in (q, k)]
@@ -405,7 +410,7 @@ def test_write_kv_cache_puts_every_row_where_the_pytorch_path_does(dtype, monkey
         write_kv_cache(k, v, cache, slots)
         caches.append(cache)
     monkeypatch.setenv("HYBRIDKV_NATIVE", "1")
-    assert native.write_kv_cache(k, v, caches[0].clone(), slots)  # the kernel takes these
+    assert native_attn.write_kv_cache(k, v, caches[0].clone(), slots)  # the kernel takes these
     assert torch.equal(caches[0].isnan(), caches[1].isnan())
     assert torch.equal(caches[0].nan_to_num(), caches[1].nan_to_num())
     assert (~caches[0].isnan()).sum() == 4 * 2 * 2 * 4  # four slots, K and V, 2 heads of 4
@@ -415,22 +420,23 @@ def test_write_kv_cache_puts_every_row_where_the_pytorch_path_does(dtype, monkey
 def test_provided_spans_survive_a_full_table():
     """A step hands each state group its spans; when the table of recent spans is full, the
     oldest entries go, never the ones this step just provided (a capture reads all of them)."""
+
     def meta(n):
         return (torch.arange(n), torch.ones(n, dtype=torch.bool), torch.arange(n + 1))
 
     def provide(m):
         pages, has, qsl = m
         spans = (pages, has.view(torch.uint8), qsl[:-1], torch.ones(len(pages), dtype=torch.int64))
-        native.provide_spans(*m, spans, (0, len(pages) - 1, 1, 0, len(pages)))
+        native_spans.provide_spans(*m, spans, (0, len(pages) - 1, 1, 0, len(pages)))
         return spans
 
-    for _ in range(native._SPANS_KEPT - 1):  # earlier steps, nearly filling the table
+    for _ in range(native_spans._SPANS_KEPT - 1):  # earlier steps, nearly filling the table
         provide(meta(2))
     first, second = meta(3), meta(4)
     a, b = provide(first), provide(second)
-    assert native._spans(*first) is a and native._spans(*second) is b
-    assert native._spans_inside(*first, num_pages=3, num_tokens=3)
-    assert len(native._recent_spans) == native._SPANS_KEPT
+    assert native_spans.step_spans(*first) is a and native_spans.step_spans(*second) is b
+    assert native_spans.spans_inside(*first, num_pages=3, num_tokens=3)
+    assert len(native_spans._recent_spans) == native_spans._SPANS_KEPT
 
 
 @needs_compiler
@@ -441,7 +447,7 @@ def test_silu_mul_far_below_zero_is_torch_silu(dtype):
     values = [-3e38, -1e30, -1000.0, -88.0, -87.5, -86.0, -20.0, 0.0, 5.0, 1e30, -float("inf")]
     gate = torch.tensor(values * 3, dtype=dtype)[None, :].repeat(3, 1)  # 33 columns: tails
     up = torch.ones_like(gate)
-    out = native.silu_mul(gate, up)
+    out = native_ew.silu_mul(gate, up)
     ref = F.silu(gate.float()).to(dtype) * up
     assert out is not None
     rtol = 1e-5 if dtype == torch.float32 else 8e-3

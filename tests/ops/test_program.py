@@ -6,6 +6,7 @@ import torch
 from hybridkv.ops import native
 from hybridkv.ops.native import elementwise
 from hybridkv.ops.native import program as prog
+from hybridkv.ops.native.norms import rms_norm
 from tests.ops.test_native import needs_compiler
 
 pytestmark = needs_compiler
@@ -27,7 +28,7 @@ def test_replay_equals_eager_on_new_inputs(dtype):
     w = torch.randn(96, generator=g).to(dtype)
 
     def step():
-        y = native.rms_norm(x, w, 1e-5)
+        y = rms_norm(x, w, 1e-5)
         return elementwise.add_scaled(y, x, 0.37)
 
     step()  # (a bfloat16 norm converts its weight once, kept with it: not during the capture)
@@ -43,9 +44,9 @@ def test_replay_equals_eager_on_new_inputs(dtype):
 
 def test_a_pytorch_op_in_the_function_refuses_the_capture():
     x, w = torch.randn(2, 32), torch.randn(32)
-    out, program, why = prog.capture(lambda: native.rms_norm(x * 2, w, 1e-5))
+    out, program, why = prog.capture(lambda: rms_norm(x * 2, w, 1e-5))
     assert program is None and "aten.mul" in why
-    torch.testing.assert_close(out, native.rms_norm(x * 2, w, 1e-5), rtol=0, atol=0)
+    torch.testing.assert_close(out, rms_norm(x * 2, w, 1e-5), rtol=0, atol=0)
 
 
 def test_views_and_aliasing_conversions_are_allowed():
@@ -53,7 +54,7 @@ def test_views_and_aliasing_conversions_are_allowed():
 
     def step():
         rows = x.view(4, 32).to(torch.float32).contiguous()  # (nothing computed)
-        return native.rms_norm(rows[1:3], w, 1e-5)
+        return rms_norm(rows[1:3], w, 1e-5)
 
     out, program, why = prog.capture(step)
     assert why is None and len(program) == 1
@@ -64,12 +65,12 @@ def test_views_and_aliasing_conversions_are_allowed():
 
 def test_the_program_keeps_what_it_allocated_alive():
     x, w = torch.randn(1, 64), torch.randn(64)
-    out, program, _ = prog.capture(lambda: native.rms_norm(native.rms_norm(x, w, 1e-5), w, 1e-5))
+    out, program, _ = prog.capture(lambda: rms_norm(rms_norm(x, w, 1e-5), w, 1e-5))
     first = [t for t in program.keep if t.data_ptr() != out.data_ptr()]
     assert first  # the intermediate row: its memory is written by every replay
     x.copy_(torch.randn(1, 64))
     program.run()
-    torch.testing.assert_close(out, native.rms_norm(native.rms_norm(x, w, 1e-5), w, 1e-5))
+    torch.testing.assert_close(out, rms_norm(rms_norm(x, w, 1e-5), w, 1e-5))
 
 
 def test_a_failing_kernel_stops_the_replay_with_its_name():
@@ -101,7 +102,7 @@ def test_programs_sharing_an_arena_reuse_its_memory():
     xs = {n: torch.randn(n, 64) for n in (1, 5)}
     programs = {}
     for n, x in xs.items():
-        out, program, why = prog.capture(lambda x=x: native.rms_norm(x, w, 1e-5), arena)
+        out, program, why = prog.capture(lambda x=x: rms_norm(x, w, 1e-5), arena)
         assert why is None
         programs[n] = (program, out)
     assert programs[1][1].data_ptr() == programs[5][1].data_ptr()  # the same bytes
@@ -110,7 +111,7 @@ def test_programs_sharing_an_arena_reuse_its_memory():
         xs[n].copy_(torch.randn(n, 64))
         program, out = programs[n]
         program.run()
-        assert torch.equal(out, native.rms_norm(xs[n], w, 1e-5))
+        assert torch.equal(out, rms_norm(xs[n], w, 1e-5))
 
 
 def test_arena_allocations_keep_shape_strides_and_alignment():
@@ -128,7 +129,7 @@ def test_arena_allocations_keep_shape_strides_and_alignment():
 
 def test_profiled_replays_time_every_call():
     x, w = torch.randn(4, 256), torch.randn(256)
-    _, program, _ = prog.capture(lambda: native.rms_norm(native.rms_norm(x, w, 1e-5), w, 1e-5))
+    _, program, _ = prog.capture(lambda: rms_norm(rms_norm(x, w, 1e-5), w, 1e-5))
     program.start_profile()
     for _ in range(3):
         program.run()

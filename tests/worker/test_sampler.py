@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from hybridkv.ops import native
+from hybridkv.ops.native import elementwise as native_ew
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.worker.sampler import Sampler, SamplingRow
 
@@ -21,12 +22,12 @@ def test_native_argmax_matches_torch_on_ties_nan_and_inf():
     if native.library() is None:
         pytest.skip("native kernels unavailable here (no C compiler)")
     x = logits_with_edge_rows()
-    assert torch.equal(native.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(native_ew.argmax_rows(x), x.argmax(dim=-1))
     wide = torch.randn(9, 1300)
     wide[:, 100:1100] = x
     view = wide[:, 100:1100]  # strided rows
-    assert torch.equal(native.argmax_rows(view), x.argmax(dim=-1))
-    assert native.argmax_rows(x.double()) is None
+    assert torch.equal(native_ew.argmax_rows(view), x.argmax(dim=-1))
+    assert native_ew.argmax_rows(x.double()) is None
 
 
 def test_greedy_rows_take_the_argmax_next_to_sampled_rows(kernels):

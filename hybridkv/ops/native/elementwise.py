@@ -1,6 +1,8 @@
-"""The element-wise steps between a forward pass's kernels (`elementwise.c`): embedding lookup,
-residual add, rotary cos/sin, float32 logits. Each returns None when the native library or
-these tensors are not supported; `hybridkv.ops.elementwise` falls back to PyTorch then."""
+"""The element-wise steps between a forward pass's kernels: embedding lookup, residual add,
+rotary cos/sin, float32 logits, relu2, products of rows, bfloat16 casts and GeGLU's
+gelu(gate) * up (`elementwise.c`); SwiGLU's silu(gate) * up, the rotary embedding and the
+argmax of rows (`kernels.c`). Each returns None when the native library or these tensors are
+not supported; `hybridkv.ops.elementwise` (and the layers) fall back to PyTorch then."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import ctypes
 import torch
 
 from hybridkv.ops import native
+from hybridkv.ops.native.common import FLOAT_DTYPES, as_rows, is_bf16, is_f32_cpu, is_float_cpu
 
 _i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 native.declare({
@@ -20,19 +23,20 @@ native.declare({
     "hkv_mul_rows": [_ptr, _i64, _int, _ptr, _i64, _int, _ptr, _int, _i64, _i64],
     "hkv_to_bf16": [_ptr, _ptr, _i64],
     "hkv_gelu_tanh_mul": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _int],
+    # (in kernels.c)
+    "hkv_silu_mul_f32": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64],
+    "hkv_silu_mul_bf16": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64],
+    "hkv_rope": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64],
+    "hkv_argmax_f32": [_ptr, _i64, _i64, _i64, _ptr],
 })  # fmt: skip
 native.returns_status("hkv_embedding")
-
-
-def _float_cpu(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype in native.FLOAT_DTYPES for t in tensors)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> torch.Tensor | None:
     """weight[ids] (* scale, rounded to weight's dtype): ids [n] int64, weight [rows, cols]
     float32 or bfloat16 contiguous -> [n, cols]. An id outside the table raises IndexError."""
     lib = native.library()
-    if lib is None or not _float_cpu(weight) or not weight.is_contiguous() or weight.dim() != 2:
+    if lib is None or not is_float_cpu(weight) or not weight.is_contiguous() or weight.dim() != 2:
         return None
     if ids.dim() != 1 or ids.dtype != torch.int64 or ids.device.type != "cpu":
         return None
@@ -40,7 +44,7 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> to
     rows, cols = weight.shape
     out = torch.empty(ids.shape[0], cols, dtype=weight.dtype)
     bad = lib.hkv_embedding(
-        ids.data_ptr(), ids.shape[0], weight.data_ptr(), rows, cols, native._is_bf16(weight),
+        ids.data_ptr(), ids.shape[0], weight.data_ptr(), rows, cols, is_bf16(weight),
         scale, int(scale != 1.0), out.data_ptr(),
     )  # fmt: skip
     if bad:
@@ -52,14 +56,14 @@ def add_scaled(x: torch.Tensor, h: torch.Tensor, multiplier: float = 1.0) -> tor
     """x + h * multiplier (rounded as PyTorch rounds it) for float32 or bfloat16 x and h of one
     shape and dtype; None when not supported."""
     lib = native.library()
-    if lib is None or not _float_cpu(x) or x.dtype != h.dtype or x.shape != h.shape:
+    if lib is None or not is_float_cpu(x) or x.dtype != h.dtype or x.shape != h.shape:
         return None
     if h.device.type != "cpu":
         return None
     x, h = x.contiguous(), h.contiguous()
     out = torch.empty_like(x)
     lib.hkv_add_scaled(
-        x.data_ptr(), h.data_ptr(), multiplier, out.data_ptr(), x.numel(), native._is_bf16(x)
+        x.data_ptr(), h.data_ptr(), multiplier, out.data_ptr(), x.numel(), is_bf16(x)
     )
     return out
 
@@ -70,7 +74,7 @@ def rope_cos_sin(
     """cos, sin [n, 2 * len(inv_freq)] of positions [n] int64 (float32 angles, times scaling,
     in `dtype`: float32 or bfloat16); None when not supported."""
     lib = native.library()
-    if lib is None or dtype not in native.FLOAT_DTYPES or positions.dim() != 1:
+    if lib is None or dtype not in FLOAT_DTYPES or positions.dim() != 1:
         return None
     if positions.dtype != torch.int64 or positions.device.type != "cpu":
         return None
@@ -93,11 +97,11 @@ def logits_f32(x: torch.Tensor, divisor: float = 1.0) -> torch.Tensor | None:
     if x.dtype == torch.float32 and divisor == 1.0:
         return x
     lib = native.library()
-    if lib is None or not _float_cpu(x) or x.dim() != 2 or x.stride(1) != 1:
+    if lib is None or not is_float_cpu(x) or x.dim() != 2 or x.stride(1) != 1:
         return None
     out = torch.empty(x.shape, dtype=torch.float32)
     lib.hkv_logits_f32(
-        x.data_ptr(), x.stride(0), native._is_bf16(x), out.data_ptr(), x.shape[0], x.shape[1],
+        x.data_ptr(), x.stride(0), is_bf16(x), out.data_ptr(), x.shape[0], x.shape[1],
         divisor,
     )  # fmt: skip
     return out
@@ -120,11 +124,11 @@ def relu2(x: torch.Tensor) -> torch.Tensor | None:
     """relu(x) ** 2 of float32 or bfloat16 x (rounded as `F.relu(x).square()`); None when
     not supported."""
     lib = native.library()
-    if lib is None or not _float_cpu(x):
+    if lib is None or not is_float_cpu(x):
         return None
     x = x.contiguous()
     out = torch.empty_like(x)
-    lib.hkv_relu2(x.data_ptr(), out.data_ptr(), x.numel(), native._is_bf16(x))
+    lib.hkv_relu2(x.data_ptr(), out.data_ptr(), x.numel(), is_bf16(x))
     return out
 
 
@@ -133,14 +137,14 @@ def mul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | 
     and b of one shape, each float32 or bfloat16 with unit column stride (rows may be strided:
     column slices of a projection); None when not supported."""
     lib = native.library()
-    if lib is None or not _float_cpu(a, b) or dtype not in native.FLOAT_DTYPES:
+    if lib is None or not is_float_cpu(a, b) or dtype not in FLOAT_DTYPES:
         return None
     if a.dim() != 2 or a.shape != b.shape or a.stride(1) != 1 or b.stride(1) != 1:
         return None
     out = torch.empty(a.shape, dtype=dtype)
     lib.hkv_mul_rows(
-        a.data_ptr(), a.stride(0), native._is_bf16(a), b.data_ptr(), b.stride(0),
-        native._is_bf16(b), out.data_ptr(), int(dtype == torch.bfloat16), *a.shape,
+        a.data_ptr(), a.stride(0), is_bf16(a), b.data_ptr(), b.stride(0),
+        is_bf16(b), out.data_ptr(), int(dtype == torch.bfloat16), *a.shape,
     )  # fmt: skip
     return out
 
@@ -149,13 +153,84 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     """F.gelu(gate, approximate="tanh") * up for 2-D float32 or bfloat16 gate and up of one
     shape and dtype (unit column stride; rows may be strided); None when not supported."""
     lib = native.library()
-    if lib is None or not _float_cpu(gate) or gate.dtype != up.dtype or gate.dim() != 2:
+    if lib is None or not is_float_cpu(gate) or gate.dtype != up.dtype or gate.dim() != 2:
         return None
     if gate.shape != up.shape or gate.stride(1) != 1 or up.stride(1) != 1:
         return None
     out = torch.empty(gate.shape, dtype=gate.dtype)
     lib.hkv_gelu_tanh_mul(
         gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(),
-        *gate.shape, native._is_bf16(gate),
+        *gate.shape, is_bf16(gate),
     )  # fmt: skip
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """[..., 2I] = [gate | up] -> silu(gate) * up: [..., I] for float32 or bfloat16 x
+    (bfloat16: silu rounded before the product, as PyTorch); None when not supported."""
+    rows = as_rows(x)
+    if rows is None or x.shape[-1] % 2:
+        return None
+    inter = x.shape[-1] // 2
+    out = _silu_mul_rows(rows[:, :inter], rows[:, inter:])
+    return out if out is None or x.dim() == 2 else out.reshape(*x.shape[:-1], inter)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up for float32 or bfloat16 gate and up of one shape and dtype (separate
+    gate and up projections), rounded as PyTorch's `F.silu(gate) * up`; None when not
+    supported."""
+    g, u = as_rows(gate), as_rows(up)
+    if g is None or u is None or gate.shape != up.shape or gate.dtype != up.dtype:
+        return None
+    out = _silu_mul_rows(g, u)
+    return out if out is None or gate.dim() == 2 else out.reshape(gate.shape)
+
+
+def _silu_mul_rows(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """g, u: [rows, I] with unit column stride, any row stride -> silu(g) * u [rows, I]."""
+    lib = native.library()
+    if lib is None:
+        return None
+    out = torch.empty(g.shape, dtype=g.dtype)
+    kernel = lib.hkv_silu_mul_bf16 if g.dtype == torch.bfloat16 else lib.hkv_silu_mul_f32
+    kernel(g.data_ptr(), g.stride(0), u.data_ptr(), u.stride(0), out.data_ptr(), *g.shape)
+    return out
+
+
+def rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int
+) -> torch.Tensor | None:
+    """The rotary embedding of `layers.rotary._rotate` in one pass: x [T, H, D] (channels
+    contiguous, tokens and heads at any stride), cos, sin [T, rotary_dim] of x's dtype (float32
+    or bfloat16) -> [T, H, D] contiguous; None when not supported."""
+    lib = native.library()
+    if lib is None or x.dim() != 3 or not is_float_cpu(x) or x.stride(2) != 1:
+        return None
+    tokens, heads, dim = x.shape
+    if rotary_dim % 2 or not 0 < rotary_dim <= dim or tokens == 0:
+        return None
+    if cos.dtype != x.dtype or sin.dtype != x.dtype or cos.shape != (tokens, rotary_dim):
+        return None
+    if sin.shape != cos.shape or cos.device.type != "cpu" or sin.device.type != "cpu":
+        return None
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype)
+    lib.hkv_rope(
+        x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+        is_bf16(x), tokens, heads, dim, rotary_dim,
+    )  # fmt: skip
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """torch.argmax(x, dim=-1) of a float32 [rows, cols] x (ties: the first index; a row with
+    NaN: its first NaN), vectorised and in parallel; None when not supported."""
+    lib = native.library()
+    if lib is None or x.dim() != 2 or not is_f32_cpu(x) or x.shape[1] == 0:
+        return None
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.hkv_argmax_f32(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
     return out

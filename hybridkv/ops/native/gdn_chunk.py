@@ -2,7 +2,7 @@
 the one native library): its ctypes signature and the checks that keep it inside its tensors.
 `hybridkv.ops.gdn_ops.NativeGDNOps` calls it for the requests of more than one token when q, k
 and v are bfloat16 (one-token requests go to `gdn_decode`, other dtypes to the general
-`native.gated_delta_rule`); `hybridkv.ops.gated_delta` is the reference of the tests."""
+`gdn.gated_delta_rule`); `hybridkv.ops.gated_delta` is the reference of the tests."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import ctypes
 import torch
 
 from hybridkv.ops import native
-from hybridkv.ops.native import moe
+from hybridkv.ops.native import gdn, moe
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 native.declare({
@@ -50,21 +50,21 @@ def gdn_chunk(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The requests of more than one token through the gated delta rule in chunks of 64 tokens,
-    states read and written once in their pages (the arguments are `native.gated_delta_rule`'s);
+    states read and written once in their pages (the arguments are `gdn.gated_delta_rule`'s);
     None when the kernel or these tensors are not supported. Rows of one-token requests in `out`
     (o [T, Hv, V] float32, made when None) are left as they are."""
     lib = native.library()
     if lib is None or not applies(q, v, state) or k.dtype != q.dtype:
         return None
     spans = (state_pages, has_initial_state, query_start_loc)
-    dims = native.gdn_dims(q, k, v, g, beta, state, *spans)
+    dims = gdn.gdn_dims(q, k, v, g, beta, state, *spans)
     if dims is None:
         return None
     tokens, _, heads_v, _, dim_v = dims
-    out = native.float32_output(out, (tokens, heads_v, dim_v))
+    out = gdn.float32_output(out, (tokens, heads_v, dim_v))
     if out is None or tokens == 0:
         return out
-    args = native.GDNArgs.prepare(dims, q, k, v, g, beta, state, *spans)
+    args = gdn.GDNArgs.prepare(dims, q, k, v, g, beta, state, *spans)
     if lib.hkv_gdn_chunk(*args.leading(), out.data_ptr()):
         raise MemoryError("the native chunked gated delta rule could not allocate its work space")
     return out

@@ -1,7 +1,7 @@
 """The gated delta rule's decode step natively (`gdn_decode.c`, compiled into the one native
 library): its ctypes signature and the checks that keep it inside its tensors.
 `hybridkv.ops.gdn_ops.NativeGDNOps` calls it for steps whose requests all have one token (the
-general `native.gated_delta_rule` takes the others); `hybridkv.ops.gated_delta` is the
+general `gdn.gated_delta_rule` takes the others); `hybridkv.ops.gated_delta` is the
 reference of the tests."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import ctypes
 import torch
 
 from hybridkv.ops import native
+from hybridkv.ops.native import gdn
 
 _i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 native.declare({
@@ -39,7 +40,7 @@ def gdn_decode(
 ) -> torch.Tensor | None:
     """One decode step of the gated delta rule for the requests of one token, states read and
     written in their pages; None when the kernel or these tensors are not supported (the
-    arguments are `native.gated_delta_rule`'s). Rows of longer requests in `out` (o, made when
+    arguments are `gdn.gated_delta_rule`'s). Rows of longer requests in `out` (o, made when
     None) are left as they are.
 
     norm = (z [T, Hv * V] bfloat16 with unit column stride, weight [V] float32, eps): each
@@ -58,11 +59,11 @@ def gdn_decode(
     if q.dtype not in DTYPES or state.dtype not in DTYPES:
         return None
     spans = (state_pages, has_initial_state, query_start_loc)
-    dims = native.gdn_dims(q, k, v, g, beta, state, *spans)
+    dims = gdn.gdn_dims(q, k, v, g, beta, state, *spans)
     if dims is None or dims[3] > MAX_K:
         return None
     tokens, _, heads_v, _, dim_v = dims
-    o = native.float32_output(out, (tokens, heads_v, dim_v)) if norm is None else None
+    o = gdn.float32_output(out, (tokens, heads_v, dim_v)) if norm is None else None
     y = z = weight = None
     eps = 0.0
     if norm is not None:
@@ -79,7 +80,7 @@ def gdn_decode(
     result = o if y is None else y
     if tokens == 0:
         return result
-    args = native.GDNArgs.prepare(dims, q, k, v, g, beta, state, *spans)
+    args = gdn.GDNArgs.prepare(dims, q, k, v, g, beta, state, *spans)
     failed = lib.hkv_gdn_decode(
         *args.leading(), None if o is None else o.data_ptr(), None if y is None else y.data_ptr(),
         None if z is None else z.data_ptr(), 0 if z is None else z.stride(0),

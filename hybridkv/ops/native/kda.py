@@ -8,6 +8,7 @@ import ctypes
 import torch
 
 from hybridkv.ops import native
+from hybridkv.ops.native.spans import spans_inside, step_spans
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 native.declare({
@@ -69,11 +70,9 @@ def kda_rule(
         return None
     tokens, heads, dim_k = q.shape
     dim_v = v.shape[2]
-    if not native._spans_inside(
-        state_pages, has_initial_state, query_start_loc, state.shape[0], tokens
-    ):
+    if not spans_inside(state_pages, has_initial_state, query_start_loc, state.shape[0], tokens):
         return None  # pages and tokens must lie inside the state, q, k, v and o
-    pages, has, starts, lens = native._spans(state_pages, has_initial_state, query_start_loc)
+    pages, has, starts, lens = step_spans(state_pages, has_initial_state, query_start_loc)
     o = torch.empty(tokens, heads, dim_v, dtype=torch.float32)
     if tokens == 0 or pages.numel() == 0:
         return o
