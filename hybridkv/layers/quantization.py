@@ -36,7 +36,7 @@ hidden-size 768 shapes and the 32000-row lm_head: benchmarks/quantization.py):
                    1.1-1.5x the native tiles at M = 128-1024 (Xeon, 1 and 2 threads; within
                    1.06-1.3x of the float32 layer), which still win at M = 64
     PyTorch        bfloat16 x above SMALL_M rows, or no native kernel (`HYBRIDKV_NATIVE=0`,
-                   no compiler, no AVX-512): in bfloat16 with float32 accumulation (a float32
+                   no compiler, no AVX2): in bfloat16 with float32 accumulation (a float32
                    input rounded to bfloat16, the output cast back):
         M <= SMALL_M   torch.ops.aten._weight_int8pack_mm(x_bf16, q, scale_bf16): reads the
                    int8 weight once per 4 rows of x (AVX-512; its float32 path is a scalar
@@ -48,6 +48,15 @@ hidden-size 768 shapes and the 32000-row lm_head: benchmarks/quantization.py):
                    product, so the chunk is only cast, never multiplied); within 10-25% of
                    the bfloat16 layer at M = 64-512
 
+AVX2 CPUs (no AVX-512; `native_limits()` decides once from the CPU record): the native kernel
+at every M, for both dtypes of x: its 8-lane tiles (int8 widened to float32 in registers, as
+above) up to 20 rows, above them the AVX2 GEMM of `f32_linear.c` (q converted to float32 a
+block at a time, x copied into panels of 16 rows, the row's scale once per sum): the same
+float32 math. PyTorch's paths are no alternative there: its bfloat16 GEMM runs 3-5x below
+float32 on AVX2, and the float32 chunks lose to the kernel's GEMM up to M = 128 (0.8-0.9x) and
+are level at 512 (x86-64-v3 build with oneDNN and MKL capped at AVX2 on the development Xeon,
+1 thread, benchmarks/README.md "AVX2").
+
 Tensor parallel: each rank quantizes its shard after loading it. A column-parallel shard holds
 whole rows, so its scales are the full model's; a row-parallel one (its input dim split) holds
 part of every row, so the ranks take the max of their row maxima (one all-reduce for all of
@@ -57,6 +66,7 @@ them): every rank's int8 weight is then exactly its slice of the single-process 
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -67,11 +77,12 @@ from hybridkv.config import QUANTIZATIONS, check_quantization  # noqa: F401 (re-
 from hybridkv.distributed.layers import VocabParallelHead
 from hybridkv.distributed.parallel import SINGLE, TensorParallel
 from hybridkv.layers.linear import PackedLinear
+from hybridkv.ops.native import cpu
 from hybridkv.ops.native import int8_linear as native_int8
 
-SMALL_M = 16  # rows of x up to which the kernels beat dequantize + bfloat16 GEMM
+SMALL_M = 16  # rows of x up to which the kernels beat dequantize + bfloat16 GEMM (AVX-512)
 CHUNK_ELEMENTS = 1 << 20  # weights dequantized at once on the GEMM path (2 MiB of bfloat16)
-DEQUANT_M = 128  # rows of float32 x from which float32 chunks + GEMM beat the native tiles
+DEQUANT_M = 128  # rows of float32 x from which float32 chunks + GEMM beat the tiles (AVX-512)
 DEQUANT_ELEMENTS = 1 << 21  # weights converted at once there (8 MiB of float32)
 # _weight_int8pack_mm's AVX-512 kernel steps over K by 16 with aligned loads of x (32 bytes)
 # and of the weight rows: another K reads past the rows (wrong sums or a crash), so those
@@ -108,16 +119,28 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float()[..., None]
 
 
+def native_limits() -> tuple[int, int]:
+    """(rows of bfloat16 x up to which `int8_matmul` runs the native kernel, rows of float32 x
+    from which it runs the float32 chunks instead): SMALL_M and DEQUANT_M, read at the call;
+    every M and never where the kernel is the AVX2 one (the module docstring: the build and
+    the CPU decide, through the CPU record)."""
+    if native_int8.kernel() is not None and not cpu.record().supports("avx512"):
+        return sys.maxsize, sys.maxsize
+    return SMALL_M, DEQUANT_M
+
+
 def int8_matmul(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, native_fits: bool | None = None
 ) -> torch.Tensor:
     """x [M, K] float, q int8 [N, K], scale bfloat16 [N] -> x @ (q * scale).T [M, N] in x's
-    dtype: on the native kernel (float32 x; bfloat16 x up to SMALL_M rows), else on PyTorch's
-    bfloat16 path (the module docstring). `native_fits`: `weights_fit(q, scale)`, if known."""
-    if x.dtype == torch.float32 and x.shape[0] >= DEQUANT_M:
+    dtype: on the native kernel (float32 x below the float32 chunks' rows; bfloat16 x up to
+    its rows: `native_limits`), else on PyTorch's paths (the module docstring).
+    `native_fits`: `weights_fit(q, scale)`, if known."""
+    small_m, dequant_m = native_limits()
+    if x.dtype == torch.float32 and x.shape[0] >= dequant_m:
         return f32_int8_matmul(x, q, scale)
     if x.device.type == "cpu" and (
-        x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and x.shape[0] <= SMALL_M)
+        x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and x.shape[0] <= small_m)
     ):
         fn = native_int8.kernel()
         if native_fits is None:

@@ -5,11 +5,16 @@ from torch import nn
 from hybridkv.layers.linear import (
     _OPS,
     PackedLinear,
+    linear_dtypes,
+    native_rows,
     prepack_available,
     prepack_dtypes,
     prepack_linears,
+    small_linear,
 )
+from hybridkv.ops import registry
 from hybridkv.ops.native import bf16_linear as native_bf16
+from hybridkv.ops.native import f32_linear as native_f32
 
 pytestmark = pytest.mark.skipif(not prepack_available(), reason="no oneDNN in this torch build")
 
@@ -36,7 +41,7 @@ def test_prepacked_model_matches_and_keeps_names(dtype):
     with torch.no_grad():
         before = model(ids).float()
     names = sorted(model.state_dict())
-    if dtype not in prepack_dtypes():  # bf16 on a CPU without oneDNN bf16 (AVX2): unchanged
+    if dtype not in linear_dtypes():  # bf16 without oneDNN bf16 nor the native kernel
         assert prepack_linears(model) == 0
         assert not any(isinstance(m, PackedLinear) for m in model.modules())
         return
@@ -61,32 +66,57 @@ def test_refresh_after_weight_change():
 
 
 needs_bf16_kernel = pytest.mark.skipif(
-    native_bf16.kernel() is None, reason="no native build with AVX512-BF16 on this machine"
+    native_bf16.kernel() is None, reason="no native bf16 kernel (AVX2 or AVX512-BF16) here"
 )
 
 
 def _onednn(packed: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+    """oneDNN's packed linear, or F.linear where oneDNN cannot pack the dtype (bf16 on AVX2)."""
     flat = x.reshape(-1, packed.in_features)
-    out = _OPS._linear_pointwise(flat, packed.packed_weight, packed.bias, "none", [], "")
+    if packed.packed_weight is None:
+        out = nn.functional.linear(flat, packed.weight, packed.bias)
+    else:
+        out = _OPS._linear_pointwise(flat, packed.packed_weight, packed.bias, "none", [], "")
     return out.reshape(*x.shape[:-1], packed.out_features)
+
+
+def test_native_rows_follow_onednn_and_the_build():
+    """Where oneDNN packs the dtype the kernel runs up to its measured small_m() rows (the
+    AVX-512 or the AVX2 value, by the CPU record); where it cannot (bfloat16 on AVX2) at every M;
+    without a kernel never. A bfloat16 linear is swapped when either runs it."""
+    for dtype, small in ((torch.float32, native_f32), (torch.bfloat16, native_bf16)):
+        rows = native_rows(dtype)
+        if small.kernel() is None:
+            assert rows == 0
+        elif dtype in prepack_dtypes():
+            assert rows == small.small_m()
+            assert small.small_m() in (small.SMALL_M, small.SMALL_M_AVX2)
+        else:
+            assert rows >= 2**31
+        assert (dtype in linear_dtypes()) == (dtype in prepack_dtypes() or rows > 0)
+    assert torch.float32 in prepack_dtypes()
 
 
 @needs_bf16_kernel
 @pytest.mark.parametrize("bias", [True, False])
 def test_bf16_small_batches_run_the_native_kernel(bias):
-    """Up to SMALL_M rows a bfloat16 PackedLinear's output is the kernel's, bit for bit (2-D
-    rows, strided rows and 3-D inputs); more rows, or autograd on, take oneDNN."""
+    """Up to native_rows rows a bfloat16 PackedLinear's output is the kernel's, bit for bit (2-D
+    rows, strided rows and 3-D inputs); more rows, or autograd on, take oneDNN (F.linear where
+    oneDNN has no bfloat16: AVX2, where the kernel takes every M, its GEMM past 20 rows)."""
     torch.manual_seed(0)
     lin = nn.Linear(100, 37, bias=bias).to(torch.bfloat16)
     packed = PackedLinear.from_linear(lin)
     assert packed.small_kernel is not None
+    assert (packed.packed_weight is None) == (torch.bfloat16 not in prepack_dtypes())
+    rows = native_rows(torch.bfloat16)
     with torch.inference_mode():
-        for m in range(1, native_bf16.SMALL_M + 2):
+        for m in [*range(1, min(rows, 40) + 2), 70]:
             wide = torch.randn(m, 107).to(torch.bfloat16)
             for x in (wide[:, :100].contiguous(), wide[:, 7:]):
                 out = packed(x)
-                if m <= native_bf16.SMALL_M:
+                if m <= rows:
                     assert torch.equal(out, native_bf16.bf16_linear(x, lin.weight, lin.bias))
+                    assert torch.equal(out, small_linear(x, lin.weight, lin.bias))
                 else:
                     assert torch.equal(out, _onednn(packed, x))
                 torch.testing.assert_close(
@@ -104,6 +134,7 @@ def test_bf16_small_batches_run_the_native_kernel(bias):
 @needs_bf16_kernel
 def test_float32_and_disabled_native_keep_onednn(monkeypatch):
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    registry.reset_all()  # op choices follow the new setting
     lin = nn.Linear(16, 8).to(torch.bfloat16)
     packed = PackedLinear.from_linear(lin)
     assert packed.small_kernel is None

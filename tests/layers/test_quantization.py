@@ -93,7 +93,7 @@ def test_torch_path_equals_dequantized_weight_times_bf16_input(dtype, m, k, monk
     check_quantization_error(xb, q, scale, w, out, k)
 
 
-@pytest.mark.skipif(not native_int8.available(), reason="no native AVX-512 int8 kernel here")
+@pytest.mark.skipif(not native_int8.available(), reason="no native int8 kernel (AVX2) here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", MS)
 @pytest.mark.parametrize("k", [48, 53, 5])  # 53 and 5: a masked tail of K % 16 values
@@ -112,13 +112,46 @@ def test_native_kernel_equals_dequantized_weight_times_input(dtype, m, k):
     bound = 1e-6 * magnitude + (BF16_ULP * exact.abs() if dtype == torch.bfloat16 else 0)
     assert bool(((out.double() - exact).abs() <= bound).all())
     check_quantization_error(xd, q, scale, w, out, k)
-    if dtype == torch.float32 or m <= quant.SMALL_M:  # what the int8 layers run on
+    small_m, dequant_m = quant.native_limits()  # (AVX2: every M on the kernel)
+    if dtype == torch.float32 or m <= small_m:  # what the int8 layers run on (m < dequant_m)
+        assert m < dequant_m
         assert torch.equal(int8_matmul(x, q, scale), out)
-    else:  # larger bfloat16 batches take PyTorch's dequantize + GEMM path
+    else:  # larger bfloat16 batches take PyTorch's dequantize + GEMM path (AVX-512)
         assert torch.equal(int8_matmul(x, q, scale), bf16_int8_matmul(x, q, scale))
     strided = torch.randn(m, k + 7).to(dtype)[:, 3 : 3 + k]  # rows at a stride
     strided.copy_(x)
     assert torch.equal(native_int8.int8_linear(strided, q, scale), out)
+
+
+def test_native_limits_follow_the_build():
+    """AVX-512 builds: the measured SMALL_M / DEQUANT_M; an AVX2 build's kernel runs at every M
+    (its own GEMM above 20 rows); without the kernel, PyTorch's paths at their limits."""
+    from hybridkv.ops.native import cpu
+
+    limits = quant.native_limits()
+    if native_int8.available() and not cpu.record().supports("avx512"):
+        assert limits[0] >= 2**31 and limits[1] >= 2**31
+    else:
+        assert limits == (quant.SMALL_M, quant.DEQUANT_M)
+
+
+@pytest.mark.skipif(not native_int8.available(), reason="no native int8 kernel (AVX2) here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_matmul_at_prefill_sizes(dtype):
+    """Past DEQUANT_M rows (float32 chunks on AVX-512, the kernel's GEMM on AVX2), an odd K:
+    float32 math on the dequantized weight (bfloat16 x: PyTorch's path on AVX-512 above SMALL_M,
+    its bfloat16 GEMM)."""
+    w = weight(37, 77)
+    q, scale = quantize_rows(w)
+    x = torch.randn(quant.DEQUANT_M + 5, 77, generator=torch.Generator().manual_seed(1))
+    x = x.to(dtype)
+    out = int8_matmul(x, q, scale)
+    xd = x.double()
+    exact = xd @ dequantize_rows(q, scale).double().T
+    magnitude = xd.abs() @ dequantize_rows(q, scale).double().abs().T
+    bound = 1e-6 * magnitude + (2 * BF16_ULP * exact.abs() if dtype == torch.bfloat16 else 0)
+    assert out.dtype == dtype
+    assert bool(((out.double() - exact).abs() <= bound).all())
 
 
 def test_kernel_input_at_an_unaligned_offset_is_copied():

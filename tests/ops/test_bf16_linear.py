@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridkv.ops import native
+from hybridkv.ops import native, registry
 from hybridkv.ops.native import bf16_linear as native_bf16
 
 pytestmark = pytest.mark.skipif(
-    native_bf16.kernel() is None, reason="no native build with AVX512-BF16 on this machine"
+    native_bf16.kernel() is None, reason="no native bf16 kernel (AVX2 or AVX512-BF16) here"
 )
 
 HALF_ULP = 2.0**-8  # bfloat16 keeps 8 significant bits: rounding moves a value by at most this
@@ -97,6 +97,7 @@ def test_declines_what_it_does_not_take():
 
 def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    registry.reset_all()  # op choices follow the new setting
     assert native.library() is None and native_bf16.kernel() is None
     x, w, b = case(2, 16, 8, True)
     assert native_bf16.bf16_linear(x, w, b) is None

@@ -2,7 +2,7 @@
 float64 reference within float32 accumulation error, for every tile shape (M = 1, 2 and 4-row
 tiles with 1..3 rows left), K with a masked tail, N with a partial last block, with and without
 bias, strided rows of x and y, one thread and the team; what it declines; PackedLinear taking it
-up to SMALL_M rows and oneDNN above; and a float32 LLM whose greedy tokens are the same on it as
+up to small_m() rows and oneDNN above; and a float32 LLM whose greedy tokens are the same on it as
 on oneDNN alone."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import torch
 from torch import nn
 
 from hybridkv.layers.linear import PackedLinear, prepack_available
-from hybridkv.ops import native
+from hybridkv.ops import native, registry
 from hybridkv.ops.native import f32_linear as native_f32
 from tests.layers.test_linear import _onednn
 from tests.models.utils import engine_prefill_logits
 from tests.ops.test_bf16_linear import reference
 
 pytestmark = pytest.mark.skipif(
-    native_f32.kernel() is None, reason="no native build with AVX-512 on this machine"
+    native_f32.kernel() is None, reason="no native f32 kernel (AVX2 or AVX-512) here"
 )
 needs_onednn = pytest.mark.skipif(not prepack_available(), reason="no oneDNN in this torch build")
 
@@ -138,6 +138,7 @@ def test_x_of_another_width_raises_instead_of_reading_past_its_rows(dtype):
 
 def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    registry.reset_all()  # op choices follow the new setting
     assert native.library() is None and native_f32.kernel() is None
     x, w, b = case(2, 16, 8, True)
     assert native_f32.f32_linear(x, w, b) is None
@@ -146,18 +147,19 @@ def test_disabled_by_environment(monkeypatch):
 @needs_onednn
 @pytest.mark.parametrize("bias", [True, False])
 def test_packed_linear_runs_the_kernel_up_to_small_m(bias):
-    """Up to SMALL_M rows a float32 PackedLinear's output is the kernel's, bit for bit (2-D
-    rows, strided rows and 3-D inputs); more rows, or autograd on, take oneDNN."""
+    """Up to small_m() rows (the build's: AVX-512 or AVX2) a float32 PackedLinear's output is
+    the kernel's, bit for bit (2-D rows, strided rows and 3-D inputs); more rows, or autograd
+    on, take oneDNN."""
     torch.manual_seed(0)
     lin = nn.Linear(100, 37, bias=bias)
     packed = PackedLinear.from_linear(lin)
     assert packed.small_kernel is not None and packed.small is native_f32
     with torch.inference_mode():
-        for m in range(1, native_f32.SMALL_M + 3):
+        for m in range(1, native_f32.small_m() + 3):
             wide = torch.randn(m, 107)
             for x in (wide[:, :100].contiguous(), wide[:, 7:]):
                 out = packed(x)
-                if m <= native_f32.SMALL_M:
+                if m <= native_f32.small_m():
                     assert torch.equal(out, native_f32.f32_linear(x, lin.weight, lin.bias))
                 else:
                     assert torch.equal(out, _onednn(packed, x))
@@ -173,6 +175,7 @@ def test_packed_linear_runs_the_kernel_up_to_small_m(bias):
 @needs_onednn
 def test_packed_linear_without_the_kernel_keeps_onednn(monkeypatch):
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    registry.reset_all()  # op choices follow the new setting
     packed = PackedLinear.from_linear(nn.Linear(16, 8))
     assert packed.small_kernel is None
     x = torch.randn(3, 16)
@@ -190,7 +193,7 @@ MAX_LOGIT_ERROR = 1e-4  # of the largest logit (measured 6e-7..1.5e-6; outputs 1
 
 @needs_onednn
 def test_float32_llm_on_the_native_linear_gives_the_same_greedy_tokens(monkeypatch):
-    """The built-in default model in float32: decode steps and prefills of up to SMALL_M tokens
+    """The built-in default model in float32: decode steps and prefills of up to small_m() tokens
     run the PackedLinears on the kernel; the same LLM on oneDNN alone (the kernel withheld
     before it is built) gives the same greedy tokens, and prefill logits within float32 noise
     (the logits catch what the tokens may not: outputs scaled 1.02x left these tokens as they
@@ -207,7 +210,7 @@ def test_float32_llm_on_the_native_linear_gives_the_same_greedy_tokens(monkeypat
         tokens = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         with torch.inference_mode():
             engine = llm.engine
-            ids = [engine.tokenizer.encode(p)[: native_f32.SMALL_M] for p in PROMPTS]
+            ids = [engine.tokenizer.encode(p)[: native_f32.small_m()] for p in PROMPTS]
             return tokens, [engine_prefill_logits(engine, i) for i in ids]
 
     llm = LLM(None, **kwargs)
@@ -215,7 +218,7 @@ def test_float32_llm_on_the_native_linear_gives_the_same_greedy_tokens(monkeypat
     assert linears and all(m.small_kernel is not None for m in linears)
     calls.clear()  # (the prepacking probes)
     ours, our_logits = generate(llm)
-    assert calls and max(calls) <= native_f32.SMALL_M
+    assert calls and max(calls) <= native_f32.small_m()
     monkeypatch.setattr(native_f32, "kernel", lambda: None)  # every linear on oneDNN
     ref_llm = LLM(None, **kwargs)
     linears = [m for m in ref_llm.engine.model.modules() if isinstance(m, PackedLinear)]

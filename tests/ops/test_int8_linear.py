@@ -1,7 +1,8 @@
 """The native int8 weight-only linear (hybridkv/ops/native/int8_linear.c) on both of its paths:
 the streaming one (up to 16 rows of x, or x under 64K values: tiles of 1 x 16, 2 x 8 and 4 x 4
 read in groups of 4 weight rows, with the far and near prefetches) and the chunked one (more
-rows), against a float64 reference of the dequantized weight within float32 accumulation
+rows) of AVX-512 builds, or the 8-lane tiles (up to 20 rows) and the AVX2 GEMM of AVX2 builds,
+against a float64 reference of the dequantized weight within float32 accumulation
 error: every M from 1 to 17 (every tile shape and last tile), K with a masked tail (K % 16 !=
 0) or shorter than a vector, N with a partial last block (5, 37), weights with several blocks
 per thread, rows of x at a stride, one thread and the team, float32 and bfloat16 x. The layer's
@@ -16,7 +17,7 @@ from hybridkv.layers.quantization import Int8Linear, dequantize_rows, quantize_r
 from hybridkv.ops.native import int8_linear as native_int8
 
 pytestmark = pytest.mark.skipif(
-    not native_int8.available(), reason="no native AVX-512 int8 kernel on this machine"
+    not native_int8.available(), reason="no native int8 kernel (AVX2 or AVX-512) on this machine"
 )
 
 U = 2.0**-24  # float32 unit roundoff

@@ -28,15 +28,35 @@
  *
  * OpenMP splits the blocks into one contiguous range per thread (the same libgomp as PyTorch:
  * torch.set_num_threads applies); weights under B16_PARALLEL_MIN values run on the calling
- * thread. Without AVX512-BF16 (and AVX-512 F/BW/VL) a plain loop is built instead (the same
- * result up to summation order) and hkv_bf16_linear_fast() returns 0, so the caller keeps
- * oneDNN. */
+ * thread.
+ *
+ * AVX2 + FMA without AVX512-BF16 (HKV_AVX2: AVX2-only CPUs, and AVX-512 ones without BF16):
+ * x is widened to float32 once per call (exactly; on the stack up to B16_X_STACK values), then
+ * f32_linear.c's 8-lane tiles and stream run on it, each 8 weights widened in registers as
+ * they are loaded (vpmovzxwd from memory, a 16-bit shift: 2 uops, one of them on the shuffle
+ * port, which the FMAs do not use) and multiplied in float32, the sums rounded to bfloat16
+ * once (hkv_f32_to_bf16, after the bias): the same math as above. Tiles: M = 1 one row of x by
+ * 8 weight rows, M = 2 two by 4, else four by 2; the last K % 8 weights through a zeroed copy
+ * (AVX2 has no masked 16-bit load). Above B16_GEMM_M rows, the AVX2 GEMM of f32_linear.c
+ * (hkv_avx2_gemm: x in panels of 16 rows, the weights widened a block at a time), which beats
+ * the tiles from 24 rows (0.88-0.92x their time; 0.77-0.80x at 32) and loses at 17-20 (its
+ * panel of 16 rows then does 32 rows' work). oneDNN has no bfloat16 on an AVX2 CPU and
+ * PyTorch's bfloat16 matmul runs 3-5x below float32 there, so this is the whole bfloat16 linear
+ * on AVX2 (hybridkv/layers/linear.py). Measured under the AVX2 simulation (this Xeon: x86-64-v3
+ * build, ATen, oneDNN and MKL at AVX2; 1 thread, weights out of cache; benchmarks/README.md
+ * "AVX2"): at M = 1 2.7x oneDNN's float32 linear of the same layer and 1.7x PyTorch's
+ * bfloat16 (768 -> 3224), at M = 8-16 1.3-2.4x oneDNN's float32; from 24 rows on the GEMM
+ * takes 0.85-1.15x the time of oneDNN's float32 GEMM (1.15x at M = 512).
+ *
+ * Without either a plain loop is built instead (the same result up to summation order) and
+ * hkv_bf16_linear_fast() returns 0, so the caller keeps oneDNN. */
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include "hkv_common.h"
 
-#if HKV_AVX512_BF16
+#if HKV_AVX512_BF16 || HKV_AVX2
 #define B16_FAST 1
 #else
 #define B16_FAST 0
@@ -50,7 +70,7 @@
 
 int hkv_bf16_linear_fast(void) { return B16_FAST; }
 
-#if B16_FAST
+#if HKV_AVX512_BF16
 
 #define B16_LOADZ(MASK, P) _mm512_maskz_loadu_epi16(MASK, P)
 #define B16_LOAD(MASK, P) _mm512_loadu_si512(P)
@@ -174,10 +194,12 @@ void hkv_bf16_linear(const uint16_t *x, int64_t ldx, const uint16_t *w, const ui
         B16_BLOCKS(4, 4);
 }
 
-#else /* no AVX512-BF16: one output at a time */
+#else /* AVX2 + FMA, or no vectors at all */
 
-void hkv_bf16_linear(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias,
-                     int64_t M, int64_t N, int64_t K, uint16_t *y, int64_t ldy) {
+/* one output at a time: the build without AVX2, and the AVX2 build's fallback when it cannot
+ * allocate its float32 copy of x */
+static void b16_plain(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias,
+                      int64_t M, int64_t N, int64_t K, uint16_t *y, int64_t ldy) {
 #pragma omp parallel for schedule(static) if (N * K >= B16_PARALLEL_MIN)
     for (int64_t n = 0; n < N; n++)
         for (int64_t m = 0; m < M; m++) {
@@ -187,5 +209,206 @@ void hkv_bf16_linear(const uint16_t *x, int64_t ldx, const uint16_t *w, const ui
             y[m * ldy + n] = hkv_f32_to_bf16(sum + (bias ? hkv_bf16_to_f32(bias[n]) : 0.0f));
         }
 }
+
+#if HKV_AVX2
+
+#define B16_NEAR 2048 /* bytes: a sequential row's prefetch into L1, ahead of its loads */
+#define B16_FAR 16384 /* bytes: the stream's prefetch into L2, ahead of the block's start */
+#define B16_X_STACK 8192 /* float32 values of x widened on the stack; more: on the heap */
+#define B16_GEMM_M 20    /* rows of x above which hkv_avx2_gemm (f32_linear.c) runs instead */
+
+/* 8 bfloat16 at P -> float32 (exact): zero-extended to 32 bits, shifted into the top half */
+#define B16_W8(P)                                                                            \
+    _mm256_castsi256_ps(                                                                     \
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(P))), 16))
+
+/* the last K % 8 weights of a row, zeros past them (never reads past the row) */
+B16_INLINE __m256 b16_w8_tail(const uint16_t *p, int64_t n) {
+    uint16_t t[8] = {0};
+    memcpy(t, p, (size_t)n * 2);
+    return B16_W8(t);
+}
+
+#define B16_W8Z(P) b16_w8_tail(P, K - whole)
+
+/* bfloat16 rows x [M, K] (row stride ldx) -> float32 xw [M, ldw] (exact; zeros from K to
+ * ldw, a multiple of 8) */
+static void b16_widen_x(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, float *xw,
+                        int64_t ldw) {
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *r = x + m * ldx;
+        float *o = xw + m * ldw;
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) _mm256_storeu_ps(o + k, B16_W8(r + k));
+        for (; k < ldw; k++) o[k] = k < K ? hkv_bf16_to_f32(r[k]) : 0.0f;
+    }
+}
+
+/* weight rows side by side: acc[i * NB + j] += x[row i, k .. k + 7] * w[row j, same] (x
+ * widened already: full loads, zeros past K) */
+#define B16_SIDE_STEP8(WLOAD)                                                                \
+    do {                                                                                     \
+        __m256 wv[8];                                                                        \
+        B16_UNROLL for (int j = 0; j < NB; j++) wv[j] = WLOAD(wr[j] + k);                    \
+        HKV_FAR_STEP(debt, lines, total, pf);                                                \
+        B16_UNROLL for (int i = 0; i < mb; i++) {                                            \
+            const __m256 xv = _mm256_loadu_ps(xr[i] + k);                                    \
+            B16_UNROLL for (int j = 0; j < NB; j++) acc[i * NB + j] =                        \
+                _mm256_fmadd_ps(xv, wv[j], acc[i * NB + j]);                                 \
+        }                                                                                    \
+    } while (0)
+
+/* weight row j alone (one sequential stream): SUM[i] += x[row i, K0 .. K0 + 7] * w[row j,
+ * same] */
+#define B16_ROW_STEP8(WLOAD, SUM, K0)                                                        \
+    do {                                                                                     \
+        const __m256 wv = WLOAD(wr[j] + (K0));                                               \
+        HKV_FAR_STEP(debt, lines, total, pf);                                                \
+        B16_UNROLL for (int i = 0; i < mb; i++) SUM[i] =                                     \
+            _mm256_fmadd_ps(_mm256_loadu_ps(xr[i] + (K0)), wv, SUM[i]);                      \
+    } while (0)
+
+typedef struct { /* a block's far prefetch: the next line, and where its spread stands */
+    const char *at;
+    int64_t debt, lines, total;
+} B16Far;
+
+/* rows m0 .. m0 + mb - 1 of y by columns n0 .. n0 + nb - 1 (nb <= NB, mb * NB <= 8; mb, NB
+ * and seq constants at every call) from x widened to float32 (xw, row stride ldw). seq: the
+ * weight rows one after the other (two sets of sums per row: chains of K / 16 dependent
+ * FMAs), each with a near prefetch per 64-byte line; else side by side. Every 8-value step
+ * takes its turn in the block's far prefetch */
+B16_INLINE void b16_tile8(const float *xw, int64_t ldw, const uint16_t *w, const uint16_t *bias,
+                          int64_t K, uint16_t *y, int64_t ldy, int64_t m0, int64_t n0,
+                          int64_t nb, const int mb, const int NB, const int seq, B16Far *far) {
+    const float *xr[4];
+    const uint16_t *wr[8];
+    B16_UNROLL for (int i = 0; i < mb; i++) xr[i] = xw + (m0 + i) * ldw;
+    B16_UNROLL for (int j = 0; j < NB; j++) wr[j] = w + (n0 + (j < nb ? j : nb - 1)) * K;
+    const char *pf = far->at;
+    int64_t debt = far->debt;
+    const int64_t lines = far->lines, total = far->total;
+    __m256 acc[8];
+    B16_UNROLL for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
+    const int64_t whole = K & ~(int64_t)7;
+    if (seq) {
+        B16_UNROLL for (int j = 0; j < NB; j++) {
+            __m256 even[4], odd[4];
+            B16_UNROLL for (int i = 0; i < mb; i++) even[i] = odd[i] = _mm256_setzero_ps();
+            int64_t k = 0;
+            for (; k + 32 <= whole; k += 32) { /* a cache line of the row */
+                _mm_prefetch((const char *)(wr[j] + k) + B16_NEAR, _MM_HINT_T0);
+                B16_ROW_STEP8(B16_W8, even, k);
+                B16_ROW_STEP8(B16_W8, odd, k + 8);
+                B16_ROW_STEP8(B16_W8, even, k + 16);
+                B16_ROW_STEP8(B16_W8, odd, k + 24);
+            }
+            for (; k + 16 <= whole; k += 16) {
+                B16_ROW_STEP8(B16_W8, even, k);
+                B16_ROW_STEP8(B16_W8, odd, k + 8);
+            }
+            if (k < whole) {
+                B16_ROW_STEP8(B16_W8, even, k);
+                k += 8;
+            }
+            if (k < K) B16_ROW_STEP8(B16_W8Z, odd, k);
+            B16_UNROLL for (int i = 0; i < mb; i++) acc[i * NB + j] =
+                _mm256_add_ps(even[i], odd[i]);
+        }
+    } else {
+        int64_t k = 0;
+        for (; k < whole; k += 8) B16_SIDE_STEP8(B16_W8);
+        if (k < K) B16_SIDE_STEP8(B16_W8Z);
+    }
+    far->at = pf, far->debt = debt;
+    float out[8]; /* lane i * NB + j: y[m0 + i, n0 + j] */
+    _mm256_storeu_ps(out, hkv_reduce8(acc));
+    B16_UNROLL for (int i = 0; i < mb; i++) B16_UNROLL for (int j = 0; j < NB; j++) {
+            if (j >= nb) break;
+            const float b = bias ? hkv_bf16_to_f32(bias[n0 + j]) : 0.0f;
+            y[(m0 + i) * ldy + n0 + j] = hkv_f32_to_bf16(out[i * NB + j] + b);
+        }
+}
+
+#define B16_TILE8(MB_, SEQ_)                                                                 \
+    b16_tile8(xw, ldw, w, bias, K, y, ldy, m0, n0, nb, MB_, NB, SEQ_, &far)
+
+/* block n0 .. n0 + nb - 1 of weight rows against every row of x: the first tile of rows
+ * streams the block, the others read it from L1; the block's far prefetch (its size in bytes,
+ * B16_FAR past its start, not past w_end) is spread over all the tiles' steps */
+B16_INLINE void b16_block8(const float *xw, int64_t ldw, const uint16_t *w, const uint16_t *bias,
+                           int64_t M, int64_t K, uint16_t *y, int64_t ldy, int64_t n0,
+                           int64_t nb, const int NB, const int MB, const char *w_end) {
+    const int64_t tiles = (M + MB - 1) / MB, steps = (K + 7) / 8;
+    const int64_t lines = (NB * K * 2 + 63) / 64;
+    const char *pf = (const char *)(w + n0 * K) + B16_FAR;
+    const int64_t left_lines = pf < w_end ? (w_end - pf) / 64 : 0;
+    B16Far far = {pf, 0, lines < left_lines ? lines : left_lines, (NB + tiles - 1) * steps};
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        const int64_t left = M - m0;
+        const int seq = m0 == 0;
+        if (MB == 1 || left == 1) {
+            if (seq) B16_TILE8(1, 1); else B16_TILE8(1, 0);
+        } else if (MB == 2 || left == 2) {
+            if (seq) B16_TILE8(2, 1); else B16_TILE8(2, 0);
+        } else if (left == 3) {
+            if (seq) B16_TILE8(3, 1); else B16_TILE8(3, 0);
+        } else {
+            if (seq) B16_TILE8(4, 1); else B16_TILE8(4, 0);
+        }
+    }
+}
+
+#define B16_BLOCKS8(NB_, MB_)                                                                \
+    do {                                                                                     \
+        const int64_t blocks = (N + NB_ - 1) / NB_;                                          \
+        _Pragma("omp parallel for schedule(static) if (parallel)")                          \
+        for (int64_t b = 0; b < blocks; b++) {                                               \
+            const int64_t n0 = b * NB_, nb = N - n0 < NB_ ? N - n0 : NB_;                    \
+            b16_block8(xw, ldw, w, bias, M, K, y, ldy, n0, nb, NB_, MB_, w_end);             \
+        }                                                                                    \
+    } while (0)
+
+/* x widened to float32 once (exactly: each row's values read by every block), then tiles of
+ * one row of x by 8 weight rows (M = 1), two by 4 (M = 2), else four by 2 */
+void hkv_bf16_linear(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias,
+                     int64_t M, int64_t N, int64_t K, uint16_t *y, int64_t ldy) {
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0) { /* no products: the bias, or zeros */
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++) y[m * ldy + n] = bias ? bias[n] : 0;
+        return;
+    }
+    if (M > B16_GEMM_M && hkv_avx2_gemm(x, ldx, 1, w, 1, bias, NULL, M, N, K, y, ldy, 1) == 0)
+        return;
+    const int64_t ldw = (K + 7) & ~(int64_t)7;
+    float stack[B16_X_STACK] __attribute__((aligned(32)));
+    float *heap = M * ldw > B16_X_STACK ? aligned_alloc(32, (size_t)(M * ldw) * sizeof(float))
+                                        : NULL;
+    float *xw = M * ldw > B16_X_STACK ? heap : stack;
+    if (xw == NULL) { /* (no memory for the copy) */
+        b16_plain(x, ldx, w, bias, M, N, K, y, ldy);
+        return;
+    }
+    b16_widen_x(x, ldx, M, K, xw, ldw);
+    const int parallel = N * K >= B16_PARALLEL_MIN;
+    const char *w_end = (const char *)(w + N * K);
+    if (M == 1)
+        B16_BLOCKS8(8, 1);
+    else if (M == 2)
+        B16_BLOCKS8(4, 2);
+    else
+        B16_BLOCKS8(2, 4);
+    free(heap);
+}
+
+#else /* neither AVX512-BF16 nor AVX2: one output at a time */
+
+void hkv_bf16_linear(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias,
+                     int64_t M, int64_t N, int64_t K, uint16_t *y, int64_t ldy) {
+    b16_plain(x, ldx, w, bias, M, N, K, y, ldy);
+}
+
+#endif
 
 #endif

@@ -209,4 +209,41 @@ static inline void hkv_tiles_16x64(void) {
 }
 #endif
 
+#if HKV_AVX2
+/* AVX2 helpers of the small-batch linears (f32_linear.c, bf16_linear.c, int8_linear.c). */
+
+/* lane p of the result = the sum of the 8 lanes of v[p] (hkv_reduce16 on 8 lanes: pairwise
+ * horizontal adds fold the transpose into the sums, then the two 128-bit halves are added) */
+static inline __attribute__((always_inline)) __m256 hkv_reduce8(const __m256 v[8]) {
+    /* a[i]: v[2i] lanes 0+1, 2+3, then v[2i + 1]'s (each 128-bit half on its own) */
+    const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+    /* b0, 128-bit half h: the sums of lanes 4h .. 4h + 3 of v[0], v[1], v[2], v[3] */
+    const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20),
+                         _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+/* f32_linear.c: the AVX2 GEMM of the native linears at larger M, for float32 (wtype 0),
+ * bfloat16 (1) and int8 (2) weights [N, K]: y = x @ w^T * scale + bias, float32 products and
+ * sums; x [M, K] float32 or bfloat16 (xbf16), bias [N] of the weight's dtype (float32 for
+ * wtype 0, else bfloat16) or NULL, scale [N] bfloat16 or NULL, y [M, N] float32 or bfloat16
+ * (ybf16). Returns 0, or -1 without the memory for its copy of x (nothing written). */
+int hkv_avx2_gemm(const void *x, int64_t ldx, int xbf16, const void *w, int wtype,
+                  const void *bias, const uint16_t *scale, int64_t M, int64_t N, int64_t K,
+                  void *y, int64_t ldy, int ybf16);
+
+#ifndef HKV_FAR_STEP /* (the AVX-512 section defines the same) */
+#define HKV_FAR_STEP(debt, lines, total, pf)                                                 \
+    do {                                                                                     \
+        (debt) += (lines);                                                                   \
+        if ((debt) >= (total)) {                                                             \
+            _mm_prefetch((const char *)(pf), _MM_HINT_T1);                                   \
+            (pf) += 64;                                                                      \
+            (debt) -= (total);                                                               \
+        }                                                                                    \
+    } while (0)
+#endif
+#endif
+
 #endif

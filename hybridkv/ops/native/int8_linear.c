@@ -54,7 +54,24 @@
  *
  * OpenMP splits the weight rows into blocks (torch.set_num_threads applies: the same libgomp);
  * on the streaming path weights under I8_PARALLEL_MIN values run on the calling thread.
- * Without AVX-512 a plain loop (hkv_int8_vectorized() says which was built, so the caller can
+ *
+ * AVX2 + FMA without AVX-512 (I8_AVX2): the streaming path on 8 lanes at up to I8_GEMM_M rows
+ * of x: tiles of 1 x 8 (M = 1), 2 x 4 (M = 2), else 4 x 2 (the last of M % 4 rows), the
+ * weight rows in groups of up to 4 side by side as above, 8 int8 weights per step widened
+ * (vpmovsxbd from memory, vcvtdq2ps) and reused for the tile's rows of x, the same far and near
+ * prefetches, the 8 sums reduced together (hkv_reduce8) and scaled once; the last K % 8 weights
+ * through a zeroed copy (no masked byte loads), x's through vmaskmovps. Above I8_GEMM_M rows,
+ * the AVX2 GEMM of f32_linear.c (hkv_avx2_gemm: q converted to float32 a block at a time,
+ * the scale once per sum), which beats these tiles from 24 rows on. bfloat16 x is widened once
+ * (exactly), as above. The same float32 math, so the tests' bounds are the same; no 8-bit
+ * activations (AVX-VNNI's vpdpbusd would need x quantized: another result). Measured under
+ * the AVX2 simulation (this Xeon: x86-64-v3 build, oneDNN and MKL capped at AVX2; 1 thread,
+ * weights out of cache; benchmarks/README.md "AVX2"): M = 1 streams 768 -> 3224 in 0.24 ms
+ * where the float32 kernel takes 0.8 and oneDNN's float32 1.07; M = 8-16 0.82-0.92x the
+ * bfloat16 kernel's time; from 24 rows 0.9-0.95x it (the same GEMM, half the weight bytes),
+ * 0.6-0.9x PyTorch's float32 chunks up to M = 64 and level with them at 512 (0.95-1.06x).
+ *
+ * Without either a plain loop (hkv_int8_vectorized() says which was built, so the caller can
  * keep PyTorch's path instead). */
 
 #include <omp.h>
@@ -68,6 +85,11 @@
 #else
 #define I8_AVX512 0
 #endif
+#if HKV_AVX2 && !HKV_AVX512
+#define I8_AVX2 1 /* the streaming path on 8 lanes, at every M */
+#else
+#define I8_AVX2 0
+#endif
 
 #define I8_SMALL_M 16 /* rows of x up to which the streaming path runs */
 #define I8_STREAM_X (64 * 1024) /* or x's values (256 KiB of float32, read for every block) */
@@ -77,6 +99,7 @@
 #define I8_FAR 16384 /* bytes: the stream's prefetch into L2, ahead of the block's start */
 #define I8_CHUNK_BYTES (256 * 1024) /* int8 weights per chunk when M spans several tiles */
 #define I8_M_CHUNK 32 /* rows of x (and y) per pass over the weights */
+#define I8_GEMM_M 20 /* AVX2: rows of x above which hkv_avx2_gemm (f32_linear.c) runs instead */
 #define I8_MB 4 /* rows of x per register tile */
 #define I8_NB 6 /* weight rows (outputs) per register tile */
 #define I8_INLINE static inline __attribute__((always_inline))
@@ -94,7 +117,7 @@ static inline void i8_store1(void *y, int bf16, int64_t i, float v) {
         ((float *)y)[i] = v;
 }
 
-int hkv_int8_vectorized(void) { return I8_AVX512; }
+int hkv_int8_vectorized(void) { return I8_AVX512 || I8_AVX2; }
 
 #if I8_AVX512
 
@@ -381,6 +404,138 @@ static void i8_block(const void *x, int64_t ldx, int xbf16, const int8_t *q,
 
 #endif
 
+#if I8_AVX2 /* ---- the streaming path on 8 lanes (AVX2 + FMA) ---------------------------- */
+
+/* 8 int8 weights at P widened to float32 (vpmovsxbd, vcvtdq2ps); the last K % 8 of a row
+ * through a zeroed copy (AVX2 has no masked byte load; never reads past the row) */
+#define I8_W8(P) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(P))))
+I8_INLINE __m256 i8_w8_tail(const int8_t *p, int64_t n) {
+    int8_t t[16] = {0};
+    memcpy(t, p, (size_t)n);
+    return I8_W8(t);
+}
+#define I8_W8Z(P) i8_w8_tail(P, K & 7)
+#define I8_X8(P) _mm256_loadu_ps(P)
+#define I8_X8Z(P) _mm256_maskload_ps(P, tail) /* lanes past K: zeros, never read */
+
+/* bfloat16 rows x [M, K] (row stride ldx) -> float32 xw [M, ldw] (exact) */
+static void i8_widen_x8(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, float *xw,
+                        int64_t ldw) {
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *r = x + m * ldx;
+        float *o = xw + m * ldw;
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) {
+            const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(r + k)));
+            _mm256_storeu_ps(o + k, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+        }
+        for (; k < K; k++) o[k] = hkv_bf16_to_f32(r[k]);
+    }
+}
+
+typedef struct { /* a block's far prefetch (as I8Far) */
+    const char *at;
+    int64_t debt, lines, total;
+} I8Far8;
+
+/* I8S_STEP on 8 lanes: acc[i * NB + g * G + j] += x[row i, K0 .. K0 + 7] * w[row g * G + j,
+ * same], each weight vector widened once for the mb rows of x */
+#define I8S_STEP8(K0, WLOAD, XLOAD)                                                          \
+    do {                                                                                     \
+        __m256 wv[I8_G];                                                                     \
+        I8_UNROLL16 for (int j = 0; j < G; j++) wv[j] = WLOAD(wr[g * G + j] + (K0));         \
+        HKV_FAR_STEP(debt, lines, total, pf);                                                \
+        I8_UNROLL16 for (int i = 0; i < mb; i++) {                                           \
+            const __m256 xv = XLOAD(xr + i * ldx + (K0));                                    \
+            I8_UNROLL16 for (int j = 0; j < G; j++) acc[i * NB + g * G + j] =                \
+                _mm256_fmadd_ps(xv, wv[j], acc[i * NB + g * G + j]);                         \
+        }                                                                                    \
+    } while (0)
+
+/* i8s_tile on 8 lanes: rows m0 .. m0 + mb - 1 of y by columns n0 .. n0 + nb - 1 (nb <= NB,
+ * mb * NB <= 8), the NB weight rows in groups of G = min(NB, I8_G) side by side, one group
+ * after the other; a near prefetch per 64-byte line of each row, every step a turn of the
+ * block's far prefetch; the 8 sums reduced together (hkv_reduce8), the row's scale once */
+I8_INLINE void i8s_tile8(const float *x, int64_t ldx, const int8_t *q, const uint16_t *scale,
+                         int64_t K, void *y, int64_t ldy, int ybf16, int64_t m0, int64_t n0,
+                         int64_t nb, const int mb, const int NB, I8Far8 *far) {
+    const int G = NB < I8_G ? NB : I8_G;
+    const float *xr = x + m0 * ldx;
+    const int8_t *wr[8];
+    I8_UNROLL16 for (int j = 0; j < NB; j++) wr[j] = q + (n0 + (j < nb ? j : nb - 1)) * K;
+    const char *pf = far->at;
+    int64_t debt = far->debt;
+    const int64_t lines = far->lines, total = far->total;
+    const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(K & 7)),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256 acc[8];
+    I8_UNROLL16 for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
+    I8_UNROLL16 for (int g = 0; g < NB / G; g++) {
+        if (g * G >= nb) break; /* (the last block: groups of rows past N) */
+        int64_t k = 0;
+        for (; k + 64 <= K; k += 64) { /* a cache line of each row of the group */
+            I8_UNROLL16 for (int j = 0; j < G; j++)
+                _mm_prefetch((const char *)(wr[g * G + j] + k) + I8_NEAR, _MM_HINT_T0);
+            I8_UNROLL16 for (int v = 0; v < 8; v++) I8S_STEP8(k + 8 * v, I8_W8, I8_X8);
+        }
+        for (; k + 8 <= K; k += 8) I8S_STEP8(k, I8_W8, I8_X8);
+        if (k < K) I8S_STEP8(k, I8_W8Z, I8_X8Z);
+    }
+    far->at = pf, far->debt = debt;
+    float out[8]; /* lane i * NB + j: y[m0 + i, n0 + j] before the scale */
+    _mm256_storeu_ps(out, hkv_reduce8(acc));
+    I8_UNROLL16 for (int i = 0; i < mb; i++) I8_UNROLL16 for (int j = 0; j < NB; j++) {
+            if (j >= nb) break;
+            i8_store1(y, ybf16, (m0 + i) * ldy + n0 + j,
+                      out[i * NB + j] * hkv_bf16_to_f32(scale[n0 + j]));
+        }
+}
+
+#define I8S_TILE8(MB_) i8s_tile8(x, ldx, q, scale, K, y, ldy, ybf16, m0, n0, nb, MB_, NB, &far)
+
+/* i8s_block on 8 lanes: every row of x against weight rows n0 .. n0 + nb - 1, in tiles of MB
+ * rows (the last one of M % MB), the block's far prefetch spread over all its steps */
+I8_INLINE void i8s_block8(const float *x, int64_t ldx, const int8_t *q, const uint16_t *scale,
+                          int64_t M, int64_t K, void *y, int64_t ldy, int ybf16, int64_t n0,
+                          int64_t nb, const int NB, const int MB, const char *q_end) {
+    const int64_t groups = NB < I8_G ? 1 : NB / I8_G, tiles = (M + MB - 1) / MB;
+    const char *pf = (const char *)(q + n0 * K) + I8_FAR;
+    const int64_t lines = (NB * K + 63) / 64, left = pf < q_end ? (q_end - pf) / 64 : 0;
+    I8Far8 far = {pf, 0, lines < left ? lines : left, tiles * groups * ((K + 7) / 8)};
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+        const int64_t rows = M - m0;
+        if (MB == 1 || rows == 1) I8S_TILE8(1);
+        else if (MB == 2 || rows == 2) I8S_TILE8(2);
+        else if (rows == 3) I8S_TILE8(3);
+        else I8S_TILE8(4);
+    }
+}
+
+#define I8S_BLOCKS8(NB_, MB_)                                                                \
+    do {                                                                                     \
+        const int64_t blocks = (N + NB_ - 1) / NB_;                                          \
+        _Pragma("omp parallel for schedule(static) if (N * K >= I8_PARALLEL_MIN)")           \
+        for (int64_t b = 0; b < blocks; b++) {                                               \
+            const int64_t n0 = b * NB_, nb = N - n0 < NB_ ? N - n0 : NB_;                    \
+            i8s_block8(x, ldx, q, scale, M, K, y, ldy, ybf16, n0, nb, NB_, MB_, q_end);      \
+        }                                                                                    \
+    } while (0)
+
+/* float32 x, 1 <= K: tiles of one row of x by 8 weight rows (M = 1), two by 4 (M = 2), else
+ * four by 2 */
+static void i8_stream8(const float *x, int64_t ldx, const int8_t *q, const uint16_t *scale,
+                       int64_t M, int64_t N, int64_t K, void *y, int64_t ldy, int ybf16) {
+    const char *q_end = (const char *)(q + N * K);
+    if (M == 1)
+        I8S_BLOCKS8(8, 1);
+    else if (M == 2)
+        I8S_BLOCKS8(4, 2);
+    else
+        I8S_BLOCKS8(2, 4);
+}
+
+#endif
+
 void hkv_int8_linear(const void *x, int64_t ldx, int xbf16, const int8_t *q,
                      const uint16_t *scale, int64_t M, int64_t N, int64_t K, void *y,
                      int64_t ldy, int ybf16) {
@@ -405,6 +560,25 @@ void hkv_int8_linear(const void *x, int64_t ldx, int xbf16, const int8_t *q,
             free(xw);
             return;
         } /* (no memory for it: the chunked path reads x as it is) */
+    }
+#endif
+#if I8_AVX2
+    if (M > I8_GEMM_M &&
+        hkv_avx2_gemm(x, ldx, xbf16, q, 2, NULL, scale, M, N, K, y, ldy, ybf16) == 0)
+        return;
+    if (!xbf16) {
+        i8_stream8(x, ldx, q, scale, M, N, K, y, ldy, ybf16);
+        return;
+    }
+    { /* bfloat16 x widened once (exact): the float32 tiles */
+        const int64_t ldw = (K + 7) & ~(int64_t)7;
+        float *xw = aligned_alloc(32, (size_t)(M * ldw) * sizeof(float));
+        if (xw) {
+            i8_widen_x8(x, ldx, M, K, xw, ldw);
+            i8_stream8(xw, ldw, q, scale, M, N, K, y, ldy, ybf16);
+            free(xw);
+            return;
+        } /* (no memory for it: the plain loop reads x as it is) */
     }
 #endif
     const int64_t blocks = (N + I8_NB - 1) / I8_NB; /* of I8_NB weight rows */

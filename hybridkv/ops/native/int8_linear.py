@@ -22,13 +22,14 @@ _vectorized: bool | None = None
 
 
 def available() -> bool:
-    """The kernels load and this build has the AVX-512 tiles (the plain-loop build is slower
-    than PyTorch's int8 path, so callers keep that one instead)."""
+    """The kernels load and this build has vector tiles (AVX-512, or AVX2 + FMA: the tiles and
+    the AVX2 GEMM; the plain-loop build is slower than PyTorch's int8 path, so callers keep
+    that one instead)."""
     return kernel() is not None
 
 
 def kernel() -> Any:
-    """The ctypes function `hkv_int8_linear`, or None (no library, no AVX-512 build, or
+    """The ctypes function `hkv_int8_linear`, or None (no library, a build without AVX2, or
     `HYBRIDKV_NATIVE=0`)."""
     global _kernel, _vectorized
     lib = native.library()

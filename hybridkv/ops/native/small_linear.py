@@ -1,7 +1,8 @@
 """What the native small-batch linears share (`bf16_linear.c`, `f32_linear.c`): y = x @ w^T
 (+ bias) on the nn.Linear weight itself, for the few rows of x of a decode step. Each dtype's
 module (`bf16_linear.py`, `f32_linear.py`) declares its kernel's signature and the rows of x up
-to which it beats oneDNN (`SMALL_M`), and exposes one `SmallBatchLinear`'s methods."""
+to which it beats oneDNN (`SMALL_M` for the AVX-512 kernels, `SMALL_M_AVX2` for the AVX2 ones:
+`small_m()` gives the build's), and exposes one `SmallBatchLinear`'s methods."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ from hybridkv.ops import native
 class SmallBatchLinear:
     """One dtype's kernel `name`, usable where the library's build has its fast path (`probe`
     returns 1: a plain loop is built without the instruction set, slower than oneDNN, so the
-    callers keep oneDNN then)."""
+    callers keep oneDNN then). `wide`: the CPU-record features of its AVX-512 path (else the
+    build runs its AVX2 path)."""
 
-    def __init__(self, dtype: torch.dtype, name: str, probe: str) -> None:
-        self.dtype, self.name, self.probe = dtype, name, probe
+    def __init__(self, dtype: torch.dtype, name: str, probe: str, wide: tuple[str, ...]) -> None:
+        self.dtype, self.name, self.probe, self.wide_features = dtype, name, probe, wide
         self._fast: bool | None = None
+        self._wide: bool | None = None
 
     def kernel(self) -> Any:
         """The kernel (a recordable `native.Kernel`), or None: no library, `HYBRIDKV_NATIVE=0`,
@@ -33,6 +36,15 @@ class SmallBatchLinear:
             fn.argtypes, fn.restype = [], ctypes.c_int
             self._fast = bool(fn())
         return getattr(lib, self.name) if self._fast else None
+
+    def wide(self) -> bool:
+        """The build runs the kernel's AVX-512 path (its features built and on this CPU: the
+        CPU record, decided once), not its AVX2 one."""
+        if self._wide is None:
+            from hybridkv.ops.native import cpu  # (cpu imports the loader, which imports us)
+
+            self._wide = cpu.record().supports(*self.wide_features)
+        return self._wide
 
     def weight_fits(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """The kernel takes this weight and bias: [N, K] contiguous and None or [N] contiguous,
