@@ -21,12 +21,28 @@ GB/s is the weight bytes streamed per call over its time (bf16: 2 bytes a value,
 native/oneDNN is bf16 oneDNN's time over the native kernel's; bf16/fp32 is fp32 oneDNN's time
 over the native kernel's. The three run alternately, pass by pass, on the same input rows.
 
+`--layers`: each precision's layer as the engine runs it now against what it ran before the
+native kernels took it, on any build (AVX-512, or an AVX2 one: run under the AVX2 simulation,
+`HYBRIDKV_NATIVE_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+MKL_ENABLE_INSTRUCTIONS=AVX2`, where oneDNN has no bfloat16 and PyTorch's matmul its AVX2
+kernels), microseconds per call at each M:
+- fp32 oneDNN: the packed float32 linear; fp32 layer: PackedLinear's forward (the native
+  kernel up to `native_rows`, oneDNN above);
+- bf16 before: oneDNN's packed bfloat16 linear, or where oneDNN cannot pack bfloat16 (AVX2)
+  `F.linear` on the bfloat16 weight (PyTorch's own bfloat16 matmul: what a bfloat16 model ran
+  on an AVX2 CPU before its native path); bf16 layer: PackedLinear's forward now;
+- int8 PyTorch: `int8_matmul`'s PyTorch paths for float32 x (float32 chunks from DEQUANT_M
+  rows, else dequantize + bfloat16); int8 layer: `Int8Linear`'s forward on float32 x (the
+  int8 engine's activations);
+and the ratios the layers are judged by: bf16/fp32 (fp32 layer time over bf16 layer time: > 1
+when bfloat16 is faster), int8/bf16 (bf16 layer time over int8 layer time), bf16/before.
+
 Timing: 1 thread by the process's CPU time (time.process_time: a neighbour taking the CPU does
 not count), 2 threads by wall time (CPU time would sum both threads). The machine is shared:
 the load average is printed with every table.
 
     python benchmarks/bf16_linear.py [--threads 1 2] [--ms 1 2 4 8 16] [--repeats 15]
-        [--shapes 768x3224 1536x768 ...] [--pool-mib 128] [--fp32]
+        [--shapes 768x3224 1536x768 ...] [--pool-mib 128] [--fp32 | --layers]
 """
 
 from __future__ import annotations
@@ -44,8 +60,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybridkv.layers.linear import _OPS, prepack_available  # noqa: E402
+from hybridkv.layers import quantization as quant  # noqa: E402
+from hybridkv.layers.linear import (  # noqa: E402
+    _OPS,
+    PackedLinear,
+    prepack_available,
+    prepack_dtypes,
+)
 from hybridkv.ops.native import bf16_linear as native_bf16  # noqa: E402
+from hybridkv.ops.native import cpu  # noqa: E402
 from hybridkv.ops.native import f32_linear as native_f32  # noqa: E402
 
 # the 100m model's linears, [in -> out]: Mamba2 in_proj / out_proj, MLP input / output,
@@ -128,17 +151,96 @@ def cases(weights: dict[str, list[torch.Tensor]], k: int, m: int) -> dict[str, C
     }
 
 
+LAYERS = ["fp32 oneDNN", "fp32 layer", "bf16 before", "bf16 layer", "int8 PyTorch", "int8 layer"]
+
+
+def layer_pools(k: int, n: int, mib: int) -> dict[str, list]:
+    """The weights of `--layers`, one pool of distinct copies each: float32 PackedLinears
+    (their packed copy for oneDNN, the weight for the kernel), bfloat16 ones (without a packed
+    weight where oneDNN cannot pack bfloat16) and the same weights in bfloat16 for `bf16
+    before`, int8 layers quantized from the float32 weights."""
+
+    def layers(dtype: torch.dtype) -> list[PackedLinear]:
+        out = []
+        for w in pool(n, k, dtype, mib):
+            lin = torch.nn.Linear(k, n, bias=False)
+            lin.weight = torch.nn.Parameter(w, requires_grad=False)
+            out.append(PackedLinear.from_linear(lin))
+        return out
+
+    f32, b16 = layers(torch.float32), layers(torch.bfloat16)
+    copies = max(4, -(-mib * 2**20 // (n * k)))  # int8: a byte a weight
+    int8 = [quant.Int8Linear(*quant.quantize_rows(torch.randn(n, k)), None) for _ in range(copies)]
+    return {"fp32 oneDNN": f32, "fp32 layer": f32, "bf16 before": b16, "bf16 layer": b16,
+            "int8 PyTorch": int8, "int8 layer": int8}  # fmt: skip
+
+
+def layer_cases(weights: dict[str, list], k: int, m: int) -> dict[str, Callable[[], None]]:
+    """The six ways of `--layers` at M rows, each over every layer of its pool once."""
+    x32 = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    x16 = x32.to(torch.bfloat16)
+    packs_bf16 = torch.bfloat16 in prepack_dtypes()
+
+    def onednn(x: torch.Tensor, name: str) -> Callable[[], None]:
+        def go() -> None:
+            for lin in weights[name]:
+                _OPS._linear_pointwise(x, lin.packed_weight, None, "none", [], "")
+
+        return go
+
+    def forward(x: torch.Tensor, name: str) -> Callable[[], None]:
+        def go() -> None:
+            for lin in weights[name]:
+                lin(x)
+
+        return go
+
+    def bf16_torch() -> None:
+        for lin in weights["bf16 before"]:
+            torch.nn.functional.linear(x16, lin.weight)
+
+    def int8_torch() -> None:
+        for lin in weights["int8 PyTorch"]:
+            if m >= quant.DEQUANT_M:
+                quant.f32_int8_matmul(x32, lin.qweight, lin.scale)
+            else:
+                quant.bf16_int8_matmul(x32, lin.qweight, lin.scale)
+
+    return {
+        "fp32 oneDNN": onednn(x32, "fp32 oneDNN"),
+        "fp32 layer": forward(x32, "fp32 layer"),
+        "bf16 before": onednn(x16, "bf16 before") if packs_bf16 else bf16_torch,
+        "bf16 layer": forward(x16, "bf16 layer"),
+        "int8 PyTorch": int8_torch,
+        "int8 layer": forward(x32, "int8 layer"),
+    }
+
+
 def measure(runs, weights, repeats: int, threads: int) -> dict[str, float]:
     clock = time.process_time if threads == 1 else time.perf_counter
     times: dict[str, list[float]] = {name: [] for name in runs}
     for go in runs.values():  # warm-up (first touch of the pools, the team)
         go()
-    for _ in range(repeats):
-        for name, go in runs.items():
-            start = clock()
-            go()
-            times[name].append((clock() - start) / len(weights[name]))
+    with torch.inference_mode():  # (the layers' native paths need autograd off)
+        for _ in range(repeats):
+            for name, go in runs.items():
+                start = clock()
+                go()
+                times[name].append((clock() - start) / len(weights[name]))
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def print_layers(weights: dict[str, list], k: int, n: int, ms: list[int], repeats: int,
+                 threads: int) -> None:  # fmt: skip
+    for m in ms:
+        t = measure(layer_cases(weights, k, m), weights, repeats, threads)
+        us = " | ".join(f"{t[c] * 1e6:.1f}" for c in LAYERS)
+        f32, b16, i8 = t["fp32 layer"], t["bf16 layer"], t["int8 layer"]
+        print(
+            f"| {k} -> {n} | {m} | {us} | {f32 / b16:.2f} | {b16 / i8:.2f} "
+            f"| {t['bf16 before'] / b16:.2f} |",
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,15 +251,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--pool-mib", type=int, default=128)
     ap.add_argument("--fp32", action="store_true", help="the float32 kernel against oneDNN")
+    ap.add_argument("--layers", action="store_true", help="each precision's layer, now/before")
     args = ap.parse_args(argv)
     kernel = native_f32.kernel() if args.fp32 else native_bf16.kernel()
-    if not prepack_available() or kernel is None:
-        print("needs oneDNN and the native kernel (bf16: AVX512-BF16, fp32: AVX-512)")
+    if not prepack_available() or (kernel is None and not args.layers):
+        print("needs oneDNN and the native kernel (bf16: AVX2 or AVX512-BF16, fp32: AVX2)")
+        return 1
+    if not args.fp32 and not args.layers and torch.bfloat16 not in prepack_dtypes():
+        print("oneDNN has no bfloat16 here (an AVX2 CPU): --layers compares with PyTorch's")
         return 1
     print(f"# {datetime.datetime.now():%Y-%m-%d %H:%M}, torch {torch.__version__}")
+    print(f"# {cpu.line()}")
     for threads in args.threads:
         torch.set_num_threads(threads)
         print(f"\n{threads} thread(s); load average before: {os.getloadavg()[0]:.2f}\n")
+        if args.layers:
+            print("| K -> N | M | " + " | ".join(f"{c} us" for c in LAYERS)
+                  + " | bf16/fp32 | int8/bf16 | bf16/before |")  # fmt: skip
+            print("|---" * (2 + len(LAYERS) + 3) + "|")
+            for shape in args.shapes:
+                k, n = map(int, shape.split("x"))
+                weights = layer_pools(k, n, args.pool_mib)
+                print_layers(weights, k, n, args.ms, args.repeats, threads)
+                del weights
+            print(f"\nload average after: {os.getloadavg()[0]:.2f}")
+            continue
         if args.fp32:
             print("| K -> N | M | fp32 oneDNN us | fp32 native us | read us | native GB/s "
                   "| oneDNN GB/s | read GB/s | native/oneDNN |")  # fmt: skip

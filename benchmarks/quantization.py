@@ -37,15 +37,18 @@ Streaming (`--stream`, instead of everything above): the native kernel at decode
 with its weights out of cache, on the 100m model's linear shapes (benchmarks/bf16_linear.py's
 pools of distinct copies, `--pool-mib` each, and its alternating passes, medians of `--repeats`):
 microseconds per call at M = `--ms` rows on `--gemm-threads` threads of the int8 kernel with
-float32 x and with bfloat16 x (M <= 16, what the int8 layers run), the native float32 and
-bfloat16 linears on the same shape (f32_linear.c, bf16_linear.c: what an unquantized model
-runs), and `read`: a plain sum over the same int8 bytes (viewed as int64, PyTorch's vectorised
-reduction on the same threads); GB/s of each (weight bytes per call over its time: 1, 4 and 2
+float32 x and with bfloat16 x (where the int8 layers run it: M <= 16 on AVX-512, every M on
+AVX2), the native float32 and bfloat16 linears on the same shape (f32_linear.c, bf16_linear.c:
+what an unquantized model runs, bfloat16 where PackedLinear runs it), and `read`: a plain sum
+over the same int8 bytes (viewed as int64, PyTorch's vectorised reduction on the same threads);
+GB/s of each (weight bytes per call over its time: 1, 4 and 2
 bytes a weight), fp32/int8: the float32 kernel's time over the int8 kernel's, int8/read: the
 int8 kernel's time over the plain read's.
 
 The machine is shared: the load average is printed before and after; read ratios, not
-absolutes.
+absolutes. Every mode runs on whatever build the environment selects (the CPU record's line is
+printed first): the AVX2 simulation on an AVX-512 machine is `HYBRIDKV_NATIVE_MARCH=x86-64-v3
+ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`.
 
     python benchmarks/quantization.py [--models default 100m] [--threads 1] [--rounds 3]
         [--skip-accuracy] [--skip-speed] [--skip-gemm] [--json]
@@ -368,11 +371,14 @@ def stream_cases(k: int, n: int, m: int, mib: int, weights: dict) -> dict[str, C
         for q in weights["read"]:
             (q.view(torch.int64) if as_int64 else q).sum()
 
+    from hybridkv.layers.linear import native_rows
+    from hybridkv.layers.quantization import native_limits
+
     cases = {"int8 fp32-x": int8(x32)}
-    if m <= 16:
+    if m <= native_limits()[0]:  # (bfloat16 x: where the int8 layers run the kernel)
         cases["int8 bf16-x"] = int8(x16)
     cases["fp32"] = fp32
-    if m <= 16:
+    if m <= native_rows(torch.bfloat16):
         cases["bf16"] = bf16
     cases["read"] = read
     return cases
@@ -383,15 +389,17 @@ def stream(args: argparse.Namespace) -> int:
 
     from benchmarks.bf16_linear import measure
     from hybridkv.ops.native import bf16_linear as native_bf16
+    from hybridkv.ops.native import cpu
     from hybridkv.ops.native import f32_linear as native_f32
     from hybridkv.ops.native import int8_linear as native_int8
 
     if None in (native_int8.kernel(), native_f32.kernel(), native_bf16.kernel()):
-        print("needs the native int8, float32 and bfloat16 kernels (AVX-512 with BF16)")
+        print("needs the native int8, float32 and bfloat16 kernels (AVX2, or AVX-512 with BF16)")
         return 1
     names = ["int8 fp32-x", "int8 bf16-x", "fp32", "bf16", "read"]
     size = {"fp32": 4, "bf16": 2}  # bytes a weight (int8 and read: 1)
     print(f"# {datetime.datetime.now():%Y-%m-%d %H:%M}, torch {torch.__version__}")
+    print(f"# {cpu.line()}")
     for threads in args.gemm_threads:
         torch.set_num_threads(threads)
         print(f"\n{threads} thread(s); load average before: {load()}\n")
@@ -488,8 +496,12 @@ def main(argv: list[str] | None = None) -> int:
     # every run, so the greedy references repeat
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     logging.getLogger("hybridkv").setLevel(logging.WARNING)
-    result: dict = {"date": datetime.date.today().isoformat(), "load_before": load()}
+    from hybridkv.ops.native import cpu
+
+    result: dict = {"date": datetime.date.today().isoformat(), "load_before": load(),
+                    "cpu": cpu.line()}  # fmt: skip
     print(f"# {result['date']}, load average before: {result['load_before']}", flush=True)
+    print(f"# {result['cpu']}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         folders = {name: model_folder(name, Path(tmp)) for name in args.models}
         if not args.skip_accuracy:
