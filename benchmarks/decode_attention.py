@@ -76,13 +76,25 @@ void flush_lines(const char *p, size_t n) {
 
 
 def build_old(rev: str, folder: Path) -> ctypes.CDLL:
-    """kernels.c at `rev`, compiled alone (its decode kernel needs nothing else)."""
-    src = subprocess.run(["git", "show", f"{rev}:hybridkv/ops/native/kernels.c"], cwd=ROOT,
-                         check=True, capture_output=True).stdout  # fmt: skip
-    (folder / "old_kernels.c").write_bytes(src)
+    """The decode kernel at `rev`: decode_attention.c with what it includes (hkv_common.h) and
+    calls (cpu.c: the AMX permission) where `rev` has it, else kernels.c, compiled alone."""
+
+    def show(name: str) -> bytes | None:
+        got = subprocess.run(["git", "show", f"{rev}:hybridkv/ops/native/{name}"], cwd=ROOT,
+                             capture_output=True)  # fmt: skip
+        return got.stdout if got.returncode == 0 else None
+
+    names = ["decode_attention.c", "cpu.c", "hkv_common.h"]
+    if show("decode_attention.c") is None:
+        names = ["kernels.c"]
+    for name in names:
+        src = show(name)
+        if src is None:
+            raise SystemExit(f"{rev} has no hybridkv/ops/native/{name}")
+        (folder / f"old_{name}" if name.endswith(".c") else folder / name).write_bytes(src)
     out = folder / "old.so"
-    subprocess.run(["gcc", *native.CFLAGS, str(folder / "old_kernels.c"), "-o", str(out), "-lm"],
-                   check=True)  # fmt: skip
+    sources = [str(folder / f"old_{n}") for n in names if n.endswith(".c")]
+    subprocess.run(["gcc", *native.CFLAGS, *sources, "-o", str(out), "-lm"], check=True)
     return ctypes.CDLL(str(out))
 
 

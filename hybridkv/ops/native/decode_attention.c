@@ -37,10 +37,14 @@
  *   and a mask), or vdpbf16ps where there is AVX512-BF16 and no AMX. (vdpbf16ps on the AMX
  *   machine this was written on: 0.45 per cycle against 1.9 FMAs; AMX tiles: 17 cycles for
  *   16 x 16 x 32.)
- * - plain loops without AVX-512.
+ * - AVX2 + FMA without AVX-512 (AMD Zen 2/3, most laptops): the AVX-512 path on 8-lane
+ *   vectors (see the DA_AVX2 section): 8 positions' sums per transpose-and-add tree, bfloat16
+ *   widened even / odd per 16 elements.
+ * - plain loops otherwise.
  * The values are AVX-512 FMAs of the weights with V rows widened in registers, 32 elements of
  * the head dim at a time for up to 8 heads in registers (bfloat16: the sums kept as even
- * elements then odd ones, put back in order at the end).
+ * elements then odd ones, put back in order at the end); with AVX2, 16 elements for up to 4
+ * heads at a time.
  *
  * Threads: requests are tasks; with more than one thread and enough work, requests longer
  * than a piece (total positions / (4 x threads), at least DA_SPLIT_MIN) are split into
@@ -59,6 +63,7 @@
 #endif
 
 #define DA_AVX512 HKV_AVX512
+#define DA_AVX2 (HKV_AVX2 && !HKV_AVX512) /* the 8-lane path (AVX-512 builds keep theirs) */
 #define DA_DOT_BF16 HKV_AVX512_BF16 /* bfloat16 scores as vdpbf16ps dot products (not on AMX) */
 #define DA_AMX HKV_AMX_BF16
 
@@ -177,9 +182,24 @@ static void da_load_query(const da_shape *A, const void *q, da_work *w) {
             int64_t at = d;
             if (A->bf16 && DA_AVX512) /* even elements of the chunk first, then odd ones */
                 at = (d & ~(int64_t)31) + (d & 1) * 16 + ((d & 31) >> 1);
+            else if (A->bf16 && DA_AVX2) /* the same per 16-chunk (8 even, then 8 odd) */
+                at = (d & ~(int64_t)15) + (d & 1) * 8 + ((d & 15) >> 1);
             dst[h * Dp + at] = x;
         }
 }
+
+/* A call with the number of heads nh (1 .. DA_HEADS) as a constant. */
+#define DA_BY_HEADS(CALL)                                                                      \
+    switch (nh) {                                                                              \
+    case 1: CALL(1); break;                                                                    \
+    case 2: CALL(2); break;                                                                    \
+    case 3: CALL(3); break;                                                                    \
+    case 4: CALL(4); break;                                                                    \
+    case 5: CALL(5); break;                                                                    \
+    case 6: CALL(6); break;                                                                    \
+    case 7: CALL(7); break;                                                                    \
+    default: CALL(8); break;                                                                   \
+    }
 
 #if DA_AVX512
 
@@ -267,18 +287,6 @@ DA_INLINE void da_values(const da_shape *A, const int64_t *off, int64_t hoff, in
         }
     }
 }
-
-#define DA_BY_HEADS(CALL)                                                                      \
-    switch (nh) {                                                                              \
-    case 1: CALL(1); break;                                                                    \
-    case 2: CALL(2); break;                                                                    \
-    case 3: CALL(3); break;                                                                    \
-    case 4: CALL(4); break;                                                                    \
-    case 5: CALL(5); break;                                                                    \
-    case 6: CALL(6); break;                                                                    \
-    case 7: CALL(7); break;                                                                    \
-    default: CALL(8); break;                                                                   \
-    }
 
 /* Lane i = the sum of the 16 floats at r + 16 i (a transpose-and-add tree: 30 shuffles and
  * 15 additions for 16 sums; each lane only ever adds its own row's numbers). */
@@ -573,7 +581,255 @@ static void da_group(const da_shape *A, const int64_t *off, int64_t n, int64_t g
 #undef DA_VALUES_ROWS
 }
 
-#else /* without AVX-512: the same tiles in plain loops */
+#elif DA_AVX2 /* AVX2 + FMA: the same tiles on 8-lane vectors */
+
+/* The AVX-512 path's structure on 16 ymm registers: partial dot products of 8 lanes per
+ * (head, position), 8 positions' sums formed together by a transpose-and-add tree, bfloat16
+ * keys and values widened in registers even and odd elements apart (a shift and a mask of 16
+ * values; the query and the sums keep each 16-chunk's 8 even elements, then its 8 odd ones),
+ * and the sums of V in registers for 4 heads at a time (8 of the 16 registers; a group of more
+ * heads takes two rounds over the tile's V rows, from L1). Tails of the head dim (Dh not a
+ * multiple of 16) are read with vmaskmovps (float32) or through a zeroed 16-value copy
+ * (bfloat16): never past the row, whose next values may be another slot's NaN. */
+
+#define DA_AVX2_HEADS 4 /* heads whose sums of V are in registers together */
+
+static inline void da_rescale(float *acc, int64_t Dp, float *l, float alpha) {
+    const __m256 av = _mm256_set1_ps(alpha);
+    for (int64_t d = 0; d < Dp; d += 8)
+        _mm256_store_ps(acc + d, _mm256_mul_ps(_mm256_load_ps(acc + d), av));
+    *l *= alpha;
+}
+
+/* 16 bfloat16 values at k (n < 16: the first n, zeros after) */
+static inline __m256i da_load16_bf16(const uint16_t *k, int64_t n) {
+    if (n >= 16) return _mm256_loadu_si256((const __m256i *)k);
+    uint16_t buf[16] __attribute__((aligned(32))) = {0};
+    memcpy(buf, k, sizeof(uint16_t) * (size_t)n);
+    return _mm256_load_si256((const __m256i *)buf);
+}
+
+/* s[h] += q_h . k over a 16-chunk of bfloat16 keys at element d (q: [nh][Dp], 8 even elements
+ * of the chunk then its 8 odd ones); the odd products go to t[h] when two (two chains). */
+DA_INLINE void da_dot16_bf16(__m256i kv, const float *q, int64_t d, int64_t Dp, const int nh,
+                             const int two, __m256 *s, __m256 *t) {
+    const __m256 ke = _mm256_castsi256_ps(_mm256_slli_epi32(kv, 16));
+    const __m256 ko = _mm256_castsi256_ps(_mm256_and_si256(kv, _mm256_set1_epi32((int)0xffff0000)));
+    for (int h = 0; h < nh; h++) {
+        s[h] = _mm256_fmadd_ps(ke, _mm256_load_ps(q + h * Dp + d), s[h]);
+        if (two)
+            t[h] = _mm256_fmadd_ps(ko, _mm256_load_ps(q + h * Dp + d + 8), t[h]);
+        else
+            s[h] = _mm256_fmadd_ps(ko, _mm256_load_ps(q + h * Dp + d + 8), s[h]);
+    }
+}
+
+/* Partial dot products of nh query heads with the keys of n positions (KV head at hoff):
+ * rows[(h * DA_TILE + i) * 8 ..] for head h, position i. Up to 4 heads keep two sets of sums
+ * (the FMA latency is 4 cycles: one chain per head leaves the units idle). */
+DA_INLINE void da_dots(const da_shape *A, const int64_t *off, int64_t hoff, int64_t n,
+                       const float *q, const int nh, float *rows, const int64_t *pf,
+                       int64_t npf) {
+    const int64_t Dh = A->Dh, Dp = A->Dp;
+    const int two = nh <= 4;
+    if (!A->bf16) {
+        const float *cache = A->cache;
+        const int64_t full = Dh & ~(int64_t)15, rem = Dh - full;
+        const __m256i m0 = hkv_mask8(rem), m1 = hkv_mask8(rem - 8);
+        for (int64_t i = 0; i < n; i++) {
+            const float *k = cache + off[i] + hoff;
+            const float *next = cache + (i < npf ? pf[i] : off[i]) + hoff;
+            __m256 s[DA_HEADS], t[DA_HEADS];
+            for (int h = 0; h < nh; h++) s[h] = t[h] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < full; d += 16) { /* one 64-byte line */
+                _mm_prefetch((const char *)(next + d), _MM_HINT_T1);
+                const __m256 k0 = _mm256_loadu_ps(k + d), k1 = _mm256_loadu_ps(k + d + 8);
+                for (int h = 0; h < nh; h++) {
+                    s[h] = _mm256_fmadd_ps(k0, _mm256_load_ps(q + h * Dp + d), s[h]);
+                    if (two)
+                        t[h] = _mm256_fmadd_ps(k1, _mm256_load_ps(q + h * Dp + d + 8), t[h]);
+                    else
+                        s[h] = _mm256_fmadd_ps(k1, _mm256_load_ps(q + h * Dp + d + 8), s[h]);
+                }
+            }
+            if (rem) {
+                _mm_prefetch((const char *)(next + full), _MM_HINT_T1);
+                const __m256 k0 = _mm256_maskload_ps(k + full, m0);
+                const __m256 k1 = _mm256_maskload_ps(k + full + 8, m1);
+                for (int h = 0; h < nh; h++) {
+                    s[h] = _mm256_fmadd_ps(k0, _mm256_load_ps(q + h * Dp + full), s[h]);
+                    s[h] = _mm256_fmadd_ps(k1, _mm256_load_ps(q + h * Dp + full + 8), s[h]);
+                }
+            }
+            for (int h = 0; h < nh; h++)
+                _mm256_store_ps(rows + (h * DA_TILE + i) * 8, _mm256_add_ps(s[h], t[h]));
+        }
+        return;
+    }
+    const uint16_t *cache = A->cache;
+    const int64_t full = Dh & ~(int64_t)31;
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t *k = cache + off[i] + hoff;
+        const uint16_t *next = cache + (i < npf ? pf[i] : off[i]) + hoff;
+        __m256 s[DA_HEADS], t[DA_HEADS];
+        for (int h = 0; h < nh; h++) s[h] = t[h] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < full; d += 32) { /* one 64-byte line, two chunks */
+            _mm_prefetch((const char *)(next + d), _MM_HINT_T1);
+            da_dot16_bf16(_mm256_loadu_si256((const __m256i *)(k + d)), q, d, Dp, nh, two, s, t);
+            da_dot16_bf16(_mm256_loadu_si256((const __m256i *)(k + d + 16)), q, d + 16, Dp, nh,
+                          two, s, t);
+        }
+        if (full < Dh) {
+            _mm_prefetch((const char *)(next + full), _MM_HINT_T1);
+            for (int64_t d = full; d < Dh; d += 16)
+                da_dot16_bf16(da_load16_bf16(k + d, Dh - d), q, d, Dp, nh, two, s, t);
+        }
+        for (int h = 0; h < nh; h++)
+            _mm256_store_ps(rows + (h * DA_TILE + i) * 8, _mm256_add_ps(s[h], t[h]));
+    }
+}
+
+/* Lane i = the sum of the 8 floats at r + 8 i (a transpose-and-add tree: 6 vhaddps, 2
+ * vperm2f128 and one add for 8 sums; each lane only ever adds its own row's numbers). */
+static inline __m256 da_sum8(const float *r) {
+    const __m256 a0 = _mm256_hadd_ps(_mm256_load_ps(r), _mm256_load_ps(r + 8));
+    const __m256 a1 = _mm256_hadd_ps(_mm256_load_ps(r + 16), _mm256_load_ps(r + 24));
+    const __m256 a2 = _mm256_hadd_ps(_mm256_load_ps(r + 32), _mm256_load_ps(r + 40));
+    const __m256 a3 = _mm256_hadd_ps(_mm256_load_ps(r + 48), _mm256_load_ps(r + 56));
+    /* 128-bit lane 0: rows 0..3's sums of elements 0..3 (lane 1: of 4..7); b1: rows 4..7 */
+    const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20),
+                         _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+/* The online softmax step of nh heads over a tile of n positions (da_softmax_rows of the
+ * AVX-512 path, two vectors of 8 positions). */
+static void da_softmax_rows(const da_shape *A, int64_t n, int64_t nh, const float *rows,
+                            float *m, float *l, float *acc, float *p) {
+    const __m256 v0 = _mm256_castsi256_ps(hkv_mask8(n)), v1 = _mm256_castsi256_ps(hkv_mask8(n - 8));
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), scale = _mm256_set1_ps(A->scale);
+    for (int64_t h = 0; h < nh; h++) {
+        const float *r = rows + h * DA_TILE * 8;
+        const __m256 s0 = _mm256_blendv_ps(ninf, _mm256_mul_ps(da_sum8(r), scale), v0);
+        const __m256 s1 =
+            n > 8 ? _mm256_blendv_ps(ninf, _mm256_mul_ps(da_sum8(r + 64), scale), v1) : ninf;
+        const float top = hkv_hmax8(_mm256_max_ps(s0, s1));
+        if (top > m[h]) {
+            if (m[h] != -INFINITY)
+                da_rescale(acc + h * A->Dp, A->Dp, l + h, hkv_exp_nonpositive(m[h] - top));
+            m[h] = top;
+        }
+        const __m256 mh = _mm256_set1_ps(m[h]);
+        const __m256 p0 = _mm256_and_ps(v0, hkv_exp8_nonpositive(_mm256_sub_ps(s0, mh)));
+        const __m256 p1 = _mm256_and_ps(v1, hkv_exp8_nonpositive(_mm256_sub_ps(s1, mh)));
+        l[h] += hkv_hsum8(_mm256_add_ps(p0, p1));
+        _mm256_store_ps(p + h * DA_TILE, p0);
+        _mm256_store_ps(p + h * DA_TILE + 8, p1);
+    }
+}
+
+/* acc[h] += sum_i p[h * DA_TILE + i] v_i for nh (<= 4) heads over n positions, 16 elements of
+ * the head dim at a time (bfloat16: 8 even, 8 odd), their sums in registers. The V row of
+ * position i: off[i] + voff. Each V line read comes with a prefetch of the same line of V in
+ * position i of the next tile (pf, its first npf positions; none when npf < 0). */
+DA_INLINE void da_values4(const da_shape *A, const int64_t *off, int64_t hoff, int64_t n,
+                          const float *p, const int nh, float *acc, const int64_t *pf,
+                          int64_t npf) {
+    const int64_t Dh = A->Dh, Dp = A->Dp, voff = A->kbs * A->row + hoff;
+    const int fetch = npf >= 0;
+    for (int64_t d = 0; d < Dh; d += 16) {
+        __m256 e[DA_AVX2_HEADS], o[DA_AVX2_HEADS];
+        for (int h = 0; h < nh; h++) {
+            e[h] = _mm256_load_ps(acc + h * Dp + d);
+            o[h] = _mm256_load_ps(acc + h * Dp + d + 8);
+        }
+        const int64_t left = Dh - d;
+        if (A->bf16) {
+            const uint16_t *cache = A->cache;
+            const int line = fetch && (d & 31) == 0; /* 32 values a line */
+            const __m256i high = _mm256_set1_epi32((int)0xffff0000);
+            for (int64_t i = 0; i < n; i++) {
+                if (line) {
+                    const uint16_t *next = cache + (i < npf ? pf[i] : off[i]) + hoff + d;
+                    _mm_prefetch((const char *)(next + A->kbs * A->row), _MM_HINT_T1);
+                }
+                const __m256i v = da_load16_bf16(cache + off[i] + voff + d, left);
+                const __m256 ve = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                const __m256 vo = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+                for (int h = 0; h < nh; h++) {
+                    const __m256 pb = _mm256_broadcast_ss(p + h * DA_TILE + i);
+                    e[h] = _mm256_fmadd_ps(pb, ve, e[h]);
+                    o[h] = _mm256_fmadd_ps(pb, vo, o[h]);
+                }
+            }
+        } else {
+            const float *cache = A->cache;
+            const __m256i m0 = hkv_mask8(left), m1 = hkv_mask8(left - 8);
+            for (int64_t i = 0; i < n; i++) {
+                if (fetch) {
+                    const float *next = cache + (i < npf ? pf[i] : off[i]) + hoff + d;
+                    _mm_prefetch((const char *)(next + A->kbs * A->row), _MM_HINT_T1);
+                }
+                const float *v = cache + off[i] + voff + d;
+                __m256 v0, v1;
+                if (left >= 16) {
+                    v0 = _mm256_loadu_ps(v);
+                    v1 = _mm256_loadu_ps(v + 8);
+                } else {
+                    v0 = _mm256_maskload_ps(v, m0);
+                    v1 = _mm256_maskload_ps(v + 8, m1);
+                }
+                for (int h = 0; h < nh; h++) {
+                    const __m256 pb = _mm256_broadcast_ss(p + h * DA_TILE + i);
+                    e[h] = _mm256_fmadd_ps(pb, v0, e[h]);
+                    o[h] = _mm256_fmadd_ps(pb, v1, o[h]);
+                }
+            }
+        }
+        for (int h = 0; h < nh; h++) {
+            _mm256_store_ps(acc + h * Dp + d, e[h]);
+            _mm256_store_ps(acc + h * Dp + d + 8, o[h]);
+        }
+    }
+}
+
+/* da_values4 over nh (<= DA_HEADS) heads: four, then the rest (prefetching once). */
+DA_INLINE void da_values(const da_shape *A, const int64_t *off, int64_t hoff, int64_t n,
+                         const float *p, const int nh, float *acc, const int64_t *pf,
+                         int64_t npf) {
+    da_values4(A, off, hoff, n, p, nh < DA_AVX2_HEADS ? nh : DA_AVX2_HEADS, acc, pf, npf);
+    if (nh > DA_AVX2_HEADS)
+        da_values4(A, off, hoff, n, p + DA_AVX2_HEADS * DA_TILE, nh - DA_AVX2_HEADS,
+                   acc + DA_AVX2_HEADS * A->Dp, pf, -1);
+}
+
+/* One tile, one pass (query heads h0 .. h0 + nh - 1) of KV head g: scores, softmax, values.
+ * pf, npf: the next tile's offsets (prefetched during the first pass). */
+static void da_group(const da_shape *A, const int64_t *off, int64_t n, int64_t g, int64_t pass,
+                     float *m, float *l, float *acc, da_work *w, const int64_t *pf,
+                     int64_t npf) {
+    const int64_t h0 = g * A->group + pass * A->hp, hoff = g * A->Dh, Dp = A->Dp;
+    const int64_t nh = A->group - pass * A->hp < A->hp ? A->group - pass * A->hp : A->hp;
+    if (pass > 0) {
+        npf = 0;
+    } else { /* this tile's V lines (prefetched to L2 a tile ago) into L1 during the scores */
+        const int64_t elem = A->bf16 ? 2 : 4, bytes = A->Dh * elem;
+        for (int64_t i = 0; i < n; i++) {
+            const char *v = (const char *)A->cache + (off[i] + A->kbs * A->row + hoff) * elem;
+            for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(v + b, _MM_HINT_T0);
+        }
+    }
+    const float *qh = (const float *)w->q + h0 * Dp;
+#define DA_DOTS(NH) da_dots(A, off, hoff, n, qh, NH, w->rows, pf, npf)
+    DA_BY_HEADS(DA_DOTS)
+#undef DA_DOTS
+    da_softmax_rows(A, n, nh, w->rows, m + h0, l + h0, acc + h0 * Dp, w->p);
+#define DA_VALUES_ROWS(NH) da_values(A, off, hoff, n, w->p, NH, acc + h0 * Dp, pf, npf)
+    DA_BY_HEADS(DA_VALUES_ROWS)
+#undef DA_VALUES_ROWS
+}
+
+#else /* without AVX-512 or AVX2: the same tiles in plain loops */
 
 /* Dh floats of the row at element at (float32 or bfloat16) into out. */
 static inline void da_widen(const da_shape *A, int64_t at, float *out) {
@@ -724,6 +980,29 @@ static void da_finish(const da_shape *A, const float *states, int64_t k, int64_t
                 float *o = (float *)out + h * Dh + d;
                 _mm512_mask_storeu_ps(o, m0, y0);
                 _mm512_mask_storeu_ps(o + 16, m1, y1);
+            }
+        }
+#elif DA_AVX2
+        const __m256 iv = _mm256_set1_ps(inv);
+        for (int64_t d = 0; d < Dh; d += 16) {
+            __m256 y0 = _mm256_mul_ps(_mm256_load_ps(x + d), iv);
+            __m256 y1 = _mm256_mul_ps(_mm256_load_ps(x + d + 8), iv);
+            if (A->bf16) { /* 8 even elements, 8 odd ones -> in order */
+                const __m256 lo = _mm256_unpacklo_ps(y0, y1), hi = _mm256_unpackhi_ps(y0, y1);
+                y0 = _mm256_permute2f128_ps(lo, hi, 0x20);
+                y1 = _mm256_permute2f128_ps(lo, hi, 0x31);
+            }
+            const int64_t left = Dh - d;
+            if (A->bf16) {
+                uint16_t *o = (uint16_t *)out + h * Dh + d;
+                uint16_t r[16] __attribute__((aligned(16)));
+                _mm_store_si128((__m128i *)r, hkv_f32x8_to_bf16(y0));
+                _mm_store_si128((__m128i *)(r + 8), hkv_f32x8_to_bf16(y1));
+                memcpy(o, r, sizeof(uint16_t) * (size_t)(left < 16 ? left : 16));
+            } else {
+                float *o = (float *)out + h * Dh + d;
+                _mm256_maskstore_ps(o, hkv_mask8(left), y0);
+                _mm256_maskstore_ps(o + 8, hkv_mask8(left - 8), y1);
             }
         }
 #else

@@ -131,15 +131,33 @@ void hkv_to_bf16(const float *x, uint16_t *out, int64_t n) {
 /* relu(x)^2 over n elements (Nemotron-H's MLP activation): the square of the float32 value,
  * rounded once to bfloat16 when bf16, as F.relu(x).square() does (NaN stays NaN, as F.relu
  * keeps it). */
+/* relu(v)^2 in integer arithmetic on the bits (masks, no conditional): GCC if-converts a
+ * float comparison (which may raise an FP exception) only with AVX-512's masks, and sinks
+ * v * v into the branch that uses it, so `v > 0.0f ? v * v : ...` left these loops scalar for
+ * AVX2 and older CPUs. b > 0: v above +0; NaN bits pass through. */
+static inline float ew_relu2(float v) {
+    const float sq = v * v;
+    int32_t b, s;
+    memcpy(&b, &v, sizeof b);
+    memcpy(&s, &sq, sizeof s);
+    const int32_t pos = -(int32_t)(b > 0), nan = -(int32_t)((b & 0x7fffffff) > 0x7f800000);
+    const int32_t r = (b & nan) | (s & pos & ~nan);
+    float out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
 void hkv_relu2(const void *x, void *out, int64_t n, int bf16) {
+    if (bf16) {
+        const uint16_t *xs = (const uint16_t *)x;
+        uint16_t *o = (uint16_t *)out;
 #pragma omp parallel for schedule(static) if (n >= EW_PARALLEL_MIN)
-    for (int64_t i = 0; i < n; i++) {
-        float v = bf16 ? hkv_bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-        v = v > 0.0f ? v * v : (v != v ? v : 0.0f);
-        if (bf16)
-            ((uint16_t *)out)[i] = hkv_f32_to_bf16(v);
-        else
-            ((float *)out)[i] = v;
+        for (int64_t i = 0; i < n; i++) o[i] = hkv_f32_to_bf16(ew_relu2(hkv_bf16_to_f32(xs[i])));
+    } else {
+        const float *xs = (const float *)x;
+        float *o = (float *)out;
+#pragma omp parallel for schedule(static) if (n >= EW_PARALLEL_MIN)
+        for (int64_t i = 0; i < n; i++) o[i] = ew_relu2(xs[i]);
     }
 }
 
@@ -149,20 +167,32 @@ void hkv_relu2(const void *x, void *out, int64_t n, int bf16) {
 void hkv_mul_rows(const void *a, int64_t a_stride, int a_bf16, const void *b, int64_t b_stride,
                   int b_bf16, void *out, int out_bf16, int64_t rows, int64_t cols) {
 #pragma omp parallel for schedule(static) if (rows * cols >= EW_PARALLEL_MIN)
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < cols; c++) {
-            float va = a_bf16 ? hkv_bf16_to_f32(((const uint16_t *)a)[r * a_stride + c])
-                              : ((const float *)a)[r * a_stride + c];
-            float vb = b_bf16 ? hkv_bf16_to_f32(((const uint16_t *)b)[r * b_stride + c])
-                              : ((const float *)b)[r * b_stride + c];
-            if (out_bf16) {
-                va = hkv_bf16_to_f32(hkv_f32_to_bf16(va));
-                vb = hkv_bf16_to_f32(hkv_f32_to_bf16(vb));
-                ((uint16_t *)out)[r * cols + c] = hkv_f32_to_bf16(va * vb);
-            } else {
-                ((float *)out)[r * cols + c] = va * vb;
+    for (int64_t r = 0; r < rows; r++) {
+        /* the dtypes' tests out of the column loops (GCC unswitches them for AVX-512 only) */
+        const uint16_t *ah = (const uint16_t *)a + r * a_stride;
+        const uint16_t *bh = (const uint16_t *)b + r * b_stride;
+        const float *af = (const float *)a + r * a_stride, *bf = (const float *)b + r * b_stride;
+        uint16_t *oh = (uint16_t *)out + r * cols;
+        float *of = (float *)out + r * cols;
+        if (out_bf16 && a_bf16 && b_bf16) { /* (rounding a bfloat16 value keeps it) */
+            for (int64_t c = 0; c < cols; c++)
+                oh[c] = hkv_f32_to_bf16(hkv_bf16_to_f32(ah[c]) * hkv_bf16_to_f32(bh[c]));
+        } else if (!out_bf16 && !a_bf16 && !b_bf16) {
+            for (int64_t c = 0; c < cols; c++) of[c] = af[c] * bf[c];
+        } else {
+            for (int64_t c = 0; c < cols; c++) {
+                float va = a_bf16 ? hkv_bf16_to_f32(ah[c]) : af[c];
+                float vb = b_bf16 ? hkv_bf16_to_f32(bh[c]) : bf[c];
+                if (out_bf16) {
+                    va = hkv_bf16_to_f32(hkv_f32_to_bf16(va));
+                    vb = hkv_bf16_to_f32(hkv_f32_to_bf16(vb));
+                    oh[c] = hkv_f32_to_bf16(va * vb);
+                } else {
+                    of[c] = va * vb;
+                }
             }
         }
+    }
 }
 
 /* out = gelu_tanh(gate) * up over [rows, cols] (Gemma's MLP), gate and up rows at their row

@@ -27,6 +27,7 @@
 #include "hkv_common.h"
 
 #define GD_FAST HKV_AVX512_BF16
+#define GD_AVX2 (HKV_AVX2 && !GD_FAST) /* 8-lane passes (AVX-512 without BF16 included) */
 
 #define GD_EPS 1e-6f            /* of the L2 norm, as transformers' l2norm */
 #define GD_MIN_LOG_DECAY -80.0f /* as the general kernel: no denormal decays */
@@ -48,7 +49,8 @@ static void gd_normalise(const void *x, int bf16, int64_t i, int64_t n, float sc
     for (int64_t l = 0; l < n; l++) out[l] *= inv;
 }
 
-int hkv_gdn_decode_fast(void) { return GD_FAST; }
+/* 1 where the passes run on vectors (AVX512-BF16, or AVX2 below), 0 for the plain loops */
+int hkv_gdn_decode_fast(void) { return GD_FAST || GD_AVX2; }
 
 #if GD_FAST
 
@@ -176,6 +178,155 @@ static void gd_head(void *head, int sb, int init, int64_t K, int64_t V, const fl
     }
 }
 
+#elif GD_AVX2 /* AVX2 + FMA: the same passes on 8-lane vectors */
+
+/* Blocks of GD_NV2 vectors of 8 columns: pass 1 keeps 2 x 4 sums, the broadcasts and a row
+ * vector in 11 of the 16 ymm registers (8 vectors, as the AVX-512 block has, would spill). A
+ * block's K rows of 32 bfloat16 columns are 8 KiB (K = 128): in L1 for pass 2. bfloat16
+ * values are widened by a shift and rounded back (nearest even, NaN -> 0x7fc0: torch's
+ * rounding) in integer arithmetic: AVX2 has no vcvtneps2bf16. */
+#define GD_NV2 4
+#define GD_UNROLL _Pragma("GCC unroll 4")
+
+/* n (0 .. 8) values at p, float32 or bfloat16 (sb), as float32; zeros past n */
+static inline __m256 gd_load8(const void *p, int bf16, int64_t n) {
+    if (n >= 8) return bf16 ? hkv_bf16x8_load(p) : _mm256_loadu_ps(p);
+    if (!bf16) return _mm256_maskload_ps(p, hkv_mask8(n));
+    uint16_t buf[8] = {0};
+    memcpy(buf, p, sizeof(uint16_t) * (size_t)(n < 0 ? 0 : n));
+    return hkv_bf16x8_load(buf);
+}
+
+static inline void gd_store8(void *p, int bf16, __m256 v, int64_t n) {
+    if (!bf16) {
+        if (n >= 8)
+            _mm256_storeu_ps(p, v);
+        else
+            _mm256_maskstore_ps(p, hkv_mask8(n), v);
+        return;
+    }
+    const __m128i r = hkv_f32x8_to_bf16(v);
+    if (n >= 8) {
+        _mm_storeu_si128(p, r);
+        return;
+    }
+    uint16_t buf[8];
+    _mm_storeu_si128((__m128i *)buf, r);
+    memcpy(p, buf, sizeof(uint16_t) * (size_t)(n < 0 ? 0 : n));
+}
+
+/* v rounded to bfloat16 values, as float32 */
+static inline __m256 gd_round8(__m256 v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hkv_f32x8_to_bf16(v)), 16));
+}
+
+/* Qwen3-Next's gated norm of one head (the plain version's numbers: bf16(o), its mean square,
+ * then bf16(w * (x * inv) * silu(z)) with hkv_silu8's bits). */
+static void gd_gated_norm(const float *o, const uint16_t *z, const float *w, int64_t V, float eps,
+                          uint16_t *y) {
+    __m256 sq = _mm256_setzero_ps();
+    int64_t c = 0;
+    for (; c + 8 <= V; c += 8) {
+        const __m256 x = gd_round8(_mm256_loadu_ps(o + c));
+        sq = _mm256_add_ps(sq, _mm256_mul_ps(x, x));
+    }
+    float tail = 0.0f;
+    for (int64_t t = c; t < V; t++) {
+        const float x = hkv_bf16_to_f32(hkv_f32_to_bf16(o[t]));
+        tail += x * x;
+    }
+    const float inv = 1.0f / sqrtf((hkv_hsum8(sq) + tail) / (float)V + eps);
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (c = 0; c + 8 <= V; c += 8) {
+        const __m256 x = gd_round8(_mm256_loadu_ps(o + c));
+        const __m256 wx = _mm256_mul_ps(_mm256_loadu_ps(w + c), _mm256_mul_ps(x, iv));
+        const __m256 out = _mm256_mul_ps(wx, hkv_silu8(hkv_bf16x8_load(z + c)));
+        _mm_storeu_si128((__m128i *)(y + c), hkv_f32x8_to_bf16(out));
+    }
+    for (; c < V; c++) {
+        const float x = hkv_bf16_to_f32(hkv_f32_to_bf16(o[c]));
+        y[c] = hkv_f32_to_bf16(w[c] * (x * inv) * hkv_silu(hkv_bf16_to_f32(z[c])));
+    }
+}
+
+#define GD_INLINE static inline __attribute__((always_inline))
+
+/* Columns c0 .. c0 + 31 of one state (fewer past V when !full): gd_block of the AVX-512 path
+ * on 4 vectors of 8. */
+GD_INLINE void gd_block(const int sb, const int init, const int full, char *base, int64_t K,
+                        int64_t V, int64_t c0, const float *qn, const float *kn, float qk,
+                        const void *vrow, int vb, float decay, float beta, float *o,
+                        const char *next, int64_t per_row, int64_t *next_left) {
+    const int64_t elem = sb ? 2 : 4, stride = V * elem;
+    int64_t m[GD_NV2]; /* valid columns of each vector */
+    __m256 p[GD_NV2], s_q[GD_NV2], delta[GD_NV2];
+    GD_UNROLL for (int j = 0; j < GD_NV2; j++) {
+        m[j] = full ? 8 : V - c0 - 8 * j;
+        p[j] = s_q[j] = _mm256_setzero_ps();
+    }
+    base += c0 * elem;
+    if (init) { /* pass 1: S^T kn and S^T qn */
+        for (int64_t k = 0; k < K; k++) {
+            const char *row = base + k * stride;
+            const __m256 kk = _mm256_broadcast_ss(kn + k), qq = _mm256_broadcast_ss(qn + k);
+            GD_UNROLL for (int j = 0; j < GD_NV2; j++) {
+                const __m256 x = gd_load8(row + 8 * j * elem, sb, full ? 8 : m[j]);
+                p[j] = _mm256_fmadd_ps(x, kk, p[j]);
+                s_q[j] = _mm256_fmadd_ps(x, qq, s_q[j]);
+            }
+        }
+    }
+    const __m256 dv = _mm256_set1_ps(decay), bv = _mm256_set1_ps(beta);
+    const __m256 qkv = _mm256_set1_ps(qk);
+    GD_UNROLL for (int j = 0; j < GD_NV2; j++) { /* delta, o */
+        const __m256 v =
+            gd_load8((const char *)vrow + (c0 + 8 * j) * (vb ? 2 : 4), vb, full ? 8 : m[j]);
+        delta[j] = _mm256_mul_ps(_mm256_sub_ps(v, _mm256_mul_ps(p[j], dv)), bv);
+        const __m256 out =
+            _mm256_add_ps(_mm256_mul_ps(s_q[j], dv), _mm256_mul_ps(delta[j], qkv));
+        gd_store8(o + c0 + 8 * j, 0, out, full ? 8 : m[j]);
+    }
+    for (int64_t k = 0; k < K; k++) { /* pass 2: S' = decay S + kn delta */
+        char *row = base + k * stride;
+        const __m256 kk = _mm256_broadcast_ss(kn + k);
+        for (int64_t l = 0; l < per_row && *next_left > 0; l++, (*next_left)--, next += 64)
+            _mm_prefetch(next, _MM_HINT_T0);
+        GD_UNROLL for (int j = 0; j < GD_NV2; j++) {
+            if (!full && m[j] <= 0) continue;
+            char *at = row + 8 * j * elem;
+            const __m256 x = init ? gd_load8(at, sb, full ? 8 : m[j]) : _mm256_setzero_ps();
+            gd_store8(at, sb, _mm256_fmadd_ps(delta[j], kk, _mm256_mul_ps(x, dv)),
+                      full ? 8 : m[j]);
+        }
+    }
+}
+
+static void gd_head(void *head, int sb, int init, int64_t K, int64_t V, const float *qn,
+                    const float *kn, float qk, const void *vrow, int vb, float decay, float beta,
+                    float *o, const char *next) {
+    const int64_t elem = sb ? 2 : 4, blocks = (V + GD_NV2 * 8 - 1) / (GD_NV2 * 8);
+    int64_t next_left = next == NULL ? 0 : (K * V * elem + 63) / 64;
+    const int64_t per_row = (next_left + K * blocks - 1) / (K * blocks);
+    for (int64_t c0 = 0; c0 < V; c0 += GD_NV2 * 8) {
+        const int full = V - c0 >= GD_NV2 * 8;
+        const char *nx = next == NULL ? NULL : next + 64 * ((K * V * elem + 63) / 64 - next_left);
+#define GD_CALL(SB, INIT, FULL)                                                                \
+    gd_block(SB, INIT, FULL, (char *)head, K, V, c0, qn, kn, qk, vrow, vb, decay, beta, o, nx,  \
+             per_row, &next_left)
+        switch ((sb != 0) * 4 + (init != 0) * 2 + full) { /* flags: any nonzero is 1 */
+        case 0: GD_CALL(0, 0, 0); break;
+        case 1: GD_CALL(0, 0, 1); break;
+        case 2: GD_CALL(0, 1, 0); break;
+        case 3: GD_CALL(0, 1, 1); break;
+        case 4: GD_CALL(1, 0, 0); break;
+        case 5: GD_CALL(1, 0, 1); break;
+        case 6: GD_CALL(1, 1, 0); break;
+        default: GD_CALL(1, 1, 1); break;
+        }
+#undef GD_CALL
+    }
+}
+
 #else /* plain C: the same passes, one column at a time */
 
 static void gd_gated_norm(const float *o, const uint16_t *z, const float *w, int64_t V, float eps,
@@ -231,7 +382,7 @@ int hkv_gdn_decode(void *state, int64_t page_stride, int state_bf16, const int64
     {
     /* denormals flushed to zero and read as zero (see gdn_chunk.c): a state decayed by e^-80
      * reaches them, and each costs a microcode assist */
-#if GD_FAST
+#if GD_FAST || GD_AVX2
     const unsigned int csr = _mm_getcsr();
     _mm_setcsr(csr | 0x8040);
 #endif
@@ -260,7 +411,7 @@ int hkv_gdn_decode(void *state, int64_t page_stride, int state_bf16, const int64
                 gd_gated_norm(oh, z + t * z_stride + h * V, norm_w, V, eps, y + th * V);
         }
     }
-#if GD_FAST
+#if GD_FAST || GD_AVX2
     _mm_setcsr(csr);
 #endif
     }

@@ -246,4 +246,84 @@ int hkv_avx2_gemm(const void *x, int64_t ldx, int xbf16, const void *w, int wtyp
 #endif
 #endif
 
+#if HKV_AVX2
+/* ---- 8-lane (AVX2 + FMA + F16C) helpers of the decode attention, state and row kernels: what
+ * an AVX2-only CPU (AMD Zen 2/3, most laptops) runs where AVX-512 machines take the 16-lane
+ * ones above. GCC leaves loops over hkv_silu and hkv_exp_nonpositive scalar for AVX2 ("control
+ * flow in loop"): their conditionals are float comparisons, which may raise FP exceptions, and
+ * GCC if-converts those only with AVX-512's masks (-ftrapping-math, the default). */
+
+#define HKV_C8(v) _mm256_set1_ps(v)
+
+/* hkv_exp_nonpositive on 8 lanes: the same operations in the same order, no fused
+ * multiply-adds (-std=c11 does not contract the scalar version's either), so vector and
+ * scalar loops give the same bits (NaN stays NaN: vmaxps returns its second operand). */
+static inline __attribute__((always_inline)) __m256 hkv_exp8_nonpositive(__m256 x) {
+    x = _mm256_max_ps(HKV_C8(-87.0f), x); /* x < -87 ? -87 : x */
+    const __m256 shift = HKV_C8(12582912.0f);
+    const __m256 k = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, HKV_C8(1.44269504f)), shift),
+                                   shift);
+    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(k, HKV_C8(0.693145751953125f))),
+                                   _mm256_mul_ps(k, HKV_C8(1.42860677e-6f)));
+    __m256 p = _mm256_add_ps(HKV_C8(8.3333338e-3f), _mm256_mul_ps(r, HKV_C8(1.3888889e-3f)));
+    p = _mm256_add_ps(HKV_C8(4.1666668e-2f), _mm256_mul_ps(r, p));
+    p = _mm256_add_ps(HKV_C8(1.6666667e-1f), _mm256_mul_ps(r, p));
+    p = _mm256_add_ps(HKV_C8(0.5f), _mm256_mul_ps(r, p));
+    p = _mm256_add_ps(HKV_C8(1.0f), _mm256_mul_ps(r, p));
+    p = _mm256_add_ps(HKV_C8(1.0f), _mm256_mul_ps(r, p));
+    const __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+/* hkv_silu on 8 lanes, the same bits (its branches as blends: each lane computes both sides,
+ * the division included, and keeps the one hkv_silu takes). */
+static inline __attribute__((always_inline)) __m256 hkv_silu8(__m256 v) {
+    const __m256 neg = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 minus = _mm256_xor_ps(v, HKV_C8(-0.0f)); /* -v */
+    const __m256 z = hkv_exp8_nonpositive(_mm256_blendv_ps(minus, v, neg));
+    const __m256 num = _mm256_blendv_ps(v, _mm256_mul_ps(v, z), neg);
+    const __m256 y = _mm256_div_ps(num, _mm256_add_ps(HKV_C8(1.0f), z));
+    const __m256 under = _mm256_cmp_ps(v, HKV_C8(-87.0f), _CMP_LT_OQ);
+    return _mm256_blendv_ps(y, _mm256_mul_ps(v, _mm256_setzero_ps()), under);
+}
+
+/* Lanes i < n all ones (n clamped to 0 .. 8): the mask of vmaskmovps / vpmaskmovd. */
+static inline __m256i hkv_mask8(int64_t n) {
+    const int32_t c = n <= 0 ? 0 : n >= 8 ? 8 : (int32_t)n;
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* 8 bfloat16 numbers at p (unaligned) as float32 (exact: a shift of each into the top half). */
+static inline __attribute__((always_inline)) __m256 hkv_bf16x8_load(const uint16_t *p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+/* hkv_f32_to_bf16 of 8 values (nearest even, NaN -> 0x7fc0), in order in 128 bits. */
+static inline __attribute__((always_inline)) __m128i hkv_f32x8_to_bf16(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r),
+                                             _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc0)), nan));
+    /* (each lane < 2^16: the unsigned saturation of packusdw keeps it) */
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* The sum of v's 8 lanes, and their maximum. */
+static inline float hkv_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline float hkv_hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+#endif /* HKV_AVX2 */
+
 #endif
