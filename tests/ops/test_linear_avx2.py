@@ -5,7 +5,8 @@ within float32 accumulation error (bfloat16 outputs: plus one rounding) on odd s
 multiple of 8, 16 or 32 (and longer than a 256-value piece of the GEMM), N not a multiple of
 any tile (8, 4, 2 weight rows; the GEMM's 6), M = 1..40 and 70 (every tile and last tile, the
 tiles' 20-row limit and the GEMM's panels of 16 rows and of 8 or fewer past them), with and
-without bias, x rows at a stride, 1 and 2 threads; and its probes. A second child does the
+without bias, x rows at a stride, 1 and 2 threads; a NaN and an infinity in x reaching their
+rows only; and its probes. A second child does the
 same for the portable build (x86-64: plain loops, probes saying no fast path)."""
 
 from __future__ import annotations
@@ -85,8 +86,28 @@ for threads in (1, 2):
     for m in (1, 2, 3, 7, 20, 21, 40):  # weights past every parallel threshold
         seed += 1
         check(m, 771, 331, True, seed)
+# a NaN and an infinity in x reach their rows only (tiles: M = 5; the GEMM: M = 40)
+isolated = 0
+for m in (5, 40):
+    rows, w = torch.randn(m, 100), torch.randn(37, 100)
+    q, scale = quantize_rows(w)
+    runs = [
+        (torch.float32, lambda x: f32_linear.run(lib.hkv_f32_linear, x, w, None)),
+        (torch.bfloat16, lambda x: bf16_linear.run(lib.hkv_bf16_linear, x, w.bfloat16(), None)),
+        (torch.float32, lambda x: int8_linear.run(lib.hkv_int8_linear, x, q, scale)),
+        (torch.bfloat16, lambda x: int8_linear.run(lib.hkv_int8_linear, x, q, scale)),
+    ]
+    for dtype, run in runs:
+        x = rows.to(dtype)
+        bad = x.clone()
+        bad[1, 7], bad[m - 2, 50] = float("nan"), float("inf")
+        clean, y = run(x), run(bad)
+        keep = [i for i in range(m) if i not in (1, m - 2)]
+        assert y[1].isnan().all() and not y[m - 2].isfinite().any()
+        assert torch.equal(y[keep], clean[keep])
+        isolated += 1
 print("RESULT " + json.dumps({"probes": probes, "built": sorted(cpu.record().built),
-                              "worst": worst, "cases": cases}))
+                              "worst": worst, "cases": cases, "isolated": isolated}))
 """
 
 
@@ -120,6 +141,7 @@ def test_avx2_build_matches_float64_on_odd_shapes():
         "torch.float32", "torch.bfloat16", "int8 torch.float32", "int8 torch.bfloat16",
     }  # fmt: skip
     assert all(ratio <= 1.0 for ratio in result["worst"].values()), result["worst"]
+    assert result["isolated"] == 8
 
 
 def test_portable_build_has_no_fast_path_and_matches_float64():
@@ -128,3 +150,4 @@ def test_portable_build_has_no_fast_path_and_matches_float64():
     assert set(result["probes"].values()) == {0}
     assert result["cases"] == CASES
     assert all(ratio <= 1.0 for ratio in result["worst"].values()), result["worst"]
+    assert result["isolated"] == 8

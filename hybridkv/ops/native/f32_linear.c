@@ -392,7 +392,8 @@ void hkv_f32_linear(const float *x, int64_t ldx, const float *w, const float *bi
  * w, so a 4 x 2 tile loads 6 vectors per 8 FMAs, and the rows of x (re-read for every block of
  * 2 weight rows) come from L2 once M * K passes L1: about 60% of the FMA rate at M = 64. Here
  * the tile vectorizes along M instead: x is copied once per call into panels of G8_MR = 16
- * rows, transposed (xp[panel][k][16], float32, rows past M zero), and each weight value is
+ * rows, transposed ([k][16] float32, rows past M zero; stored piece by piece of G8_KC values
+ * of k, the panels of a piece one after the other: g8_piece), and each weight value is
  * broadcast to 8 lanes: a 16 x 6 tile keeps 12 sums in registers and loads 2 vectors of x and
  * 6 broadcast weights per 12 FMAs (vbroadcastss from memory: a load, no shuffle), the usual
  * AVX2 GEMM kernel shape (a last panel of at most 8 rows takes one vector: half the FMAs).
@@ -401,35 +402,52 @@ void hkv_f32_linear(const float *x, int64_t ldx, const float *w, const float *bi
  * and that piece goes through every panel of x of the current pass while it stays in L1, the
  * panels' sums kept in a buffer between the pieces; a pass covers the panels of x that fit in
  * G8_L2 bytes, so that they stay in L2 while every block of weights goes by (1536 -> 768 at M =
- * 512, 3 MiB of x: 36% slower than oneDNN's float32 GEMM without the passes). OpenMP splits
- * the blocks of weight rows of each pass.
+ * 512, 3 MiB of x: 36% slower than oneDNN's float32 GEMM without the passes; 2 MiB passes were
+ * 10% slower than 1 MiB, 512 KiB 5%). The scale, bias and rounding of a tile's sums run on 8
+ * lanes, then each row's values are stored (scalar, per output: 5% of the time at M = 512
+ * before). OpenMP splits the blocks of weight rows of each pass.
  *
  * Measured under the AVX2 simulation (x86-64-v3 build, oneDNN and MKL capped at AVX2; 1
  * thread, 100m model shapes, weights out of cache; benchmarks/README.md): against the
  * dot-product tiles it wins from M = 24 (bfloat16: 0.88-0.92x their time at 24, 0.77-0.80x at
- * 32) and loses at M <= 20 (a panel of 16 rows computes 32 rows' products at M = 17-20). */
+ * 32) and loses at M <= 20 (a panel of 16 rows computes 32 rows' products at M = 17-20).
+ * Against oneDNN's float32 GEMM (weights in cache, M = 512, K = 768 and 1536): 44-47 GFMA/s
+ * where oneDNN does 45-50 (bfloat16 weights: 0.94-0.97x its speed); its pieces of x one
+ * after the other (not a panel's whole K, then the next) and the k loop unrolled by 4 gained
+ * 4% each. */
 
 #define G8_MR 16            /* rows of x per panel: two vectors */
 #define G8_NR 6             /* weight rows per block */
 #define G8_KC 256           /* values of k per piece of a block */
 #define G8_L2 (1024 * 1024) /* bytes of panels of x per pass over the weights */
 
-/* x [M, K] (float32 or bfloat16, row stride ldx) -> xp [panels][K][16] float32 */
+/* x [M, K] (float32 or bfloat16, row stride ldx) -> xp, float32: piece by piece of G8_KC values
+ * of k, in each the panels one after the other, each [kc][16] (rows past M zero); so a pass
+ * reads one piece of all its panels as one sequential stream. Panel p's piece at k0 starts at
+ * g8_piece(xp, panels, K, p, k0). */
+static inline float *g8_piece(float *xp, int64_t panels, int64_t K, int64_t p, int64_t k0) {
+    const int64_t kc = K - k0 < G8_KC ? K - k0 : G8_KC;
+    return xp + k0 * panels * G8_MR + p * kc * G8_MR;
+}
+
 static void g8_pack_x(const void *x, int64_t ldx, int xbf16, int64_t M, int64_t K, float *xp) {
     const int64_t panels = (M + G8_MR - 1) / G8_MR;
 #pragma omp parallel for schedule(static) if (M * K >= 64 * 1024)
     for (int64_t p = 0; p < panels; p++) {
-        float *o = xp + p * K * G8_MR;
-        for (int l = 0; l < G8_MR; l++) {
-            const int64_t m = p * G8_MR + l;
-            if (m >= M) {
-                for (int64_t k = 0; k < K; k++) o[k * G8_MR + l] = 0.0f;
-            } else if (xbf16) {
-                const uint16_t *r = (const uint16_t *)x + m * ldx;
-                for (int64_t k = 0; k < K; k++) o[k * G8_MR + l] = hkv_bf16_to_f32(r[k]);
-            } else {
-                const float *r = (const float *)x + m * ldx;
-                for (int64_t k = 0; k < K; k++) o[k * G8_MR + l] = r[k];
+        for (int64_t k0 = 0; k0 < K; k0 += G8_KC) {
+            const int64_t kc = K - k0 < G8_KC ? K - k0 : G8_KC;
+            float *o = g8_piece(xp, panels, K, p, k0);
+            for (int l = 0; l < G8_MR; l++) {
+                const int64_t m = p * G8_MR + l;
+                if (m >= M) {
+                    for (int64_t k = 0; k < kc; k++) o[k * G8_MR + l] = 0.0f;
+                } else if (xbf16) {
+                    const uint16_t *r = (const uint16_t *)x + m * ldx + k0;
+                    for (int64_t k = 0; k < kc; k++) o[k * G8_MR + l] = hkv_bf16_to_f32(r[k]);
+                } else {
+                    const float *r = (const float *)x + m * ldx + k0;
+                    for (int64_t k = 0; k < kc; k++) o[k * G8_MR + l] = r[k];
+                }
             }
         }
     }
@@ -474,7 +492,7 @@ static inline __attribute__((always_inline)) void g8_kernel(const float *xp, con
         c0[j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc[j]);
         c1[j] = first || V == 1 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc[j] + 8);
     }
-    for (int64_t k = 0; k < kc; k++) {
+    _Pragma("GCC unroll 4") for (int64_t k = 0; k < kc; k++) {
         const __m256 a0 = _mm256_loadu_ps(xp + k * G8_MR);
         const __m256 a1 = V == 2 ? _mm256_loadu_ps(xp + k * G8_MR + 8) : a0;
         F32_UNROLL for (int j = 0; j < G8_NR; j++) {
@@ -486,6 +504,57 @@ static inline __attribute__((always_inline)) void g8_kernel(const float *xp, con
     F32_UNROLL for (int j = 0; j < G8_NR; j++) {
         _mm256_storeu_ps(acc[j], c0[j]);
         _mm256_storeu_ps(acc[j] + 8, c1[j]);
+    }
+}
+
+/* hkv_f32_to_bf16 of 8 values (nearest even, NaN -> 0x7fc0), in order */
+static inline __attribute__((always_inline)) __m128i g8_bf16x8(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    const __m256i q = _mm256_castps_si256(_mm256_blendv_ps(
+        _mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc0)), nan));
+    /* (every lane below 2^16: packusdw keeps it) */
+    return _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+}
+
+/* the sums of panels p0 .. p1 - 1 against weight rows n0 .. n0 + nb - 1 (acc[p - p0][j][l]:
+ * row p * 16 + l of y, column n0 + j) -> y: each sum times the row's scale (int8), plus the
+ * bias, rounded to bfloat16 (ybf16) or stored: on 8 lanes, then each row's nb values */
+static void g8_store(float (*acc)[G8_NR][16], int64_t p0, int64_t p1, int64_t M, int64_t n0,
+                     int64_t nb, int wtype, const void *bias, const uint16_t *scale, void *y,
+                     int64_t ldy, int ybf16) {
+    __m256 mul[G8_NR], add[G8_NR];
+    for (int j = 0; j < G8_NR; j++) {
+        const int in = j < nb;
+        mul[j] = _mm256_set1_ps(in && scale ? hkv_bf16_to_f32(scale[n0 + j]) : 1.0f);
+        add[j] = _mm256_set1_ps(!in || !bias ? 0.0f
+                                : wtype == 0 ? ((const float *)bias)[n0 + j]
+                                             : hkv_bf16_to_f32(((const uint16_t *)bias)[n0 + j]));
+    }
+    for (int64_t p = p0; p < p1; p++) {
+        const int64_t rows = M - p * G8_MR < G8_MR ? M - p * G8_MR : G8_MR;
+        float(*a)[16] = acc[p - p0];
+        uint16_t h[G8_NR][16];
+        for (int j = 0; j < G8_NR; j++)
+            for (int half = 0; half < 2; half++) {
+                /* the scale once per sum (int8), then the bias: as the tiles */
+                const __m256 v = _mm256_add_ps(
+                    _mm256_mul_ps(_mm256_loadu_ps(a[j] + 8 * half), mul[j]), add[j]);
+                if (ybf16)
+                    _mm_storeu_si128((__m128i *)(h[j] + 8 * half), g8_bf16x8(v));
+                else
+                    _mm256_storeu_ps(a[j] + 8 * half, v);
+            }
+        for (int64_t l = 0; l < rows; l++) {
+            const int64_t at = (p * G8_MR + l) * ldy + n0;
+            if (ybf16)
+                for (int j = 0; j < nb; j++) ((uint16_t *)y)[at + j] = h[j][l];
+            else
+                for (int j = 0; j < nb; j++) ((float *)y)[at + j] = a[j][l];
+        }
     }
 }
 
@@ -528,34 +597,14 @@ int hkv_avx2_gemm(const void *x, int64_t ldx, int xbf16, const void *w, int wtyp
                         for (int j = 0; j < G8_NR; j++) wr[j] = wb + j * G8_KC;
                     }
                     for (int64_t p = p0; p < p1; p++) {
-                        const float *piece = xp + (p * K + k0) * G8_MR;
+                        const float *piece = g8_piece(xp, panels, K, p, k0);
                         if (M - p * G8_MR > 8)
                             g8_kernel(piece, wr, kc, acc[p - p0], k0 == 0, 2);
                         else
                             g8_kernel(piece, wr, kc, acc[p - p0], k0 == 0, 1);
                     }
                 }
-                float add[G8_NR], mul[G8_NR];
-                for (int j = 0; j < nb; j++) {
-                    mul[j] = scale ? hkv_bf16_to_f32(scale[n0 + j]) : 1.0f;
-                    add[j] = !bias ? 0.0f
-                             : wtype == 0 ? ((const float *)bias)[n0 + j]
-                                          : hkv_bf16_to_f32(((const uint16_t *)bias)[n0 + j]);
-                }
-                for (int64_t p = p0; p < p1; p++) {
-                    const int64_t rows = M - p * G8_MR < G8_MR ? M - p * G8_MR : G8_MR;
-                    for (int64_t l = 0; l < rows; l++) {
-                        const int64_t at = (p * G8_MR + l) * ldy + n0;
-                        for (int j = 0; j < nb; j++) {
-                            /* the scale once per sum (int8), then the bias: as the tiles */
-                            const float v = acc[p - p0][j][l] * mul[j] + add[j];
-                            if (ybf16)
-                                ((uint16_t *)y)[at + j] = hkv_f32_to_bf16(v);
-                            else
-                                ((float *)y)[at + j] = v;
-                        }
-                    }
-                }
+                g8_store(acc, p0, p1, M, n0, nb, wtype, bias, scale, y, ldy, ybf16);
             }
         }
         free(wb);
