@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from hybridkv.forward_batch import StateMetadata  # noqa: E402
 from hybridkv.layers.mlp import silu_and_mul  # noqa: E402
-from hybridkv.layers.state_base import StateMetadata  # noqa: E402
 from hybridkv.ops import native  # noqa: E402
 from hybridkv.ops.gated_delta import gdn_gates  # noqa: E402
 from hybridkv.ops.gdn_ops import NativeGDNOps, TorchGDNOps  # noqa: E402

@@ -84,7 +84,7 @@ def gdn_ops(kernels):
 
 
 def state_meta(pages, has_initial_state, query_start_loc, max_query_len):
-    from hybridkv.layers.state_base import StateMetadata
+    from hybridkv.forward_batch import StateMetadata
 
     return StateMetadata(pages, has_initial_state, query_start_loc, max_query_len)
 

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from hybridkv.dtypes import torch_dtype
+from hybridkv.forward_batch import ForwardBatch
 from hybridkv.kv.specs import AttentionSpec, CacheDtypes, LayerSpec, MLASpec, StateSpec
 from hybridkv.layers.attention.base import AttentionImpl
-from hybridkv.worker.batch import ForwardBatch
 
 
 @dataclass(frozen=True)

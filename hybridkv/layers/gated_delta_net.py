@@ -22,16 +22,15 @@ import torch
 from torch import nn
 
 from hybridkv.distributed.parallel import current, declare_shards, explicit
+from hybridkv.forward_batch import ForwardBatch, StateMetadata
 from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
 from hybridkv.layers.cache import CacheOwner, StateCache
-from hybridkv.layers.state_base import StateMetadata
 from hybridkv.ops.derived import derived
 from hybridkv.ops.gated_delta import gdn_gates
 from hybridkv.ops.gdn_ops import TorchGDNOps
 from hybridkv.ops.native import bf16_linear as native_bf16
 from hybridkv.ops.native import gdn_prep as native_prep
 from hybridkv.ops.norm import gated_rms_norm
-from hybridkv.worker.batch import ForwardBatch
 
 CONV, RECURRENT = "conv", "recurrent"  # the state tensors this layer declares and reads
 LAYOUTS = ("qwen3_next", "qwen3_5", "olmo_hybrid")

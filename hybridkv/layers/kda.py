@@ -33,12 +33,11 @@ import torch
 from torch import nn
 
 from hybridkv.distributed.parallel import column, current, declare_shards
+from hybridkv.forward_batch import ForwardBatch, StateMetadata
 from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
 from hybridkv.layers.cache import CacheOwner, StateCache
-from hybridkv.layers.state_base import StateMetadata
 from hybridkv.ops.kda import kda_gate
 from hybridkv.ops.kda_ops import TorchKdaOps
-from hybridkv.worker.batch import ForwardBatch
 
 CONVS = ("conv_q", "conv_k", "conv_v")  # the state tensors this layer declares and reads
 RECURRENT = "recurrent"

@@ -40,15 +40,14 @@ import torch
 from torch import nn
 
 from hybridkv.distributed.parallel import column, current, declare_shards, rank0_bias
+from hybridkv.forward_batch import ForwardBatch, StateMetadata
 from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
 from hybridkv.layers.cache import CacheOwner, StateCache
 from hybridkv.layers.linear import small_linear
-from hybridkv.layers.state_base import StateMetadata
 from hybridkv.ops.derived import derived
 from hybridkv.ops.mamba1_ops import Mamba1Params, TorchMamba1Ops
 from hybridkv.ops.native import norms as native_norms
 from hybridkv.ops.norm import rms_norm
-from hybridkv.worker.batch import ForwardBatch
 
 CONV, SSM = "conv", "ssm"  # the state tensors a Mamba1 layer declares and reads
 _OPS = "hybridkv.ops.mamba1_ops:"

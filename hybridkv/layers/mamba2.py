@@ -48,15 +48,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.distributed.parallel import current, declare_shards, explicit, rank0_bias
+from hybridkv.forward_batch import ForwardBatch, StateMetadata
 from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
 from hybridkv.layers.cache import CacheOwner, StateCache
-from hybridkv.layers.state_base import StateMetadata
 from hybridkv.ops.derived import derived
 from hybridkv.ops.mamba2_ops import NormArgs, ScanParams, TorchMamba2Ops
 from hybridkv.ops.native import ssm as native_ssm
 from hybridkv.ops.norm import _apply_weight as apply_norm_weight
 from hybridkv.ops.norm import gated_rms_norm
-from hybridkv.worker.batch import ForwardBatch
 
 SCAN_CHUNK_CAP = 64
 CONV, SSM = "conv", "ssm"  # the state tensors a Mamba2 layer declares and reads

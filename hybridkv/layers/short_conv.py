@@ -25,13 +25,12 @@ import torch
 from torch import nn
 
 from hybridkv.distributed.parallel import column, current, declare_shards, rank0_bias
+from hybridkv.forward_batch import ForwardBatch, StateMetadata
 from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
 from hybridkv.layers.cache import CacheOwner, StateCache
-from hybridkv.layers.state_base import StateMetadata
 from hybridkv.ops.mamba2_ops import TorchMamba2Ops
 from hybridkv.ops.native import elementwise as native_ew
 from hybridkv.ops.native import ssm as native_ssm
-from hybridkv.worker.batch import ForwardBatch
 
 
 def _mul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 from hybridkv.distributed.layers import vocab_embedding, vocab_head
+from hybridkv.forward_batch import ForwardBatch
 from hybridkv.layers.attention.self_attention import CosSin
 from hybridkv.layers.mlp import GatedMLP, RMSNorm
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.granitemoehybrid import Mamba2HybridConfig
 from hybridkv.ops.elementwise import residual_add
-from hybridkv.worker.batch import ForwardBatch
 
 # transformers' BambaConfig forces a partial rotary factor of 0.5 when none is given
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5

@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from hybridkv.distributed.parallel import read_full, read_shard, shard_specs
+from hybridkv.forward_batch import ForwardBatch
 from hybridkv.kv.specs import CacheDtypes, CacheLayer
 from hybridkv.layers.cache import CacheOwner, LayerCache
 from hybridkv.models.hf_config import HFConfig
 from hybridkv.ops.elementwise import logits_float32
-from hybridkv.worker.batch import ForwardBatch
 
 
 class CausalLM(nn.Module):

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from hybridkv.distributed.layers import vocab_embedding, vocab_head
+from hybridkv.forward_batch import ForwardBatch
 from hybridkv.kv.specs import ConfigError
 from hybridkv.layers.attention.mla import CosSin, MultiHeadLatentAttention, mla_softmax_scale
 from hybridkv.layers.mlp import GatedMLP, RMSNorm
@@ -44,7 +45,6 @@ from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig
 from hybridkv.models.loader import stack_gated_experts
-from hybridkv.worker.batch import ForwardBatch
 
 EXPERT_WEIGHT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 ROPE_TYPES = ("default", "yarn", "linear", "llama3")

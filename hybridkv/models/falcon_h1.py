@@ -39,13 +39,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.distributed.layers import vocab_embedding, vocab_head
+from hybridkv.forward_batch import ForwardBatch
 from hybridkv.layers.attention.self_attention import CosSin, SelfAttention
 from hybridkv.layers.mamba2 import Mamba2Mixer
 from hybridkv.layers.mlp import GatedMLP, RMSNorm
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig, config_float
-from hybridkv.worker.batch import ForwardBatch
 
 MUP_PARTS = ("z", "x", "B", "C", "dt")  # the slices of in_proj's output ssm_multipliers scale
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from hybridkv.distributed.layers import vocab_embedding, vocab_head
 from hybridkv.distributed.parallel import column, current, declare_shards
+from hybridkv.forward_batch import ForwardBatch
 from hybridkv.kv.specs import ConfigError
 from hybridkv.layers.activation import gelu_tanh_mul
 from hybridkv.layers.attention.self_attention import CosSin, SelfAttention
@@ -38,7 +39,6 @@ from hybridkv.layers.rotary import RotaryEmbedding, rope_parameters
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import HFConfig, layer_types
 from hybridkv.ops.elementwise import logits_float32, residual_add
-from hybridkv.worker.batch import ForwardBatch
 
 logger = logging.getLogger("hybridkv")
 

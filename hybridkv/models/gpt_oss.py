@@ -30,6 +30,7 @@ from torch import nn
 
 from hybridkv.distributed.layers import vocab_embedding, vocab_head
 from hybridkv.distributed.parallel import current
+from hybridkv.forward_batch import ForwardBatch
 from hybridkv.kv.specs import ConfigError
 from hybridkv.layers.attention.self_attention import CosSin, SelfAttention
 from hybridkv.layers.mlp import RMSNorm
@@ -37,7 +38,6 @@ from hybridkv.layers.moe import ClampedSwigluExperts, Router, RoutingRule
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import HFConfig, layer_types
-from hybridkv.worker.batch import ForwardBatch
 
 DEFAULT_THETA = 150000.0
 DEFAULT_YARN = {

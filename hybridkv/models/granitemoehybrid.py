@@ -19,6 +19,7 @@ from torch import nn
 
 from hybridkv.distributed.layers import vocab_embedding, vocab_head
 from hybridkv.distributed.parallel import current
+from hybridkv.forward_batch import ForwardBatch
 from hybridkv.layers.attention.self_attention import SelfAttention
 from hybridkv.layers.mamba2 import Mamba2Mixer
 from hybridkv.layers.mlp import FusedGateUpMLP, RMSNorm
@@ -27,7 +28,6 @@ from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig, config_float, layer_types
 from hybridkv.ops.elementwise import logits_float32, residual_add
-from hybridkv.worker.batch import ForwardBatch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,6 +43,7 @@ from torch import nn
 
 from hybridkv.distributed.layers import vocab_embedding, vocab_head
 from hybridkv.distributed.parallel import current
+from hybridkv.forward_batch import ForwardBatch
 from hybridkv.layers.attention.self_attention import SelfAttention
 from hybridkv.layers.mamba1 import Mamba1Mixer
 from hybridkv.layers.mlp import GatedMLP, RMSNorm
@@ -51,7 +52,6 @@ from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import HFConfig
 from hybridkv.models.loader import stack_gated_experts
 from hybridkv.ops.elementwise import residual_add
-from hybridkv.worker.batch import ForwardBatch
 
 EXPERT_WEIGHT = re.compile(
     r"^(.*\.feed_forward\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"

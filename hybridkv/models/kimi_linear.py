@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from hybridkv.distributed.layers import vocab_embedding, vocab_head
+from hybridkv.forward_batch import ForwardBatch
 from hybridkv.kv.specs import ConfigError
 from hybridkv.layers.attention.mla import MultiHeadLatentAttention
 from hybridkv.layers.kda import KimiDeltaAttention
@@ -47,7 +48,6 @@ from hybridkv.layers.moe import GatedExperts, Router, RoutingRule, SharedExperts
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import HFConfig
 from hybridkv.models.loader import stack_gated_experts
-from hybridkv.worker.batch import ForwardBatch
 
 EXPERT_WEIGHT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(w1|w3|w2)\.weight$")
 MIXERS = ("full_attention", "linear_attention")

@@ -50,6 +50,7 @@ from torch import nn
 
 from hybridkv.distributed.layers import vocab_embedding, vocab_head
 from hybridkv.distributed.parallel import column, current, declare_shards
+from hybridkv.forward_batch import ForwardBatch
 from hybridkv.kv.specs import ConfigError
 from hybridkv.layers.activation import silu_mul
 from hybridkv.layers.attention.self_attention import CosSin, SelfAttention
@@ -61,7 +62,6 @@ from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig
 from hybridkv.models.loader import stack_gated_experts
 from hybridkv.ops.elementwise import residual_add
-from hybridkv.worker.batch import ForwardBatch
 
 EXPERT_WEIGHT = re.compile(r"^(.*\.feed_forward\.experts)\.(\d+)\.(w1|w3|w2)\.weight$")
 ATTENTION_RENAMES = (

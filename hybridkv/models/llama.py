@@ -19,13 +19,13 @@ import torch
 from torch import nn
 
 from hybridkv.distributed.layers import vocab_embedding, vocab_head
+from hybridkv.forward_batch import ForwardBatch
 from hybridkv.layers.attention.self_attention import CosSin, SelfAttention
 from hybridkv.layers.mlp import GatedMLP, RMSNorm
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig, layer_types
 from hybridkv.ops.elementwise import residual_add
-from hybridkv.worker.batch import ForwardBatch
 
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
 

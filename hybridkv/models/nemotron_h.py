@@ -41,6 +41,7 @@ from torch import nn
 
 from hybridkv.distributed.layers import vocab_embedding, vocab_head
 from hybridkv.distributed.parallel import column, current, declare_shards, rank0_bias
+from hybridkv.forward_batch import ForwardBatch
 from hybridkv.layers.activation import relu2
 from hybridkv.layers.attention.self_attention import SelfAttention
 from hybridkv.layers.mamba2 import Mamba2Mixer
@@ -49,7 +50,6 @@ from hybridkv.layers.moe import Router, RoutingRule, UngatedExperts
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import HFConfig, layer_types
 from hybridkv.ops.elementwise import residual_add
-from hybridkv.worker.batch import ForwardBatch
 
 # default layout of transformers' NemotronHConfig when config.json gives none
 DEFAULT_LAYOUT = ("mamba", "moe", "attention", "mlp")

@@ -44,6 +44,7 @@ from torch import nn
 
 from hybridkv.distributed.layers import vocab_embedding, vocab_head
 from hybridkv.distributed.parallel import column, declare_shards, explicit
+from hybridkv.forward_batch import ForwardBatch
 from hybridkv.layers.attention.self_attention import SelfAttention
 from hybridkv.layers.gated_delta_net import GatedDeltaNet
 from hybridkv.layers.mlp import GatedMLP, RMSNorm
@@ -51,7 +52,6 @@ from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig, layer_types
 from hybridkv.ops.norm import _apply_weight as apply_norm_weight
-from hybridkv.worker.batch import ForwardBatch
 
 GDN_NORM_EPS = 1e-5  # transformers' OlmoHybridGatedDeltaNet.o_norm, fixed
 CONV_PART = re.compile(r"^(.*\.linear_attn)\.([qkv])_conv1d\.weight$")

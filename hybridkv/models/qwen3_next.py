@@ -39,6 +39,7 @@ from torch import nn
 
 from hybridkv.distributed.layers import vocab_embedding, vocab_head
 from hybridkv.distributed.parallel import current, declare_shards, explicit, rank0_bias
+from hybridkv.forward_batch import ForwardBatch
 from hybridkv.layers.activation import sigmoid_gate
 from hybridkv.layers.attention.layer import PagedAttention
 from hybridkv.layers.attention.self_attention import CosSin
@@ -49,7 +50,6 @@ from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig, layer_types
 from hybridkv.ops.elementwise import residual_add
-from hybridkv.worker.batch import ForwardBatch
 
 logger = logging.getLogger("hybridkv")
 # transformers' default partial rotary factor for these families ("assign default for BC")

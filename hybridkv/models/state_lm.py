@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from hybridkv.distributed.layers import vocab_embedding, vocab_head
+from hybridkv.forward_batch import ForwardBatch
 from hybridkv.layers.cache import CacheOwner
 from hybridkv.layers.mlp import RMSNorm
 from hybridkv.models.base import CausalLM
 from hybridkv.ops.elementwise import residual_add, to_dtype
-from hybridkv.worker.batch import ForwardBatch
 
 
 class StateModelConfig(Protocol):

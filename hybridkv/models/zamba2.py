@@ -83,6 +83,7 @@ from hybridkv.distributed.parallel import (
     explicit,
     rank0_bias,
 )
+from hybridkv.forward_batch import ForwardBatch
 from hybridkv.kv.specs import ConfigError
 from hybridkv.layers.attention.layer import PagedAttention
 from hybridkv.layers.attention.self_attention import CosSin
@@ -91,7 +92,6 @@ from hybridkv.layers.mlp import RMSNorm
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig
-from hybridkv.worker.batch import ForwardBatch
 
 MAMBA_NORM_EPS = 1e-5  # transformers' Zamba2MambaMixer.norm, fixed
 LONG_CONTEXT_POSITIONS = 16384  # transformers: max_position_embeddings when use_long_context

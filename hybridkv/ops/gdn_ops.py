@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridkv.layers.state_base import StateMetadata
+from hybridkv.forward_batch import StateMetadata
 from hybridkv.ops.derived import derived
 from hybridkv.ops.gated_delta import DecodeRows, gated_delta_rule_varlen
 from hybridkv.ops.mamba2_ops import (

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridkv.layers.state_base import StateMetadata
+from hybridkv.forward_batch import StateMetadata
 from hybridkv.ops.gdn_ops import native_conv_applies
 from hybridkv.ops.kda import KdaDecodeRows, kda_varlen
 from hybridkv.ops.mamba2_ops import (

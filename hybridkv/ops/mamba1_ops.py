@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from hybridkv.layers.state_base import StateMetadata
+from hybridkv.forward_batch import StateMetadata
 from hybridkv.ops.elementwise import to_dtype
 from hybridkv.ops.mamba1 import DecodeRows, mamba1_scan_varlen
 from hybridkv.ops.mamba2_ops import NativeMamba2Ops, TorchMamba2Ops, TritonMamba2Ops

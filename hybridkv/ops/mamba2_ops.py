@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from hybridkv.layers.state_base import StateMetadata
+from hybridkv.forward_batch import StateMetadata
 from hybridkv.ops.conv1d import activate, causal_conv1d_varlen, is_decode
 from hybridkv.ops.elementwise import to_dtype
 from hybridkv.ops.mamba2 import decode_in_place, mamba2_scan_varlen, scan_inputs

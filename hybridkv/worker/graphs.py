@@ -34,11 +34,9 @@ import numpy as np
 import torch
 
 from hybridkv.core.scheduler import ScheduledChunk
-from hybridkv.layers.attention.base import AttentionMetadata
-from hybridkv.layers.state_base import StateMetadata
+from hybridkv.forward_batch import AttentionMetadata, ForwardBatch, StateMetadata
 from hybridkv.ops.native.program import Arena, Program, capture
 from hybridkv.ops.native.spans import provide_spans
-from hybridkv.worker.batch import ForwardBatch
 
 if TYPE_CHECKING:
     from hybridkv.worker.model_runner import ModelRunner

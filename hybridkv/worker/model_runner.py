@@ -30,16 +30,15 @@ import torch
 
 from hybridkv.core.managers import StateCopy
 from hybridkv.core.scheduler import ScheduledChunk, SchedulerOutput
+from hybridkv.forward_batch import AttentionMetadata, ForwardBatch, StateMetadata
 from hybridkv.kv.plan import GroupPlan, MemoryPlan
 from hybridkv.kv.specs import StateSpec
-from hybridkv.layers.attention.base import AttentionImpl, AttentionMetadata
+from hybridkv.layers.attention.base import AttentionImpl
 from hybridkv.layers.attention.registry import get_backend
 from hybridkv.layers.cache import AttentionCache, LayerCache, StateCache
-from hybridkv.layers.state_base import StateMetadata
 from hybridkv.models.base import CausalLM
 from hybridkv.ops import native
 from hybridkv.ops.native.spans import provide_spans
-from hybridkv.worker.batch import ForwardBatch
 from hybridkv.worker.block_table import BlockTable
 from hybridkv.worker.buffers import CacheBuffers
 from hybridkv.worker.graphs import DecodeGraphs

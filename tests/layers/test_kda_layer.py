@@ -13,9 +13,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from hybridkv.forward_batch import StateMetadata  # noqa: E402
 from hybridkv.kv.specs import CacheDtypes, kda_state  # noqa: E402
 from hybridkv.layers.kda import CONVS, KimiDeltaAttention  # noqa: E402
-from hybridkv.layers.state_base import StateMetadata  # noqa: E402
 from hybridkv.ops import native  # noqa: E402
 from hybridkv.ops.kda_ops import NativeKdaOps, TorchKdaOps, TritonKdaOps  # noqa: E402
 

@@ -9,10 +9,10 @@ import warnings
 import pytest
 import torch
 
+from hybridkv.forward_batch import StateMetadata
 from hybridkv.kv.plan import select_state_ops
 from hybridkv.kv.specs import CacheDtypes, mamba1_state
 from hybridkv.layers.mamba1 import MAMBA1_OPS, Mamba1Mixer
-from hybridkv.layers.state_base import StateMetadata
 from hybridkv.ops import native
 from hybridkv.ops.mamba1_ops import NativeMamba1Ops, TorchMamba1Ops
 

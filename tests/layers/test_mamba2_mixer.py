@@ -5,8 +5,8 @@ import warnings
 import pytest
 import torch
 
+from hybridkv.forward_batch import StateMetadata
 from hybridkv.layers.mamba2 import Mamba2Mixer
-from hybridkv.layers.state_base import StateMetadata
 
 HIDDEN, HEADS, STATE, GROUPS, CHUNK = 32, 4, 8, 2, 8
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridkv.forward_batch import StateMetadata
 from hybridkv.kv.specs import CacheDtypes, short_conv_state
 from hybridkv.layers.short_conv import ShortConv
-from hybridkv.layers.state_base import StateMetadata
 from hybridkv.ops import native
 from hybridkv.ops.mamba2_ops import NativeMamba2Ops, TorchMamba2Ops
 from hybridkv.ops.native import ssm as native_ssm

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridkv.layers.state_base import StateMetadata
+from hybridkv.forward_batch import StateMetadata
 from hybridkv.ops import native
 from hybridkv.ops.mamba1 import mamba1_scan_varlen
 from hybridkv.ops.mamba1_ops import Mamba1Params, NativeMamba1Ops, TorchMamba1Ops

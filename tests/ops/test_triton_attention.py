@@ -21,7 +21,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hybridkv.layers.attention.base import AttentionMetadata  # noqa: E402
+from hybridkv.forward_batch import AttentionMetadata  # noqa: E402
 from hybridkv.layers.attention.registry import get_backend  # noqa: E402
 from hybridkv.ops import attention as ref  # noqa: E402
 from hybridkv.ops import triton_attention as tri  # noqa: E402

@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hybridkv.layers.state_base import StateMetadata  # noqa: E402
+from hybridkv.forward_batch import StateMetadata  # noqa: E402
 from hybridkv.ops import triton_mamba1 as tri  # noqa: E402
 from hybridkv.ops.mamba1 import mamba1_scan_varlen  # noqa: E402
 from hybridkv.ops.mamba1_ops import Mamba1Params, TorchMamba1Ops, TritonMamba1Ops  # noqa: E402

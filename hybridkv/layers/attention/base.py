@@ -1,37 +1,15 @@
-"""The attention backend interface and its per-step, per-group metadata."""
+"""The attention backend interface (its per-step, per-group metadata, `AttentionMetadata`, is in
+`hybridkv.forward_batch`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol
 
 import torch
 
-
-@dataclass(frozen=True)
-class AttentionMetadata:
-    """What an attention kernel needs for one attention group in one step (immutable).
-
-    Requests are packed: request s owns query tokens query_start_loc[s]:query_start_loc[s+1],
-    the last q_len of its seq_lens[s] context tokens.
-    """
-
-    block_table: torch.Tensor  # [num_seqs, max_kernel_blocks] int32 kernel-block ids
-    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 for padding
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
-    seq_lens: torch.Tensor  # [num_seqs] int32, context length after this step
-    max_query_len: int
-    max_seq_len: int
-
-    @property
-    def num_seqs(self) -> int:
-        return self.seq_lens.shape[0]
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
+from hybridkv.forward_batch import AttentionMetadata
 
 
 class AttentionImpl(Protocol):

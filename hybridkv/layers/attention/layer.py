@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from hybridkv.forward_batch import AttentionMetadata, ForwardBatch
 from hybridkv.kv.specs import AttentionSpec, CacheDtypes
-from hybridkv.layers.attention.base import AttentionMetadata
 from hybridkv.layers.cache import AttentionCache, CacheOwner
-from hybridkv.worker.batch import ForwardBatch
 
 
 class PagedAttention(CacheOwner):

@@ -34,12 +34,11 @@ import torch
 from torch import nn
 
 from hybridkv.distributed.parallel import column, current, declare_shards, rank0_bias
+from hybridkv.forward_batch import AttentionMetadata, ForwardBatch
 from hybridkv.kv.specs import CacheDtypes, MLASpec
-from hybridkv.layers.attention.base import AttentionMetadata
 from hybridkv.layers.cache import AttentionCache, CacheOwner
 from hybridkv.layers.mlp import RMSNorm
 from hybridkv.layers.rotary import RotaryEmbedding
-from hybridkv.worker.batch import ForwardBatch
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 

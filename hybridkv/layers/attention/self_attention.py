@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 from hybridkv.distributed.parallel import column, current, declare_shards, explicit, rank0_bias
+from hybridkv.forward_batch import ForwardBatch
 from hybridkv.layers.attention.layer import PagedAttention
 from hybridkv.layers.mlp import RMSNorm
 from hybridkv.layers.rotary import RotaryEmbedding
-from hybridkv.worker.batch import ForwardBatch
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
