@@ -57,10 +57,11 @@ def cpu_unless_marked(request, monkeypatch):
 @pytest.fixture(params=["native", "torch"])
 def kernels(request, monkeypatch):
     """Run a test with the native CPU kernels (hybridkv.ops.native) and with the PyTorch path."""
-    from hybridkv.ops import native
+    from hybridkv.ops import native, registry
 
     if request.param == "torch":
         monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+        registry.reset_all()  # op choices follow the new setting
     elif native.library() is None:
         pytest.skip("native kernels unavailable here (no C compiler)")
     return request.param
@@ -108,3 +109,15 @@ def tiny_model_dir(tmp_path_factory):
     hf = seeded(GraniteMoeHybridForCausalLM, cfg)
     folder = save_model(hf, tmp_path_factory.mktemp("tiny-granite"))
     return folder
+
+
+@pytest.fixture(autouse=True)
+def _fresh_op_choices():
+    """Each test chooses op implementations afresh (hybridkv.ops.registry chooses once per
+    process), so that a test which sets HYBRIDKV_NATIVE=0 before its first op gets the
+    reference implementations and the next test does not inherit them."""
+    from hybridkv.ops import registry
+
+    registry.reset_all()
+    yield
+    registry.reset_all()

@@ -46,7 +46,6 @@ from hybridkv.layers.cache import CacheOwner, StateCache
 from hybridkv.layers.linear import small_linear
 from hybridkv.ops.derived import derived
 from hybridkv.ops.mamba1_ops import Mamba1Params, TorchMamba1Ops
-from hybridkv.ops.native import norms as native_norms
 from hybridkv.ops.norm import rms_norm
 
 CONV, SSM = "conv", "ssm"  # the state tensors a Mamba1 layer declares and reads
@@ -178,11 +177,7 @@ class Mamba1Mixer(CacheOwner):
         if ones is None:
             ones = torch.ones(x.shape[-1], dtype=torch.float32, device=x.device)
             self._ones[key] = ones
-        out = native_norms.rms_norm(x, ones, self.norm_eps)
-        if out is not None:
-            return out
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.norm_eps)).to(x.dtype)
+        return rms_norm(x, ones, self.norm_eps)  # (times float32 ones: the rounding of x_hat)
 
     def _ssm_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, Di] after the conv -> dt [T, Di] (before its bias and softplus), B, C [T, N].

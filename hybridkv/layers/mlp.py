@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.distributed.parallel import column, current, declare_shards, rank0_bias
+from hybridkv.layers.activation import silu_and_mul, silu_mul
 from hybridkv.ops.derived import derived
 from hybridkv.ops.native import bf16_linear as native_bf16
-from hybridkv.ops.native import elementwise as native_ew
 from hybridkv.ops.native import moe as native_moe
 from hybridkv.ops.norm import add_rms_norm, rms_norm
 
@@ -32,13 +32,6 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, h, multiplier, self.weight, self.eps, self.weight_in_fp32)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [..., 2 * inter] = [gate | up] -> silu(gate) * up: [..., inter]."""
-    out = native_ew.silu_and_mul(x)  # float32 on the CPU: one pass
-    if out is not None:
-        return out
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 # Below this many pairs per expert one batched matmul over every expert (padded to the busiest
@@ -177,8 +170,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        act = native_ew.silu_mul(gate, up)  # one pass on the CPU, rounded as the line below
-        out = self.down_proj(act if act is not None else F.silu(gate) * up)
+        out = self.down_proj(silu_mul(gate, up))
         return self.tp.all_reduce(out) if reduce else out
 
 

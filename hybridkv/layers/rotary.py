@@ -15,9 +15,35 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridkv.ops.native import elementwise as native_ew
+from hybridkv.ops.registry import CPU_FLOATS, OpImpl, declare
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_CPU = frozenset({"cpu"})
+# the cos / sin tables of a step's positions (keyed by the table dtype) and the rotation of
+# q and k (keyed by their dtype): one native pass each on the CPU (a step stays capturable)
+ROPE_COS_SIN = declare(
+    "rope_cos_sin",
+    (
+        OpImpl(
+            "native",
+            "hybridkv.ops.native.elementwise:rope_cos_sin",
+            _CPU,
+            CPU_FLOATS,
+            ("native",),
+            strict=True,
+        ),  # fmt: skip
+        OpImpl("torch", f"{__name__}:torch_rope_cos_sin"),
+    ),
+)
+ROPE = declare(
+    "rope",
+    (
+        OpImpl("native", f"{__name__}:_native_rope", _CPU, CPU_FLOATS, ("native",), strict=True),
+        OpImpl("torch", f"{__name__}:torch_rope"),
+    ),
+)
+# tables of another dtype than q / k (promoted as PyTorch promotes): no kernel takes them
+ROPE_MIXED = declare("rope_mixed_dtypes", (OpImpl("torch", f"{__name__}:torch_rope"),))
 
 
 def rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -136,15 +162,8 @@ class RotaryEmbedding(nn.Module):
         """positions: [num_tokens] -> cos, sin: [num_tokens, rotary_dim] in `dtype`."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        out = native_ew.rope_cos_sin(positions, self.inv_freq, self.attention_scaling, dtype)
-        if out is not None:  # (one kernel call: the same values, a step stays capturable)
-            return out
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
-        if self.attention_scaling != 1.0:  # yarn
-            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
-        return cos.to(dtype), sin.to(dtype)
+        run = ROPE_COS_SIN.chain(positions.device, dtype).first
+        return run(positions, self.inv_freq, self.attention_scaling, dtype)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -155,10 +174,39 @@ class RotaryEmbedding(nn.Module):
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
     """x: [T, heads, head_dim]; cos, sin: [T, rotary_dim] -> x rotated over its first
-    rotary_dim channels (halves), in one native pass on the CPU where it applies."""
-    out = native_ew.rope(x, cos, sin, rotary_dim)
-    if out is not None:
-        return out
+    rotary_dim channels (halves), in one native pass on the CPU (`ROPE`'s choice)."""
+    if cos.dtype != x.dtype:  # float32 tables on bf16 q / k (OLMo-Hybrid): a float32 result
+        return ROPE_MIXED.of(x).first(x, cos, sin, rotary_dim)
+    return ROPE.of(x).first(x, cos, sin, rotary_dim)
+
+
+def torch_rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [n] -> cos, sin [n, 2 * len(inv_freq)] in `dtype` (float32 angles, times
+    `scaling`: yarn's attention scaling)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    if scaling != 1.0:  # yarn
+        cos, sin = cos * scaling, sin * scaling
+    return cos.to(dtype), sin.to(dtype)
+
+
+def _native_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int
+) -> torch.Tensor | None:
+    from hybridkv.ops.native import elementwise
+
+    if x.shape[0] == 0:  # (an empty step: nothing to rotate)
+        return torch.empty(x.shape, dtype=x.dtype)
+    x = x if x.stride(-1) == 1 else x.contiguous()  # the kernel reads channels contiguously
+    return elementwise.rope(x, cos, sin, rotary_dim)
+
+
+def torch_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int
+) -> torch.Tensor:
     rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
     half = rotary_dim // 2
     rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)

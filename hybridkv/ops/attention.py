@@ -1,7 +1,8 @@
 """Paged attention in PyTorch: the reference every other backend is tested against.
 
-Decode rows run in the native CPU kernel (`hybridkv.ops.native`) when it is available;
-`HYBRIDKV_NATIVE=0` keeps every row in the PyTorch code below.
+The KV write and the decode rows are op families (`hybridkv.ops.registry`): on the CPU in
+float32 and bfloat16 caches the native kernels (`hybridkv.ops.native.decode_attention`), else
+the PyTorch code below; chosen once per device and cache dtype (`HYBRIDKV_NATIVE=0`: PyTorch).
 
 The cache of one layer is `kv_cache: [num_kernel_blocks, 2, kernel_block_size, kv_heads, head_dim]`
 (K at index 0, V at index 1). A batch is ragged and packed: request s owns query tokens
@@ -27,7 +28,25 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from hybridkv.ops.native import decode_attention as native_attn
+from hybridkv.ops.registry import CPU_FLOATS, OpError, OpImpl, declare
+
+_CPU = frozenset({"cpu"})
+# keyed by the cache's dtype
+WRITE_KV = declare(
+    "write_kv",
+    (
+        OpImpl("native", f"{__name__}:_native_write_kv", _CPU, CPU_FLOATS, ("native",)),
+        OpImpl("torch", f"{__name__}:torch_write_kv"),
+    ),
+)
+DECODE_ATTENTION = declare(
+    "decode_attention",
+    (
+        OpImpl("native", f"{__name__}:_native_decode", _CPU, CPU_FLOATS, ("native",), strict=True,
+               description="paged, in place (C; AMX / AVX512-BF16 / AVX2 by the CPU record)"),
+        OpImpl("torch", f"{__name__}:torch_decode_attention"),
+    ),
+)  # fmt: skip
 
 
 def write_kv_cache(
@@ -38,8 +57,29 @@ def write_kv_cache(
     k, v: [num_tokens, kv_heads, head_dim]; slot_mapping: [num_tokens] int64
     kv_cache: [num_kernel_blocks, 2, kernel_block_size, kv_heads, head_dim]
     """
-    if native_attn.write_kv_cache(k, v, kv_cache, slot_mapping):  # one pass on the CPU
-        return
+    WRITE_KV.of(kv_cache).first(k, v, kv_cache, slot_mapping)
+
+
+def _native_write_kv(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    from hybridkv.ops.native import decode_attention
+
+    # the kernel copies each token's heads as one run of the cache's dtype
+    k, v = _heads_contiguous(k.to(kv_cache.dtype)), _heads_contiguous(v.to(kv_cache.dtype))
+    if not decode_attention.write_kv_cache(k, v, kv_cache, slot_mapping.long()):
+        shapes = (tuple(k.shape), tuple(kv_cache.shape), kv_cache.is_contiguous())
+        raise OpError(f"the native KV write declined k, cache, contiguous {shapes}")
+
+
+def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, dim] with each token's heads one contiguous run (tokens at any stride)
+    return x if x.stride()[1:] == (x.shape[2], 1) else x.contiguous()
+
+
+def torch_write_kv(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     kbs = kv_cache.shape[2]
     valid = slot_mapping >= 0
     if not bool(valid.all()):
@@ -110,9 +150,7 @@ def _attend(
     q, k, v = q.float(), k.float(), v.float()
     gqa = q.shape[1] != k.shape[1]
     if sinks is None:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa
-        )
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     if gqa:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -168,13 +206,40 @@ def _grouped_decode_attention(
     sliding_window: int | None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Native decode attention when available, else `_decode_attention` per group of similar
-    context lengths (see `_decode_groups`)."""
-    out = native_attn.paged_decode_attention(
-        q, kv_cache, block_table, seq_lens, scale, sliding_window, sinks=sinks
+    """One query per request: `DECODE_ATTENTION`'s choice for the cache's device and dtype."""
+    run = DECODE_ATTENTION.of(kv_cache).first
+    return run(q, kv_cache, block_table, seq_lens, scale, sliding_window, sinks)
+
+
+def _native_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    from hybridkv.ops.native import decode_attention
+
+    # the kernel reads q in the cache's dtype (float32 math either way) and int32 tables
+    table = block_table if block_table.dtype == torch.int32 else block_table.int()
+    out = decode_attention.paged_decode_attention(
+        q.to(kv_cache.dtype), kv_cache, table, seq_lens, scale, sliding_window, sinks=sinks
     )
-    if out is not None:
-        return out
+    return None if out is None else out.to(q.dtype)
+
+
+def torch_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`_decode_attention` per group of similar context lengths (see `_decode_groups`)."""
     lens = seq_lens.tolist()
     groups = _decode_groups(lens)
     if len(groups) == 1:

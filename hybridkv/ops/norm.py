@@ -12,10 +12,11 @@ Where the families differ (read in transformers 5.x):
   and gates after (`norm_before_gate=True`, `weight_in_fp32=True` here).
 
 In float32 every variant gives the same numbers up to rounding order; they differ in bf16/fp16.
-All functions return the input dtype. In float32 and bfloat16 on the CPU the native kernels
-(`hybridkv.ops.native`) compute each in one pass over memory, rounding bfloat16 where the code
-here does; the code here is the reference (and the path for other dtypes, or without a
-compiler).
+All functions return the input dtype. Each is an op family (`hybridkv.ops.registry`): in
+float32 and bfloat16 on the CPU the native kernels (`hybridkv.ops.native.norms`) compute each
+in one pass over memory, rounding bfloat16 where the code here does; the code here is the
+reference and the implementation for other dtypes and devices, or without a compiler. Which
+runs is chosen once per device and dtype (`hybridkv plan --platform cpu` prints it).
 """
 
 from __future__ import annotations
@@ -23,7 +24,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridkv.ops.native import norms as native_norms
+from hybridkv.ops.registry import CPU_FLOATS, OpImpl, declare
+
+_NATIVE = "hybridkv.ops.native.norms:"
+_CPU = frozenset({"cpu"})
+
+
+def _native(fn: str) -> OpImpl:
+    return OpImpl("native", _NATIVE + fn, _CPU, CPU_FLOATS, ("native",), strict=True,
+                  description="one pass over the rows (C)")  # fmt: skip
+
+
+RMS_NORM = declare("rms_norm", (_native("rms_norm"), OpImpl("torch", f"{__name__}:torch_rms_norm")))
+ADD_RMS_NORM = declare(
+    "add_rms_norm", (_native("add_rms_norm"), OpImpl("torch", f"{__name__}:torch_add_rms_norm"))
+)
+GATED_RMS_NORM = declare(
+    "gated_rms_norm",
+    (_native("gated_rms_norm"), OpImpl("torch", f"{__name__}:torch_gated_rms_norm")),
+)
 
 
 def _normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,9 +64,12 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool = False
 ) -> torch.Tensor:
     """RMSNorm over the last dimension. x: [..., hidden]; weight: [hidden] -> [..., hidden]."""
-    out = native_norms.rms_norm(x, weight, eps, weight_in_fp32)
-    if out is not None:
-        return out
+    return RMS_NORM.of(x).first(x, weight, eps, weight_in_fp32)
+
+
+def torch_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool = False
+) -> torch.Tensor:
     x_hat = _normalise(x.float(), eps)
     return _apply_weight(x_hat, weight, x.dtype, weight_in_fp32)
 
@@ -62,11 +84,19 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A residual add and the next norm: (s, rms_norm(s)) with s = x + h * multiplier.
     x, h: [..., hidden] of one dtype; weight: [hidden]."""
-    fused = native_norms.add_rms_norm(x, h, multiplier, weight, eps, weight_in_fp32)
-    if fused is not None:
-        return fused
+    return ADD_RMS_NORM.of(x).first(x, h, multiplier, weight, eps, weight_in_fp32)
+
+
+def torch_add_rms_norm(
+    x: torch.Tensor,
+    h: torch.Tensor,
+    multiplier: float,
+    weight: torch.Tensor,
+    eps: float,
+    weight_in_fp32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     total = x + (h if multiplier == 1.0 else h * multiplier)
-    return total, rms_norm(total, weight, eps, weight_in_fp32)
+    return total, torch_rms_norm(total, weight, eps, weight_in_fp32)
 
 
 def gated_rms_norm(
@@ -87,12 +117,24 @@ def gated_rms_norm(
     `group_size` channels, cast to x.dtype, times weight. Falcon-H1: `norm_before_gate=True,
     weight_in_fp32=True` gives silu(gate) * (weight * normalise(x)) computed in float32.
     """
-    if gate is not None:
-        out = native_norms.gated_rms_norm(
+    if gate is None:  # a plain grouped norm (no kernel of its own): the reference
+        return torch_gated_rms_norm(
             x, gate, weight, eps, group_size, norm_before_gate, weight_in_fp32, out_dtype
         )
-        if out is not None:
-            return out
+    run = GATED_RMS_NORM.of(x).first
+    return run(x, gate, weight, eps, group_size, norm_before_gate, weight_in_fp32, out_dtype)
+
+
+def torch_gated_rms_norm(
+    x: torch.Tensor,
+    gate: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    group_size: int,
+    norm_before_gate: bool = False,
+    weight_in_fp32: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     out = _gated_rms_norm(x, gate, weight, eps, group_size, norm_before_gate, weight_in_fp32)
     return out if out_dtype is None else out.to(out_dtype)
 

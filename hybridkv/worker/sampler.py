@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.ops.native import elementwise as native_ew
+from hybridkv.ops.registry import OpImpl, declare
 from hybridkv.sampling_params import SamplingParams
 
 
@@ -70,10 +70,39 @@ def _filter_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(logp < floor, float("-inf"))
 
 
+# greedy tokens: one vectorised, parallel pass over float32 rows on the CPU (the first index
+# of a tie, as torch.argmax)
+ARGMAX = declare(
+    "argmax",
+    (
+        OpImpl(
+            "native",
+            f"{__name__}:_native_argmax",
+            frozenset({"cpu"}),
+            frozenset({"float32"}),
+            ("native",),
+            strict=True,
+        ),  # fmt: skip
+        OpImpl("torch", f"{__name__}:torch_argmax"),
+    ),
+)
+
+
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Greedy tokens of [n, vocab] logits, on the CPU."""
-    tokens = native_ew.argmax_rows(logits)  # float32 on the CPU
-    return tokens if tokens is not None else logits.argmax(dim=-1).cpu()
+    """Greedy tokens of [n, vocab] logits, on the CPU: [n] int64."""
+    return ARGMAX.of(logits).first(logits)
+
+
+def _native_argmax(logits: torch.Tensor) -> torch.Tensor | None:
+    from hybridkv.ops.native import elementwise
+
+    if logits.shape[-1] == 0:
+        return None
+    return elementwise.argmax_rows(logits if logits.stride(-1) == 1 else logits.contiguous())
+
+
+def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1).cpu()
 
 
 def _token_counts(rows: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 
 from hybridkv.engine import Engine
 from hybridkv.kv.specs import MLASpec
-from hybridkv.ops import mla
+from hybridkv.ops import mla, registry
 from hybridkv.sampling_params import SamplingParams
 from tests.models.conformance import MIN_MARGIN
 from tests.models.utils import engine_greedy, prompts, reference_greedy, save_model
@@ -143,6 +143,7 @@ def test_a_ranks_heads_give_its_slice_of_the_output(native: str, monkeypatch) ->
     from hybridkv.ops.native import mla as native_mla
 
     monkeypatch.setenv("HYBRIDKV_NATIVE", native)
+    registry.reset_all()  # op choices follow the new setting
     if native == "1" and not native_mla.available():
         pytest.skip("native kernels unavailable (no compiler)")
     heads, size = 6, 2

@@ -13,7 +13,7 @@ from hybridkv.forward_batch import StateMetadata
 from hybridkv.kv.plan import select_state_ops
 from hybridkv.kv.specs import CacheDtypes, mamba1_state
 from hybridkv.layers.mamba1 import MAMBA1_OPS, Mamba1Mixer
-from hybridkv.ops import native
+from hybridkv.ops import native, registry
 from hybridkv.ops.mamba1_ops import NativeMamba1Ops, TorchMamba1Ops
 
 HIDDEN, DI, STATE, CONV, RANK = 16, 40, 8, 4, 3
@@ -133,6 +133,7 @@ def mamba1_ops(request, monkeypatch):
     """The ops a Mamba1 state group would run: the native kernels or the PyTorch reference."""
     if request.param == "torch":
         monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+        registry.reset_all()  # op choices follow the new setting
         return TorchMamba1Ops()
     if native.library() is None:
         pytest.skip("no native kernels on this machine")

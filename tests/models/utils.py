@@ -104,6 +104,7 @@ def engine_greedy(engine: Engine, prompt_ids: list[list[int]], max_new_tokens: i
     while engine.has_unfinished:
         for out in engine.step():
             if out.finished:
+                assert out.error is None, out.error
                 done[out.request_id] = out.token_ids
     engine.cache.check_integrity()
     assert engine.cache.usage()["in_use"] == 0

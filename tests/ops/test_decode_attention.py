@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridkv.ops import native
+from hybridkv.ops import native, registry
 from hybridkv.ops.attention import paged_attention
 from hybridkv.ops.native import decode_attention as native_attn
 
@@ -213,6 +213,7 @@ def test_engine_path_matches_pytorch_path(dtype, monkeypatch):
     qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
     out = paged_attention(q, cache, table, qsl, sl, 0.125, sliding_window=None)
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    registry.reset_all()  # op choices follow the new setting
     ref = paged_attention(q, cache, table, qsl, sl, 0.125, sliding_window=None)
     assert out.dtype == ref.dtype == dtype
     check(out, ref.double(), dtype)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridkv.ops import mla
+from hybridkv.ops import mla, registry
 
 from .mla_cases import absorbed, expanded_reference, make_case
 
@@ -15,6 +15,7 @@ from .mla_cases import absorbed, expanded_reference, make_case
 @pytest.fixture(autouse=True)
 def pytorch_only(monkeypatch):
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")  # native tests below set it back
+    registry.reset_all()  # op choices follow the new setting
 
 
 @pytest.mark.parametrize("kbs", [1, 4, 16, 64])
@@ -73,6 +74,7 @@ def test_native_decode_matches_the_reference(kbs, dtype, tol, monkeypatch):
     from hybridkv.ops.native import mla as native_mla
 
     monkeypatch.setenv("HYBRIDKV_NATIVE", "1")
+    registry.reset_all()  # op choices follow the new setting
     if not native_mla.available():
         pytest.skip("native kernels unavailable (no compiler)")
     case = make_case([1] * 4, [1, 70, 129, 33], kbs, ratio=3, heads=5, dtype=dtype, seed=kbs)
@@ -87,6 +89,7 @@ def test_native_decode_declines_what_it_cannot_read(monkeypatch):
     from hybridkv.ops.native import mla as native_mla
 
     monkeypatch.setenv("HYBRIDKV_NATIVE", "1")
+    registry.reset_all()  # op choices follow the new setting
     case = make_case([1, 1], [10, 20], 8, seed=1)
     q = absorbed(case, [0, 1])
     args = (case.cache, case.table, case.seq_lens, case.scale, case.rank)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridkv.ops import native
+from hybridkv.ops import native, registry
 from hybridkv.ops.mamba2 import ssd_step
 from hybridkv.ops.native import decode_attention as native_attn
 from hybridkv.ops.native import elementwise as native_ew
@@ -29,6 +29,7 @@ def test_library_builds_and_is_cached():
 
 def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    registry.reset_all()  # op choices follow the new setting
     assert native.library() is None
     q = torch.randn(1, 2, 4)
     cache = torch.zeros(2, 2, 4, 1, 4)
@@ -298,6 +299,7 @@ def test_bf16_norm_rows_round_where_pytorch_does(weight_in_fp32, weight_dtype, m
     assert native_norms.gated_rms_norm(x, z, w, 1e-6, 256, False, weight_in_fp32) is not None
     fast = run()
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    registry.reset_all()  # op choices follow the new setting
     ref = run()
     for out, expected in zip(fast, ref, strict=True):
         assert out.dtype == torch.bfloat16
@@ -331,6 +333,7 @@ def test_gated_norm_mixed_dtypes_is_the_reference_then_the_cast(
     assert native_norms.gated_rms_norm(*args, False, out_dtype) is not None  # the kernel runs
     fast = norm.gated_rms_norm(*args, out_dtype=out_dtype)
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    registry.reset_all()  # op choices follow the new setting
     ref = norm.gated_rms_norm(*args, out_dtype=out_dtype)
     assert fast.dtype == ref.dtype == out_dtype
     tol = 2**-7 if torch.bfloat16 in (x_dtype, out_dtype) else 2e-6
@@ -358,6 +361,7 @@ def test_gated_norm_of_bfloat16_x_into_float32_is_rounded_in_x_dtype(
     assert native_norms.gated_rms_norm(*args, False, torch.float32) is not None
     fast = norm.gated_rms_norm(*args, out_dtype=torch.float32)
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    registry.reset_all()  # op choices follow the new setting
     ref = norm.gated_rms_norm(*args, out_dtype=torch.float32)
     assert fast.dtype == ref.dtype == torch.float32
     assert torch.equal(fast, fast.bfloat16().float())  # bfloat16 values, widened
@@ -383,6 +387,7 @@ def test_rope_is_the_pytorch_rotation(dtype, rotary_dim, monkeypatch):
     assert native_ew.rope(k, cos, sin, rotary_dim) is not None
     fast = [_rotate(t, cos, sin, rotary_dim) for t in (q, k)]
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    registry.reset_all()  # op choices follow the new setting
     ref = [_rotate(t, cos, sin, rotary_dim) for t in (q, k)]
     for a, b in zip(fast, ref, strict=True):
         assert a.shape == b.shape and a.dtype == dtype
@@ -406,10 +411,12 @@ def test_write_kv_cache_puts_every_row_where_the_pytorch_path_does(dtype, monkey
     caches = []
     for native_on in ("1", "0"):
         monkeypatch.setenv("HYBRIDKV_NATIVE", native_on)
+        registry.reset_all()  # op choices follow the new setting
         cache = torch.full((4, 2, 3, 2, 4), float("nan"), dtype=dtype)
         write_kv_cache(k, v, cache, slots)
         caches.append(cache)
     monkeypatch.setenv("HYBRIDKV_NATIVE", "1")
+    registry.reset_all()  # op choices follow the new setting
     assert native_attn.write_kv_cache(k, v, caches[0].clone(), slots)  # the kernel takes these
     assert torch.equal(caches[0].isnan(), caches[1].isnan())
     assert torch.equal(caches[0].nan_to_num(), caches[1].nan_to_num())

@@ -24,6 +24,7 @@ if not torch.cuda.is_available():
 from hybridkv.forward_batch import AttentionMetadata  # noqa: E402
 from hybridkv.layers.attention.registry import get_backend  # noqa: E402
 from hybridkv.ops import attention as ref  # noqa: E402
+from hybridkv.ops import registry
 from hybridkv.ops import triton_attention as tri  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -46,6 +47,7 @@ def pytorch_reference(monkeypatch):
     """Compare the Triton kernels with the PyTorch reference itself, not the native CPU kernel
     that `ref.paged_attention` would use for decode rows."""
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    registry.reset_all()  # op choices follow the new setting
 
 
 def page_mode_table(

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 
 from hybridkv.ops import conv1d as ref_conv  # noqa: E402
 from hybridkv.ops import mamba2 as ref_ssm  # noqa: E402
+from hybridkv.ops import registry
 from hybridkv.ops import triton_mamba as tri  # noqa: E402
 
 DEV = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.triton
 def pytorch_reference(monkeypatch):
     """The reference is the PyTorch path itself, not the native CPU kernels."""
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    registry.reset_all()  # op choices follow the new setting
 
 
 def nan_pages(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from hybridkv.forward_batch import StateMetadata  # noqa: E402
+from hybridkv.ops import registry
 from hybridkv.ops import triton_mamba1 as tri  # noqa: E402
 from hybridkv.ops.mamba1 import mamba1_scan_varlen  # noqa: E402
 from hybridkv.ops.mamba1_ops import Mamba1Params, TorchMamba1Ops, TritonMamba1Ops  # noqa: E402
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.triton
 def pytorch_reference(monkeypatch):
     """The reference is the PyTorch path itself, not the native CPU kernels."""
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    registry.reset_all()  # op choices follow the new setting
 
 
 class Batch:

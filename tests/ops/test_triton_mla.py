@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 
 from hybridkv.layers.attention.registry import get_backend  # noqa: E402
 from hybridkv.ops import mla as ref  # noqa: E402
+from hybridkv.ops import registry
 from hybridkv.ops import triton_mla as tri  # noqa: E402
 
 from .mla_cases import absorbed, expanded_reference, make_case  # noqa: E402
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.triton
 @pytest.fixture(autouse=True)
 def pytorch_reference(monkeypatch):
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    registry.reset_all()  # op choices follow the new setting
 
 
 @pytest.mark.parametrize(("kbs", "ratio"), [(64, 1), (64, 3), (128, 1), (32, 2), (16, 2), (48, 2)])

@@ -1,0 +1,86 @@
+"""Op families declare implementations; a chain is chosen once per (device, dtype)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv.ops import registry
+from hybridkv.ops.registry import OpError, OpFamily, OpImpl
+
+_ME = "tests.ops.test_registry"
+
+
+def fast(x: torch.Tensor) -> str:
+    return "fast"
+
+
+def small(x: torch.Tensor) -> str:
+    return "small"
+
+
+def slow(x: torch.Tensor) -> str:
+    return "slow"
+
+
+def _family() -> OpFamily:
+    return OpFamily(
+        "demo",
+        (
+            OpImpl("small", f"{_ME}:small", frozenset({"cpu"}), needs=("avx2",), max_rows=4),
+            OpImpl(
+                "fast", f"{_ME}:fast", frozenset({"cpu"}), frozenset({"float32"}), needs=("avx512",)
+            ),  # fmt: skip
+            OpImpl("slow", f"{_ME}:slow"),
+        ),
+    )
+
+
+def test_choose_takes_declared_order_until_an_unlimited_link() -> None:
+    fam = _family()
+    have = frozenset({"avx2", "avx512"})
+    assert [i.name for i in fam.choose("cpu", "float32", have)] == ["small", "fast"]
+    assert [i.name for i in fam.choose("cpu", "bfloat16", have)] == ["small", "slow"]
+    assert [i.name for i in fam.choose("cpu", "float32", frozenset())] == ["slow"]
+    assert [i.name for i in fam.choose("cuda", "float32", have)] == ["slow"]
+
+
+def test_none_runs_names_every_reason() -> None:
+    fam = OpFamily("only", (OpImpl("x", f"{_ME}:fast", frozenset({"cpu"}), needs=("amx_bf16",)),))
+    with pytest.raises(OpError, match=r"only .* x needs amx_bf16"):
+        fam.choose("cpu", "float32", frozenset())
+    with pytest.raises(OpError, match="runs on cpu, not cuda"):
+        fam.choose("cuda", "float32", frozenset({"amx_bf16"}))
+
+
+def test_chain_runs_the_link_for_the_rows(monkeypatch) -> None:
+    monkeypatch.setattr(registry, "capabilities", lambda device: frozenset({"avx2", "avx512"}))
+    fam = _family()
+    chain = fam.of(torch.zeros(3, 2))
+    assert chain.describe() == "small (rows <= 4), fast"
+    assert chain.for_rows(1)(None) == "small" and chain.for_rows(4)(None) == "small"
+    assert chain.for_rows(5)(None) == "fast"
+    assert fam.of(torch.zeros(1)) is chain  # chosen once, then looked up
+
+
+def test_a_family_must_end_with_an_unlimited_implementation() -> None:
+    with pytest.raises(ValueError, match="any rows"):
+        OpFamily("bad", (OpImpl("a", f"{_ME}:fast", max_rows=8),))
+    with pytest.raises(ValueError, match="unique"):
+        OpFamily("dup", (OpImpl("a", f"{_ME}:fast"), OpImpl("a", f"{_ME}:slow")))
+
+
+def test_every_declared_family_has_a_chain_on_this_cpu() -> None:
+    rows = registry.table("cpu", ["float32", "bfloat16"])
+    assert rows, "no op family declared"
+    for name, dtype, text in rows:
+        assert not text.startswith("none"), (name, dtype, text)
+    with pytest.raises(KeyError, match="declared: "):
+        registry.lookup("no_such_op")
+
+
+def test_every_implementation_imports() -> None:
+    registry._import_declaring()
+    for family in registry.FAMILIES.values():
+        for impl in family.impls:
+            assert callable(impl.load()), impl
