@@ -15,7 +15,12 @@ unless a row says bf16, `--threads` threads. Before timing, both paths run once 
 of the same inputs and the largest difference of their outputs, relative to the largest output,
 is reported (`rel_diff`).
 
-    python benchmarks/cpu_kernels.py [--repeat 15] [--threads 2] [--json]
+    python benchmarks/cpu_kernels.py [--repeat 15] [--threads 2] [--calls 1] [--json]
+
+`--calls N`: each sample is the mean of N calls in a row (the decode rows take microseconds to
+a few milliseconds: single calls are noisy on a shared machine). The table starts with the CPU
+record (`hybridkv.ops.native.cpu.line()`): which instruction sets the native build has, e.g.
+`HYBRIDKV_NATIVE_MARCH=x86-64-v3` for an AVX2-only CPU's.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from hybridkv.ops.gated_delta import gdn_gates  # noqa: E402
 from hybridkv.ops.gdn_ops import NativeGDNOps, TorchGDNOps  # noqa: E402
 from hybridkv.ops.mamba1_ops import Mamba1Params, NativeMamba1Ops, TorchMamba1Ops  # noqa: E402
 from hybridkv.ops.mamba2_ops import NativeMamba2Ops, ScanParams, TorchMamba2Ops  # noqa: E402
+from hybridkv.ops.native import cpu  # noqa: E402
 from hybridkv.ops.norm import add_rms_norm, gated_rms_norm, rms_norm  # noqa: E402
 
 HIDDEN, HEADS, HEAD_DIM, D_STATE, CONV_WIDTH, INTER = 768, 24, 64, 64, 4, 1536
@@ -185,11 +191,13 @@ def agreement() -> dict[str, float]:
     return diffs
 
 
-def time_once(fn: Callable[[], object], use_native: bool) -> float:
+def time_once(fn: Callable[[], object], use_native: bool, calls: int = 1) -> float:
+    """Seconds per call, the mean of `calls` calls in a row."""
     os.environ["HYBRIDKV_NATIVE"] = "1" if use_native else "0"
     start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--calls", type=int, default=1, help="calls per sample (their mean time)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if native.library() is None:
@@ -211,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                 time_once(fn, use_native)
             for _ in range(args.repeat):
                 for use_native in (True, False):
-                    times[use_native].append(time_once(fn, use_native))
+                    times[use_native].append(time_once(fn, use_native, args.calls))
             torch_ms = statistics.median(times[False]) * 1e3
             native_ms = statistics.median(times[True]) * 1e3
             rows.append(
@@ -222,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
+    print(cpu.line())  # (HYBRIDKV_NATIVE_MARCH=x86-64-v3: the AVX2 build)
     print(f"{'op':40s} {'torch ms':>10s} {'native ms':>10s} {'speedup':>8s} {'rel_diff':>9s}")
     for r in rows:
         print(

@@ -301,6 +301,135 @@ GD_INLINE void gd_block(const int sb, const int init, const int full, char *base
     }
 }
 
+/* bfloat16 states: each 16 columns as two vectors, their 8 even columns and their 8 odd ones.
+ * A row's 16 values are then widened by a shift and a mask of one 256-bit load, and rounded
+ * back into one 256-bit store (the even results' bits shifted down, the odd ones' masked,
+ * or-ed), where 8 columns in order cost a vpmovzxwd to widen and a vpackusdw and a
+ * vextracti128 to store (the shuffle port was the bound). The columns of v and o are
+ * permuted to match once per block. */
+
+/* 16 bfloat16 values at p (n < 16: the first n, zeros after) as their even and odd elements */
+GD_INLINE void gd_load16_eo(const void *p, int64_t n, __m256 *e, __m256 *o) {
+    __m256i raw;
+    if (n >= 16) {
+        raw = _mm256_loadu_si256((const __m256i *)p);
+    } else {
+        uint16_t buf[16] __attribute__((aligned(32))) = {0};
+        memcpy(buf, p, sizeof(uint16_t) * (size_t)(n < 0 ? 0 : n));
+        raw = _mm256_load_si256((const __m256i *)buf);
+    }
+    *e = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    *o = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32((int)0xffff0000)));
+}
+
+/* hkv_f32_to_bf16 of the even elements e and odd elements o, in order, to 16 values at p
+ * (n < 16: the first n) */
+GD_INLINE void gd_store16_eo(void *p, __m256 e, __m256 o, int64_t n) {
+    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
+    __m256i be = _mm256_castps_si256(e), bo = _mm256_castps_si256(o);
+    be = _mm256_add_epi32(be, _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(be, 16), one),
+                                               half));
+    bo = _mm256_add_epi32(bo, _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(bo, 16), one),
+                                               half));
+    const __m256 lo = _mm256_blendv_ps(_mm256_castsi256_ps(_mm256_srli_epi32(be, 16)),
+                                       _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc0)),
+                                       _mm256_cmp_ps(e, e, _CMP_UNORD_Q));
+    const __m256 hi = _mm256_blendv_ps(
+        _mm256_castsi256_ps(_mm256_and_si256(bo, _mm256_set1_epi32((int)0xffff0000))),
+        _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), _mm256_cmp_ps(o, o, _CMP_UNORD_Q));
+    const __m256i r = _mm256_castps_si256(_mm256_or_ps(lo, hi));
+    if (n >= 16) {
+        _mm256_storeu_si256((__m256i *)p, r);
+        return;
+    }
+    uint16_t buf[16] __attribute__((aligned(32)));
+    _mm256_store_si256((__m256i *)buf, r);
+    memcpy(p, buf, sizeof(uint16_t) * (size_t)(n < 0 ? 0 : n));
+}
+
+/* 16 float32 values at p (n < 16: the first n, zeros after) as their even and odd elements */
+GD_INLINE void gd_loadf_eo(const float *p, int64_t n, __m256 *e, __m256 *o) {
+    const __m256 a = n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, hkv_mask8(n));
+    const __m256 b = n >= 16 ? _mm256_loadu_ps(p + 8) : _mm256_maskload_ps(p + 8, hkv_mask8(n - 8));
+    /* [a0 a2 b0 b2 | a4 a6 b4 b6] -> 64-bit units 0, 2, 1, 3: a0 a2 a4 a6 b0 b2 b4 b6 */
+    *e = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)),
+                                                0xd8));
+    *o = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xdd)),
+                                                0xd8));
+}
+
+/* even and odd elements e, o in order to 16 float32 values at p (n < 16: the first n) */
+GD_INLINE void gd_storef_eo(float *p, __m256 e, __m256 o, int64_t n) {
+    const __m256 lo = _mm256_unpacklo_ps(e, o), hi = _mm256_unpackhi_ps(e, o);
+    const __m256 a = _mm256_permute2f128_ps(lo, hi, 0x20), b = _mm256_permute2f128_ps(lo, hi, 0x31);
+    if (n >= 16) {
+        _mm256_storeu_ps(p, a);
+        _mm256_storeu_ps(p + 8, b);
+    } else {
+        _mm256_maskstore_ps(p, hkv_mask8(n), a);
+        _mm256_maskstore_ps(p + 8, hkv_mask8(n - 8), b);
+    }
+}
+
+/* gd_block for a bfloat16 state: columns c0 .. c0 + 31 as 2 x 16 (even, odd) */
+GD_INLINE void gd_block_eo(const int init, const int full, char *base, int64_t K, int64_t V,
+                           int64_t c0, const float *qn, const float *kn, float qk,
+                           const void *vrow, int vb, float decay, float beta, float *o,
+                           const char *next, int64_t per_row, int64_t *next_left) {
+    const int64_t stride = V * 2;
+    int64_t m[2]; /* valid columns of each 16 */
+    __m256 p[4], s_q[4], delta[4];
+    GD_UNROLL for (int j = 0; j < 4; j++) p[j] = s_q[j] = _mm256_setzero_ps();
+    m[0] = full ? 16 : V - c0;
+    m[1] = full ? 16 : V - c0 - 16;
+    base += c0 * 2;
+    if (init) { /* pass 1: S^T kn and S^T qn */
+        for (int64_t k = 0; k < K; k++) {
+            const char *row = base + k * stride;
+            const __m256 kk = _mm256_broadcast_ss(kn + k), qq = _mm256_broadcast_ss(qn + k);
+            GD_UNROLL for (int c = 0; c < 2; c++) {
+                __m256 x[2];
+                gd_load16_eo(row + 32 * c, full ? 16 : m[c], x, x + 1);
+                GD_UNROLL for (int h = 0; h < 2; h++) {
+                    p[2 * c + h] = _mm256_fmadd_ps(x[h], kk, p[2 * c + h]);
+                    s_q[2 * c + h] = _mm256_fmadd_ps(x[h], qq, s_q[2 * c + h]);
+                }
+            }
+        }
+    }
+    const __m256 dv = _mm256_set1_ps(decay), bv = _mm256_set1_ps(beta);
+    const __m256 qkv = _mm256_set1_ps(qk);
+    GD_UNROLL for (int c = 0; c < 2; c++) { /* delta, o */
+        const int64_t n = full ? 16 : m[c];
+        __m256 v[2], out[2];
+        if (vb)
+            gd_load16_eo((const uint16_t *)vrow + c0 + 16 * c, n, v, v + 1);
+        else
+            gd_loadf_eo((const float *)vrow + c0 + 16 * c, n, v, v + 1);
+        GD_UNROLL for (int h = 0; h < 2; h++) {
+            const int j = 2 * c + h;
+            delta[j] = _mm256_mul_ps(_mm256_sub_ps(v[h], _mm256_mul_ps(p[j], dv)), bv);
+            out[h] = _mm256_add_ps(_mm256_mul_ps(s_q[j], dv), _mm256_mul_ps(delta[j], qkv));
+        }
+        if (n > 0) gd_storef_eo(o + c0 + 16 * c, out[0], out[1], n);
+    }
+    for (int64_t k = 0; k < K; k++) { /* pass 2: S' = decay S + kn delta */
+        char *row = base + k * stride;
+        const __m256 kk = _mm256_broadcast_ss(kn + k);
+        for (int64_t l = 0; l < per_row && *next_left > 0; l++, (*next_left)--, next += 64)
+            _mm_prefetch(next, _MM_HINT_T0);
+        GD_UNROLL for (int c = 0; c < 2; c++) {
+            if (!full && m[c] <= 0) continue;
+            __m256 x[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+            if (init) gd_load16_eo(row + 32 * c, full ? 16 : m[c], x, x + 1);
+            gd_store16_eo(row + 32 * c,
+                          _mm256_fmadd_ps(delta[2 * c], kk, _mm256_mul_ps(x[0], dv)),
+                          _mm256_fmadd_ps(delta[2 * c + 1], kk, _mm256_mul_ps(x[1], dv)),
+                          full ? 16 : m[c]);
+        }
+    }
+}
+
 static void gd_head(void *head, int sb, int init, int64_t K, int64_t V, const float *qn,
                     const float *kn, float qk, const void *vrow, int vb, float decay, float beta,
                     float *o, const char *next) {
@@ -318,12 +447,16 @@ static void gd_head(void *head, int sb, int init, int64_t K, int64_t V, const fl
         case 1: GD_CALL(0, 0, 1); break;
         case 2: GD_CALL(0, 1, 0); break;
         case 3: GD_CALL(0, 1, 1); break;
-        case 4: GD_CALL(1, 0, 0); break;
-        case 5: GD_CALL(1, 0, 1); break;
-        case 6: GD_CALL(1, 1, 0); break;
-        default: GD_CALL(1, 1, 1); break;
+#define GD_CALL_EO(INIT, FULL)                                                                 \
+    gd_block_eo(INIT, FULL, (char *)head, K, V, c0, qn, kn, qk, vrow, vb, decay, beta, o, nx,    \
+                per_row, &next_left)
+        case 4: GD_CALL_EO(0, 0); break;
+        case 5: GD_CALL_EO(0, 1); break;
+        case 6: GD_CALL_EO(1, 0); break;
+        default: GD_CALL_EO(1, 1); break;
         }
 #undef GD_CALL
+#undef GD_CALL_EO
     }
 }
 
