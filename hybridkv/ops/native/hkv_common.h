@@ -251,7 +251,9 @@ int hkv_avx2_gemm(const void *x, int64_t ldx, int xbf16, const void *w, int wtyp
  * an AVX2-only CPU (AMD Zen 2/3, most laptops) runs where AVX-512 machines take the 16-lane
  * ones above. GCC leaves loops over hkv_silu and hkv_exp_nonpositive scalar for AVX2 ("control
  * flow in loop"): their conditionals are float comparisons, which may raise FP exceptions, and
- * GCC if-converts those only with AVX-512's masks (-ftrapping-math, the default). */
+ * GCC if-converts those only with AVX-512's masks (-ftrapping-math, the default): silu_and_mul
+ * of [64, 3072] took 1.5 ms on one thread of the x86-64-v3 build, 0.095 ms with hkv_silu8
+ * (AVX-512: 0.085). */
 
 #define HKV_C8(v) _mm256_set1_ps(v)
 
