@@ -47,19 +47,17 @@ from hybridkv.config import CacheConfig, SchedulerConfig  # noqa: E402
 from hybridkv.core.coordinator import CacheManager  # noqa: E402
 from hybridkv.core.request import Request  # noqa: E402
 from hybridkv.core.scheduler import Scheduler  # noqa: E402
-from hybridkv.kv.plan import (  # noqa: E402
-    MemoryPlan,
-    PlanTarget,
-    cache_layers_for_config,
-    make_plan,
-    plan_for_config,
-)
+from hybridkv.kv.plan import MemoryPlan, PlanTarget, make_plan  # noqa: E402
 from hybridkv.kv.presets import load_preset  # noqa: E402
-from hybridkv.kv.specs import (  # noqa: E402
-    architecture_of,
+from hybridkv.models.config_helpers import (  # noqa: E402
     model_dtype,
     resolve_cache_dtypes,
     text_config,
+)
+from hybridkv.models.registry import (  # noqa: E402
+    architecture_of,
+    declared_cache_layers,
+    plan_for_config,
 )
 from hybridkv.sampling_params import SamplingParams  # noqa: E402
 
@@ -231,7 +229,7 @@ def whole_context_plan(config: dict, cfg: CacheConfig) -> MemoryPlan:
         replace(layer, spec=replace(layer.spec, sliding_window=None))
         if getattr(layer.spec, "sliding_window", None) is not None
         else layer
-        for layer in cache_layers_for_config(config, dtypes)
+        for layer in declared_cache_layers(config, dtypes)
     ]
     max_len = int(text_config(config).get("max_position_embeddings") or 4096)
     target = PlanTarget(max_len, compute_dtype=model_dtype(config))

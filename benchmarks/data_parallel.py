@@ -42,8 +42,9 @@ from hybridkv.config import CacheConfig, SchedulerConfig  # noqa: E402
 from hybridkv.core.coordinator import CacheManager  # noqa: E402
 from hybridkv.core.request import Request  # noqa: E402
 from hybridkv.core.scheduler import Scheduler  # noqa: E402
-from hybridkv.kv.plan import MemoryPlan, plan_for_config  # noqa: E402
+from hybridkv.kv.plan import MemoryPlan  # noqa: E402
 from hybridkv.kv.presets import load_preset  # noqa: E402
+from hybridkv.models.registry import plan_for_config  # noqa: E402
 from hybridkv.serving.router import (  # noqa: E402
     POLICIES,
     IndexSpec,

@@ -62,20 +62,15 @@ from hybridkv.distributed.runtime import start as start_group
 from hybridkv.dtypes import canonical_dtype, torch_dtype
 from hybridkv.kv.plan import MemoryPlan, PlanTarget, make_plan
 from hybridkv.kv.presets import load_model_config
-from hybridkv.kv.specs import (
-    CacheDtypes,
-    architecture_of,
-    model_dtype,
-    resolve_cache_dtypes,
-    text_config,
-)
+from hybridkv.kv.specs import CacheDtypes
 from hybridkv.layers.attention.registry import BACKENDS, get_backend
 from hybridkv.layers.linear import prepack_linears
 from hybridkv.layers.quantization import QuantizationReport, quantize_model
 from hybridkv.models.base import CausalLM
+from hybridkv.models.config_helpers import model_dtype, resolve_cache_dtypes, text_config
 from hybridkv.models.hf_config import HFConfig
 from hybridkv.models.loader import eos_token_ids, generation_config, iter_weights
-from hybridkv.models.registry import model_class
+from hybridkv.models.registry import architecture_of, model_class
 from hybridkv.outputs import CompletionOutput, RequestOutput
 from hybridkv.sampling_params import MAX_SEED, SamplingParams, check_unicode
 from hybridkv.tokenizer import load_tokenizer

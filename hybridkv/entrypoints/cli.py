@@ -162,8 +162,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from hybridkv.kv.plan import plan_for_config
     from hybridkv.kv.presets import load_model_config
+    from hybridkv.models.registry import plan_for_config
 
     cache = CacheConfig(
         page_tokens=args.page_tokens,

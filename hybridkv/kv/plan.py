@@ -26,7 +26,6 @@ in whole units.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,16 +35,10 @@ from hybridkv.config import CacheConfig
 from hybridkv.dtypes import dtype_bytes
 from hybridkv.kv.specs import (
     AttentionSpec,
-    CacheDtypes,
     CacheLayer,
     LayerSpec,
     MLASpec,
     StateSpec,
-    architecture_of,
-    model_dtype,
-    read_layers,
-    resolve_cache_dtypes,
-    text_config,
 )
 from hybridkv.layers.attention.registry import (
     BACKENDS,
@@ -649,43 +642,3 @@ def make_plan(
         context=ctx,
         allocation=cache.allocation,
     )
-
-
-def cache_layers_for_config(
-    config: dict[str, Any], dtypes: CacheDtypes, tensor_parallel_size: int = 1
-) -> list[CacheLayer]:
-    """A model's cache layers: declared by the model itself (built on the meta device, for one
-    rank of `tensor_parallel_size`) for the families hybridkv runs, read from the config for
-    the plan-only ones (single rank only)."""
-    from hybridkv.models.registry import MODELS
-
-    if architecture_of(config) in MODELS:
-        from hybridkv.models.registry import declared_cache_layers
-
-        return declared_cache_layers(config, dtypes, tensor_parallel_size)
-    if tensor_parallel_size != 1:
-        raise ValueError(
-            f"{architecture_of(config)} is planned from its config only (hybridkv does not run "
-            "it), so it has no per-rank plan; give tensor_parallel_size 1"
-        )
-    return read_layers(config, dtypes)
-
-
-def plan_for_config(
-    config: dict[str, Any],
-    cache: CacheConfig,
-    max_model_len: int | None = None,
-    compute_dtype: str | None = None,
-    tensor_parallel_size: int = 1,
-) -> MemoryPlan:
-    """Plan the cache of a Hugging Face config dict (`hybridkv plan`, benchmarks): one rank's
-    plan at `tensor_parallel_size` (every rank's is the same)."""
-    dtypes = resolve_cache_dtypes(
-        config, cache.kv_cache_dtype, cache.state_dtype, cache.ssm_state_dtype
-    )
-    layers = cache_layers_for_config(config, dtypes, tensor_parallel_size)
-    if max_model_len is None:
-        max_model_len = int(text_config(config).get("max_position_embeddings") or 4096)
-    target = PlanTarget(max_model_len, compute_dtype=compute_dtype or model_dtype(config))
-    plan = make_plan(layers, cache, architecture_of(config), target)
-    return dataclasses.replace(plan, tensor_parallel_size=tensor_parallel_size)

@@ -17,7 +17,7 @@ saves them; the model's loader maps transformers' in-memory names (`conv1d` stac
 `forget_gate.*`) onto these.
 
 The layer owns its cache (`CacheOwner`): a `kda` state of `conv_q`, `conv_k`, `conv_v`
-[H * D, conv_kernel - 1] and `recurrent` [H, D, D], the same spec as the plan-only
+[H * D, conv_kernel - 1] and `recurrent` [H, D, D], the same spec as
 `hybridkv.kv.specs.kda_state`, and declares where its ops can run (`KDA_OPS`).
 
 Tensor parallel (`hybridkv.distributed`): each rank keeps H / size heads, every size above is

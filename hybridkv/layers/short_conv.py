@@ -9,7 +9,7 @@ checkpoint's tensors load by name. The data flow, with C = conv channels (= hidd
 
 The layer owns its cache (`CacheOwner`): it declares a `short_conv` state spec with one tensor,
 `conv` [C, L_cache - 1] (the last L_cache - 1 inputs of the conv, B * x, per channel), the same
-name and shape as the plan-only `hybridkv.kv.specs.short_conv_state`. The conv itself is the
+name and shape as `hybridkv.kv.specs.short_conv_state`. The conv itself is the
 Mamba2 causal conv1d (`hybridkv.ops.mamba2_ops`: packed varlen requests, state pages updated
 in place); `SHORT_CONV_OPS` says where it can run.
 

@@ -82,7 +82,7 @@ class NemotronHConfig(HFConfig):
     The layout is `layers_block_type` / `layer_types` (lists) or `hybrid_override_pattern` (a
     string of M / * / - / E), else transformers' 4-layer default; `num_hidden_layers` is derived
     from it, as transformers does. `mamba_ssm_cache_dtype` is not read here: it chooses a cache
-    dtype, not a dimension (`hybridkv.kv.specs.resolve_cache_dtypes`)."""
+    dtype, not a dimension (`hybridkv.models.config_helpers.resolve_cache_dtypes`)."""
 
     ARCHITECTURE = "NemotronHForCausalLM"
     # transformers pops the old `mamba_*` spellings over the new ones when both are given

@@ -1,11 +1,19 @@
-"""Architecture name -> model class, imported on first use (this module imports no torch)."""
+"""Architecture name -> model class, imported on first use; the architecture a Hugging Face
+config describes (`architecture_of`), the cache layers its model declares and their memory plan
+(`plan_for_config`, what `hybridkv plan` prints). This module imports no torch."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from hybridkv.kv.plan import MemoryPlan, PlanTarget, make_plan
+from hybridkv.kv.specs import ConfigError
+from hybridkv.models.config_helpers import model_dtype, resolve_cache_dtypes, text_config
+
 if TYPE_CHECKING:
+    from hybridkv.config import CacheConfig
     from hybridkv.kv.specs import CacheDtypes, CacheLayer
     from hybridkv.models.base import CausalLM
     from hybridkv.models.hf_config import HFConfig
@@ -41,6 +49,51 @@ MODELS: dict[str, str] = {
 }
 
 
+# model_type -> architecture, for configs without an "architectures" list.
+MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "bamba": "BambaForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "jamba": "JambaForCausalLM",
+    "falcon_h1": "FalconH1ForCausalLM",
+    "zamba2": "Zamba2ForCausalLM",
+    "mamba": "MambaForCausalLM",
+    "mamba2": "Mamba2ForCausalLM",
+    "falcon_mamba": "FalconMambaForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
+    "lfm2_moe": "Lfm2MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_linear": "KimiLinearForCausalLM",
+}
+
+
+def architecture_of(config: dict[str, Any]) -> str:
+    """The supported architecture a config.json describes, or a one-line error."""
+    if not isinstance(config, dict):
+        raise ConfigError(f"config.json must hold a JSON object, got {type(config).__name__}")
+    archs = config.get("architectures")
+    if isinstance(archs, list) and archs:
+        for arch in archs:
+            if arch in MODELS:
+                return arch
+        name = archs[0]
+    elif config.get("model_type") in MODEL_TYPES:
+        return MODEL_TYPES[config["model_type"]]
+    else:
+        name = config.get("model_type") or "<no architectures or model_type>"
+    raise ConfigError(f"unsupported architecture {name!r}; supported: {', '.join(MODELS)}")
+
+
 def model_class(architecture: str) -> type[CausalLM]:
     if architecture not in MODELS:
         raise ValueError(
@@ -54,8 +107,6 @@ def model_class(architecture: str) -> type[CausalLM]:
 def family_config(config: dict[str, Any]) -> HFConfig:
     """A runnable model's typed config, read from its Hugging Face config dict with the
     defaults of transformers' config class for its architecture."""
-    from hybridkv.kv.specs import architecture_of, text_config
-
     return model_class(architecture_of(config)).config_class.from_hf(text_config(config))
 
 
@@ -65,7 +116,6 @@ def build_on_meta(config: dict[str, Any], tensor_parallel_size: int = 1) -> Caus
     import torch
 
     from hybridkv.distributed.parallel import TensorParallel, building
-    from hybridkv.kv.specs import architecture_of
 
     typed = family_config(config)
     with building(TensorParallel(tensor_parallel_size)), torch.device("meta"):
@@ -85,3 +135,23 @@ def declared_cache_layers(
                 "layers are not sharded yet; give tensor_parallel_size 1"
             )
     return model.cache_layers(dtypes)
+
+
+def plan_for_config(
+    config: dict[str, Any],
+    cache: CacheConfig,
+    max_model_len: int | None = None,
+    compute_dtype: str | None = None,
+    tensor_parallel_size: int = 1,
+) -> MemoryPlan:
+    """Plan the cache of a Hugging Face config dict (`hybridkv plan`, benchmarks): one rank's
+    plan at `tensor_parallel_size` (every rank's is the same)."""
+    dtypes = resolve_cache_dtypes(
+        config, cache.kv_cache_dtype, cache.state_dtype, cache.ssm_state_dtype
+    )
+    layers = declared_cache_layers(config, dtypes, tensor_parallel_size)
+    if max_model_len is None:
+        max_model_len = int(text_config(config).get("max_position_embeddings") or 4096)
+    target = PlanTarget(max_model_len, compute_dtype=compute_dtype or model_dtype(config))
+    plan = make_plan(layers, cache, architecture_of(config), target)
+    return dataclasses.replace(plan, tensor_parallel_size=tensor_parallel_size)

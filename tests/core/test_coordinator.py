@@ -2,8 +2,8 @@ import pytest
 
 from hybridkv.config import CacheConfig
 from hybridkv.core.coordinator import CacheManager
-from hybridkv.kv.plan import plan_for_config
 from hybridkv.kv.presets import load_preset
+from hybridkv.models.registry import plan_for_config
 
 from .helpers import ATTN, STATE, decode, manager, prefill, request
 

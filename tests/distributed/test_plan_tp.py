@@ -11,8 +11,8 @@ import pytest
 
 from hybridkv.config import CacheConfig
 from hybridkv.entrypoints.cli import main
-from hybridkv.kv.plan import plan_for_config
 from hybridkv.kv.presets import load_model_config
+from hybridkv.models.registry import plan_for_config
 
 SIZES = (1, 2, 4, 8)
 

@@ -13,7 +13,8 @@ import torch
 from hybridkv.engine import Engine
 from hybridkv.entrypoints.cli import main
 from hybridkv.kv.presets import load_model_config
-from hybridkv.kv.specs import AttentionSpec, resolve_cache_dtypes
+from hybridkv.kv.specs import AttentionSpec
+from hybridkv.models.config_helpers import resolve_cache_dtypes
 from hybridkv.models.registry import declared_cache_layers
 from tests.models.conformance import MIN_MARGIN
 from tests.models.utils import engine_greedy, prompts, reference_greedy, save_model, seeded

@@ -10,9 +10,10 @@ import pytest
 
 from hybridkv.config import CacheConfig
 from hybridkv.entrypoints.cli import main as cli_main
-from hybridkv.kv.plan import PlanError, PlanTarget, make_plan, plan_for_config
+from hybridkv.kv.plan import PlanError, PlanTarget, make_plan
 from hybridkv.kv.presets import load_preset
 from hybridkv.kv.specs import CacheLayer, MLASpec
+from hybridkv.models.registry import plan_for_config
 
 DEEPSEEK = "deepseek-ai/DeepSeek-V3"
 KIMI = "moonshotai/Kimi-Linear-48B-A3B-Instruct"

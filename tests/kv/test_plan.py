@@ -10,7 +10,6 @@ from hybridkv.kv.plan import (
     layers_per_group_for,
     make_plan,
     pages_to_kernel_blocks,
-    plan_for_config,
     select_kernel_block_size,
     select_state_ops,
     split_bucket,
@@ -30,6 +29,7 @@ from hybridkv.layers.attention.registry import (
     KernelBlockSizes,
     get_backend,
 )
+from hybridkv.models.registry import plan_for_config
 
 GIB = 2**30
 ATTN_SPEC = AttentionSpec(1, 8, "float32")  # 64 bytes per token per layer

@@ -1,25 +1,20 @@
 import pytest
 
-from hybridkv.kv.plan import cache_layers_for_config
 from hybridkv.kv.presets import load_model_config, load_preset, preset_ids
 from hybridkv.kv.specs import (
-    ARCHITECTURES,
     AttentionSpec,
     ConfigError,
     MLASpec,
     StateSpec,
     StateTensor,
-    architecture_of,
-    read_layers,
-    resolve_cache_dtypes,
-    supported_architectures,
 )
+from hybridkv.models.config_helpers import resolve_cache_dtypes
+from hybridkv.models.registry import MODELS, architecture_of, declared_cache_layers
 
 
 def read(cfg, **dtypes):
-    """Cache layers of any config: declared by the model (runnable families, built on the meta
-    device) or read by the plan-only parsers."""
-    return cache_layers_for_config(cfg, resolve_cache_dtypes(cfg, **dtypes))
+    """Cache layers of a config: declared by its model, built on the meta device."""
+    return declared_cache_layers(cfg, resolve_cache_dtypes(cfg, **dtypes))
 
 
 def layers_of(model_id, **dtypes):
@@ -196,11 +191,6 @@ def test_runnable_family_missing_field_takes_the_transformers_default():
     assert {t.name: t.shape for t in state.tensors}["ssm"] == (128, 2 * 4096 // 128, 128)
 
 
-def test_plan_only_reader_refuses_runnable_families():
-    with pytest.raises(ConfigError, match="declares its cache from the model"):
-        read_layers(load_preset("ibm-granite/granite-4.0-h-small"))
-
-
 def test_wrong_layer_count_and_bad_token():
     cfg = load_preset("ibm-granite/granite-4.0-h-small")
     cfg["num_hidden_layers"] = 12
@@ -242,10 +232,9 @@ def test_load_model_config_paths(tmp_path):
 
 
 def test_every_architecture_has_a_model_type_or_preset():
-    from hybridkv.kv.specs import MODEL_TYPES
+    from hybridkv.models.registry import MODEL_TYPES
 
-    assert set(MODEL_TYPES.values()) <= set(supported_architectures())
-    assert set(ARCHITECTURES) <= set(supported_architectures())
+    assert set(MODEL_TYPES.values()) <= set(MODELS)
 
 
 def test_specs_validate():

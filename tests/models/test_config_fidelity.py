@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 import torch
 
-from hybridkv.kv.specs import resolve_cache_dtypes
+from hybridkv.models.config_helpers import resolve_cache_dtypes
 from hybridkv.models.registry import MODELS, build_on_meta
 
 from .conformance import check_prefill_logits

@@ -13,12 +13,18 @@ import pytest
 import torch
 
 from hybridkv.entrypoints.cli import main as cli_main
-from hybridkv.kv.plan import plan_for_config
 from hybridkv.kv.presets import load_preset, preset_ids
-from hybridkv.kv.specs import CacheDtypes, architecture_of, resolve_cache_dtypes
+from hybridkv.kv.specs import CacheDtypes
 from hybridkv.models.base import CausalLM
+from hybridkv.models.config_helpers import resolve_cache_dtypes
 from hybridkv.models.hf_config import LAYER_TYPES
-from hybridkv.models.registry import MODELS, build_on_meta, model_class
+from hybridkv.models.registry import (
+    MODELS,
+    architecture_of,
+    build_on_meta,
+    model_class,
+    plan_for_config,
+)
 
 RUNNABLE = sorted(MODELS)
 STATE_KINDS = ("mamba2", "gated_delta_net", "mamba1", "short_conv", "kda")

@@ -208,8 +208,8 @@ def test_real_configs_plan_from_the_model(preset, page_tokens):
     """`hybridkv plan` of the real configs: the cache layers come from the model built on the
     meta device (two per layer), and the page size is what the config-reader planned before."""
     from hybridkv.config import CacheConfig
-    from hybridkv.kv.plan import plan_for_config
     from hybridkv.kv.presets import load_preset
+    from hybridkv.models.registry import plan_for_config
 
     config = load_preset(preset)
     plan = plan_for_config(config, CacheConfig(platform="cuda", memory_bytes=2**34))

@@ -195,7 +195,7 @@ def test_transformers_in_memory_names_load_too(checkpoint, tmp_path):
 
 
 def _declared(config: dict) -> list[tuple]:
-    from hybridkv.kv.specs import resolve_cache_dtypes
+    from hybridkv.models.config_helpers import resolve_cache_dtypes
     from hybridkv.models.registry import build_on_meta
 
     model = build_on_meta(config)

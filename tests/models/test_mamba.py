@@ -199,7 +199,7 @@ def test_old_embedding_name_loads(checkpoint, tmp_path):
 def test_a_config_without_optional_keys_takes_transformers_defaults(arch):
     import transformers
 
-    from hybridkv.kv.specs import resolve_cache_dtypes
+    from hybridkv.models.config_helpers import resolve_cache_dtypes
     from hybridkv.models.registry import build_on_meta, model_class
 
     theirs = getattr(transformers, arch.replace("ForCausalLM", "Config"))()

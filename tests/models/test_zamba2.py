@@ -22,11 +22,10 @@ import torch
 
 from hybridkv.config import CacheConfig
 from hybridkv.engine import Engine
-from hybridkv.kv.plan import plan_for_config
 from hybridkv.kv.presets import load_preset
-from hybridkv.kv.specs import resolve_cache_dtypes
 from hybridkv.layers.attention.layer import PagedAttention
-from hybridkv.models.registry import build_on_meta
+from hybridkv.models.config_helpers import resolve_cache_dtypes
+from hybridkv.models.registry import build_on_meta, plan_for_config
 from hybridkv.models.zamba2 import Zamba2Config, Zamba2HybridLayer
 
 from .conformance import (  # noqa: F401
