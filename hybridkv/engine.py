@@ -316,6 +316,20 @@ class Engine:
 
     # -- set-up --------------------------------------------------------------------------------
 
+    def _log_ops(self) -> None:
+        """The CPU line and the op implementations chosen for this model's dtypes (rank 0)."""
+        self.op_table: list[tuple[str, str, str]] = []  # (op, dtype, implementation)
+        if self.device.type != "cpu" or self.tp.rank != 0:
+            return
+        from hybridkv.ops import registry
+        from hybridkv.ops.native import cpu
+
+        dtypes = [self.runtime.dtype]
+        dtypes += [g.spec.dtype for g in self.plan.attention_groups if g.spec.dtype not in dtypes]
+        self.op_table = registry.table("cpu", dtypes)
+        logger.info("%s", cpu.line())
+        logger.info("ops:\n%s", registry.format_table("cpu", dtypes))
+
     def _build_rank(self, cls: type[CausalLM], family: HFConfig, folder: Path) -> ModelRunner:
         """This rank's model (its shard under tensor parallelism), the plan every rank agreed
         on, the weights and the runner that allocates the cache."""
@@ -329,6 +343,7 @@ class Engine:
         _check_runnable(self.plan)
         self._fit_max_model_len()
         self.model = self._load_weights(meta_model, folder)
+        self._log_ops()
         return ModelRunner(
             self.model,
             self.plan,

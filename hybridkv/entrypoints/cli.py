@@ -163,6 +163,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from hybridkv.kv.presets import load_model_config
+    from hybridkv.models.config_helpers import model_dtype
     from hybridkv.models.registry import plan_for_config
 
     cache = CacheConfig(
@@ -188,11 +189,44 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = plan_for_config(
         load_model_config(model), cache, args.max_model_len, dtype, args.tensor_parallel_size
     )
+    config = load_model_config(model)
+    compute = dtype or model_dtype(config)
+    kv = [g.spec.dtype for g in plan.attention_groups]
+    ops = cpu_ops(op_dtypes(compute, *kv)) if args.platform == "cpu" else None
     if args.json:
-        print(json.dumps({"model": name, **plan.to_json()}, indent=2))
+        extra = {} if ops is None else {"cpu": ops[0], "ops": ops[1]}
+        print(json.dumps({"model": name, **plan.to_json(), **extra}, indent=2))
     else:
         print(format_plan(plan, name))
+        if ops is not None:
+            print(f"\n  {ops[0]}\n\n" + format_ops(ops[1]))
     return 0
+
+
+def cpu_ops(dtypes: list[str]) -> tuple[str, list[dict[str, str]]]:
+    """This machine's CPU line and the op implementations chosen here for `dtypes`."""
+    from hybridkv.ops import registry
+    from hybridkv.ops.native import cpu
+
+    rows = [{"op": o, "dtype": d, "implementation": i} for o, d, i in registry.table("cpu", dtypes)]
+    return cpu.line(), rows
+
+
+def op_dtypes(*dtypes: str | None) -> list[str]:
+    """The distinct float dtypes among the model's and its caches' (the ops' input dtypes)."""
+    out = []
+    for d in dtypes:
+        if d in ("float32", "bfloat16", "float16") and d not in out:
+            out.append(d)
+    return out
+
+
+def format_ops(rows: list[dict[str, str]]) -> str:
+    table = [("op", "dtype", "implementation")] + [
+        (r["op"], r["dtype"], r["implementation"]) for r in rows
+    ]
+    widths = [max(len(r[i]) for r in table) for i in range(2)]
+    return "\n".join(f"  {r[0].ljust(widths[0])}  {r[1].ljust(widths[1])}  {r[2]}" for r in table)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -586,6 +620,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "tensor_parallel_size": args.tensor_parallel_size,
         "distributed_timeout_s": args.distributed_timeout,
     }
+    cpu_line, ops = cpu_ops(op_dtypes(args.dtype))
+    print(f"{cpu_line}\n{format_ops(ops)}", file=sys.stderr, flush=True)
     seconds = run_hybridkv(
         folder, prompts, args.new_tokens, dtype=args.dtype, quantization=quantization, **parallel
     )
@@ -598,6 +634,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "seconds": round(t, 3),
             "output_tokens": tokens,
             "tokens_per_s": round(tokens / t, 1),
+            "cpu": cpu_line,
         }
         for e, t in rows
     ]

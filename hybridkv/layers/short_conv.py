@@ -28,17 +28,9 @@ from hybridkv.distributed.parallel import column, current, declare_shards, rank0
 from hybridkv.forward_batch import ForwardBatch, StateMetadata
 from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
 from hybridkv.layers.cache import CacheOwner, StateCache
+from hybridkv.ops.elementwise import mul as _mul
 from hybridkv.ops.mamba2_ops import TorchMamba2Ops
-from hybridkv.ops.native import elementwise as native_ew
 from hybridkv.ops.native import ssm as native_ssm
-
-
-def _mul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """a.to(dtype) * b.to(dtype) [T, C], contiguous: one native pass over column slices of the
-    projection on the CPU (a decode step stays capturable), else PyTorch."""
-    out = native_ew.mul(a, b, dtype)
-    return out if out is not None else (a.to(dtype) * b.to(dtype)).contiguous()
-
 
 CONV = "conv"  # the one state tensor a short conv layer declares and reads
 _OPS = "hybridkv.ops.mamba2_ops:"

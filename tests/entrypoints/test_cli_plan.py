@@ -135,3 +135,25 @@ def test_plan_defaults_to_the_built_in_model(capsys):
     assert code == 0 and j["model"] == "the built-in default model"
     assert j["architecture"] == "GraniteMoeHybridForCausalLM"
     assert {g["kind"] for g in j["groups"]} == {"attention", "mamba2"}
+
+
+def test_cpu_plan_prints_the_cpu_record_and_the_chosen_ops(capsys):
+    from hybridkv.ops import registry
+    from hybridkv.ops.native import cpu
+
+    code, out, _ = run(capsys, "plan", "--platform", "cpu", "--dtype", "bfloat16")
+    assert code == 0
+    assert cpu.line() in out
+    rows = {
+        tuple(line.split()[:2]): " ".join(line.split()[2:])
+        for line in out.split(cpu.line())[1].splitlines()
+        if len(line.split()) >= 3
+    }
+    for name, dtype, text in registry.table("cpu", ["bfloat16"]):
+        assert rows[(name, dtype)] == text
+    code, out, _ = run(capsys, "plan", "--platform", "cpu", "--json")
+    data = json.loads(out)
+    assert data["cpu"] == cpu.line()
+    assert {r["op"] for r in data["ops"]} == set(registry.FAMILIES)
+    code, out, _ = run(capsys, "plan")  # a CUDA plan says nothing of this CPU
+    assert "CPU:" not in out

@@ -84,3 +84,17 @@ def test_every_implementation_imports() -> None:
     for family in registry.FAMILIES.values():
         for impl in family.impls:
             assert callable(impl.load()), impl
+
+
+def test_the_engine_logs_the_cpu_line_and_its_op_table(caplog) -> None:
+    import logging
+
+    from hybridkv.engine import Engine
+    from hybridkv.ops.native import cpu
+
+    with caplog.at_level(logging.INFO, logger="hybridkv"):
+        engine = Engine(None, max_model_len=256, max_num_seqs=2)
+    assert {name for name, _, _ in engine.op_table} == set(registry.FAMILIES)
+    assert all(not text.startswith("none") for _, _, text in engine.op_table)
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert cpu.line() in logged and "rms_norm" in logged
