@@ -44,10 +44,41 @@ from torch import nn
 
 from hybridkv.ops.native import bf16_linear as native_bf16
 from hybridkv.ops.native import f32_linear as native_f32
+from hybridkv.ops.registry import OpImpl, declare
 
 _OPS = getattr(torch.ops, "mkldnn", None)
 # weight dtype -> the module of its native small-batch linear (SMALL_M, kernel, run, linear)
 SMALL_KERNELS = {torch.bfloat16: native_bf16, torch.float32: native_f32}
+
+# The linear family, keyed by the weight's dtype: what a `PackedLinear` runs for x of a given
+# number of rows (each implementation takes the layer and x [M, in]). On an AVX-512 Xeon:
+#   float32   native-avx512 (rows <= 32), onednn
+#   bfloat16  native-avx512-bf16 (rows <= 16), onednn-bf16
+# on an AVX2 CPU (oneDNN has no bfloat16 there):
+#   float32   native-avx2 (rows <= 24), onednn
+#   bfloat16  native-avx2-bf16 (tiles up to 20 rows, the kernel's own GEMM above: any rows)
+_CPU, _F32, _BF16 = frozenset({"cpu"}), frozenset({"float32"}), frozenset({"bfloat16"})
+_HERE = f"{__name__}:"
+LINEAR = declare(
+    "linear",
+    (
+        OpImpl("native-avx512", _HERE + "_run_native", _CPU, _F32, ("native", "avx512"),
+               max_rows=native_f32.small_m, description="f32_linear.c, 16 lanes"),
+        OpImpl("native-avx2", _HERE + "_run_native", _CPU, _F32, ("native", "avx2"),
+               max_rows=native_f32.small_m, unless=("avx512",),
+               description="f32_linear.c, 8 lanes"),
+        OpImpl("native-avx512-bf16", _HERE + "_run_native", _CPU, _BF16,
+               ("native", "avx512_bf16"), max_rows=native_bf16.small_m,
+               description="bf16_linear.c, vdpbf16ps"),
+        OpImpl("onednn", _HERE + "_run_onednn", _CPU, _F32, ("onednn",),
+               description="oneDNN on a pre-packed weight"),
+        OpImpl("onednn-bf16", _HERE + "_run_onednn", _CPU, _BF16, ("onednn", "onednn_bf16"),
+               description="oneDNN on a pre-packed weight"),
+        OpImpl("native-avx2-bf16", _HERE + "_run_native", _CPU, _BF16, ("native", "avx2"),
+               description="bf16_linear.c tiles, then f32_linear.c's AVX2 GEMM"),
+        OpImpl("torch", _HERE + "_run_torch", description="F.linear"),
+    ),
+)  # fmt: skip
 
 
 def native_small_linear(dtype: torch.dtype) -> bool:
@@ -59,14 +90,16 @@ def native_small_linear(dtype: torch.dtype) -> bool:
 
 
 def native_rows(dtype: torch.dtype) -> int:
-    """Rows of x up to which linears with weights of `dtype` run on the native kernel (the one
-    place of that choice): its `small_m()` where oneDNN packs the dtype (above, oneDNN's
-    blocked GEMM), every M where oneDNN cannot (bfloat16 on an AVX2 CPU: the kernel's own GEMM
-    takes the larger M), 0 without the kernel."""
-    small = SMALL_KERNELS.get(dtype)
-    if small is None or small.kernel() is None:
+    """Rows of x up to which linears with weights of `dtype` run on the native kernel: the
+    limit of the `LINEAR` chain's native link (its `small_m()` where oneDNN follows; every M
+    where the native link is the last, bfloat16 on an AVX2 CPU), 0 without one."""
+    if dtype not in SMALL_KERNELS:
         return 0
-    return small.small_m() if dtype in prepack_dtypes() else sys.maxsize
+    link = LINEAR.chain("cpu", dtype).links[0]
+    if not link.impl.name.startswith("native") or SMALL_KERNELS[dtype].kernel() is None:
+        return 0
+    rows = link.max_rows
+    return sys.maxsize if rows is None else rows
 
 
 @functools.cache
@@ -115,36 +148,48 @@ class PackedLinear(nn.Linear):
         return packed
 
     def refresh(self) -> None:
-        """Re-pack after the weight changed (weights are packed once, after loading)."""
+        """Bind the `LINEAR` chain of the weight's dtype and re-pack (after the weight changed;
+        weights are packed once, after loading)."""
         weight = self.weight.detach()
-        self.packed_weight = None
-        if weight.dtype in prepack_dtypes():
-            with torch.no_grad():
-                self.packed_weight = _OPS._reorder_linear_weight(weight, None)
         bias = None if self.bias is None else self.bias.detach()
         small = SMALL_KERNELS.get(weight.dtype)
-        fits = small is not None and small.weight_fits(weight, bias)
-        self.small = small if fits else None
-        self.small_kernel = small.kernel() if fits else None
+        fits = small is not None and small.weight_fits(weight, bias) and small.kernel() is not None
+        # a weight the kernel cannot take (not contiguous): the chain as if without it
+        self.chain = LINEAR.chain("cpu", weight.dtype, () if fits else ("native",))
+        names = [link.impl.name for link in self.chain.links]
+        self.small = small if any(n.startswith("native") for n in names) else None
+        self.small_kernel = small.kernel() if self.small is not None else None
+        self.packed_weight = None
+        if any(n.startswith("onednn") for n in names):
+            with torch.no_grad():
+                self.packed_weight = _OPS._reorder_linear_weight(weight, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]; the engine's activations are [T, in] already
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        small = self.small
-        if (
-            self.small_kernel is not None
-            and flat.dtype == self.weight.dtype
-            and not torch.is_grad_enabled()  # the kernel records no autograd graph
-            # `native_rows`: every M without a packed weight, else up to small_m() rows (read at
-            # each call: a test may change it)
-            and (self.packed_weight is None or flat.shape[0] <= small.small_m())
-        ):
-            out = small.run(self.small_kernel, flat, self.weight, self.bias)
-        elif self.packed_weight is not None:
-            out = _OPS._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
-        else:  # no packed weight (bfloat16 on AVX2) and autograd on, or x of another dtype
-            out = F.linear(flat, self.weight, self.bias)
+        if flat.dtype != self.weight.dtype or torch.is_grad_enabled():
+            # x of another dtype, or autograd on (the kernels record no graph): oneDNN where
+            # it packed the weight, else PyTorch's own
+            if self.packed_weight is not None and flat.dtype == self.weight.dtype:
+                out = _run_onednn(self, flat)
+            else:
+                out = F.linear(flat, self.weight, self.bias)
+        else:
+            out = self.chain.for_rows(flat.shape[0])(self, flat)
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+
+
+def _run_native(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+    # x: [M, in] of the weight's dtype -> [M, out]
+    return layer.small.run(layer.small_kernel, x, layer.weight, layer.bias)
+
+
+def _run_onednn(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+    return _OPS._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
+
+
+def _run_torch(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, layer.weight, layer.bias)
 
 
 def small_linear(

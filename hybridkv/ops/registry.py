@@ -43,8 +43,12 @@ class OpImpl:
     devices: frozenset[str] = ANY_DEVICE
     dtypes: frozenset[str] | None = None  # None: any dtype
     needs: tuple[str, ...] = ()
-    max_rows: int | None = None
+    # rows of input up to which it applies (None: any); a function is read at each call (a
+    # limit that depends on the build, or that a test changes)
+    max_rows: int | Callable[[], int] | None = None
     description: str = ""
+    # runs only where the machine lacks these (an AVX2 path where the AVX-512 one runs instead)
+    unless: tuple[str, ...] = ()
     # `fn` answers None for tensors it does not take (the native wrappers do): bound strictly,
     # such an answer raises (an implementation declared for a dtype takes all of its inputs)
     strict: bool = False
@@ -58,6 +62,9 @@ class OpImpl:
         missing = [n for n in self.needs if n not in have]
         if missing:
             return f"needs {', '.join(missing)}"
+        better = [n for n in self.unless if n in have]
+        if better:
+            return f"gives way where the machine has {', '.join(better)}"
         return None
 
     def load(self) -> Callable[..., Any]:
@@ -87,7 +94,8 @@ class Link:
 
     @property
     def max_rows(self) -> int | None:
-        return self.impl.max_rows
+        limit = self.impl.max_rows
+        return limit() if callable(limit) else limit
 
 
 @dataclass(frozen=True)
@@ -155,17 +163,20 @@ class OpFamily:
             f"no implementation of {self.name} runs {dtype} on {device} here: {'; '.join(reasons)}"
         )
 
-    def chain(self, device: str | torch.device, dtype: str | torch.dtype) -> Chain:
-        """The chain for (device, dtype), chosen on first use and kept for the process."""
+    def chain(
+        self, device: str | torch.device, dtype: str | torch.dtype, without: tuple[str, ...] = ()
+    ) -> Chain:
+        """The chain for (device, dtype), chosen on first use and kept for the process;
+        `without`: as if the machine lacked these (a layer whose weight a kernel cannot take)."""
         key = (_device_type(device), _dtype_name(dtype))
-        found = self._chains.get(key)
+        found = self._chains.get(key if not without else (*key, *without))
         if found is None:
             with _LOCK:
-                found = self._chains.get(key)
-                if found is None:
-                    impls = self.choose(*key, capabilities(key[0]))
-                    links = tuple(Link(i, i.load()) for i in impls)
-                    found = self._chains[key] = Chain(self.name, *key, links)
+                have = capabilities(key[0]) - frozenset(without)
+                impls = self.choose(*key, have)
+                links = tuple(Link(i, i.load()) for i in impls)
+                found = Chain(self.name, *key, links)
+                self._chains[key if not without else (*key, *without)] = found
         return found
 
     def of(self, x: torch.Tensor) -> Chain:
