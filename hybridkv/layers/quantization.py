@@ -79,6 +79,7 @@ from hybridkv.distributed.parallel import SINGLE, TensorParallel
 from hybridkv.layers.linear import PackedLinear
 from hybridkv.ops.native import cpu
 from hybridkv.ops.native import int8_linear as native_int8
+from hybridkv.ops.registry import OpImpl, declare
 
 SMALL_M = 16  # rows of x up to which the kernels beat dequantize + bfloat16 GEMM (AVX-512)
 CHUNK_ELEMENTS = 1 << 20  # weights dequantized at once on the GEMM path (2 MiB of bfloat16)
@@ -129,25 +130,47 @@ def native_limits() -> tuple[int, int]:
     return SMALL_M, DEQUANT_M
 
 
+# The int8 linear family, keyed by x's dtype (each implementation takes x [M, K], q, scale):
+# on an AVX-512 Xeon
+#   float32   native-avx512 (rows <= DEQUANT_M - 1), float32-chunks
+#   bfloat16  native-avx512 (rows <= SMALL_M), torch-bf16
+# on an AVX2 CPU the kernel at every M (`native_limits`); without the kernel float32 x takes
+# the bfloat16 path below DEQUANT_M rows and the float32 chunks from there.
+_CPU, _F32, _BF16 = frozenset({"cpu"}), frozenset({"float32"}), frozenset({"bfloat16"})
+_HERE = f"{__name__}:"
+INT8_LINEAR = declare(
+    "int8_linear",
+    (
+        OpImpl("native-avx512", _HERE + "_native", _CPU, _F32, ("native", "avx512"),
+               max_rows=lambda: DEQUANT_M - 1, description="int8_linear.c, 16 lanes"),
+        OpImpl("native-avx512-bf16", _HERE + "_native", _CPU, _BF16, ("native", "avx512"),
+               max_rows=lambda: SMALL_M, description="int8_linear.c, vdpbf16ps"),
+        OpImpl("native-avx2", _HERE + "_native", _CPU, _F32 | _BF16, ("native", "avx2"),
+               unless=("avx512",), description="int8_linear.c, 8 lanes: every M"),
+        OpImpl("dequant-bf16", _HERE + "bf16_int8_matmul", _CPU, _F32,
+               max_rows=lambda: DEQUANT_M - 1, description="dequantized bf16 GEMM"),
+        OpImpl("float32-chunks", _HERE + "f32_int8_matmul", dtypes=_F32,
+               description="q converted to float32 in chunks, one GEMM each"),
+        OpImpl("torch-bf16", _HERE + "bf16_int8_matmul", description="dequantized bf16 GEMM"),
+    ),
+)  # fmt: skip
+
+
 def int8_matmul(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, native_fits: bool | None = None
 ) -> torch.Tensor:
     """x [M, K] float, q int8 [N, K], scale bfloat16 [N] -> x @ (q * scale).T [M, N] in x's
-    dtype: on the native kernel (float32 x below the float32 chunks' rows; bfloat16 x up to
-    its rows: `native_limits`), else on PyTorch's paths (the module docstring).
-    `native_fits`: `weights_fit(q, scale)`, if known."""
-    small_m, dequant_m = native_limits()
-    if x.dtype == torch.float32 and x.shape[0] >= dequant_m:
-        return f32_int8_matmul(x, q, scale)
-    if x.device.type == "cpu" and (
-        x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and x.shape[0] <= small_m)
-    ):
-        fn = native_int8.kernel()
-        if native_fits is None:
-            native_fits = native_int8.weights_fit(q, scale)
-        if fn is not None and native_fits:
-            return native_int8.run(fn, x, q, scale)
-    return bf16_int8_matmul(x, q, scale)
+    dtype: `INT8_LINEAR`'s link for x's rows (the module docstring).
+    `native_fits`: `weights_fit(q, scale)`, if known (a weight the kernel cannot take runs
+    the chain without the native links)."""
+    if native_fits is None:
+        native_fits = native_int8.weights_fit(q, scale)
+    chain = INT8_LINEAR.chain(x.device, x.dtype, () if native_fits else ("native",))
+    return chain.for_rows(x.shape[0])(x, q, scale)
+
+
+def _native(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return native_int8.run(native_int8.kernel(), x, q, scale)
 
 
 def f32_int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

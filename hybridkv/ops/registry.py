@@ -73,6 +73,11 @@ class OpImpl:
         return _strict(fn, self) if self.strict else fn
 
 
+def _limit(impl: OpImpl) -> float:
+    rows = impl.max_rows() if callable(impl.max_rows) else impl.max_rows
+    return float("inf") if rows is None else rows
+
+
 def _strict(fn: Callable[..., Any], impl: OpImpl) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         out = fn(*args, **kwargs)
@@ -156,6 +161,8 @@ class OpFamily:
             if reason is not None:
                 reasons.append(f"{impl.name} {reason}")
                 continue
+            if chain and _limit(impl) <= _limit(chain[-1]):
+                continue  # every input it would take goes to the link before it
             chain.append(impl)
             if impl.max_rows is None:
                 return tuple(chain)
