@@ -10,9 +10,8 @@ from torch import nn
 from hybridkv.distributed.parallel import column, current, declare_shards, rank0_bias
 from hybridkv.layers.activation import silu_and_mul, silu_mul
 from hybridkv.ops.derived import derived
-from hybridkv.ops.native import bf16_linear as native_bf16
-from hybridkv.ops.native import moe as native_moe
 from hybridkv.ops.norm import add_rms_norm, rms_norm
+from hybridkv.ops.registry import Chain, OpImpl, capabilities, declare
 
 
 class RMSNorm(nn.Module):
@@ -32,11 +31,77 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, h, multiplier, self.weight, self.eps, self.weight_in_fp32)
 
 
-
-
 # Below this many pairs per expert one batched matmul over every expert (padded to the busiest
 # one) beats a loop of small ones; past it each expert's GEMM is large enough on its own.
 BATCHED_EXPERT_ROWS = 64
+
+
+def _small_expert_rows() -> int:
+    """Pairs per expert up to which the experts' GEMMs run on the native bf16 small-batch
+    kernel (`bf16_linear.SMALL_M`, read at the call)."""
+    from hybridkv.ops.native import bf16_linear
+
+    return bf16_linear.SMALL_M
+
+
+# The routed SwiGLU experts (`gated_experts`), keyed by x's dtype; each implementation takes
+# (x, pairs: ExpertPairs, gate_up, down), the rows of a call are its busiest expert's pairs:
+#   bfloat16 on a CPU with AMX    native-amx (every size: `ops.native.moe`, one call)
+#   bfloat16 elsewhere            native-bf16 (busiest <= SMALL_M), torch
+#   float32 / other devices       torch (a padded bmm or a loop of F.linear per expert)
+_CPU, _BF16, _HERE = frozenset({"cpu"}), frozenset({"bfloat16"}), f"{__name__}:"
+MOE_EXPERTS = declare(
+    "moe_experts",
+    (
+        OpImpl("native-amx", _HERE + "_native_amx_experts", _CPU, _BF16, ("native", "amx_bf16"),
+               strict=True, description="moe.c: every pair on AMX tiles in one call"),
+        OpImpl("native-bf16", _HERE + "_native_small_experts", _CPU, _BF16, ("native", "avx2"),
+               max_rows=_small_expert_rows,
+               description="per expert hit, bf16_linear.c's small-batch kernel"),
+        OpImpl("torch", _HERE + "torch_experts",
+               description="one padded bmm (few pairs per expert) or F.linear per expert"),
+    ),
+)  # fmt: skip
+
+
+class ExpertPairs:
+    """The T * k (token, expert) pairs of a call, sorted by expert on first use:
+
+    pairs   (t0,e2) (t0,e0) (t1,e0) (t1,e1) ...  -> order ->  e0 e0 | e1 | e2 ...
+    tokens  the token of each sorted pair; counts[e] pairs per expert
+    """
+
+    def __init__(self, experts: torch.Tensor, weights: torch.Tensor, num_experts: int) -> None:
+        self.experts, self.weights, self.num_experts = experts, weights, num_experts
+        self._sorted: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+
+    def _sort(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        if self._sorted is None:
+            k = self.experts.shape[1]
+            flat = self.experts.reshape(-1)  # [T * k]
+            order = torch.argsort(flat, stable=True)
+            tokens = order // k  # [T * k]: the token of each sorted pair
+            pair_weights = self.weights.reshape(-1)[order, None]  # [T * k, 1]
+            counts = torch.bincount(flat, minlength=self.num_experts)
+            busiest = int(counts.max()) if flat.numel() else 0
+            self._sorted = tokens, pair_weights, counts, busiest
+        return self._sorted
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self._sort()[0]
+
+    @property
+    def pair_weights(self) -> torch.Tensor:
+        return self._sort()[1]
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return self._sort()[2]
+
+    @property
+    def busiest(self) -> int:
+        return self._sort()[3]
 
 
 def gated_experts(
@@ -52,43 +117,122 @@ def gated_experts(
     x: [T, H]; experts, weights: [T, k] (weights in x's dtype); gate_up: [E, 2I, H];
     down: [E, H, I] -> [T, H] (tensor parallel: this rank's partial sum).
 
-    The T * k (token, expert) pairs are sorted by expert once:
+    The `MOE_EXPERTS` chain of x's dtype runs, less the native links whose rules these tensors
+    break (`amx_experts_fit`, `small_experts_fit`), the link for the busiest expert's pairs:
 
-        pairs   (t0,e2) (t0,e0) (t1,e0) (t1,e1) ...  -> order ->  e0 e0 | e1 | e2 ...
-        tokens  the token of each sorted pair; counts[e] pairs per expert
+    - torch: few pairs per expert (decode), one bmm over all experts, each group padded to
+      the busiest (rows of a zero token), and the weighted rows go back to their tokens in one
+      index_add_; many (prefill): per expert hit, gather its rows, two GEMMs, add them back.
+    - native-bf16 (bfloat16 on the CPU, few pairs per expert): per expert hit, the native
+      small-batch kernel (its weights streamed once).
+    - native-amx (bfloat16 on a CPU with AMX): all of it in one native call (`ops.native.moe`:
+      the pairs sorted, each expert's groups of up to 32 pairs through both GEMMs on AMX tiles,
+      the same roundings as the per-expert paths), at every batch size.
 
-    Few pairs per expert (decode): in bfloat16 on the CPU, per expert hit the native small-batch
-    kernel (its weights streamed once); otherwise one bmm over all experts, each group padded to
-    the busiest (rows of a zero token), and the weighted rows go back to their tokens in one
-    index_add_. Many (prefill): per expert hit, gather its rows, two GEMMs, add them back.
     Per expert, a token's outputs are added in expert order, rounded to x's dtype after each;
     the one index_add_ of the batched path adds them in its own order (in bfloat16 on the CPU
     it was seen to sum a token's rows in float32 and round once), so the two differ in the
     last bits of bfloat16 outputs, each within bfloat16's rounding.
-
-    bfloat16 on a CPU with AMX: all of it in one native call (`ops.native.moe`: the pairs
-    sorted, each expert's groups of up to 32 pairs through both GEMMs on AMX tiles, the same
-    roundings as the paths below), at every batch size.
     """
-    routed = native_moe.routed_experts(x, experts, weights, gate_up, down)
-    if routed is not None:
-        return routed
-    num_experts, k = gate_up.shape[0], experts.shape[1]
-    flat = experts.reshape(-1)  # [T * k]
-    order = torch.argsort(flat, stable=True)
-    tokens = order // k  # [T * k]: the token of each sorted pair
-    pair_weights = weights.reshape(-1)[order, None]  # [T * k, 1]
-    counts = torch.bincount(flat, minlength=num_experts)
-    busiest = int(counts.max()) if flat.numel() else 0
+    pairs = ExpertPairs(experts, weights, gate_up.shape[0])
+    chain = experts_chain(x, experts, weights, gate_up, down)
+    first = chain.links[0]
+    run = first.run if first.max_rows is None else chain.for_rows(pairs.busiest)
+    return run(x, pairs, gate_up, down)
+
+
+def experts_chain(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> Chain:
+    """The `MOE_EXPERTS` chain for these tensors: x's, as if without AMX where the AMX kernel
+    does not take them and without the native kernels where neither does."""
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16:
+        return MOE_EXPERTS.of(x)
+    if "amx_bf16" in capabilities("cpu") and amx_experts_fit(x, experts, weights, gate_up, down):
+        return MOE_EXPERTS.of(x)
+    without = ("amx_bf16",) if small_experts_fit(x, gate_up, down) else ("native",)
+    return MOE_EXPERTS.chain(x.device, x.dtype, without)
+
+
+def amx_experts_fit(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    extra: torch.Tensor | None = None,
+) -> bool:
+    """The AMX experts kernel's rule (`ops.native.moe.routed_experts`): inference, x [T, H],
+    experts (int64) and weights [T, k], gate_up [E, 2I, H], down [E, H, I] (H, I > 0), extra
+    None or [T, H], all bfloat16 on the CPU; the OS granted this process AMX's tile data."""
+    from hybridkv.ops.native import moe
+
+    if torch.is_grad_enabled() or not moe.available():
+        return False
+    if x.dim() != 2 or experts.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
+        return False
+    tensors = (x, weights, gate_up, down) + (() if extra is None else (extra,))
+    if not all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors):
+        return False
+    num_experts, two_inter, hidden = gate_up.shape
+    if experts.dtype != torch.int64 or x.shape[1] != hidden or two_inter % 2:
+        return False
+    if down.shape != (num_experts, hidden, two_inter // 2) or hidden == 0 or two_inter == 0:
+        return False
+    if weights.shape != experts.shape or experts.shape[0] != x.shape[0]:
+        return False
+    return extra is None or extra.shape == x.shape
+
+
+def small_experts_fit(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether the experts' GEMMs of a few rows each take the native bf16 kernel (which streams
+    each expert's weights once, where a bmm of padded groups runs far below that)."""
+    from hybridkv.ops.native import bf16_linear
+
+    return (
+        x.dtype == torch.bfloat16 and gate_up.dtype == down.dtype == torch.bfloat16
+        and gate_up.is_contiguous() and down.is_contiguous() and x.device.type == "cpu"
+        and not torch.is_grad_enabled() and bf16_linear.kernel() is not None
+    )  # fmt: skip
+
+
+def _native_amx_experts(
+    x: torch.Tensor, pairs: ExpertPairs, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor | None:
+    from hybridkv.ops.native import moe
+
+    return moe.routed_experts(x, pairs.experts, pairs.weights, gate_up, down)
+
+
+def _native_small_experts(
+    x: torch.Tensor, pairs: ExpertPairs, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    from hybridkv.ops.native import bf16_linear
+
+    return _looped(x, pairs, gate_up, down, bf16_linear.bf16_linear)
+
+
+def torch_experts(
+    x: torch.Tensor, pairs: ExpertPairs, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    busiest, num_experts = pairs.busiest, gate_up.shape[0]
+    total = pairs.experts.numel()
+    if 0 < busiest <= BATCHED_EXPERT_ROWS and num_experts * busiest <= 2 * total:
+        ys = _experts_batched(x, pairs.tokens, pairs.counts, busiest, gate_up, down)  # [P, H]
+        return torch.zeros_like(x).index_add_(0, pairs.tokens, ys * pairs.pair_weights)
+    return _looped(x, pairs, gate_up, down, F.linear)
+
+
+def _looped(x, pairs, gate_up, down, linear) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Per expert hit: gather its rows, two GEMMs (`linear`), add them back to their tokens."""
     out = torch.zeros_like(x)
-    small = busiest <= native_bf16.SMALL_M and _small_kernel_fits(x, gate_up, down)
-    batched = 0 < busiest <= BATCHED_EXPERT_ROWS and num_experts * busiest <= 2 * flat.numel()
-    if batched and not small:
-        ys = _experts_batched(x, tokens, counts, busiest, gate_up, down)  # [T * k, H]
-        return out.index_add_(0, tokens, ys * pair_weights)
-    linear = native_bf16.bf16_linear if small else F.linear
+    tokens, pair_weights = pairs.tokens, pairs.pair_weights
     start = 0
-    for expert, count in enumerate(counts.tolist()):
+    for expert, count in enumerate(pairs.counts.tolist()):
         if count == 0:
             continue
         rows = slice(start, start + count)
@@ -97,16 +241,6 @@ def gated_experts(
         h = silu_and_mul(linear(x[tokens[rows]], gate_up[expert]))  # [count, I]
         out.index_add_(0, tokens[rows], linear(h, down[expert]) * pair_weights[rows])
     return out
-
-
-def _small_kernel_fits(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether the experts' GEMMs of a few rows each take the native bf16 kernel (which streams
-    each expert's weights once, where a bmm of padded groups runs far below that)."""
-    return (
-        x.dtype == torch.bfloat16 and gate_up.dtype == down.dtype == torch.bfloat16
-        and gate_up.is_contiguous() and down.is_contiguous() and x.device.type == "cpu"
-        and not torch.is_grad_enabled() and native_bf16.kernel() is not None
-    )  # fmt: skip
 
 
 def _experts_batched(

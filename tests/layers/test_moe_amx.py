@@ -17,6 +17,18 @@ from hybridkv.ops.native import moe
 BF16 = torch.bfloat16
 
 
+@pytest.fixture(autouse=True)
+def _cpu_record_afresh():
+    """The CPU record is computed once per process (an lru_cache): one computed in an earlier
+    test under HYBRIDKV_NATIVE=0 lacks the native instruction sets, and the op choices
+    (hybridkv.ops.registry) follow it. Compute it afresh."""
+    from hybridkv.ops import registry
+    from hybridkv.ops.native import cpu
+
+    cpu.record.cache_clear()
+    registry.reset_all()
+
+
 def needs_amx() -> None:
     if not moe.available():
         pytest.skip("no AMX-BF16 kernel here (CPU without AMX, no compiler, HYBRIDKV_NATIVE=0)")
@@ -35,7 +47,7 @@ def _reference64(x, experts, weights, gate_up, down):
 
 def _pytorch_path(x, experts, weights, gate_up, down, monkeypatch):
     with monkeypatch.context() as m:
-        m.setattr(mlp.native_moe, "routed_experts", lambda *a, **k: None)
+        m.setattr(mlp, "amx_experts_fit", lambda *a, **k: False)  # the chain without AMX
         return mlp.gated_experts(x, experts, weights, gate_up, down)
 
 
