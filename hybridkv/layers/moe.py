@@ -28,8 +28,9 @@ Routing rules (`RoutingRule`), the modes each family declares:
 - Scores in float32 (the logits cast first) unless the rule says the logits' dtype.
 
 Gates: the families whose gate is an `nn.Linear` keep it (it is pre-packed on the CPU, kept float
-by the int8 quantiser) and route with `route`, which takes the native AMX router for the rules it
-implements (bfloat16 on a CPU with AMX, a gate without bias, no choice bias: Granite, Jamba);
+by the int8 quantiser) and route with `route`, the `MOE_ROUTE` family: the native AMX router
+("native-amx", bfloat16 on a CPU with AMX) for the rules and tensors it takes
+(`native_route_fits`: a gate without bias, no choice bias, ...: Granite, Jamba), else "torch";
 the others hold a `Router` (weight [E, H], optional bias, optional e_score_correction_bias).
 
 Experts: `GatedExperts` (SwiGLU, [gate | up] rows stacked: `mlp.gated_experts`, native on AMX),
@@ -50,8 +51,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.distributed.parallel import column, current, declare_shards, rank0_bias
-from hybridkv.layers.mlp import GatedMLP, gated_experts
-from hybridkv.ops.native import moe as native_moe
+from hybridkv.layers.mlp import GatedMLP, amx_experts_fit, gated_experts
+from hybridkv.ops.registry import OpImpl, declare
 
 Scoring = Literal["softmax", "topk_softmax", "sigmoid"]
 GroupScore = Literal["top2_sum", "max"]
@@ -133,29 +134,97 @@ class RoutingRule:
     @property
     def native_mode(self) -> int | None:
         """The native router's mode computing this rule from bfloat16 logits, or None."""
+        from hybridkv.ops.native import moe
+
         plain = self.float32 and self.sorted and not self.grouped and self.scaling == 1.0
         if not plain:
             return None
         if self.scoring == "topk_softmax" and not self.renormalise:
-            return native_moe.TOPK_SOFTMAX
+            return moe.TOPK_SOFTMAX
         if self.scoring == "softmax" and not self.renormalise:
-            return native_moe.SOFTMAX_TOPK
+            return moe.SOFTMAX_TOPK
         if self.scoring == "softmax" and not self.renormalise_eps:
-            return native_moe.SOFTMAX_TOPK_RENORMALISED
+            return moe.SOFTMAX_TOPK_RENORMALISED
         return None
+
+
+# The routers with an nn.Linear gate (`route`), keyed by x's dtype; each implementation takes
+# (x, gate, rule, choice_bias) -> Routing:
+#   bfloat16 on a CPU with AMX   native-amx (where `native_route_fits`, else the chain without it)
+#   otherwise                    torch (the gate's product, then the rule)
+_CPU, _BF16 = frozenset({"cpu"}), frozenset({"bfloat16"})
+MOE_ROUTE = declare(
+    "moe_route",
+    (
+        OpImpl("native-amx", f"{__name__}:_native_route", _CPU, _BF16, ("native", "amx_bf16"),
+               strict=True, description="moe.c: product, scoring and top-k in one pass a token"),
+        OpImpl("torch", f"{__name__}:torch_route", description="the gate's product, the rule"),
+    ),
+)  # fmt: skip
 
 
 def route(
     x: torch.Tensor, gate: nn.Linear, rule: RoutingRule, choice_bias: torch.Tensor | None = None
 ) -> Routing:
-    """x: [T, H] through an nn.Linear gate [E, H] and `rule` -> Routing. bfloat16 on a CPU with
-    AMX: the gate's product, scoring and top-k in one native pass per token, for the rules it
-    implements (`RoutingRule.native_mode`, a gate without bias, no choice bias)."""
-    mode = rule.native_mode if gate.bias is None and choice_bias is None else None
-    if mode is not None:
-        routed = native_moe.route(x, gate.weight, None, rule.top_k, mode)
-        if routed is not None:
-            return Routing(routed[0], routed[1])  # weights: [T, k] bfloat16
+    """x: [T, H] through an nn.Linear gate [E, H] and `rule` -> Routing: the `MOE_ROUTE` chain
+    of x's dtype, without the native router where it does not take these (`native_route_fits`).
+    bfloat16 on a CPU with AMX: the gate's product, scoring and top-k in one native pass per
+    token."""
+    chain = MOE_ROUTE.of(x)
+    if chain.links[0].impl.name == "native-amx" and not native_route_fits(
+        x, gate, rule, choice_bias
+    ):
+        chain = MOE_ROUTE.chain(x.device, x.dtype, ("native",))
+    return chain.first(x, gate, rule, choice_bias)
+
+
+def native_route_fits(
+    x: torch.Tensor,
+    gate: nn.Linear,
+    rule: RoutingRule,
+    choice_bias: torch.Tensor | None = None,
+    shared_gate: nn.Linear | None = None,
+) -> bool:
+    """The native router's rule (`ops.native.moe.route`): inference; a rule it implements
+    (`RoutingRule.native_mode`) with at most `MAX_TOPK_SOFTMAX` (moe.c's MOE_MAX_K) experts per
+    token for "topk_softmax" and 0 < k <= E; gates without bias, no choice bias; x [T, H],
+    the gate's weight [E, H] and the shared gate's [1, H] (if any) contiguous, all bfloat16 on
+    the CPU; the OS granted this process AMX's tile data."""
+    from hybridkv.ops.native import moe
+
+    mode = rule.native_mode
+    if mode is None or choice_bias is not None or torch.is_grad_enabled():
+        return False
+    gates = (gate,) if shared_gate is None else (gate, shared_gate)
+    if any(g.bias is not None for g in gates):
+        return False
+    if mode == moe.TOPK_SOFTMAX and rule.top_k > moe.MAX_TOPK_SOFTMAX:
+        return False
+    weights = [g.weight for g in gates]
+    if x.dim() != 2 or any(w.dim() != 2 or not w.is_contiguous() for w in weights):
+        return False
+    if not all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in (x, *weights)):
+        return False
+    num_experts, hidden = weights[0].shape
+    if x.shape[1] != hidden or not 0 < rule.top_k <= num_experts:
+        return False
+    if shared_gate is not None and weights[1].shape != (1, hidden):
+        return False
+    return moe.available()
+
+
+def _native_route(
+    x: torch.Tensor, gate: nn.Linear, rule: RoutingRule, choice_bias: torch.Tensor | None
+) -> Routing | None:
+    from hybridkv.ops.native import moe
+
+    routed = moe.route(x, gate.weight, None, rule.top_k, rule.native_mode)
+    return None if routed is None else Routing(routed[0], routed[1])  # weights: [T, k] bf16
+
+
+def torch_route(
+    x: torch.Tensor, gate: nn.Linear, rule: RoutingRule, choice_bias: torch.Tensor | None
+) -> Routing:
     return rule(gate(x), choice_bias)  # gate(x): [T, E] in the model dtype
 
 
@@ -396,22 +465,28 @@ def gated_shared_expert_native(
     sigmoid) in one pass per token, the shared expert on AMX (its gate and silu fused; as fast
     as oneDNN's three linears at 300-1740 tokens, faster at decode sizes), and the routed
     experts with the shared output added last. x: [T, H] -> [T, H]; None where any of it does
-    not apply (the caller's PyTorch path runs)."""
-    if not native_moe.available() or x.dtype != torch.bfloat16:
+    not apply (the caller's PyTorch path runs): the `MOE_ROUTE` chain of x's dtype starts
+    with the native router and the router and experts take these tensors (`native_route_fits`
+    with the shared gate, `mlp.amx_experts_fit`), checked before anything runs."""
+    if MOE_ROUTE.of(x).links[0].impl.name != "native-amx":
         return None
-    mode = rule.native_mode
-    if mode is None or gate.bias is not None or shared_gate.bias is not None:
+    if not native_route_fits(x, gate, rule, None, shared_gate):
         return None
-    routing = native_moe.route(x, gate.weight, shared_gate.weight, rule.top_k, mode)
-    if routing is None:
-        return None
+    from hybridkv.ops.native import moe
+
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    routing = moe.route(x, gate.weight, shared_gate.weight, rule.top_k, rule.native_mode)
+    if routing is None:  # (native_route_fits holds: never)
+        raise RuntimeError("the native router declined tensors native_route_fits accepted")
     chosen, weights, scale = routing  # [T, k], [T, k], [T, 1]
+    if not amx_experts_fit(x, chosen, weights, gate_up, down):
+        return None
     out = None
     if shared.gate_proj.bias is None:
-        out = native_moe.swiglu_expert(
+        # (None where the shared expert's weights are not three bias-free SwiGLU matrices)
+        out = moe.swiglu_expert(
             x, shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight, scale
         )
     if out is None:
         out = scale * shared(x, reduce=False)
-    gate_up, down = experts.gate_up_proj, experts.down_proj
-    return native_moe.routed_experts(x, chosen, weights, gate_up, down, extra=out)
+    return moe.routed_experts(x, chosen, weights, gate_up, down, extra=out)
