@@ -28,9 +28,8 @@ from hybridkv.layers.cache import CacheOwner, StateCache
 from hybridkv.ops.derived import derived
 from hybridkv.ops.gated_delta import gdn_gates
 from hybridkv.ops.gdn_ops import TorchGDNOps
-from hybridkv.ops.native import bf16_linear as native_bf16
-from hybridkv.ops.native import gdn_prep as native_prep
 from hybridkv.ops.norm import gated_rms_norm
+from hybridkv.ops.registry import CPU_FLOATS, OpImpl, declare
 
 CONV, RECURRENT = "conv", "recurrent"  # the state tensors this layer declares and reads
 LAYOUTS = ("qwen3_next", "qwen3_5", "olmo_hybrid")
@@ -58,6 +57,20 @@ GDN_OPS = (
     StateOps("torch", _OPS + "TorchGDNOps", description="PyTorch reference"),
 )
 TORCH_OPS = TorchGDNOps()
+
+# The input preparation of a step (`GatedDeltaNet._prep`: the projections, then qkv, z and the
+# gates g, beta), keyed by x's dtype; each implementation takes (layer, x [T, hidden]):
+#   float32 / bfloat16 on the CPU   native (Qwen3-Next's layout: `GatedDeltaNet.native_prep_fits`;
+#                                   else the chain without it)
+#   otherwise                       torch (four strided reshapes, a cat, `gdn_gates`)
+GDN_PREP = declare(
+    "gdn_prep",
+    (
+        OpImpl("native", f"{__name__}:_native_gdn_prep", frozenset({"cpu"}), CPU_FLOATS,
+               ("native",), strict=True, description="gdn_prep.c: one pass over the outputs"),
+        OpImpl("torch", f"{__name__}:torch_gdn_prep", description="reshapes, cat, gdn_gates"),
+    ),
+)  # fmt: skip
 
 
 class _NormWeight(nn.Module):
@@ -199,26 +212,23 @@ class GatedDeltaNet(CacheOwner):
         qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         return qkv, z.reshape(t, -1), b.reshape(t, -1), a.reshape(t, -1)
 
+    def native_prep_fits(self, x: torch.Tensor) -> bool:
+        """The native preparation's rule: Qwen3-Next's layout (its projections grouped by key
+        head), x [T, hidden] on the CPU (its dtype: the family's)."""
+        return self.layout == "qwen3_next" and x.device.type == "cpu" and x.dim() == 2
+
+    def _prep(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, hidden] -> qkv, z, g, beta: the `GDN_PREP` chain of x's dtype (without the
+        native link where `native_prep_fits` says no)."""
+        if self.native_prep_fits(x):
+            chain = GDN_PREP.of(x)
+        else:
+            chain = GDN_PREP.chain(x.device, x.dtype, ("native",))
+        return chain.first(self, x)
+
     def _native_prep(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """Qwen3-Next's layout on the CPU: the projections, then qkv, z and the gates in one
-        native pass over their outputs (`ops.native.gdn_prep`; PyTorch's four strided reshapes,
-        cat and gate ops otherwise), in_proj_ba on the native bf16 kernel at any batch size
-        (16-odd outputs: oneDNN's call costs more than its work). None: `_project` and
-        `gdn_gates` run instead."""
-        if self.layout != "qwen3_next" or x.device.type != "cpu" or x.dim() != 2:
-            return None
-        qkvz = self.in_proj_qkvz(x)
-        ba = None
-        if x.dtype == torch.bfloat16 and self.in_proj_ba.bias is None:
-            ba = native_bf16.bf16_linear(x, self.in_proj_ba.weight)
-        if ba is None:
-            ba = self.in_proj_ba(x)
-        decay = derived(self.A_log, "neg_exp_f32", lambda w: -torch.exp(w.float()))
-        dt_bias = derived(self.dt_bias, "f32", torch.Tensor.float)
-        per = self.num_v_heads // self.num_k_heads
-        return native_prep.prep(
-            qkvz, ba, self.num_k_heads, per, self.head_k_dim, self.head_v_dim, decay, dt_bias
-        )
+        """The native preparation where its rule holds (`native_prep_fits`), else None."""
+        return _native_gdn_prep(self, x) if self.native_prep_fits(x) else None
 
     # -- forward ----------------------------------------------------------------------------
 
@@ -243,12 +253,7 @@ class GatedDeltaNet(CacheOwner):
         """hidden_states: [T, hidden]; conv_state: [num_pages, conv_dim, conv_kernel - 1];
         recurrent_state: [num_pages, Hv, K, V] (both updated in place) -> [T, hidden]."""
         t = hidden_states.shape[0]
-        prepped = self._native_prep(hidden_states)
-        if prepped is not None:
-            qkv, z, g, beta = prepped
-        else:
-            qkv, z, b, a = self._project(hidden_states)
-            g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] float32
+        qkv, z, g, beta = self._prep(hidden_states)  # g, beta: [T, Hv] float32
         # native decode steps: the conv's float32 results (bfloat16 values for a bfloat16 model)
         # go to the decode kernel as they are, without a bfloat16 copy to widen again (prefill
         # chunks of a bfloat16 model keep bfloat16 q, k, v: the AMX chunk kernel takes those)
@@ -278,3 +283,32 @@ class GatedDeltaNet(CacheOwner):
                 o, z, self.norm.weight, self.norm_eps, self.head_v_dim, norm_before_gate=True
             )
         return self.out_proj(y.reshape(t, self.value_dim))
+
+
+def _native_gdn_prep(layer: GatedDeltaNet, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """Qwen3-Next's layout on the CPU: the projections, then qkv, z and the gates in one native
+    pass over their outputs (`ops.native.gdn_prep`), in_proj_ba on the native bf16 kernel at any
+    batch size where it takes the weight (bfloat16, no bias: 16-odd outputs, oneDNN's call costs
+    more than its work), the layer's own linear otherwise."""
+    from hybridkv.ops.native import bf16_linear, gdn_prep
+
+    qkvz = layer.in_proj_qkvz(x)
+    weight, bias = layer.in_proj_ba.weight, layer.in_proj_ba.bias
+    kernel = bf16_linear.kernel()
+    fits = x.dtype == torch.bfloat16 and bias is None and kernel is not None
+    if fits and bf16_linear.weight_fits(weight, None):
+        ba = bf16_linear.run(kernel, x, weight, None)
+    else:
+        ba = layer.in_proj_ba(x)
+    decay = derived(layer.A_log, "neg_exp_f32", lambda w: -torch.exp(w.float()))
+    dt_bias = derived(layer.dt_bias, "f32", torch.Tensor.float)
+    per = layer.num_v_heads // layer.num_k_heads
+    return gdn_prep.prep(
+        qkvz, ba, layer.num_k_heads, per, layer.head_k_dim, layer.head_v_dim, decay, dt_bias
+    )
+
+
+def torch_gdn_prep(layer: GatedDeltaNet, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    qkv, z, b, a = layer._project(x)
+    g, beta = gdn_gates(a, b, layer.A_log, layer.dt_bias)  # [T, Hv] float32
+    return qkv, z, g, beta
