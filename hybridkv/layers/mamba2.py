@@ -51,9 +51,9 @@ from hybridkv.distributed.parallel import current, declare_shards, explicit, ran
 from hybridkv.forward_batch import ForwardBatch, StateMetadata
 from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
 from hybridkv.layers.cache import CacheOwner, StateCache
+from hybridkv.ops.conv1d import CONV_MAX_HISTORY
 from hybridkv.ops.derived import derived
 from hybridkv.ops.mamba2_ops import NormArgs, ScanParams, TorchMamba2Ops
-from hybridkv.ops.native import ssm as native_ssm
 from hybridkv.ops.norm import _apply_weight as apply_norm_weight
 from hybridkv.ops.norm import gated_rms_norm
 
@@ -212,7 +212,7 @@ class Mamba2Mixer(CacheOwner):
     def cache_spec(self, dtypes: CacheDtypes) -> StateSpec:
         """conv: the last d_conv - 1 inputs of every conv channel; ssm: the SSM state."""
         ops = MAMBA2_OPS
-        if self.d_conv - 1 > native_ssm.CONV_MAX_HISTORY:  # the C conv keeps at most this many
+        if self.d_conv - 1 > CONV_MAX_HISTORY:  # the C conv keeps at most this many
             ops = tuple(o for o in ops if o.name != "native")
         return StateSpec(
             "mamba2",

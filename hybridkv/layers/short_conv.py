@@ -28,9 +28,9 @@ from hybridkv.distributed.parallel import column, current, declare_shards, rank0
 from hybridkv.forward_batch import ForwardBatch, StateMetadata
 from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
 from hybridkv.layers.cache import CacheOwner, StateCache
+from hybridkv.ops.conv1d import CONV_MAX_HISTORY
 from hybridkv.ops.elementwise import mul as _mul
 from hybridkv.ops.mamba2_ops import TorchMamba2Ops
-from hybridkv.ops.native import ssm as native_ssm
 
 CONV = "conv"  # the one state tensor a short conv layer declares and reads
 _OPS = "hybridkv.ops.mamba2_ops:"
@@ -93,7 +93,7 @@ class ShortConv(CacheOwner):
     def cache_spec(self, dtypes: CacheDtypes) -> StateSpec:
         """conv: the last L_cache - 1 conv inputs (B * x) of every channel."""
         ops = SHORT_CONV_OPS
-        if self.l_cache - 1 > native_ssm.CONV_MAX_HISTORY:  # the C conv keeps at most this many
+        if self.l_cache - 1 > CONV_MAX_HISTORY:  # the C conv keeps at most this many
             ops = tuple(o for o in ops if o.name != "native")
         shape = (self.channels, self.l_cache - 1)
         return StateSpec("short_conv", (StateTensor(CONV, shape, dtypes.conv),), ops)

@@ -27,6 +27,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# History columns (K - 1) per channel the native conv keeps (HKV_CONV_MAX_HISTORY in the native
+# kernels.c; `hybridkv.ops.native.ssm` reads it from here): a layer with a wider kernel runs the
+# PyTorch ops. Here, so that the layers read it without importing the native package.
+CONV_MAX_HISTORY = 8
+
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     if activation is None:

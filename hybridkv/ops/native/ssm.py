@@ -18,6 +18,7 @@ import ctypes
 import torch
 
 from hybridkv.ops import native
+from hybridkv.ops.conv1d import CONV_MAX_HISTORY  # the native conv's history (kernels.c)
 from hybridkv.ops.derived import derived
 from hybridkv.ops.native.common import (
     FLOAT_DTYPES,
@@ -165,7 +166,7 @@ def mamba1_scan(
     return y
 
 
-CONV_MAX_HISTORY = 8  # HKV_CONV_MAX_HISTORY in kernels.c
+# CONV_MAX_HISTORY (imported above): HKV_CONV_MAX_HISTORY in kernels.c
 
 
 def conv1d(
