@@ -14,7 +14,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.distributed.parallel import ShardSpec, TensorParallel, current, declare_shards
-from hybridkv.ops.native import elementwise as native_ew
+from hybridkv.ops.registry import CPU_FLOATS, OpImpl, declare
+
+# The embedding lookup (`Embedding.forward`: weight[ids] * scale), keyed by the table's dtype;
+# each implementation takes (ids [T], weight [rows, hidden], scale):
+#   float32 / bfloat16 on the CPU   native (one call: a decode step stays capturable), where
+#                                   `native_embedding_fits`; else the chain without it
+#   otherwise                       torch (F.embedding, then `* scale`)
+EMBEDDING = declare(
+    "embedding",
+    (
+        OpImpl("native", "hybridkv.ops.native.elementwise:embedding", frozenset({"cpu"}),
+               CPU_FLOATS, ("native",), strict=True, description="one pass (C)"),
+        OpImpl("torch", f"{__name__}:torch_embedding", description="F.embedding, * scale"),
+    ),
+)  # fmt: skip
 
 
 def _vocab_rows(tp: TensorParallel, vocab: int) -> tuple[int, int]:
@@ -62,11 +76,26 @@ class Embedding(nn.Embedding):
 
     def forward(self, ids: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         # ids: [T] -> [T, hidden]; the product rounded to the weight's dtype, as `* scale`
-        out = native_ew.embedding(ids, self.weight, scale)
-        if out is not None:
-            return out
-        out = F.embedding(ids, self.weight)
-        return out if scale == 1.0 else out * scale
+        weight = self.weight
+        if native_embedding_fits(ids, weight):
+            chain = EMBEDDING.of(weight)
+        else:
+            chain = EMBEDDING.chain(weight.device, weight.dtype, ("native",))
+        return chain.first(ids, weight, scale)
+
+
+def native_embedding_fits(ids: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The native lookup's rule: ids [T] int64 and a contiguous weight [rows, hidden], both on
+    the CPU (the weight's dtype: the family's)."""
+    return (
+        ids.dim() == 1 and ids.dtype == torch.int64 and ids.device.type == "cpu"
+        and weight.dim() == 2 and weight.is_contiguous() and weight.device.type == "cpu"
+    )  # fmt: skip
+
+
+def torch_embedding(ids: torch.Tensor, weight: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    out = F.embedding(ids, weight)
+    return out if scale == 1.0 else out * scale
 
 
 def vocab_embedding(vocab: int, hidden: int) -> nn.Embedding:

@@ -208,6 +208,10 @@ DECLARING_MODULES: tuple[str, ...] = (
     "hybridkv.layers.linear",
     "hybridkv.layers.quantization",
     "hybridkv.worker.sampler",
+    "hybridkv.layers.mlp",
+    "hybridkv.layers.moe",
+    "hybridkv.layers.gated_delta_net",
+    "hybridkv.distributed.layers",
 )
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
