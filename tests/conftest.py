@@ -117,7 +117,10 @@ def _fresh_op_choices():
     process), so that a test which sets HYBRIDKV_NATIVE=0 before its first op gets the
     reference implementations and the next test does not inherit them."""
     from hybridkv.ops import registry
+    from hybridkv.ops.native import cpu
 
+    cpu.record.cache_clear()
     registry.reset_all()
     yield
+    cpu.record.cache_clear()
     registry.reset_all()

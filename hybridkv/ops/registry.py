@@ -257,6 +257,9 @@ def capabilities(device: str) -> frozenset[str]:
         from hybridkv.ops.native import cpu
 
         rec = cpu.record()
+        if native.library() is not None and not rec.native_loaded:
+            cpu.record.cache_clear()  # (recorded while HYBRIDKV_NATIVE=0: record it again)
+            rec = cpu.record()
         if native.library() is not None:  # (HYBRIDKV_NATIVE=0: none of the native kernels)
             have |= rec.usable
             have.add("native")
