@@ -403,9 +403,11 @@ void hkv_f32_linear(const float *x, int64_t ldx, const float *w, const float *bi
  * panels' sums kept in a buffer between the pieces; a pass covers the panels of x that fit in
  * G8_L2 bytes, so that they stay in L2 while every block of weights goes by (1536 -> 768 at M =
  * 512, 3 MiB of x: 36% slower than oneDNN's float32 GEMM without the passes; 2 MiB passes were
- * 10% slower than 1 MiB, 512 KiB 5%). The scale, bias and rounding of a tile's sums run on 8
- * lanes, then each row's values are stored (scalar, per output: 5% of the time at M = 512
- * before). OpenMP splits the blocks of weight rows of each pass.
+ * 10% slower than 1 MiB, 512 KiB 5%). The sums of G8_GROUP blocks (48 columns) are stored
+ * together: 8 x 8 transposes make rows of them, then the scale, bias and rounding run on 8
+ * lanes and each row of y gets 8 consecutive values per store (per output and per block, the
+ * stores took 13% of the time at 2048 x 768 -> 3072; now level with oneDNN there). OpenMP
+ * splits the groups of blocks of each pass.
  *
  * Measured under the AVX2 simulation (x86-64-v3 build, oneDNN and MKL capped at AVX2; 1
  * thread, 100m model shapes, weights out of cache; benchmarks/README.md): against the
@@ -420,6 +422,7 @@ void hkv_f32_linear(const float *x, int64_t ldx, const float *w, const float *bi
 #define G8_NR 6             /* weight rows per block */
 #define G8_KC 256           /* values of k per piece of a block */
 #define G8_L2 (1024 * 1024) /* bytes of panels of x per pass over the weights */
+#define G8_GROUP 8          /* blocks whose outputs are stored together (48 columns) */
 
 /* x [M, K] (float32 or bfloat16, row stride ldx) -> xp, float32: piece by piece of G8_KC values
  * of k, in each the panels one after the other, each [kc][16] (rows past M zero); so a pass
@@ -520,40 +523,76 @@ static inline __attribute__((always_inline)) __m128i g8_bf16x8(__m256 v) {
     return _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
 }
 
-/* the sums of panels p0 .. p1 - 1 against weight rows n0 .. n0 + nb - 1 (acc[p - p0][j][l]:
- * row p * 16 + l of y, column n0 + j) -> y: each sum times the row's scale (int8), plus the
- * bias, rounded to bfloat16 (ybf16) or stored: on 8 lanes, then each row's nb values */
-static void g8_store(float (*acc)[G8_NR][16], int64_t p0, int64_t p1, int64_t M, int64_t n0,
-                     int64_t nb, int wtype, const void *bias, const uint16_t *scale, void *y,
-                     int64_t ldy, int ybf16) {
-    __m256 mul[G8_NR], add[G8_NR];
-    for (int j = 0; j < G8_NR; j++) {
-        const int in = j < nb;
-        mul[j] = _mm256_set1_ps(in && scale ? hkv_bf16_to_f32(scale[n0 + j]) : 1.0f);
-        add[j] = _mm256_set1_ps(!in || !bias ? 0.0f
-                                : wtype == 0 ? ((const float *)bias)[n0 + j]
-                                             : hkv_bf16_to_f32(((const uint16_t *)bias)[n0 + j]));
+/* r[i] lane j <- r[j] lane i (an 8 x 8 transpose: unpacks, shuffles, 128-bit permutes) */
+static inline __attribute__((always_inline)) void g8_transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* the sums of panels p0 .. p1 - 1 against a group of blocks of weight rows, columns n0 ..
+ * n0 + cols - 1 (acc[p - p0][i][j][l]: row p * 16 + l of y, column n0 + 6i + j) -> y: 8 x 8
+ * transposes turn 8 columns' sums into rows, each then times its columns' scales (int8), plus
+ * the bias, rounded to bfloat16 (ybf16) or not, and stored as 8 consecutive values of a row
+ * of y (storing each row's 6 values of a block, scalar, after the next block's sums had pushed
+ * its lines out of L1, took 13% of the time of 2048 x 768 -> 3072) */
+static void g8_store(float (*acc)[G8_GROUP][G8_NR][16], int64_t p0, int64_t p1, int64_t M,
+                     int64_t n0, int64_t cols, int wtype, const void *bias,
+                     const uint16_t *scale, void *y, int64_t ldy, int ybf16) {
+    float mul[G8_GROUP * G8_NR + 8], add[G8_GROUP * G8_NR + 8];
+    for (int64_t c = 0; c < G8_GROUP * G8_NR + 8; c++) {
+        const int in = c < cols;
+        mul[c] = in && scale ? hkv_bf16_to_f32(scale[n0 + c]) : 1.0f;
+        add[c] = !in || !bias ? 0.0f
+                 : wtype == 0 ? ((const float *)bias)[n0 + c]
+                              : hkv_bf16_to_f32(((const uint16_t *)bias)[n0 + c]);
     }
     for (int64_t p = p0; p < p1; p++) {
         const int64_t rows = M - p * G8_MR < G8_MR ? M - p * G8_MR : G8_MR;
-        float(*a)[16] = acc[p - p0];
-        uint16_t h[G8_NR][16];
-        for (int j = 0; j < G8_NR; j++)
-            for (int half = 0; half < 2; half++) {
-                /* the scale once per sum (int8), then the bias: as the tiles */
-                const __m256 v = _mm256_add_ps(
-                    _mm256_mul_ps(_mm256_loadu_ps(a[j] + 8 * half), mul[j]), add[j]);
-                if (ybf16)
-                    _mm_storeu_si128((__m128i *)(h[j] + 8 * half), g8_bf16x8(v));
-                else
-                    _mm256_storeu_ps(a[j] + 8 * half, v);
+        float(*a)[16] = acc[p - p0][0]; /* [G8_GROUP * 6][16]: column c's 16 rows */
+        for (int64_t c0 = 0; c0 < cols; c0 += 8) {
+            const int64_t width = cols - c0 < 8 ? cols - c0 : 8;
+            const __m256 mv = _mm256_loadu_ps(mul + c0), av = _mm256_loadu_ps(add + c0);
+            for (int half = 0; half < 2 && 8 * half < rows; half++) {
+                __m256 r[8];
+                for (int i = 0; i < 8; i++) /* (columns past the group's: unused lanes) */
+                    r[i] = c0 + i < G8_GROUP * G8_NR ? _mm256_loadu_ps(a[c0 + i] + 8 * half)
+                                                     : _mm256_setzero_ps();
+                g8_transpose8(r);
+                for (int i = 0; i < 8 && 8 * half + i < rows; i++) {
+                    /* the scale once per sum (int8), then the bias: as the tiles */
+                    const __m256 v = _mm256_add_ps(_mm256_mul_ps(r[i], mv), av);
+                    const int64_t at = (p * G8_MR + 8 * half + i) * ldy + n0 + c0;
+                    if (ybf16) {
+                        const __m128i h = g8_bf16x8(v);
+                        if (width == 8) {
+                            _mm_storeu_si128((__m128i *)((uint16_t *)y + at), h);
+                        } else {
+                            uint16_t t[8];
+                            _mm_storeu_si128((__m128i *)t, h);
+                            memcpy((uint16_t *)y + at, t, (size_t)width * sizeof(uint16_t));
+                        }
+                    } else if (width == 8) {
+                        _mm256_storeu_ps((float *)y + at, v);
+                    } else {
+                        float t[8];
+                        _mm256_storeu_ps(t, v);
+                        memcpy((float *)y + at, t, (size_t)width * sizeof(float));
+                    }
+                }
             }
-        for (int64_t l = 0; l < rows; l++) {
-            const int64_t at = (p * G8_MR + l) * ldy + n0;
-            if (ybf16)
-                for (int j = 0; j < nb; j++) ((uint16_t *)y)[at + j] = h[j][l];
-            else
-                for (int j = 0; j < nb; j++) ((float *)y)[at + j] = a[j][l];
         }
     }
 }
@@ -563,6 +602,7 @@ int hkv_avx2_gemm(const void *x, int64_t ldx, int xbf16, const void *w, int wtyp
                   void *y, int64_t ldy, int ybf16) {
     if (M <= 0 || N <= 0 || K <= 0) return -1; /* (the callers handle these) */
     const int64_t panels = (M + G8_MR - 1) / G8_MR, blocks = (N + G8_NR - 1) / G8_NR;
+    const int64_t groups = (blocks + G8_GROUP - 1) / G8_GROUP;
     int64_t per_pass = G8_L2 / (K * G8_MR * (int64_t)sizeof(float));
     per_pass = per_pass < 1 ? 1 : per_pass > panels ? panels : per_pass;
     float *xp = aligned_alloc(32, (size_t)(panels * K * G8_MR) * sizeof(float));
@@ -574,7 +614,7 @@ int hkv_avx2_gemm(const void *x, int64_t ldx, int xbf16, const void *w, int wtyp
         /* this thread's float32 piece of a block of weights (not for float32 weights) and
          * the sums of the pass's panels against its block */
         float *wb = wtype == 0 ? NULL : malloc((size_t)(G8_NR * G8_KC) * sizeof(float));
-        float(*acc)[G8_NR][16] = malloc((size_t)per_pass * sizeof *acc);
+        float(*acc)[G8_GROUP][G8_NR][16] = malloc((size_t)per_pass * sizeof *acc);
         const int ok = acc != NULL && (wtype == 0 || wb != NULL);
         if (!ok) {
 #pragma omp atomic write
@@ -583,28 +623,33 @@ int hkv_avx2_gemm(const void *x, int64_t ldx, int xbf16, const void *w, int wtyp
         for (int64_t p0 = 0; p0 < panels; p0 += per_pass) {
             const int64_t p1 = panels - p0 < per_pass ? panels : p0 + per_pass;
 #pragma omp for schedule(static)
-            for (int64_t b = 0; b < blocks; b++) {
+            for (int64_t gi = 0; gi < groups; gi++) {
                 if (!ok) continue;
-                const int64_t n0 = b * G8_NR, nb = N - n0 < G8_NR ? N - n0 : G8_NR;
-                for (int64_t k0 = 0; k0 < K; k0 += G8_KC) {
-                    const int64_t kc = K - k0 < G8_KC ? K - k0 : G8_KC;
-                    const float *wr[G8_NR];
-                    if (wtype == 0) {
-                        for (int j = 0; j < G8_NR; j++)
-                            wr[j] = (const float *)w + (n0 + (j < nb ? j : nb - 1)) * K + k0;
-                    } else {
-                        g8_convert_w(w, wtype, n0, nb, K, k0, kc, wb);
-                        for (int j = 0; j < G8_NR; j++) wr[j] = wb + j * G8_KC;
-                    }
-                    for (int64_t p = p0; p < p1; p++) {
-                        const float *piece = g8_piece(xp, panels, K, p, k0);
-                        if (M - p * G8_MR > 8)
-                            g8_kernel(piece, wr, kc, acc[p - p0], k0 == 0, 2);
-                        else
-                            g8_kernel(piece, wr, kc, acc[p - p0], k0 == 0, 1);
+                const int64_t b0 = gi * G8_GROUP;
+                const int64_t b1 = blocks - b0 < G8_GROUP ? blocks : b0 + G8_GROUP;
+                for (int64_t b = b0; b < b1; b++) {
+                    const int64_t n0 = b * G8_NR, nb = N - n0 < G8_NR ? N - n0 : G8_NR;
+                    for (int64_t k0 = 0; k0 < K; k0 += G8_KC) {
+                        const int64_t kc = K - k0 < G8_KC ? K - k0 : G8_KC;
+                        const float *wr[G8_NR];
+                        if (wtype == 0) {
+                            for (int j = 0; j < G8_NR; j++)
+                                wr[j] = (const float *)w + (n0 + (j < nb ? j : nb - 1)) * K + k0;
+                        } else {
+                            g8_convert_w(w, wtype, n0, nb, K, k0, kc, wb);
+                            for (int j = 0; j < G8_NR; j++) wr[j] = wb + j * G8_KC;
+                        }
+                        for (int64_t p = p0; p < p1; p++) {
+                            const float *piece = g8_piece(xp, panels, K, p, k0);
+                            if (M - p * G8_MR > 8)
+                                g8_kernel(piece, wr, kc, acc[p - p0][b - b0], k0 == 0, 2);
+                            else
+                                g8_kernel(piece, wr, kc, acc[p - p0][b - b0], k0 == 0, 1);
+                        }
                     }
                 }
-                g8_store(acc, p0, p1, M, n0, nb, wtype, bias, scale, y, ldy, ybf16);
+                const int64_t n0 = b0 * G8_NR, cols = (N < b1 * G8_NR ? N : b1 * G8_NR) - n0;
+                g8_store(acc, p0, p1, M, n0, cols, wtype, bias, scale, y, ldy, ybf16);
             }
         }
         free(wb);
