@@ -27,8 +27,8 @@ has no bfloat16 there (its weight reorder fails: `prepack_dtypes()`), and PyTorc
 matmul runs 3-5x below float32 (a bf16 model decoded 3x slower than fp32 on a 2-core EPYC), so
 a bfloat16 linear is a `PackedLinear` without a packed weight that runs the native kernel at
 every M: its dot-product tiles up to 20 rows, the AVX2 GEMM of `f32_linear.c` above (the
-weights widened to float32 a block at a time; within 0-15% of oneDNN's float32 GEMM at M =
-64-512, benchmarks/README.md "AVX2"). The choice is made once per layer from the CPU record
+weights widened to float32 a block at a time; 0.94-1.13x the speed of oneDNN's float32 GEMM
+at M = 64-512, benchmarks/README.md "AVX2"). The choice is made once per layer from the CPU record
 (`native_rows`): by the number of rows alone at each call.
 """
 

@@ -53,9 +53,10 @@ at every M, for both dtypes of x: its 8-lane tiles (int8 widened to float32 in r
 above) up to 20 rows, above them the AVX2 GEMM of `f32_linear.c` (q converted to float32 a
 block at a time, x copied into panels of 16 rows, the row's scale once per sum): the same
 float32 math. PyTorch's paths are no alternative there: its bfloat16 GEMM runs 3-5x below
-float32 on AVX2, and the float32 chunks lose to the kernel's GEMM up to M = 128 (0.8-0.9x) and
-are level at 512 (x86-64-v3 build with oneDNN and MKL capped at AVX2 on the development Xeon,
-1 thread, benchmarks/README.md "AVX2").
+float32 on AVX2 (the kernel takes 0.17-0.22x its time at 24-64 rows), and the kernel takes
+0.76-0.92x the float32 chunks' time at M = 128, 0.88-1.02x at 512 (x86-64-v3 build with
+oneDNN and MKL capped at AVX2 on the development Xeon, 1 thread, benchmarks/README.md
+"AVX2").
 
 Tensor parallel: each rank quantizes its shard after loading it. A column-parallel shard holds
 whole rows, so its scales are the full model's; a row-parallel one (its input dim split) holds

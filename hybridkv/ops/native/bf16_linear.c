@@ -44,9 +44,10 @@
  * PyTorch's bfloat16 matmul runs 3-5x below float32 there, so this is the whole bfloat16 linear
  * on AVX2 (hybridkv/layers/linear.py). Measured under the AVX2 simulation (this Xeon: x86-64-v3
  * build, ATen, oneDNN and MKL at AVX2; 1 thread, weights out of cache; benchmarks/README.md
- * "AVX2"): at M = 1 2.7x oneDNN's float32 linear of the same layer and 1.7x PyTorch's
- * bfloat16 (768 -> 3224), at M = 8-16 1.3-2.4x oneDNN's float32; from 24 rows on the GEMM
- * takes 0.85-1.15x the time of oneDNN's float32 GEMM (1.15x at M = 512).
+ * "AVX2"): at M = 1 2.3-2.5x the speed of oneDNN's float32 linear of the same layer and
+ * 1.6-2.0x PyTorch's bfloat16 matmul, at M = 8 2.0-2.2x and at 16 1.35-1.47x oneDNN's
+ * float32; from 24 rows the GEMM runs at 1.02-1.24x oneDNN's float32 speed up to M = 128,
+ * 0.94-1.10x at 512 (both at the FMA ports' peak there).
  *
  * Without either a plain loop is built instead (the same result up to summation order) and
  * hkv_bf16_linear_fast() returns 0, so the caller keeps oneDNN. */

@@ -49,8 +49,9 @@
  * vmaskmovps for the last K % 8 (lanes past K never read); the near prefetch once per 64-byte
  * line (two 8-value loads). Measured under the AVX2 simulation (this Xeon: x86-64-v3 build,
  * ATen at AVX2, oneDNN and MKL capped at AVX2; 1 thread, weights out of cache, against
- * oneDNN's packed float32 linear): 1.3x at M = 1 on 768 -> 3224, 1.4-1.9x at M = 8, 1.0-1.2x
- * at 24, 0.9-1.1x at 32 (f32_linear.SMALL_M_AVX2 = 24; benchmarks/README.md "AVX2"). This
+ * oneDNN's packed float32 linear, 768 -> 3224, 1536 -> 768 and 768 -> 32000): 1.2-1.35x at
+ * M = 1, 1.5-1.6x at 8, 1.2-1.3x at 16, 1.0-1.08x at 24, 0.9-1.08x at 32
+ * (f32_linear.SMALL_M_AVX2 = 24; benchmarks/README.md "AVX2"). This
  * file also holds the AVX2 GEMM the bfloat16 and int8 linears take for more rows
  * (hkv_avx2_gemm, at its end).
  *

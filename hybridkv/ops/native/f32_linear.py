@@ -31,8 +31,8 @@ native.declare({
 # 4 x 4 tiles. 32: the largest M measured ahead on every shape and thread count.
 SMALL_M = 32
 # The same for the AVX2 path (8 lanes, 4 x 2 tiles; x86-64-v3 build with oneDNN and MKL capped
-# at AVX2 on the same Xeon, 1 thread: benchmarks/README.md "AVX2"): 1.3-1.9x at M = 1..8,
-# 1.03-1.2x at 24, 0.9-0.95x at 32 on 768 -> 3224 and 1536 -> 768.
+# at AVX2 on the same Xeon, 1 thread: benchmarks/README.md "AVX2"): 1.2-1.6x at M = 1..8,
+# 1.2-1.3x at 16, 1.0-1.08x at 24, 0.9-1.08x at 32 (768 -> 3224, 1536 -> 768, 768 -> 32000).
 SMALL_M_AVX2 = 24
 
 _LINEAR = SmallBatchLinear(torch.float32, "hkv_f32_linear", "hkv_f32_linear_fast", ("avx512",))

@@ -66,10 +66,12 @@
  * (exactly), as above. The same float32 math, so the tests' bounds are the same; no 8-bit
  * activations (AVX-VNNI's vpdpbusd would need x quantized: another result). Measured under
  * the AVX2 simulation (this Xeon: x86-64-v3 build, oneDNN and MKL capped at AVX2; 1 thread,
- * weights out of cache; benchmarks/README.md "AVX2"): M = 1 streams 768 -> 3224 in 0.24 ms
- * where the float32 kernel takes 0.8 and oneDNN's float32 1.07; M = 8-16 0.82-0.92x the
- * bfloat16 kernel's time; from 24 rows 0.9-0.95x it (the same GEMM, half the weight bytes),
- * 0.6-0.9x PyTorch's float32 chunks up to M = 64 and level with them at 512 (0.95-1.06x).
+ * weights out of cache; benchmarks/README.md "AVX2"): M = 1 streams 768 -> 3224 in 0.26 ms
+ * where the float32 kernel takes 0.85 and oneDNN's float32 1.14; M = 8-16 0.77-0.92x the
+ * bfloat16 kernel's time; from 24 rows 0.87-1.0x it (the same GEMM, half the weight bytes;
+ * 1.08x on the 32000-row lm_head at M = 512, whose float32 outputs are twice bfloat16's
+ * bytes); against PyTorch's paths 0.17-0.22x their time at 24-64 rows (dequantize +
+ * bfloat16 GEMM), 0.76-0.92x at 128 and 0.88-1.02x at 512 (float32 chunks).
  *
  * Without either a plain loop (hkv_int8_vectorized() says which was built, so the caller can
  * keep PyTorch's path instead). */
