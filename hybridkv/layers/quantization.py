@@ -78,8 +78,8 @@ from hybridkv.config import QUANTIZATIONS, check_quantization  # noqa: F401 (re-
 from hybridkv.distributed.layers import VocabParallelHead
 from hybridkv.distributed.parallel import SINGLE, TensorParallel
 from hybridkv.layers.linear import PackedLinear
-from hybridkv.ops.native import cpu
 from hybridkv.ops.native import int8_linear as native_int8
+from hybridkv.ops.native.small_linear import loaded_record
 from hybridkv.ops.registry import OpImpl, declare
 
 SMALL_M = 16  # rows of x up to which the kernels beat dequantize + bfloat16 GEMM (AVX-512)
@@ -126,7 +126,7 @@ def native_limits() -> tuple[int, int]:
     from which it runs the float32 chunks instead): SMALL_M and DEQUANT_M, read at the call;
     every M and never where the kernel is the AVX2 one (the module docstring: the build and
     the CPU decide, through the CPU record)."""
-    if native_int8.kernel() is not None and not cpu.record().supports("avx512"):
+    if native_int8.kernel() is not None and not loaded_record().supports("avx512"):
         return sys.maxsize, sys.maxsize
     return SMALL_M, DEQUANT_M
 

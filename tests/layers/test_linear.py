@@ -141,3 +141,31 @@ def test_float32_and_disabled_native_keep_onednn(monkeypatch):
     x = torch.randn(3, 16).to(torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(packed(x), _onednn(packed, x))
+
+
+def test_choices_take_the_record_again_after_native_was_off(monkeypatch):
+    """A CPU record first taken while HYBRIDKV_NATIVE=0 (no library: nothing built) is taken
+    again by the linears' choices once the library is there, so that an AVX-512 build is not
+    taken for a build without AVX-512 (small_m, native_limits)."""
+    from hybridkv.layers import quantization as quant
+    from hybridkv.ops import native
+    from hybridkv.ops.native import cpu
+    from hybridkv.ops.native.small_linear import SmallBatchLinear, loaded_record
+
+    if native.library() is None:
+        pytest.skip("no native library here")
+    monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    cpu.record.cache_clear()
+    assert not cpu.record().native_loaded
+    monkeypatch.delenv("HYBRIDKV_NATIVE")
+    assert loaded_record().native_loaded and cpu.record().native_loaded
+    wide = "avx512" in cpu.record().usable
+    probe = SmallBatchLinear(torch.float32, "hkv_f32_linear", "hkv_f32_linear_fast", ("avx512",))
+    assert probe.wide() == wide
+    cpu.record.cache_clear()
+    monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
+    cpu.record()  # (recorded without the library again)
+    monkeypatch.delenv("HYBRIDKV_NATIVE")
+    limits = quant.native_limits()
+    avx2_kernel = quant.native_int8.kernel() is not None and not wide
+    assert (limits[0] >= 2**31) == avx2_kernel

@@ -14,6 +14,19 @@ import torch
 from hybridkv.ops import native
 
 
+def loaded_record() -> Any:
+    """The CPU record (`cpu.record()`) taken with the native library loaded: where it was first
+    taken while `HYBRIDKV_NATIVE=0` (no library, nothing built), it is taken again. For the
+    callers that choose by the build once its kernel exists."""
+    from hybridkv.ops.native import cpu  # (cpu imports the loader, which imports us)
+
+    record = cpu.record()
+    if not record.native_loaded and native.library() is not None:
+        cpu.record.cache_clear()  # (recorded while HYBRIDKV_NATIVE=0: record it again)
+        record = cpu.record()
+    return record
+
+
 class SmallBatchLinear:
     """One dtype's kernel `name`, usable where the library's build has its fast path (`probe`
     returns 1: a plain loop is built without the instruction set, slower than oneDNN, so the
@@ -41,9 +54,7 @@ class SmallBatchLinear:
         """The build runs the kernel's AVX-512 path (its features built and on this CPU: the
         CPU record, decided once), not its AVX2 one."""
         if self._wide is None:
-            from hybridkv.ops.native import cpu  # (cpu imports the loader, which imports us)
-
-            self._wide = cpu.record().supports(*self.wide_features)
+            self._wide = loaded_record().supports(*self.wide_features)
         return self._wide
 
     def weight_fits(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
