@@ -328,7 +328,7 @@ class Engine:
         dtypes += [g.spec.dtype for g in self.plan.attention_groups if g.spec.dtype not in dtypes]
         self.op_table = registry.table("cpu", dtypes)
         logger.info("%s", cpu.line())
-        logger.info("ops:\n%s", registry.format_table("cpu", dtypes))
+        logger.info("ops:\n%s", registry.format_table(self.op_table))
 
     def _build_rank(self, cls: type[CausalLM], family: HFConfig, folder: Path) -> ModelRunner:
         """This rank's model (its shard under tensor parallelism), the plan every rank agreed

@@ -222,11 +222,9 @@ def op_dtypes(*dtypes: str | None) -> list[str]:
 
 
 def format_ops(rows: list[dict[str, str]]) -> str:
-    table = [("op", "dtype", "implementation")] + [
-        (r["op"], r["dtype"], r["implementation"]) for r in rows
-    ]
-    widths = [max(len(r[i]) for r in table) for i in range(2)]
-    return "\n".join(f"  {r[0].ljust(widths[0])}  {r[1].ljust(widths[1])}  {r[2]}" for r in table)
+    from hybridkv.ops.registry import format_table
+
+    return format_table((r["op"], r["dtype"], r["implementation"]) for r in rows)
 
 
 # ---------------------------------------------------------------------------------------------

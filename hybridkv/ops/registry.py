@@ -305,9 +305,10 @@ def table(device: str, dtypes: Iterable[str]) -> list[tuple[str, str, str]]:
     return rows
 
 
-def format_table(device: str, dtypes: Iterable[str]) -> str:
-    rows = [("op", "dtype", "implementation"), *table(device, dtypes)]
-    widths = [max(len(r[i]) for r in rows) for i in range(2)]
+def format_table(rows: Iterable[tuple[str, str, str]]) -> str:
+    """`table`'s rows (op, dtype, implementation) as aligned text with a header."""
+    lines = [("op", "dtype", "implementation"), *rows]
+    widths = [max(len(r[i]) for r in lines) for i in range(2)]
     return "\n".join(
-        f"  {r[0].ljust(widths[0])}  {r[1].ljust(widths[1])}  {r[2]}".rstrip() for r in rows
+        f"  {r[0].ljust(widths[0])}  {r[1].ljust(widths[1])}  {r[2]}".rstrip() for r in lines
     )
