@@ -15,9 +15,10 @@ option that covers each:
   norm eps = `rms_norm_eps`; head_dim = `mamba_d_head` (intermediate = mamba_expand * hidden).
 - NemotronH: same layout and names (the mixer is `backbone.layers.i.mixer`), but
   intermediate = mamba_num_heads * mamba_head_dim, bias = `use_bias` / `use_conv_bias`,
-  eps = `layer_norm_epsilon`, and **dt_limit = (time_step_min, inf)**, a lower clamp that the
-  other families do not have. Its n_groups (often 8) also groups the gated norm.
-- Zamba2: like NemotronH (dt_limit = (time_step_min, inf)); conv bias always on, norm eps fixed
+  eps = `layer_norm_epsilon`, dt_limit = `time_step_limit` (transformers 5.25; up to 5.24 it
+  was (time_step_min, inf), a lower clamp). Its n_groups (often 8) also groups the gated norm.
+- Zamba2: dt_limit = (time_step_min, inf), a lower clamp the others do not have (still so in
+  transformers 5.25); conv bias always on, norm eps fixed
   to 1e-5, bias = `add_bias_linear`. Supported with plain arguments.
 - Falcon-H1: supported with `in_multiplier` (ssm_in_multiplier, scales the mixer input),
   `proj_multipliers` (ssm_multipliers for the z, x, B, C, dt slices of in_proj's output; stored

@@ -18,7 +18,8 @@ Every layer is one pre-norm residual block around a single mixer:
   MLP sees the block input. Routed outputs accumulate in float32, as transformers does.
 - Norms: RMSNorm that multiplies the weight in float32 (eps `layer_norm_epsilon`).
 - Mamba2: see `hybridkv.layers.mamba2` (intermediate = mamba_num_heads * mamba_head_dim,
-  dt_limit = (time_step_min, inf), gated norm grouped by n_groups).
+  dt_limit = `time_step_limit`, default (0, inf) since transformers 5.25 (before: a lower clamp
+  at `time_step_min`), gated norm grouped by n_groups).
 
 Checkpoints name tensors `backbone.*` with one tensor per expert
 (`mixer.experts.{e}.up_proj.weight`); transformers 5 holds them as `model.*` with stacked
@@ -42,13 +43,14 @@ from torch import nn
 from hybridkv.distributed.layers import vocab_embedding, vocab_head
 from hybridkv.distributed.parallel import column, current, declare_shards, rank0_bias
 from hybridkv.forward_batch import ForwardBatch
+from hybridkv.kv.specs import ConfigError
 from hybridkv.layers.activation import relu2
 from hybridkv.layers.attention.self_attention import SelfAttention
 from hybridkv.layers.mamba2 import Mamba2Mixer
 from hybridkv.layers.mlp import RMSNorm
 from hybridkv.layers.moe import Router, RoutingRule, UngatedExperts
 from hybridkv.models.base import CausalLM
-from hybridkv.models.hf_config import HFConfig, layer_types
+from hybridkv.models.hf_config import HFConfig, config_float, layer_types
 from hybridkv.ops.elementwise import residual_add
 
 # default layout of transformers' NemotronHConfig when config.json gives none
@@ -77,7 +79,7 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 @dataclasses.dataclass(frozen=True)
 class NemotronHConfig(HFConfig):
-    """Defaults: transformers 5.24 `NemotronHConfig`; older key names are `ALIASES`.
+    """Defaults: transformers 5.25 `NemotronHConfig`; older key names are `ALIASES`.
 
     The layout is `layers_block_type` / `layer_types` (lists) or `hybrid_override_pattern` (a
     string of M / * / - / E), else transformers' 4-layer default; `num_hidden_layers` is derived
@@ -90,7 +92,7 @@ class NemotronHConfig(HFConfig):
         "layers_block_type": ("layer_types",),
         "n_groups": ("mamba_n_groups", "n_groups"),
         "conv_kernel": ("mamba_d_conv", "conv_kernel"),
-        "time_step_min": ("mamba_dt_min", "time_step_min"),
+        "time_step_limit": ("mamba_dt_limit", "time_step_limit"),
         "use_conv_bias": ("mamba_conv_bias", "use_conv_bias"),
         "chunk_size": ("mamba_chunk_size", "chunk_size"),
         "n_routed_experts": ("num_local_experts",),
@@ -114,7 +116,7 @@ class NemotronHConfig(HFConfig):
     mamba_hidden_act: str = "silu"
     n_groups: int = 8
     conv_kernel: int = 4
-    time_step_min: float = 0.001
+    time_step_limit: tuple = (0.0, math.inf)  # 5.24 and older: (time_step_min, inf)
     use_conv_bias: bool = True
     chunk_size: int = 128
     use_bias: bool = False
@@ -148,11 +150,22 @@ class NemotronHConfig(HFConfig):
             "chunk_size", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
         )  # fmt: skip
         activation(self.mlp_hidden_act)  # a one-line error for an unsupported one
+        _ = self.dt_limit  # a one-line error for a malformed time_step_limit
         if self.n_routed_experts % self.n_group:
             raise ValueError(
                 f"n_routed_experts {self.n_routed_experts} is not a multiple of n_group "
                 f"{self.n_group}"
             )
+
+    @property
+    def dt_limit(self) -> tuple[float, float]:
+        limit = self.time_step_limit
+        if not isinstance(limit, tuple) or len(limit) != 2:
+            raise ConfigError(
+                f"config.json of {self.ARCHITECTURE}: time_step_limit must be two numbers, "
+                f"got {limit!r}"
+            )
+        return config_float(limit[0]), config_float(limit[1])
 
     @property
     def layers(self) -> tuple[str, ...]:
@@ -165,11 +178,11 @@ class NemotronHConfig(HFConfig):
         return len(self.layers)
 
     def mamba2(self, index: int) -> Mamba2Mixer:
-        """intermediate = mamba_num_heads * mamba_head_dim; dt_limit = (time_step_min, inf)."""
+        """intermediate = mamba_num_heads * mamba_head_dim; dt_limit = time_step_limit."""
         return Mamba2Mixer(
             self.hidden_size, self.mamba_num_heads, self.mamba_head_dim, self.ssm_state_size,
             self.n_groups, self.conv_kernel, self.chunk_size, self.use_conv_bias, self.use_bias,
-            self.layer_norm_epsilon, (float(self.time_step_min), math.inf),
+            self.layer_norm_epsilon, self.dt_limit,
             self.mamba_hidden_act, layer_index=index,
         )  # fmt: skip
 

@@ -56,14 +56,14 @@ def nemotron_h():
 
     cfg = NemotronHConfig(
         hidden_size=HIDDEN, mamba_num_heads=HEADS, mamba_head_dim=12, ssm_state_size=STATE,
-        n_groups=GROUPS, chunk_size=CHUNK, use_bias=True, time_step_min=0.6,
+        n_groups=GROUPS, chunk_size=CHUNK, use_bias=True, time_step_limit=(0.6, 3.0),
         layers_block_type=["mamba"], num_hidden_layers=1,
     )  # fmt: skip
     kwargs = dict(
         hidden_size=cfg.hidden_size, n_heads=cfg.mamba_num_heads, head_dim=cfg.mamba_head_dim,
         d_state=cfg.ssm_state_size, n_groups=cfg.n_groups, d_conv=cfg.conv_kernel,
         chunk_size=cfg.chunk_size, conv_bias=cfg.use_conv_bias, proj_bias=cfg.use_bias,
-        norm_eps=cfg.layer_norm_epsilon, dt_limit=(cfg.time_step_min, float("inf")),
+        norm_eps=cfg.layer_norm_epsilon, dt_limit=cfg.time_step_limit,
     )  # fmt: skip
     return NemotronHMamba2Mixer(cfg, layer_idx=0), kwargs
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hybridkv.engine import Engine
+from hybridkv.kv.specs import ConfigError
 from hybridkv.models.loader import iter_weights
 from hybridkv.models.nemotron_h import NemotronHForCausalLM
 
@@ -26,6 +27,8 @@ VOCAB = 96
 PATTERNS = {"dense": "M*M-", "moe": "ME*E", "latent": "EM*E"}
 # seeds whose greedy tokens keep a top-2 logit margin above 1e-3 (some others fall below 1e-4)
 SEEDS = {"dense": 2, "moe": 3, "latent": 0}
+# dense: a clamp on both sides (the key honoured); the others: transformers 5.25's default
+LIMITS = {"dense": (0.05, 0.5), "moe": (0.0, float("inf")), "latent": (0.0, float("inf"))}
 
 
 def build(tmp_path_factory, variant: str, seed: int | None = None):
@@ -37,7 +40,7 @@ def build(tmp_path_factory, variant: str, seed: int | None = None):
         vocab_size=VOCAB, hidden_size=64, hybrid_override_pattern=PATTERNS[variant],
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48,
         mamba_num_heads=6, mamba_head_dim=16, ssm_state_size=8, n_groups=2, chunk_size=16,
-        time_step_min=0.05, time_step_max=0.1, n_routed_experts=8, num_experts_per_tok=2,
+        time_step_limit=LIMITS[variant], n_routed_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, moe_shared_expert_intermediate_size=40, n_group=2,
         topk_group=1, routed_scaling_factor=2.5, moe_latent_size=latent,
         initializer_range=0.1, mamba_ssm_cache_dtype="float32", max_position_embeddings=512,
@@ -101,3 +104,22 @@ def test_config_as_transformers_saves_it(checkpoint):
     assert "num_hidden_layers" not in json.loads((folder / "config.json").read_text())
     engine = Engine(str(folder), dtype="float32")
     assert engine.plan.attention_groups
+
+
+def test_dt_limit_reads_time_step_limit_as_transformers_5_25_does():
+    """dt_limit = time_step_limit (alias mamba_dt_limit), default (0, inf); time_step_min is an
+    initialisation key only since transformers 5.25. A malformed limit is a one-line error."""
+    config_class = NemotronHForCausalLM.config_class
+    assert config_class.from_hf({}).dt_limit == (0.0, float("inf"))
+    assert config_class.from_hf({"time_step_min": 0.3}).dt_limit == (0.0, float("inf"))
+    assert config_class.from_hf({"time_step_limit": [0.01, 2]}).dt_limit == (0.01, 2.0)
+    assert config_class.from_hf({"mamba_dt_limit": [0.02, 3.0]}).dt_limit == (0.02, 3.0)
+    model = NemotronHForCausalLM(config_class.from_hf({
+        "hidden_size": 32, "hybrid_override_pattern": "M", "mamba_num_heads": 4,
+        "mamba_head_dim": 8, "n_groups": 2, "ssm_state_size": 8, "vocab_size": 16,
+        "time_step_limit": [0.01, 2],
+    }), )  # fmt: skip
+    mixers = [m for m in model.modules() if hasattr(m, "dt_limit")]
+    assert mixers and all(m.dt_limit == (0.01, 2.0) for m in mixers)
+    with pytest.raises(ConfigError, match="time_step_limit must be two numbers"):
+        config_class.from_hf({"time_step_limit": [0.1]})

@@ -71,7 +71,9 @@ def reference_greedy(hf_model, prompt_ids: list[list[int]], max_new_tokens: int)
 
 @torch.inference_mode()
 def reference_logits(hf_model, ids: list[int]) -> torch.Tensor:
-    return hf_model(torch.tensor([ids])).logits[0].float()
+    # No cache: one full-sequence forward needs none, and transformers 5.25's NemotronH cannot
+    # build one when the first layer is an MLP / MoE block (its DummyLayer has no length).
+    return hf_model(torch.tensor([ids]), use_cache=False).logits[0].float()
 
 
 @torch.inference_mode()
