@@ -150,16 +150,24 @@ class SchedulerConfig:
     - `max_num_seqs`: requests running at once (rows of the block tables).
     - `max_num_batched_tokens`: tokens per step (decodes plus prefill chunks).
     - `max_model_len`: the longest request (prompt + output); None: the model's own limit.
+    - `speculative_config`: vLLM's `speculative_config` (a dict, JSON text or a
+      `hybridkv.spec_decode.SpeculativeConfig`; docs/speculative-decoding.md): decode steps
+      verify drafts (method "ngram": prompt lookup) and keep the accepted ones. None: off.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
         _positive_or_none("max_num_seqs", self.max_num_seqs)
         _positive_or_none("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_or_none("max_model_len", self.max_model_len)
+        from hybridkv.spec_decode.config import SpeculativeConfig
+
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,10 @@ from hybridkv.models.loader import eos_token_ids, generation_config, iter_weight
 from hybridkv.models.registry import architecture_of, model_class
 from hybridkv.outputs import CompletionOutput, RequestOutput
 from hybridkv.sampling_params import MAX_SEED, SamplingParams, check_unicode
+from hybridkv.spec_decode.config import SpeculativeConfig
+from hybridkv.spec_decode.metrics import SpecDecodeStats
+from hybridkv.spec_decode.ngram import NgramProposer
+from hybridkv.spec_decode.verify import speculable, verify
 from hybridkv.tokenizer import load_tokenizer
 from hybridkv.worker.cpu_threads import CpuShare
 from hybridkv.worker.host_memory import keep_freed_memory
@@ -276,6 +280,7 @@ class Engine:
         self.runtime = rt
         self.device, self.dtype, self.max_model_len = rt.device, rt.dtype, rt.max_model_len
         self.cache_config, self.scheduler_config = rt.cache, rt.scheduler
+        self.speculative_config = self._resolve_speculation(str(folder), tp_size)
         # CPU: as many threads as the CPUs other programs leave free (re-read every second)
         self.cpu_share = CpuShare() if self.device.type == "cpu" else None
         if self.device.type == "cpu" and self.model_config.keep_freed_memory:
@@ -302,7 +307,15 @@ class Engine:
             weakref.finalize(self, self.runner.shutdown)
 
         self.cache = CacheManager(self.plan, self.cache_config)
-        self.scheduler = Scheduler(self.cache, self.scheduler_config)
+        spec = self.speculative_config
+        self.proposer = None if spec is None else NgramProposer.from_config(spec)
+        self.spec_stats = SpecDecodeStats()
+        self.scheduler = Scheduler(
+            self.cache,
+            self.scheduler_config,
+            None if self.proposer is None else self._drafts,
+            self._num_scratch_rows(),
+        )
         self.eos_token_ids = eos_token_ids(text_config(hf_config), generation_config(folder))
         self.vocab_size = family.vocab_size
         self.requests: dict[str, Request] = {}
@@ -351,7 +364,37 @@ class Engine:
             self.device,
             driver=self.tp.rank == 0,
             max_capture_size=self._capture_size(),
+            num_scratch_rows=self._num_scratch_rows(),
         )
+
+    def _resolve_speculation(self, model: str, tp_size: int) -> SpeculativeConfig | None:
+        spec = self.scheduler_config.speculative_config
+        if spec is None:
+            return None
+        if spec.method != "ngram":
+            raise ValueError(
+                f"speculative_config: method {spec.method!r} is not available yet (multi-token "
+                "prediction layers are not loaded); use method 'ngram'"
+            )
+        return spec.for_target(model, tp_size, max_model_len=self.max_model_len)
+
+    def _num_scratch_rows(self) -> int:
+        """Speculative decoding on a model with state groups: requests that may carry drafts
+        in one step (each saves its states into a scratch row first)."""
+        spec = self.speculative_config
+        if spec is None or not self.plan.state_groups:
+            return 0
+        rows = self.scheduler_config.max_num_seqs
+        if spec.disable_by_batch_size is not None:
+            rows = min(rows, spec.disable_by_batch_size - 1)
+        return rows
+
+    def _drafts(self, req: Request, max_drafts: int) -> list[int]:
+        """The scheduler's drafter: n-gram drafts for a request whose sampling allows them."""
+        assert self.proposer is not None
+        if not speculable(req.sampling_params, req.matcher is not None):
+            return []
+        return self.proposer.propose(req.request_id, req.all_token_ids, max_drafts)
 
     def _capture_size(self) -> int:
         """Decode steps up to this batch size are captured (CPU, one process, not eager)."""
@@ -567,7 +610,7 @@ class Engine:
         masks = self._start_masks(out)  # grammar masks, filled while the forward runs
         try:
             result = self.runner.execute(out)
-            samples = self._sample(result, masks)
+            samples, verified = self._sample(result, masks, out)
         except TensorParallelError:
             raise  # a rank died or hung: fatal, not one step's failure
         except Exception as exc:
@@ -580,12 +623,20 @@ class Engine:
             sample = samples.get(req.request_id)
             if sample is not None:
                 self._record_sample(req, sample, now, failed)
-        finished = self.scheduler.update(out, {rid: s.token for rid, s in samples.items()})
-        sampled = [r for r in stepped if r.request_id in samples and r not in failed]
+            elif req.request_id in verified:
+                req.first_token_time = req.first_token_time or now
+                req.token_times += [now] * len(verified[req.request_id])
+        new_tokens: dict[str, int | list[int]] = {rid: s.token for rid, s in samples.items()}
+        new_tokens.update(verified)
+        finished = self.scheduler.update(out, new_tokens)
+        sampled = [r for r in stepped if r.request_id in new_tokens and r not in failed]
         finished += self._finish_grammars(sampled)
         finished += self._apply_stop_strings(sampled, failed)
         rejected = self.scheduler.drain_rejected()
         self.runner.release([r.request_id for r in finished + rejected])
+        if self.proposer is not None:
+            for req in finished + rejected:
+                self.proposer.discard(req.request_id)
         outputs = []
         for req in sampled:
             if req.is_finished or req.stream:
@@ -633,15 +684,51 @@ class Engine:
 
     # -- sampling ------------------------------------------------------------------------------
 
-    def _sample(self, result: StepLogits, masks: Future | None) -> dict[str, Sample]:
+    def _sample(
+        self, result: StepLogits, masks: Future | None, out: SchedulerOutput
+    ) -> tuple[dict[str, Sample], dict[str, list[int]]]:
         """Sample a token for every request of the step that samples (the engine owns their
-        sampling state: generators, the tokens the penalties count, grammar matchers)."""
+        sampling state: generators, the tokens the penalties count, grammar matchers), and
+        verify the drafts of those that carried some: (samples, verified tokens)."""
         bitmask = masks.result() if masks is not None else None  # (before any early return)
         if result.logits is None or not result.request_ids:
-            return {}
+            return {}, {}
         rows = [self._sampling_row(self.requests.get(rid)) for rid in result.request_ids]
-        samples = self.sampler(result.logits, rows, bitmask)
-        return dict(zip(result.request_ids, samples, strict=True))
+        if not result.num_rows:
+            samples = self.sampler(result.logits, rows, bitmask)
+            return dict(zip(result.request_ids, samples, strict=True)), {}
+        return self._sample_and_verify(result, rows, out, bitmask)
+
+    def _sample_and_verify(
+        self,
+        result: StepLogits,
+        rows: list[SamplingRow],
+        out: SchedulerOutput,
+        bitmask: torch.Tensor | None,
+    ) -> tuple[dict[str, Sample], dict[str, list[int]]]:
+        """A step with drafts: requests with one logits row sample as usual (grammar rows
+        among them: their mask rows are theirs in request order), the others verify their
+        drafts (`speculable` requests: no grammar, penalties or log-probs)."""
+        assert result.logits is not None
+        drafts = {c.request_id: c.token_ids[c.num_known :] for c in out.chunks if c.num_drafts}
+        first = [0]
+        for n in result.num_rows:
+            first.append(first[-1] + n)
+        plain = [i for i, rid in enumerate(result.request_ids) if rid not in drafts]
+        samples: dict[str, Sample] = {}
+        if plain:
+            logits = result.logits[[first[i] for i in plain]]
+            masks = None if bitmask is None else bitmask[plain]
+            picked = self.sampler(logits, [rows[i] for i in plain], masks)
+            samples = {result.request_ids[i]: s for i, s in zip(plain, picked, strict=True)}
+        verified: dict[str, list[int]] = {}
+        for i, rid in enumerate(result.request_ids):
+            if rid in drafts:
+                logits = result.logits[first[i] : first[i + 1]]
+                tokens = verify(logits, drafts[rid], rows[i], self.sampler.generator)
+                verified[rid] = tokens
+                self.spec_stats.observe(len(drafts[rid]), len(tokens) - 1)
+        return samples, verified
 
     def _start_masks(self, out: SchedulerOutput) -> Future | None:
         """Fill the grammar masks of the step's sampling rows in the mask thread, so that

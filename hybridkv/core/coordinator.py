@@ -265,6 +265,12 @@ class CacheManager:
             boundaries, start = rs.boundaries, rs.num_computed
         return next((b for b in boundaries if b > start), None)
 
+    def next_snapshot_at(self, req: CacheRequest) -> float:
+        """The token count at which the request's next state snapshot is due (inf: none). A
+        chunk carrying drafts must end before it: a snapshot must never hold a draft's state."""
+        rs = self._reqs.get(req.request_id)
+        return INF if rs is None else rs.next_snap
+
     # -- allocation --------------------------------------------------------------------------
 
     def allocate(

@@ -13,6 +13,19 @@ One step:
 Prefill chunks never run past a state-snapshot boundary (the cache manager's `next_boundary`),
 so the running state is exactly at the boundary when the runner copies it into a snapshot.
 
+Speculative decoding (`SchedulerConfig.speculative_config`, docs/speculative-decoding.md): a
+decode chunk may carry drafts after its known tokens; `update` receives the verified tokens
+(accepted drafts + one from the target) and sets the computed count to what the target
+confirmed. Attention needs no undo (rejected drafts' slots are rewritten before anything reads
+them); a state layer has consumed the rejected drafts, so a model with state groups saves each
+speculating request's state into a scratch row first and, after a rejection, restores it at the
+start of the next step and recomputes the chunk's accepted tokens with the next drafts:
+
+    chunk     [ known u | drafts d ]          start = s (tokens computed before)
+    verified  a drafts accepted + 1 token from the target
+    computed  attention only, or a == d:  s + u + a
+              state groups and a < d:     s  (state restored from its scratch row)
+
 The step description (`SchedulerOutput`) holds plain values only (ids, token ids, sampling
 parameters, the allocation's page and kernel-block ids), so it could be sent to another process.
 """
@@ -20,7 +33,7 @@ parameters, the allocation's page and kernel-block ids), so it could be sent to 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from hybridkv.config import SchedulerConfig
@@ -43,14 +56,29 @@ class ScheduledChunk:
     # chunk's token i predicts prompt_targets[i]), and how many top log-probs each wants
     prompt_targets: tuple[int, ...] = ()
     prompt_top: int = 0
+    # speculative decoding: the last `num_drafts` of token_ids are drafts to verify (the
+    # logits of the last known token and of every draft are computed); `scratch_row` >= 0:
+    # the runner saves the request's states into that scratch row before the forward
+    num_drafts: int = 0
+    scratch_row: int = -1
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
+    def num_known(self) -> int:
+        """Tokens of the request itself (the chunk without its drafts)."""
+        return len(self.token_ids) - self.num_drafts
+
+    @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
+
+    @property
+    def num_logits_rows(self) -> int:
+        """Logits rows the step computes for it: its last known token's and its drafts'."""
+        return self.num_drafts + 1 if self.sampling is not None else 0
 
     @property
     def samples(self) -> bool:
@@ -62,6 +90,9 @@ class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
     preempted: tuple[str, ...]  # request ids; their cache is gone, the runner drops their rows
     pages_to_zero: dict[int, list[int]]  # group -> pages newly handed to it, zeroed before use
+    # (request id, scratch row): states to restore before anything else (drafts rejected in
+    # the step before; a request preempted or finished since is skipped)
+    restores: tuple[tuple[str, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -72,10 +103,27 @@ class SchedulerOutput:
         return not self.chunks
 
 
+# (request, the most drafts it may get) -> its drafts (the engine's proposer)
+Drafter = Callable[[Request, int], Sequence[int]]
+
+
 class Scheduler:
-    def __init__(self, cache: CacheManager, config: SchedulerConfig) -> None:
+    def __init__(
+        self,
+        cache: CacheManager,
+        config: SchedulerConfig,
+        drafter: Drafter | None = None,
+        num_scratch_rows: int = 0,
+    ) -> None:
+        """`drafter`: speculative decoding's proposer (None: off). `num_scratch_rows`: how many
+        requests of a step may carry drafts when the model has state groups (the runner's
+        scratch rows); ignored without state groups."""
         self.cache = cache
         self.config = config
+        self.drafter = drafter
+        self.num_scratch_rows = num_scratch_rows
+        self._restores: list[tuple[str, int]] = []
+        self._scratch_used = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.rejected: list[Request] = []  # finished by the scheduler itself (do not fit)
@@ -115,15 +163,27 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
+        self._scratch_used = 0
         budget = self._schedule_running(budget, chunks, preempted)
         if not preempted:
             self._schedule_waiting(budget, chunks)
         preempted_ids = tuple(r.request_id for r in preempted)
-        return SchedulerOutput(tuple(chunks), preempted_ids, self.cache.drain_new_pages())
+        restores, self._restores = tuple(self._restores), []
+        return SchedulerOutput(
+            tuple(chunks), preempted_ids, self.cache.drain_new_pages(), restores
+        )
 
-    def _chunk(self, req: Request, start: int, n: int, alloc: StepAllocation) -> ScheduledChunk:
+    def _chunk(
+        self,
+        req: Request,
+        start: int,
+        n: int,
+        alloc: StepAllocation,
+        drafts: Sequence[int] = (),
+        scratch_row: int = -1,
+    ) -> ScheduledChunk:
         samples = start + n == req.num_tokens
-        tokens = tuple(req.all_token_ids[start : start + n])
+        tokens = tuple(req.all_token_ids[start : start + n]) + tuple(drafts)
         params = req.sampling_params
         targets: tuple[int, ...] = ()
         if params.prompt_logprobs is not None and start + 1 < req.num_prompt_tokens:
@@ -137,6 +197,8 @@ class Scheduler:
             params if samples else None,
             targets,
             params.prompt_logprobs or 0,
+            len(drafts),
+            scratch_row,
         )
 
     def request(self, request_id: str) -> Request:
@@ -163,13 +225,49 @@ class Scheduler:
             n = self._chunk_size(req, req.num_computed_tokens, budget, None)
             if n <= 0:
                 continue
-            fitted = self._allocate_or_preempt(req, n, preempted)
+            drafts = self._drafts(req, n, budget) if self.drafter is not None else ()
+            fitted = None
+            if drafts:  # optional: without room for them the request decodes plainly
+                alloc = self.cache.allocate(req, n + len(drafts))
+                fitted = None if alloc is None else (alloc, n)
+                drafts = drafts if fitted is not None else ()
+            if fitted is None:
+                fitted = self._allocate_or_preempt(req, n, preempted)
             if fitted is None:
                 continue
             alloc, n = fitted
-            chunks.append(self._chunk(req, req.num_computed_tokens, n, alloc))
-            budget -= n
+            row = -1
+            if drafts and self.cache.has_state:
+                row, self._scratch_used = self._scratch_used, self._scratch_used + 1
+            chunks.append(self._chunk(req, req.num_computed_tokens, n, alloc, drafts, row))
+            budget -= n + len(drafts)
         return budget
+
+    def _drafts(self, req: Request, n: int, budget: int) -> Sequence[int]:
+        """Drafts for a running request whose chunk of `n` tokens ends its known tokens (it
+        samples) past its prompt, within every cap: the config's (k, disable_by_batch_size),
+        max_tokens and max_model_len (a verify chunk never writes a position the request cannot
+        reach), the step's token budget, the scratch rows, and the next state snapshot (a
+        snapshot must never hold a draft's state: the chunk ends before it)."""
+        start = req.num_computed_tokens
+        if start < req.num_prompt_tokens or start + n != req.num_tokens:
+            return ()
+        spec = self.config.speculative_config
+        cap = min(
+            spec.max_drafts(len(self.running), req.num_tokens),
+            req.sampling_params.max_tokens - req.num_output_tokens - 1,
+            budget - n,
+        )
+        if self.config.max_model_len is not None:
+            cap = min(cap, self.config.max_model_len - req.num_tokens - 1)
+        if self.cache.has_state:
+            if self._scratch_used >= self.num_scratch_rows:
+                return ()
+            cap = min(cap, self.cache.next_snapshot_at(req) - (start + n) - 1)
+        if cap <= 0:
+            return ()
+        assert self.drafter is not None
+        return tuple(self.drafter(req, cap))[:cap]
 
     def _allocate_or_preempt(
         self, req: Request, n: int, preempted: list[Request]
@@ -243,27 +341,59 @@ class Scheduler:
 
     # -- update --------------------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Record a finished step. `sampled` maps request id -> token for every chunk that
-        `samples`. Returns the requests that finished in this step."""
+    def update(
+        self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]
+    ) -> list[Request]:
+        """Record a finished step. `sampled` maps request id -> its new token for every chunk
+        that `samples` (a chunk with drafts: its verified tokens, accepted drafts then the
+        target's). Returns the requests that finished in this step."""
         finished = []
         for chunk in output.chunks:
             req = self._by_id.get(chunk.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
+            if chunk.num_drafts:
+                tokens = sampled[req.request_id]
+                assert not isinstance(tokens, int)
+                if self._verified(req, chunk, tokens):
+                    finished.append(req)
+                continue
             req.num_computed_tokens = chunk.end
             self.cache.commit(req, chunk.end)
             if not chunk.samples:
                 continue
-            req.all_token_ids.append(sampled[req.request_id])
-            reason = self._stop_reason(req)
-            if reason is not None:
-                self.running.remove(req)
-                self._finish(req, reason)
+            token = sampled[req.request_id]
+            req.all_token_ids.append(token if isinstance(token, int) else token[0])
+            if self._stop_if_done(req):
                 finished.append(req)
         if self.cache.config.debug_checks:
             self.cache.check_integrity()
         return finished
+
+    def _verified(self, req: Request, chunk: ScheduledChunk, tokens: Sequence[int]) -> bool:
+        """A chunk with drafts: append its verified tokens one by one (a stop among them ends
+        the request there), then commit what the target confirmed (module docstring).
+        Returns whether the request finished."""
+        num_accepted = len(tokens) - 1
+        rewind = self.cache.has_state and num_accepted < chunk.num_drafts
+        computed = chunk.start if rewind else chunk.start + chunk.num_known + num_accepted
+        for token in tokens:
+            req.all_token_ids.append(token)
+            if self._stop_if_done(req):
+                return True
+        req.num_computed_tokens = computed
+        self.cache.commit(req, computed)
+        if rewind:
+            self._restores.append((req.request_id, chunk.scratch_row))
+        return False
+
+    def _stop_if_done(self, req: Request) -> bool:
+        reason = self._stop_reason(req)
+        if reason is None:
+            return False
+        self.running.remove(req)
+        self._finish(req, reason)
+        return True
 
     def _stop_reason(self, req: Request) -> str | None:
         params = req.sampling_params

@@ -2,11 +2,14 @@
 
 One step, in order:
 
+    0. speculative decoding: restore the states of requests whose drafts were rejected in the
+       step before from their scratch rows
     1. drop the rows of preempted requests; give new requests a row in every table
     2. zero pages newly handed to attention groups (they may hold a state's NaN bit patterns)
     3. append new kernel-block ids to each attention group's table row; record new
        running-state pages in each state group's page table
-    4. copy prefix-hit snapshots into running-state pages        (before the forward)
+    4. copy prefix-hit snapshots into running-state pages        (before the forward);
+       save the states of requests that carry drafts into their scratch rows
     5. build the immutable ForwardBatch, run the model, compute the logits of the sampling
        requests (a decode step of a captured size replays its native program instead:
        hybridkv.worker.graphs) and the prompt log-probs of chunks that ask for them
@@ -65,6 +68,9 @@ class StepLogits:
     request_ids: tuple[str, ...] = ()
     logits: torch.Tensor | None = None
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # rows of `logits` per request (a request with d drafts has d + 1: its last known token's,
+    # then each draft's); () when every request has one
+    num_rows: tuple[int, ...] = ()
 
 
 def load_state_ops(group: GroupPlan) -> Any:
@@ -90,11 +96,14 @@ class ModelRunner:
         device: torch.device,
         driver: bool = True,
         max_capture_size: int = 0,
+        num_scratch_rows: int = 0,
     ) -> None:
         """`driver`: this runner returns logits (rank 0 of a tensor-parallel group, or the only
         one); the other ranks run their shard of the forward and of the logits.
         `max_capture_size`: decode steps of up to this many requests are captured and replayed
-        natively (`hybridkv.worker.graphs`; CPU, one process); 0: every step runs eagerly."""
+        natively (`hybridkv.worker.graphs`; CPU, one process); 0: every step runs eagerly.
+        `num_scratch_rows`: speculative decoding on a model with state groups: one saved state
+        per request that carries drafts in a step (`scratch_bytes` of memory)."""
         self.model = model
         self.driver = driver
         self.plan = plan
@@ -118,6 +127,16 @@ class ModelRunner:
             g.group_id: _load_attention_backend(g) for g in plan.attention_groups
         }
         self.state_ops = {g.group_id: load_state_ops(g) for g in plan.state_groups}
+        # layer -> tensor name -> [num_scratch_rows, *state shape]: states saved before a
+        # verify step (the running page cannot be rewound after the drafts ran through it)
+        self.scratch: dict[str, dict[str, torch.Tensor]] = {
+            name: {
+                key: torch.empty((num_scratch_rows, *t.shape[1:]), dtype=t.dtype, device=device)
+                for key, t in self.buffers.views[name].items()  # type: ignore[union-attr]
+            }
+            for g in plan.state_groups
+            for name in g.layer_names
+        } if num_scratch_rows else {}  # fmt: skip
         model.bind_cache(self._layer_caches())
         self.rows: dict[str, int] = {}
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -171,6 +190,30 @@ class ModelRunner:
             for gid, page in alloc.state_pages.items():
                 self.state_pages[gid][row] = page
         self._copy_states([op for c in out.chunks for op in c.allocation.copies_in])
+
+    @property
+    def scratch_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for v in self.scratch.values() for t in v.values())
+
+    def _scratch_copies(self, pairs: Sequence[tuple[str, int]], save: bool) -> None:
+        """(request id, scratch row): save the request's running states into the row, or
+        restore them from it, in every state group. Requests without a row are skipped (one
+        preempted or finished since its drafts ran)."""
+        pairs = [(self.rows[rid], srow) for rid, srow in pairs if rid in self.rows]
+        if not pairs or not self.scratch:
+            return
+        rows = torch.tensor([r for r, _ in pairs])
+        srows = torch.tensor([s for _, s in pairs], device=self.device)
+        for group in self.plan.state_groups:
+            pages = self.state_pages[group.group_id][rows].to(self.device)
+            for name in group.layer_names:
+                view = self.buffers.views[name]
+                assert isinstance(view, dict)
+                for key, tensor in view.items():
+                    if save:
+                        self.scratch[name][key][srows] = tensor[pages]
+                    else:
+                        tensor[pages] = self.scratch[name][key][srows]
 
     def _copy_states(self, ops: Sequence[StateCopy]) -> None:
         """Copy every state tensor of every layer of a group from one page to another."""
@@ -237,7 +280,6 @@ class ModelRunner:
                           num_tokens)  # fmt: skip
                 provide_spans(meta.state_pages, has_initial_state, qsl_dev, spans, bounds)
             state[gid] = meta
-        sampling = [i for i, c in enumerate(chunks) if c.samples]
         ids = [t for c in chunks for t in c.token_ids]
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
@@ -245,7 +287,7 @@ class ModelRunner:
             query_start_loc=qsl_dev,
             seq_lens=seq_lens,
             max_query_len=max_q,
-            logits_indices=_to((qsl[1:] - 1)[sampling], dev),
+            logits_indices=_to(_logits_indices(chunks, qsl), dev),
             attention=attention,
             state=state,
         )
@@ -269,9 +311,12 @@ class ModelRunner:
         """Run one scheduled step; returns the logits of every request that samples (on the
         driver) and the prompt log-probs of the chunks that ask for them."""
         self.release(out.preempted, finished=False)
+        self._scratch_copies(out.restores, save=False)
         if out.is_empty:
             return StepLogits()
         self._apply_allocations(out)
+        saves = [(c.request_id, c.scratch_row) for c in out.chunks if c.scratch_row >= 0]
+        self._scratch_copies(saves, save=True)
         # a captured decode step replays (hybridkv.worker.graphs); any other step runs eagerly
         prompt: dict[str, PromptLogprobs] = {}
         logits = None
@@ -283,7 +328,9 @@ class ModelRunner:
         if not self.driver:
             return StepLogits()
         ids = tuple(c.request_id for c in out.chunks if c.sampling is not None)
-        return StepLogits(ids, logits, prompt)
+        rows = tuple(c.num_logits_rows for c in out.chunks if c.sampling is not None)
+        drafted = any(c.num_drafts for c in out.chunks)
+        return StepLogits(ids, logits, prompt, rows if drafted else ())
 
     def _forward(
         self, chunks: Sequence[ScheduledChunk], prompt: dict[str, PromptLogprobs]
@@ -320,6 +367,23 @@ class ModelRunner:
                 chosen += c
                 top += t
         return PromptLogprobs(chunk.start, chosen, top)
+
+
+def _logits_indices(chunks: Sequence[ScheduledChunk], qsl: np.ndarray) -> np.ndarray:
+    """The token rows whose logits the step computes: each sampling chunk's last token, or
+    with d drafts its last d + 1 tokens (the last known token's and every draft's).
+
+        chunk i tokens   [ known ... k_u | x_1 ... x_d ]      qsl[i] .. qsl[i + 1] - 1
+        logits rows                  ^^^   ^^^^^^^^^^^       qsl[i + 1] - d - 1 .. qsl[i + 1] - 1
+    """
+    if not any(c.num_drafts for c in chunks):
+        return (qsl[1:] - 1)[[i for i, c in enumerate(chunks) if c.samples]]
+    parts = [
+        np.arange(qsl[i + 1] - c.num_logits_rows, qsl[i + 1])
+        for i, c in enumerate(chunks)
+        if c.samples
+    ]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def _load_attention_backend(group: GroupPlan) -> AttentionImpl:

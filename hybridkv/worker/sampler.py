@@ -198,17 +198,7 @@ class Sampler:
     # -- sampling ------------------------------------------------------------------------------
 
     def _sample(self, x: torch.Tensor, rows: Sequence[SamplingRow], which: list[int]):
-        sub = [rows[i].params for i in which]
-        temp = torch.tensor([p.temperature for p in sub], dtype=torch.float32)
-        x = x[which].cpu() / temp[:, None]
-        min_p = torch.tensor([p.min_p for p in sub], dtype=torch.float32)
-        if bool((min_p > 0).any()):
-            x = _filter_min_p(x, min_p)
-        top_k = torch.tensor([p.top_k for p in sub])
-        top_p = torch.tensor([p.top_p for p in sub], dtype=torch.float32)
-        if bool((top_k > 0).any()) or bool((top_p < 1).any()):
-            x = _filter_top_k_top_p(x, top_k, top_p)
-        probs = torch.softmax(x, dim=-1)
+        probs = probabilities(x[which], [rows[i].params for i in which])
         noise = torch.empty_like(probs)
         # One noise row per request: a seeded request draws from its own generator (a loop over
         # requests, not tokens, because each generator is a separate stream).
@@ -229,6 +219,22 @@ class Sampler:
             top = {int(a): float(b) for a, b in zip(top_i[j, :k], top_v[j, :k], strict=True)}
             out[i] = Sample(int(tokens[i]), float(lp[j, tokens[i]]), top)
         return out
+
+
+def probabilities(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each random row samples from: x [n, vocab] logits (processed), one
+    params per row -> [n, vocab] float32 after temperature, min-p, top-k and top-p (what
+    speculative decoding's rejection sampling takes as the target's distribution)."""
+    temp = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    x = x.cpu() / temp[:, None]
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    if bool((min_p > 0).any()):
+        x = _filter_min_p(x, min_p)
+    top_k = torch.tensor([p.top_k for p in params])
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        x = _filter_top_k_top_p(x, top_k, top_p)
+    return torch.softmax(x, dim=-1)
 
 
 def fill_bitmasks(matchers: Sequence[Any], rows: Sequence[int], n: int, vocab: int) -> torch.Tensor:

@@ -1,0 +1,55 @@
+"""One step's verification: the logits of every request that carried drafts -> its new tokens.
+
+A request with d drafts has d + 1 logits rows (its last known token's, then each draft's):
+
+    rows     r_0        r_1        ...  r_d
+    predict  draft x_1  draft x_2  ...  the token after x_d (the bonus when all are accepted)
+
+Greedy requests keep the drafts that equal the target's argmax, then the target's token at the
+first mismatch (`greedy_verify`: exactly the tokens greedy decoding would produce from these
+logits). Requests that sample keep drafts by rejection sampling against their processed
+distribution (temperature, min-p, top-k, top-p; `rejection_sample`), with their own generator
+when seeded: the output follows the target's distribution. Only requests whose sampling reads
+nothing but the logits carry drafts (no penalties, logit bias, grammar or log-probs: the
+engine's `speculable`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hybridkv.sampling_params import SamplingParams
+from hybridkv.spec_decode.rejection import greedy_verify, rejection_sample
+from hybridkv.worker.sampler import SamplingRow, probabilities
+
+
+def speculable(params: SamplingParams, has_matcher: bool) -> bool:
+    """Whether a request may carry drafts: its sampling reads only the logits (first version:
+    penalties, logit bias and grammars would need their state at every draft position, and
+    log-probs each draft row's)."""
+    return not (params.processes_logits or has_matcher or params.logprobs is not None)
+
+
+def verify(
+    logits: torch.Tensor,
+    drafts: Sequence[int],
+    row: SamplingRow,
+    generator: torch.Generator,
+) -> list[int]:
+    """logits: [d + 1, vocab] float32 of one request, drafts: its d drafts -> its new tokens
+    (the accepted drafts, then one token from the target)."""
+    d = len(drafts)
+    assert logits.shape[0] == d + 1, (logits.shape, d)
+    draft_tokens = torch.tensor([list(drafts)], dtype=torch.int64)
+    num_drafts = torch.tensor([d], dtype=torch.int64)
+    if row.params.greedy:
+        target = logits.argmax(dim=-1).cpu()[None]  # [1, d + 1]
+        result = greedy_verify(target, draft_tokens, num_drafts)
+    else:
+        probs = probabilities(logits, [row.params] * (d + 1))[None]  # [1, d + 1, vocab]
+        result = rejection_sample(
+            probs, draft_tokens, num_drafts, generators=[row.generator], generator=generator
+        )
+    return result.token_lists()[0]

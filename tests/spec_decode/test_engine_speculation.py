@@ -1,0 +1,228 @@
+"""Speculative decoding in the engine: n-gram drafts verified in decode steps.
+
+Greedy decoding with drafts must give transformers' tokens exactly, on every kind of cache:
+attention only, sliding windows with sinks, MLA, and every state kind (whose rejected drafts are
+undone by restoring the state saved before the verify step), under the cache settings that
+stress it (pages, a second turn hitting the first turn's blocks and state snapshots, a pool so
+small that requests are preempted). The tiny models' vocabulary (96 tokens) and
+`prompt_lookup_min` 1 make drafts frequent and often wrong, so both acceptance and rollback run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv.engine import Engine
+from hybridkv.sampling_params import SamplingParams
+from tests.distributed import test_tensor_parallel as dense
+from tests.distributed import test_tp_mla as mla
+from tests.distributed import test_tp_state_families as state
+from tests.models.conformance import CASES, NEW_TOKENS, Family, check_case, make_family
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 2}  # fmt: skip
+FAMILIES = {
+    "granite": dense.granite,  # Mamba2 + attention
+    "llama": dense.llama_checkpoint,  # attention only
+    "qwen3_next": dense.qwen3_next_checkpoint,  # gated delta net + gated attention
+    "jamba": state.jamba,  # Mamba1 + attention
+    "lfm2": state.lfm2,  # short conv + attention
+    "gpt_oss": dense.gpt_oss_checkpoint,  # sliding + full attention, sinks
+    "kimi_linear": mla.kimi_linear,  # KDA + MLA
+    "mamba2": dense.mamba2_checkpoint,  # state only
+}
+SETTINGS = {c.name: c for c in CASES if c.name in ("multi-turn", "preempt")}  # both block mode
+
+one_thread = state.one_thread  # one intra-op thread (autouse)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    folder, hf = FAMILIES[request.param](tmp_path_factory)
+    return make_family(folder, hf, hf.config.vocab_size)
+
+
+class Oracle:
+    """Drafts from transformers' own continuation, some spoiled on purpose: of a request's
+    calls c = 0, 1, 2, ..., c % 3 == 0 gets drafts all right (all accepted), c % 3 == 1 the
+    last wrong (some accepted), c % 3 == 2 the first wrong (none accepted). Deterministic
+    coverage of every verify outcome on every family, where n-gram drafts on random weights
+    may never hit."""
+
+    def __init__(self, fam: Family) -> None:
+        pairs = [(fam.plain, fam.plain_ref), (fam.shared, fam.shared_ref),
+                 (fam.turns, fam.turn_ref)]  # fmt: skip
+        self.refs = {tuple(p): r for ps, rs in pairs for p, r in zip(ps, rs, strict=True)}
+        self.vocab = fam.vocab
+        self.calls: dict[str, int] = {}
+
+    def __call__(self, req, max_drafts: int) -> list[int]:
+        j = req.num_output_tokens
+        drafts = list(self.refs[tuple(req.prompt_token_ids)][j : j + max_drafts])
+        c = self.calls[req.request_id] = self.calls.get(req.request_id, -1) + 1
+        if drafts and c % 3:
+            at = -1 if c % 3 == 1 else 0
+            drafts[at] = (drafts[at] + 1) % self.vocab
+        return drafts
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_greedy_with_drafts_matches_transformers(family, setting, monkeypatch) -> None:
+    """Every verify outcome (all, some, none accepted) on every cache kind gives transformers'
+    greedy tokens; a state model rolls its states back after every partial acceptance."""
+    engines: list[Engine] = []
+    restores = [0]
+    init = Engine.__init__
+
+    def with_oracle(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        engines.append(self)
+        self.scheduler.drafter = Oracle(family)
+        schedule = self.scheduler.schedule
+
+        def counting():
+            out = schedule()
+            restores[0] += len(out.restores)
+            return out
+
+        self.scheduler.schedule = counting
+
+    monkeypatch.setattr(Engine, "__init__", with_oracle)
+    check_case(family, SETTINGS[setting], speculative_config=SPEC)
+    stats = engines[-1].spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.accepted_tokens_per_pos[0] > 0 and stats.accepted_tokens_per_pos[-1] > 0
+    if engines[-1].plan.state_groups:
+        assert restores[0] > 0, "no state was ever rolled back"
+    else:
+        assert restores[0] == 0
+
+
+@pytest.fixture(scope="module")
+def granite_family(tmp_path_factory):
+    folder, hf = dense.granite(tmp_path_factory)
+    return make_family(folder, hf, hf.config.vocab_size)
+
+
+def test_ngram_drafts_match_transformers(granite_family) -> None:
+    """The real proposer (prompt lookup) on a hybrid: same tokens, drafts accepted."""
+    engine = Engine(str(granite_family.folder), dtype="float32", speculative_config=SPEC)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    got = [o.token_ids for o in _run_all(engine, [(p, params) for p in granite_family.plain])]
+    assert got == granite_family.plain_ref
+    assert engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_stops_inside_the_accepted_run(granite_family) -> None:
+    """max_tokens and stop tokens end a request inside its verified tokens: nothing after the
+    stop is kept, and the pool is intact."""
+    fam = granite_family
+    engine = Engine(str(fam.folder), dtype="float32", speculative_config=SPEC)
+    for prompt, ref in zip(fam.plain, fam.plain_ref, strict=True):
+        for max_tokens in (1, 2, 5, 7):
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            assert _run(engine, prompt, params) == ref[:max_tokens]
+        stop = ref[6]
+        params = SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[stop])
+        assert _run(engine, prompt, params) == ref[: ref.index(stop) + 1]
+    engine.cache.check_integrity()
+    assert engine.cache.usage()["in_use"] == 0
+    assert engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_max_model_len_caps_the_drafts(granite_family) -> None:
+    fam = granite_family
+    prompt = fam.plain[3]  # 48 tokens
+    engine = Engine(str(fam.folder), dtype="float32", max_model_len=len(prompt) + 10,
+                    speculative_config=SPEC)  # fmt: skip
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    tokens = _run(engine, prompt, params)
+    assert tokens == fam.plain_ref[3][:10]
+
+
+def test_requests_that_cannot_speculate_share_the_step(granite_family) -> None:
+    """Log-probs and penalties read more than the logits: such requests decode without drafts
+    next to requests that carry some, and both give what they give alone."""
+    fam = granite_family
+    plain = Engine(str(fam.folder), dtype="float32")
+    engine = Engine(str(fam.folder), dtype="float32", speculative_config=SPEC)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    logprobs = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+    penalised = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
+                               repetition_penalty=1.3)  # fmt: skip
+    requests = [(fam.plain[i], p) for i, p in enumerate((greedy, logprobs, penalised, greedy))]
+    want = _run_all(plain, requests)
+    got = _run_all(engine, requests)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert got[1].logprobs is not None and len(got[1].logprobs) == NEW_TOKENS
+    for a, b in zip(got[1].logprobs, want[1].logprobs, strict=True):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
+    assert engine.spec_stats.num_drafts > 0
+    assert set(engine.proposer.indexes) <= {r for r in engine.requests}  # discarded when done
+
+
+def test_seeded_sampling_with_drafts(granite_family) -> None:
+    """Random sampling verifies drafts by rejection sampling: a seeded request is reproducible
+    and its tokens are in the vocabulary; top_k 1 is greedy whatever the temperature."""
+    fam = granite_family
+    engine = Engine(str(fam.folder), dtype="float32", speculative_config=SPEC)
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)
+    first = _run(engine, fam.plain[2], params)
+    assert first == _run(engine, fam.plain[2], params)
+    assert len(first) == 24 and all(0 <= t < fam.vocab for t in first)
+    top1 = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.5, top_k=1, ignore_eos=True)
+    assert _run(engine, fam.plain[0], top1) == fam.plain_ref[0]
+    assert engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_rejection_sampling_keeps_the_target_distribution(granite_family, monkeypatch) -> None:
+    """The first token after a prompt whose drafts are forced: with drafts or without, its
+    distribution is the target's (a chi-square-like bound over many seeds)."""
+    fam = granite_family
+    engine = Engine(str(fam.folder), dtype="float32", speculative_config=SPEC)
+    prompt = fam.plain[4][:6]
+    # the second output token (its drafts: the first, forced) with drafts and without
+    counts = torch.zeros(fam.vocab)
+    with_drafts = torch.zeros(fam.vocab)
+    plain = Engine(str(fam.folder), dtype="float32")
+    monkeypatch.setattr(engine, "_drafts", lambda req, k: [int(req.all_token_ids[-1])][:k])
+    engine.scheduler.drafter = engine._drafts
+    n = 300
+    for seed in range(n):
+        p = SamplingParams(max_tokens=3, temperature=0.7, top_k=3, ignore_eos=True, seed=seed)
+        a = _run(plain, prompt, p)
+        b = _run(engine, prompt, p)
+        counts[a[1]] += 1
+        with_drafts[b[1]] += 1
+    # total variation distance between the two empirical distributions
+    tv = float((counts / n - with_drafts / n).abs().sum() / 2)
+    assert tv < 0.15, tv
+    assert engine.spec_stats.num_drafts > 0
+
+
+def test_mtp_is_refused_with_a_clear_error(granite_family) -> None:
+    with pytest.raises(ValueError, match="method 'mtp' is not available yet"):
+        Engine(str(granite_family.folder), speculative_config={"method": "mtp"})
+    with pytest.raises(ValueError, match="speculative_config"):
+        Engine(str(granite_family.folder), speculative_config={"method": "eagle"})
+
+
+def _run(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
+    return _run_all(engine, [(prompt, params)])[0].token_ids
+
+
+def _run_all(engine: Engine, requests):
+    ids = [engine.add_request(p, params).request_id for p, params in requests]
+    done = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.finished:
+                assert out.error is None, out.error
+                done[out.request_id] = out.outputs[0]
+    engine.cache.check_integrity()
+    assert engine.cache.usage()["in_use"] == 0
+    return [done[i] for i in ids]
+
+
