@@ -280,4 +280,6 @@ class AsyncEngine:
             "prefix_query_tokens": eng.cache.stats.query_tokens,
             "prefix_hit_tokens": eng.cache.stats.hit_tokens,
             "preemptions": eng.scheduler.num_preemptions,
+            # speculative decoding (None when off): a copy, read on the server's thread
+            "spec_decode": eng.spec_stats.copy() if eng.speculative_config else None,
         }

@@ -261,6 +261,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="CPU: run every step eagerly (no captured decode steps)",
     )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4}\' (prompt-lookup drafts verified in decode steps)',
+    )
     _add_quantization_arg(p)
     _add_parallel_args(p)
 
@@ -310,6 +316,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.memory is not None:
         kwargs["memory_bytes"] = parse_bytes(args.memory)
+    if args.speculative_config is not None:
+        from hybridkv.spec_decode.config import SpeculativeConfig
+
+        kwargs["speculative_config"] = SpeculativeConfig.from_cli(args.speculative_config)
     return kwargs
 
 

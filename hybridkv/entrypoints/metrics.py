@@ -56,6 +56,9 @@ class _EngineCollector(Collector):
             ("preemptions", "preemptions", "Requests preempted (recomputed later)"),
         ):
             yield CounterMetricFamily(f"hybridkv_{name}", doc, value=s[key])
+        spec = s.get("spec_decode")
+        if spec is not None:  # speculative decoding is on
+            yield from spec.metric_families("hybridkv")
 
 
 class Metrics:

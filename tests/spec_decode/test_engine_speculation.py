@@ -226,3 +226,21 @@ def _run_all(engine: Engine, requests):
     return [done[i] for i in ids]
 
 
+def test_a_grammar_request_shares_a_step_with_drafts() -> None:
+    """A structured-output request (its mask rows filled while the forward runs) decodes in
+    the same steps as requests verifying drafts: its mask stays its own row."""
+    from hybridkv.engine import DEFAULT_MODEL
+    from hybridkv.structured.grammar import GrammarSpec
+
+    code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):"
+    digits = SamplingParams(
+        max_tokens=12, temperature=0.0, structured=GrammarSpec("regex", "[0-9]{6}")
+    )
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    requests = [(code, greedy), (code, digits), (code + "\n", greedy)]
+    want = _run_all(Engine(str(DEFAULT_MODEL), dtype="float32"), requests)
+    engine = Engine(str(DEFAULT_MODEL), dtype="float32", speculative_config=SPEC)
+    got = _run_all(engine, requests)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert got[1].text.isdigit() and len(got[1].text) == 6
+    assert engine.spec_stats.num_accepted_tokens > 0

@@ -1,0 +1,186 @@
+"""Speculative decoding (n-gram prompt lookup) against plain decoding, side by side in one run.
+
+For each model, workload and batch size: decode tokens/s without drafts and with
+`num_speculative_tokens` k in --ks (prompt_lookup_min 2, max 5), greedy, EOS ignored, prefix
+caching off; the speedup over plain decoding, the acceptance rate and the mean accepted length
+(tokens per verify step and request, the bonus token included). Medians of --repeat runs after
+a warm-up. Each run also checks that the tokens equal plain decoding's.
+
+Workloads:
+- "repeat": documents that repeat passages (three random 48-token passages, then the first two
+  again, then the start of the third): the continuation copies, as in code editing or quoting,
+  where prompt lookup shines;
+- "random": random token ids: nothing to look up, so almost no drafts (the cost of having
+  speculation on when it cannot help);
+- "code" (the built-in default model only, which has a tokenizer and was trained on code):
+  Python sources that define similar functions.
+
+    python benchmarks/speculative.py                       # default model + "100m", ~5 minutes
+    python benchmarks/speculative.py --models default --batches 1 --repeat 1   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+CODE = [
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
+    "        self.items.append(x)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+    "class Queue:\n    def __init__(self):",
+    "for i in range(10):\n    print(i)\nfor j in range(10):\n    print(j)\nfor k in range(10):",
+    "import os\nimport sys\nimport json\n\n\ndef load(path):\n    with open(path) as f:\n"
+    "        return json.load(f)\n\n\ndef save(path, data):\n    with open(path, 'w') as f:",
+]
+
+
+def repeat_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b, c = ([rng.randrange(vocab) for _ in range(48)] for _ in range(3))
+        out.append(a + b + c + a + b + c[:8])
+    return out
+
+
+def random_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(240)] for _ in range(n)]
+
+
+class Oracle:
+    """Drafts from a plain run's tokens (`--oracle`): every `spoil`-th draft is wrong, so the
+    acceptance rate is set by the benchmark, not by how well the model copies (random weights
+    never do). Measures what a verify step costs against the decode steps it replaces."""
+
+    def __init__(self, prompts, tokens, spoil: int) -> None:
+        self.refs = {tuple(p): t for p, t in zip(prompts, tokens, strict=True)}
+        self.spoil = spoil
+        self.calls = 0
+
+    def __call__(self, req, max_drafts: int) -> list[int]:
+        j = req.num_output_tokens
+        drafts = list(self.refs[tuple(req.prompt_token_ids)][j : j + max_drafts])
+        self.calls += 1
+        if self.spoil and drafts and self.calls % self.spoil == 0:
+            drafts[len(drafts) // 2] += 1  # a wrong draft in the middle
+        return drafts
+
+
+def run(
+    model: str | None, prompts, new_tokens: int, k: int, repeat: int, oracle: Oracle | None = None
+) -> dict:
+    from hybridkv import LLM, SamplingParams
+
+    spec = None
+    if k:
+        spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+                "prompt_lookup_max": 5}  # fmt: skip
+    llm = LLM(model, dtype="float32", max_num_seqs=len(prompts), enable_prefix_caching=False,
+              speculative_config=spec)  # fmt: skip
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    if oracle is not None:
+        llm.engine.scheduler.drafter = oracle
+    llm.generate(prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    times, tokens = [], None
+    for _ in range(repeat):
+        llm.engine.spec_stats = type(llm.engine.spec_stats)()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+        tokens = [o.outputs[0].token_ids for o in outs]
+    stats = llm.engine.spec_stats
+    seconds = statistics.median(times)
+    return {
+        "tokens_per_s": len(prompts) * new_tokens / seconds,
+        "seconds": seconds,
+        "acceptance": stats.acceptance_rate if k else None,
+        "mean_len": stats.mean_accepted_length if k else None,
+        "tokens": tokens,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=["default", "100m"])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--ks", nargs="+", type=int, default=[2, 4])
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--oracle", type=int, default=None, metavar="N",
+                   help="drafts from the plain run's tokens, every N-th call with a wrong one "
+                   "(0: all right); measures the verify step's cost at a set acceptance")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+
+    import torch
+
+    from hybridkv.ops.native.cpu import line
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            if name == "default":
+                model, vocab = None, None
+                workloads = ["code", "repeat", "random"]
+            else:
+                from throughput import save_checkpoint
+
+                path, _ = save_checkpoint(name, Path(tmp))
+                model = str(path)
+                vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+                workloads = ["repeat", "random"]
+            if vocab is None:
+                from hybridkv.engine import DEFAULT_MODEL
+
+                vocab = json.loads((DEFAULT_MODEL / "config.json").read_text())["vocab_size"]
+            for workload in workloads:
+                for batch in args.batches:
+                    if workload == "code":
+                        prompts = (CODE * batch)[:batch]
+                    elif workload == "repeat":
+                        prompts = repeat_prompts(vocab, batch, seed=batch)
+                    else:
+                        prompts = random_prompts(vocab, batch, seed=batch)
+                    base = run(model, prompts, args.new_tokens, 0, args.repeat)
+                    for k in args.ks:
+                        oracle = None
+                        if args.oracle is not None:
+                            oracle = Oracle(prompts, base["tokens"], args.oracle)
+                        r = run(model, prompts, args.new_tokens, k, args.repeat, oracle)
+                        rows.append({
+                            "model": name, "workload": workload, "oracle": args.oracle,
+                            "batch": batch, "k": k,
+                            "plain_tok_s": base["tokens_per_s"], "spec_tok_s": r["tokens_per_s"],
+                            "speedup": r["tokens_per_s"] / base["tokens_per_s"],
+                            "acceptance": r["acceptance"], "mean_len": r["mean_len"],
+                            "same_tokens": r["tokens"] == base["tokens"],
+                        })  # fmt: skip
+                        print_row(rows[-1], header=len(rows) == 1)
+    if args.json:
+        print(json.dumps({"cpu": line(), "rows": rows}, indent=1))
+    else:
+        print(f"\n{line()}; threads {torch.get_num_threads()}")
+
+
+def print_row(r: dict, header: bool) -> None:
+    if header:
+        print(f"{'model':8} {'workload':8} {'batch':>5} {'k':>2} {'plain tok/s':>11} "
+              f"{'spec tok/s':>10} {'speedup':>7} {'accept':>6} {'mean len':>8} same")  # fmt: skip
+    print(f"{r['model']:8} {r['workload']:8} {r['batch']:5d} {r['k']:2d} {r['plain_tok_s']:11.1f} "
+          f"{r['spec_tok_s']:10.1f} {r['speedup']:6.2f}x {r['acceptance']:6.2f} "
+          f"{r['mean_len']:8.2f} {'yes' if r['same_tokens'] else 'NO'}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
