@@ -62,8 +62,10 @@ CONFIGS = {  # name: (heads, kv_heads, head_dim)
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-ARGTYPES = [_ptr, _ptr, _int, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _f32, _ptr,
-            _ptr]  # fmt: skip
+# (the softcap float after the scale: builds before it read neither, x86-64 passing floats in
+# their own registers, so an old build takes the same call with softcap 0)
+ARGTYPES = [_ptr, _ptr, _int, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _f32, _f32,
+            _ptr, _ptr]  # fmt: skip
 
 FLUSH_C = r"""
 #include <immintrin.h>
@@ -141,7 +143,8 @@ def caller(fn, p: dict):
     out = torch.empty_like(p["q"])
     args = (p["q"].data_ptr(), p["cache"].data_ptr(), int(p["q"].dtype == torch.bfloat16),
             p["kbs"], p["kvh"], p["d"], p["heads"], p["table"].data_ptr(), p["table"].stride(0),
-            p["lens"].data_ptr(), 0, len(p["lens"]), p["scale"], None, out.data_ptr())  # fmt: skip
+            p["lens"].data_ptr(), 0, len(p["lens"]), p["scale"], 0.0, None,
+            out.data_ptr())  # fmt: skip
 
     def call() -> torch.Tensor:
         fn(*args)

@@ -12,8 +12,9 @@ thread and spill bytes. For AMD gfx942 (MI300) Triton's own LLVM emits the AMDGC
 metadata holds VGPRs, scratch (spill) bytes and occupancy. The configurations are those of
 benchmarks/gpu_attention.py (bf16, head dim 128, 32 query heads over 8 kv heads) for every kernel
 block size it times, plus the corner cases the tests use: a window, a 2096-token kernel block, a
-group of 8, split-K decode. Arguments are specialised as a launch specialises them (16-byte
-aligned pointers and strides, unit innermost strides), so the code is the one a GPU would run.
+group of 8, split-K decode, logit soft-capping. Arguments are specialised as a launch
+specialises them (16-byte aligned pointers and strides, unit innermost strides), so the code is
+the one a GPU would run.
 
 What it cannot tell: time. Registers, spills, shared memory and the instruction mix are static
 facts; bandwidth needs benchmarks/gpu_attention.py on a GPU.
@@ -55,6 +56,7 @@ TARGETS = {
 # decode kernel, 8 to 16 bytes; Triton 3.6's does not); a spilled accumulator would be kilobytes.
 SPILL_LIMIT = 64
 UNIT_STRIDES = {"stride_qd", "stride_od", "stride_cd"}  # contiguous head dims: launched as 1
+FLOAT_ARGS = {"qk_scale", "softcap_log2"}  # scalar arguments launched as float32
 # Integer arguments a launch at these shapes sees as multiples of 16 (Triton specialises on it):
 # every stride that is not 1, and the page length in words.
 ALIGNED_PREFIXES = ("stride_", "words_per_page")
@@ -97,7 +99,7 @@ def compile_kernel(
             signature[name] = types.get(name, "*bf16")
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            signature[name] = "fp32" if name == "qk_scale" else "i32"
+            signature[name] = "fp32" if name in FLOAT_ARGS else "i32"
             if name.startswith(ALIGNED_PREFIXES):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
@@ -170,12 +172,12 @@ def attention_configs() -> list[tuple[str, dict[str, object], T.LaunchConfig]]:
     """(name, constexprs, launch) as paged_attention would launch them on a GPU."""
     out = []
 
-    def cfg(name, *, kbs, decode, group=4, splits=1, window=False):
+    def cfg(name, *, kbs, decode, group=4, splits=1, window=False, softcap=False):
         launch = T.default_launch(decode, group, 128, on_gpu=True)
         consts = dict(GROUP=group, GROUP_PAD=group, BLOCK_M=launch.block_m,
                       TILE_N=launch.tile_n, KBS=kbs, HEAD_DIM=128, HEAD_DIM_PAD=128,
-                      NUM_SPLITS=splits, IS_DECODE=decode, USE_WINDOW=window, DOT_FP32=False,
-                      DOT_PRECISION="tf32")  # fmt: skip
+                      NUM_SPLITS=splits, IS_DECODE=decode, USE_WINDOW=window, USE_SINKS=False,
+                      USE_SOFTCAP=softcap, DOT_FP32=False, DOT_PRECISION="tf32")  # fmt: skip
         out.append((name, consts, launch))
 
     for kbs in (16, 32, 64, 128):
@@ -184,6 +186,8 @@ def attention_configs() -> list[tuple[str, dict[str, object], T.LaunchConfig]]:
     cfg("decode kbs 16, 4 splits", kbs=16, decode=True, splits=4)
     cfg("prefill kbs 48, group 8, window", kbs=48, decode=False, group=8, window=True)
     cfg("decode kbs 2096, group 1, window", kbs=2096, decode=True, group=1, window=True)
+    cfg("decode kbs 16, 4 splits, softcap", kbs=16, decode=True, splits=4, softcap=True)
+    cfg("prefill kbs 64, softcap", kbs=64, decode=False, softcap=True)
     return out
 
 

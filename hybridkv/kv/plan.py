@@ -367,6 +367,7 @@ def spec_json(spec: LayerSpec) -> dict[str, Any]:
         "head_dim": spec.head_dim,
         "dtype": spec.dtype,
         "sliding_window": spec.sliding_window,
+        "softcap": spec.softcap,
     }
 
 
@@ -378,7 +379,7 @@ def _group_backends(
     platform = get_platform(cache.platform)
     name = cache.attention_backend or platform.default_backend(spec.kind)
     backend = get_backend(name)
-    reason = backend.why_not(spec.kind, spec.dtype, spec.head_dim)
+    reason = backend.why_not(spec.kind, spec.dtype, spec.head_dim, spec.softcap is not None)
     if reason is not None:
         raise PlanError(f"attention backend {name!r} cannot serve {spec.kind} layers: it {reason}")
     if backend.needs is not None and backend.needs not in capabilities:

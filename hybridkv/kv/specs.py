@@ -35,18 +35,25 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """Full or sliding-window attention: K and V of `num_kv_heads x head_dim` per token."""
+    """Full or sliding-window attention: K and V of `num_kv_heads x head_dim` per token.
+
+    `softcap` (attention logit soft-capping, scores c * tanh(s / c)) changes nothing in the
+    cache; it is part of the spec because it is what the layer needs of its kernels: the plan
+    gives such a group only a backend that declares soft-capping."""
 
     num_kv_heads: int
     head_dim: int
     dtype: str
     sliding_window: int | None = None
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_kv_heads <= 0 or self.head_dim <= 0:
             raise ValueError(f"attention needs positive heads and head_dim, got {self}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"softcap must be positive, got {self.softcap}")
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
 
     @property
@@ -73,6 +80,7 @@ class MLASpec:
 
     kind = "mla"
     sliding_window = None
+    softcap = None  # (MLA layers take no logit soft-capping)
 
     @property
     def head_dim(self) -> int:

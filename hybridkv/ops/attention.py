@@ -140,22 +140,29 @@ def _attend(
     mask: torch.Tensor,
     scale: float,
     sinks: torch.Tensor | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Softmax attention in float32. q: [B, heads, L, d]; k, v: [B, kvh, T, d]; mask: bool,
     broadcast to [B, heads, L, T] -> [B, heads, L, d].
 
     `sinks` [heads] (gpt-oss): one more logit per head in the softmax denominator, with no
     value: p_t = exp(s_t) / (exp(sink) + sum_u exp(s_u)).
+    `softcap` c (Gemma 2's attention logit soft-capping): the scaled scores become
+    c * tanh(s / c) before the mask and the softmax (the sinks are not capped).
     """
     q, k, v = q.float(), k.float(), v.float()
     gqa = q.shape[1] != k.shape[1]
-    if sinks is None:
+    if sinks is None and softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     if gqa:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, heads, L, T]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), v)
     sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return torch.matmul(probs, v)
@@ -178,6 +185,7 @@ def _decode_attention(
     sliding_window: int | None,
     max_seq_len: int,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per request, all requests at once.
 
@@ -192,7 +200,7 @@ def _decode_attention(
     # [S, heads, 1, d] x [S, kvh, T, d] (views, no copies), float32 math
     out = _attend(
         q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), visible[:, None, None, :],
-        scale, sinks,
+        scale, sinks, softcap,
     )  # fmt: skip
     return out[:, :, 0, :].to(q.dtype)
 
@@ -205,10 +213,11 @@ def _grouped_decode_attention(
     scale: float,
     sliding_window: int | None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per request: `DECODE_ATTENTION`'s choice for the cache's device and dtype."""
     run = DECODE_ATTENTION.of(kv_cache).first
-    return run(q, kv_cache, block_table, seq_lens, scale, sliding_window, sinks)
+    return run(q, kv_cache, block_table, seq_lens, scale, sliding_window, sinks, softcap)
 
 
 def _native_decode(
@@ -219,14 +228,16 @@ def _native_decode(
     scale: float,
     sliding_window: int | None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | None:
     from hybridkv.ops.native import decode_attention
 
     # the kernel reads q in the cache's dtype (float32 math either way) and int32 tables
     table = block_table if block_table.dtype == torch.int32 else block_table.int()
     out = decode_attention.paged_decode_attention(
-        q.to(kv_cache.dtype), kv_cache, table, seq_lens, scale, sliding_window, sinks=sinks
-    )
+        q.to(kv_cache.dtype), kv_cache, table, seq_lens, scale, sliding_window, sinks=sinks,
+        softcap=softcap,
+    )  # fmt: skip
     return None if out is None else out.to(q.dtype)
 
 
@@ -238,20 +249,21 @@ def torch_decode_attention(
     scale: float,
     sliding_window: int | None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """`_decode_attention` per group of similar context lengths (see `_decode_groups`)."""
     lens = seq_lens.tolist()
     groups = _decode_groups(lens)
     if len(groups) == 1:
         return _decode_attention(
-            q, kv_cache, block_table, seq_lens, scale, sliding_window, max(lens), sinks
+            q, kv_cache, block_table, seq_lens, scale, sliding_window, max(lens), sinks, softcap
         )
     out = torch.empty_like(q)
     for members in groups:
         idx = torch.tensor(members, device=q.device)
         out[idx] = _decode_attention(
             q[idx], kv_cache, block_table[idx], seq_lens[idx], scale, sliding_window,
-            lens[members[0]], sinks,
+            lens[members[0]], sinks, softcap,
         )  # fmt: skip
     return out
 
@@ -264,6 +276,7 @@ def _prefill_attention(
     scale: float,
     sliding_window: int | None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One request's chunk: q [L, heads, d] are its last L of `seq_len` positions."""
     q_len = q.shape[0]
@@ -279,7 +292,7 @@ def _prefill_attention(
     # [1, heads, L, d] x [1, kvh, T, d]: scaled_dot_product_attention in float32
     out = _attend(
         q.transpose(0, 1)[None], k[0].transpose(0, 1)[None], v[0].transpose(0, 1)[None],
-        allowed, scale, sinks,
+        allowed, scale, sinks, softcap,
     )  # fmt: skip
     return out[0].transpose(0, 1).to(q.dtype)
 
@@ -295,20 +308,24 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over each request's paged context.
 
     q: [num_tokens, num_heads, head_dim]; block_table: [num_seqs, max_blocks] int32;
     query_start_loc: [num_seqs + 1]; seq_lens: [num_seqs]  ->  [num_tokens, num_heads, head_dim]
     sinks: [num_heads] or None: a per-head logit added to every softmax denominator (gpt-oss).
+    softcap: c > 0 or None: scores s = scale * q.k become c * tanh(s / c) (logit soft-capping).
 
     Decodes (one query) run together in one batched computation; each prefill chunk runs on
     its own (a loop over the step's prefill requests, usually a few: their query and context
     lengths differ, and padding them to a common shape would cost far more than the loop).
     """
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
     if max_query_len == 1 and q.shape[0] == block_table.shape[0]:  # decodes only: one row each
         return _grouped_decode_attention(
-            q, kv_cache, block_table, seq_lens, scale, sliding_window, sinks
+            q, kv_cache, block_table, seq_lens, scale, sliding_window, sinks, softcap
         )
     out = torch.empty_like(q)
     if q.shape[0] == 0:
@@ -319,13 +336,15 @@ def paged_attention(
         rows = torch.nonzero(is_decode).flatten()
         tokens = query_start_loc[:-1].long()[rows]
         out[tokens] = _grouped_decode_attention(
-            q[tokens], kv_cache, block_table[rows], seq_lens[rows], scale, sliding_window, sinks
-        )
+            q[tokens], kv_cache, block_table[rows], seq_lens[rows], scale, sliding_window, sinks,
+            softcap,
+        )  # fmt: skip
     starts, lens, ctx = query_start_loc.tolist(), q_lens.tolist(), seq_lens.tolist()
     for s, n in enumerate(lens):
         if n > 1:
             a = starts[s]
             out[a : a + n] = _prefill_attention(
-                q[a : a + n], kv_cache, block_table[s], ctx[s], scale, sliding_window, sinks
-            )
+                q[a : a + n], kv_cache, block_table[s], ctx[s], scale, sliding_window, sinks,
+                softcap,
+            )  # fmt: skip
     return out

@@ -27,7 +27,9 @@ A program owns one kv head and a tile of `BLOCK_M` query rows: `BLOCK_Q` query t
 `GROUP_PAD` query heads of that kv head (grouped-query attention loads each K/V tile once for
 the whole group). Row r is token r // GROUP_PAD, head kv_head * GROUP + r % GROUP_PAD.
 
-Softmax is online and in float32 (base 2: scores are pre-multiplied by log2(e)). Everything
+Softmax is online and in float32 (base 2: scores are pre-multiplied by log2(e)). Logit
+soft-capping (`softcap` c) replaces each scaled score s by c * tanh(s / c) before the mask, as
+the PyTorch reference does (the sinks are not capped). Everything
 that must not count is removed with `tl.where` or a masked load, never by multiplying with
 zero: a page that held a recurrent state may still hold NaN bit patterns in unused slots.
 
@@ -264,16 +266,33 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _tanh(y):
+    """tanh in float32: sign(y) (1 - e) / (1 + e), e = 2^(-2 |y| log2(e)), and its Taylor
+    polynomial to y^9 below |y| = 0.3 (where 1 - e loses digits): relative error < 3e-7."""
+    a = tl.abs(y)
+    e = tl.exp2(a * -2.8853900817779268)  # -2 log2(e)
+    big = (1.0 - e) / (1.0 + e)
+    a2 = a * a  # Taylor coefficients of tanh(y) / y: 1, -1/3, 2/15, -17/315, 62/2835
+    p = -0.053968254 + a2 * 0.021869489
+    p = 1.0 + a2 * (-0.33333333 + a2 * (0.13333333 + a2 * p))
+    t = tl.where(a < 0.3, a * p, big)
+    return tl.where(y < 0, -t, t)
+
+
+@triton.jit
 def _online_softmax_step(
-    q, k_t, v, allowed, m_i, l_i, acc, qk_scale,
+    q, k_t, v, allowed, m_i, l_i, acc, qk_scale, softcap_log2,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Fold one context tile into the running (max m_i, sum l_i, acc) of every row."""
     if DOT_FP32:  # see paged_attention: mixed dtypes, or bfloat16 in the interpreter
         k_t = k_t.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N] log2 units
+    if USE_SOFTCAP:  # c * tanh(x / c) in log2 units: softcap_log2 = c * log2(e), s = x * log2(e)
+        s = softcap_log2 * _tanh(s / softcap_log2)
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed so far
@@ -299,6 +318,7 @@ def _paged_attention_kernel(
     qk_scale,  # scale * log2(e)
     window,  # sliding window in tokens (read only when USE_WINDOW)
     sinks_ptr,  # [num_heads] per-head softmax-denominator logits (read only when USE_SINKS)
+    softcap_log2,  # logit soft-cap * log2(e) (read only when USE_SOFTCAP)
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_cb, stride_ckv, stride_ct, stride_ch, stride_cd,
@@ -314,6 +334,7 @@ def _paged_attention_kernel(
     IS_DECODE: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SINKS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -369,8 +390,9 @@ def _paged_attention_kernel(
         if USE_WINDOW:
             allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
         m_i, l_i, acc = _online_softmax_step(
-            q, k_t, v, allowed, m_i, l_i, acc, qk_scale, DOT_FP32, DOT_PRECISION
-        )
+            q, k_t, v, allowed, m_i, l_i, acc, qk_scale, softcap_log2, DOT_FP32, DOT_PRECISION,
+            USE_SOFTCAP,
+        )  # fmt: skip
 
     # Phase 4: normalise and store, or store the partial state of this split.
     d = tl.arange(0, HEAD_DIM_PAD)
@@ -485,6 +507,7 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
     *,
     num_kv_splits: int | None = None,
     launch: LaunchConfig | None = None,
@@ -495,7 +518,8 @@ def paged_attention(
     query_start_loc: [num_seqs + 1]; seq_lens: [num_seqs]  ->  [num_tokens, num_heads, head_dim]
     `num_kv_splits` (decode batches only; a power of two) overrides the split-K heuristic,
     `launch` the tiling (for tuning; see `default_launch`). `sinks` [num_heads] or None: a
-    per-head logit added to every softmax denominator (gpt-oss).
+    per-head logit added to every softmax denominator (gpt-oss). `softcap` c > 0 or None: each
+    score s = scale * q.k becomes c * tanh(s / c) (logit soft-capping).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, kbs, kv_heads, cache_head_dim = kv_cache.shape
@@ -507,6 +531,8 @@ def paged_attention(
             f"{cache_head_dim}: query heads must be a multiple of kv heads, head dims equal"
         )
     check_device(q, kv_cache, block_table, query_start_loc, seq_lens)
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
     if sinks is not None:
         if sinks.shape != (num_heads,):
             raise ValueError(f"sinks must have shape ({num_heads},), got {tuple(sinks.shape)}")
@@ -554,7 +580,7 @@ def paged_attention(
     _paged_attention_kernel[(grid_m, kv_heads, num_splits)](
         out, part_acc, part_ml, q, kv_cache, block_table, query_start_loc, seq_lens,
         num_seqs, num_heads, scale * LOG2E, 0 if sliding_window is None else sliding_window,
-        q if sinks is None else sinks,
+        q if sinks is None else sinks, 1.0 if softcap is None else softcap * LOG2E,
         *q.stride(), *out.stride(), *kv_cache.stride(), block_table.stride(0),
         GROUP=group,
         GROUP_PAD=group_pad,
@@ -567,6 +593,7 @@ def paged_attention(
         IS_DECODE=is_decode,
         USE_WINDOW=sliding_window is not None,
         USE_SINKS=sinks is not None,
+        USE_SOFTCAP=softcap is not None,
         DOT_FP32=dot_fp32,
         DOT_PRECISION="ieee" if precise else "tf32",
         num_warps=launch.num_warps,

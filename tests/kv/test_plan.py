@@ -208,6 +208,28 @@ def test_backend_that_cannot_serve_kind():
         CacheConfig(attention_backend="nope")
 
 
+def test_soft_capped_attention_gets_only_a_backend_that_declares_it():
+    capped = AttentionSpec(1, 8, "bfloat16", softcap=30.0)
+    layers = [CacheLayer("layers.0.attention", 0, capped)]
+    assert [n for n, b in BACKENDS.items() if b.impl and b.softcap] == ["torch", "triton"]
+    p = make_plan(layers, CacheConfig(num_pages=8, platform="cpu"))
+    assert attention_group(p).spec.softcap == 30.0
+    for name in ("cpu_attn", "rocm_attn"):
+        assert not BACKENDS[name].softcap
+        with pytest.raises(PlanError, match=f"'{name}' cannot serve .* no attention logit soft"):
+            make_plan(layers, CacheConfig(num_pages=8, platform="cpu", attention_backend=name))
+    # the same layer without a cap is served by them; capped and uncapped layers never share
+    # a group (their specs differ)
+    plain = AttentionSpec(1, 8, "bfloat16")
+    assert BACKENDS["cpu_attn"].why_not(plain.kind, plain.dtype, plain.head_dim) is None
+    both = make_plan(
+        layers + [CacheLayer("layers.1.attention", 1, plain)], CacheConfig(num_pages=8)
+    )
+    assert sorted(str(g.spec.softcap) for g in both.groups) == ["30.0", "None"]
+    with pytest.raises(ValueError, match="softcap must be positive"):
+        AttentionSpec(1, 8, "float32", softcap=0.0)
+
+
 # -- grouping ----------------------------------------------------------------------------------
 
 

@@ -5,8 +5,9 @@ Caches are NaN-filled except for the positions a request owns, so a read of any 
 (past a request's length, in the rest of its last block, before its window) shows in the
 output. Shapes cover group sizes 1..8 and 20, head dims that are and are not multiples of 16 / 32
 (the AMX path's tail tile, the odd-dim AVX-512 path), kernel blocks of 1..64 positions, windows,
-sinks, empty requests, long single requests split over two threads, and the builds of the same
-source for CPUs without AMX, without AVX512-BF16 and without AVX-512.
+sinks, logit soft-capping (alone, with windows and sinks, split over threads), empty requests,
+long single requests split over two threads, and the builds of the same source for CPUs without
+AMX, without AVX512-BF16 and without AVX-512.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def paged_problem(lens, heads, kv_heads, d, kbs, dtype, seed=0):
     return q, cache, table, torch.tensor(lens, dtype=torch.int32), ks, vs
 
 
-def reference(q, ks, vs, lens, scale, window=None, sinks=None):
-    """float64 softmax(q k^T * scale) v per request ([S, heads, d]); zeros for empty requests."""
+def reference(q, ks, vs, lens, scale, window=None, sinks=None, softcap=None):
+    """float64 softmax(q k^T * scale) v per request ([S, heads, d]); zeros for empty requests.
+    softcap c: the scores capped to c * tanh(s / c) first (the sinks are not)."""
     S, heads, d = q.shape
     out = torch.zeros(S, heads, d, dtype=torch.float64)
     for s, n in enumerate(lens):
@@ -68,6 +70,8 @@ def reference(q, ks, vs, lens, scale, window=None, sinks=None):
         k = ks[s][first:].double().repeat_interleave(group, dim=1)  # [t, heads, d]
         v = vs[s][first:].double().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,thd->ht", q[s].double(), k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         if sinks is not None:
             scores = torch.cat([scores, sinks.double()[:, None]], dim=1)
         p = torch.softmax(scores, dim=-1)[:, : k.shape[0]]
@@ -124,6 +128,56 @@ def test_windows_and_sinks(window, with_sinks, dtype):
     check(out, reference(q, ks, vs, lens, 0.2, window, sinks), dtype)
 
 
+SOFTCAP = 1.5  # small against the scores of the tests below (scale 2 / sqrt(d): spread ~2)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("kbs", [3, 16])
+def test_softcap_matches_float64_softmax(shape, kbs, dtype):
+    """Scores capped to c * tanh(s / c) on every path (AMX tiles for the long bfloat16 request,
+    AVX-512 rows, odd head dims), against the float64 reference; and the cap matters."""
+    heads, kv_heads, d = shape
+    lens = [1, 17, 45, 200, 33]
+    q, cache, table, sl, ks, vs = paged_problem(lens, heads, kv_heads, d, kbs, dtype, seed=kbs)
+    scale = 2 * d**-0.5
+    out = native_attn.paged_decode_attention(q, cache, table, sl, scale, None, softcap=SOFTCAP)
+    check(out, reference(q, ks, vs, lens, scale, softcap=SOFTCAP), dtype)
+    plain = reference(q, ks, vs, lens, scale)
+    assert (out.double() - plain).abs().max() > 0.05  # the cap changed the result
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [1, 5, 40])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
+def test_softcap_with_windows_and_sinks(window, with_sinks, dtype):
+    heads, kv_heads, d, kbs = 6, 2, 64, 16
+    lens = [3, 40, 41, 150, 7, 300]
+    q, cache, table, sl, ks, vs = paged_problem(lens, heads, kv_heads, d, kbs, dtype, seed=window)
+    sinks = torch.linspace(-3.0, 2.0, heads) if with_sinks else None
+    out = native_attn.paged_decode_attention(
+        q, cache, table, sl, 0.3, window, sinks=sinks, softcap=SOFTCAP
+    )
+    check(out, reference(q, ks, vs, lens, 0.3, window, sinks, SOFTCAP), dtype)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_softcap_extremes(dtype):
+    """Scores hundreds apart (tanh saturates at +-c on both sides, weights of e^(-2c) and
+    more), and a cap so large that it is no cap (tanh(y) = y to float32 precision)."""
+    lens = [300, 20]
+    q, cache, table, sl, ks, vs = paged_problem(lens, 4, 1, 32, 16, dtype, seed=3)
+    out = native_attn.paged_decode_attention(q, cache, table, sl, 30.0, None, softcap=SOFTCAP)
+    check(out, reference(q, ks, vs, lens, 30.0, softcap=SOFTCAP), dtype)
+    huge = native_attn.paged_decode_attention(q, cache, table, sl, 0.2, None, softcap=1e6)
+    check(huge, reference(q, ks, vs, lens, 0.2), dtype)
+    with pytest.raises(ValueError, match="softcap must be positive"):
+        native_attn.paged_decode_attention(q, cache, table, sl, 0.2, None, softcap=0.0)
+
+
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_empty_requests_get_zeros(dtype):
@@ -137,21 +191,23 @@ def test_empty_requests_get_zeros(dtype):
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("window", [None, 1500])
-def test_long_request_split_over_two_threads(dtype, window):
+@pytest.mark.parametrize("softcap", [None, 0.5])
+def test_long_request_split_over_two_threads(dtype, window, softcap):
     """One request of 3000 positions (and a short one): with two threads the long one is split
     into pieces whose softmax states are merged; the result is the one-thread result's."""
     lens = [3000, 20]
     q, cache, table, sl, ks, vs = paged_problem(lens, 8, 2, 128, 32, dtype, seed=7)
     sinks = torch.linspace(-1.0, 2.0, 8)
     before = torch.get_num_threads()
+    args = (q, cache, table, sl, 0.1, window)
     try:
         torch.set_num_threads(2)
-        two = native_attn.paged_decode_attention(q, cache, table, sl, 0.1, window, sinks=sinks)
+        two = native_attn.paged_decode_attention(*args, sinks=sinks, softcap=softcap)
         torch.set_num_threads(1)
-        one = native_attn.paged_decode_attention(q, cache, table, sl, 0.1, window, sinks=sinks)
+        one = native_attn.paged_decode_attention(*args, sinks=sinks, softcap=softcap)
     finally:
         torch.set_num_threads(before)
-    ref = reference(q, ks, vs, lens, 0.1, window, sinks)
+    ref = reference(q, ks, vs, lens, 0.1, window, sinks, softcap)
     check(two, ref, dtype)
     check(one, ref, dtype)
 
@@ -206,15 +262,16 @@ def test_softmax_over_a_wide_score_range_on_amx_tiles():
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_engine_path_matches_pytorch_path(dtype, monkeypatch):
+@pytest.mark.parametrize("softcap", [None, 0.5])
+def test_engine_path_matches_pytorch_path(dtype, softcap, monkeypatch):
     """paged_attention's decode (native) against its PyTorch path on the same batch."""
     lens = [90, 1, 257]
     q, cache, table, sl, _, _ = paged_problem(lens, 8, 2, 64, 16, dtype, seed=11)
     qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
-    out = paged_attention(q, cache, table, qsl, sl, 0.125, sliding_window=None)
+    out = paged_attention(q, cache, table, qsl, sl, 0.125, sliding_window=None, softcap=softcap)
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
     registry.reset_all()  # op choices follow the new setting
-    ref = paged_attention(q, cache, table, qsl, sl, 0.125, sliding_window=None)
+    ref = paged_attention(q, cache, table, qsl, sl, 0.125, sliding_window=None, softcap=softcap)
     assert out.dtype == ref.dtype == dtype
     check(out, ref.double(), dtype)
 
@@ -258,5 +315,9 @@ def test_builds_for_other_cpus(variant, tmp_path):
             out = torch.empty_like(q)
             fn(q.data_ptr(), cache.data_ptr(), int(dtype == torch.bfloat16), 16, kv_heads, d,
                heads, table.data_ptr(), table.stride(0), sl.data_ptr(), 60, len(lens), 0.3,
-               sinks.data_ptr(), out.data_ptr())  # fmt: skip
+               0.0, sinks.data_ptr(), out.data_ptr())  # fmt: skip
             check(out, reference(q, ks, vs, lens, 0.3, 60, sinks), dtype)
+            fn(q.data_ptr(), cache.data_ptr(), int(dtype == torch.bfloat16), 16, kv_heads, d,
+               heads, table.data_ptr(), table.stride(0), sl.data_ptr(), 60, len(lens), 0.3,
+               SOFTCAP, sinks.data_ptr(), out.data_ptr())  # fmt: skip
+            check(out, reference(q, ks, vs, lens, 0.3, 60, sinks, SOFTCAP), dtype)

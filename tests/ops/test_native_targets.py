@@ -9,10 +9,10 @@ library is built once per process, for that target, and cached by its flags) thr
 compact set of the op tests of the kernels with such paths, against their references:
 decode attention (float32 and bfloat16 caches; odd head counts; head dims that are not
 multiples of 8 or 16; block tables spanning many kernel blocks, lengths ending anywhere in a
-block; windows and sinks; a request split over two threads), the gated delta rule's decode
-step (with its fused gated norm), the Mamba1 scan, silu-and-mul, the gated RMSNorm and relu2;
-and that hkv_silu8 gives hkv_silu's bits, specials included. A target the CPU lacks is
-skipped, as is a machine without a compiler.
+block; windows, sinks and logit soft-capping; a request split over two threads), the gated
+delta rule's decode step (with its fused gated norm), the Mamba1 scan, silu-and-mul, the gated
+RMSNorm and relu2; and that hkv_silu8 gives hkv_silu's bits, specials included. A target the
+CPU lacks is skipped, as is a machine without a compiler.
 """
 
 from __future__ import annotations
@@ -155,12 +155,27 @@ def checks() -> list:
                     partial(da.test_windows_and_sinks, window, sinks, dtype),
                 )
             )
-        out.append(
-            (
-                "attention on two threads",
-                partial(da.test_long_request_split_over_two_threads, dtype, None),
+            out.append(
+                (
+                    f"attention softcap window {window}",
+                    partial(da.test_softcap_with_windows_and_sinks, window, sinks, dtype),
+                )
             )
-        )
+        for shape in ((6, 2, 80), (7, 1, 40), (6, 3, 7)):
+            out.append(
+                (
+                    f"attention softcap {shape}",
+                    partial(da.test_softcap_matches_float64_softmax, shape, 16, dtype),
+                )
+            )
+        out.append(("attention softcap extremes", partial(da.test_softcap_extremes, dtype)))
+        for softcap in (None, 0.5):
+            out.append(
+                (
+                    f"attention on two threads (softcap {softcap})",
+                    partial(da.test_long_request_split_over_two_threads, dtype, None, softcap),
+                )
+            )
         for state in (torch.float32, torch.bfloat16):
             for dims in ((1, 3, 24, 40), (1, 2, 33, 17), (2, 2, 128, 128)):
                 out.append(

@@ -13,7 +13,10 @@ from hybridkv.forward_batch import AttentionMetadata
 
 
 class AttentionImpl(Protocol):
-    """A backend implementation: writes new K/V by slot and attends over the paged cache."""
+    """A backend implementation: writes new K/V by slot and attends over the paged cache.
+
+    `forward` gets a `softcap` only where the backend's declaration says `softcap=True`: the
+    plan gives a soft-capped group no other backend (`AttentionBackendInfo.why_not`)."""
 
     name: str
 
@@ -33,14 +36,15 @@ class AttentionImpl(Protocol):
         scale: float,
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads]: a softmax-denominator logit per head
+        softcap: float | None = None,  # c > 0: scores s become c * tanh(s / c) (logit capping)
     ) -> torch.Tensor: ...  # [num_tokens, num_heads, head_dim]
 
 
 class KernelModuleBackend:
     """An `AttentionImpl` over a kernels module that provides `write_kv_cache(k, v, kv_cache,
     slot_mapping)`, `zero_pages(buffer_2d, page_ids)` and `paged_attention(q, kv_cache,
-    block_table, query_start_loc, seq_lens, scale, sliding_window, max_query_len, max_seq_len)`
-    (hybridkv.ops.attention, Triton's)."""
+    block_table, query_start_loc, seq_lens, scale, sliding_window, max_query_len, max_seq_len,
+    sinks=, softcap=)` (hybridkv.ops.attention, Triton's)."""
 
     name = ""
 
@@ -63,8 +67,11 @@ class KernelModuleBackend:
         scale: float,
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        extra = {} if sinks is None else {"sinks": sinks}
+        extra: dict = {} if sinks is None else {"sinks": sinks}
+        if softcap is not None:
+            extra["softcap"] = softcap
         return self.kernels().paged_attention(
             q,
             kv_cache,

@@ -12,7 +12,8 @@ from hybridkv.layers.cache import AttentionCache, CacheOwner
 class PagedAttention(CacheOwner):
     """Attention over one cache layer's kernel blocks. q/k/v come already projected (and
     rotated). It declares its spec (`num_kv_heads` x `head_dim` K and V per token, inside
-    `sliding_window` if set); its view and its group's backend are bound once."""
+    `sliding_window` if set; `softcap`: scores capped to c * tanh(s / c), which only a backend
+    declaring soft-capping is planned for); its view and its group's backend are bound once."""
 
     def __init__(
         self,
@@ -22,6 +23,7 @@ class PagedAttention(CacheOwner):
         head_dim: int,
         scale: float,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         super().__init__(layer_index)
         if num_heads % num_kv_heads:
@@ -29,11 +31,16 @@ class PagedAttention(CacheOwner):
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be positive, got {softcap}")
         self.scale = scale
         self.sliding_window = sliding_window
+        self.softcap = softcap
 
     def cache_spec(self, dtypes: CacheDtypes) -> AttentionSpec:
-        return AttentionSpec(self.num_kv_heads, self.head_dim, dtypes.kv, self.sliding_window)
+        return AttentionSpec(
+            self.num_kv_heads, self.head_dim, dtypes.kv, self.sliding_window, self.softcap
+        )
 
     def forward(
         self,
@@ -50,6 +57,6 @@ class PagedAttention(CacheOwner):
         meta: AttentionMetadata = self.step_metadata(batch)
         cache.backend.write_kv_cache(k, v, cache.kv, meta.slot_mapping)
         out = cache.backend.forward(
-            q, cache.kv, meta, self.scale, self.sliding_window, sinks=sinks
+            q, cache.kv, meta, self.scale, self.sliding_window, sinks=sinks, softcap=self.softcap
         )
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

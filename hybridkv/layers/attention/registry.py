@@ -1,8 +1,9 @@
 """Attention backend declarations and platforms (pure data; implementations import lazily).
 
 Every backend declares what it supports: the kernel block sizes it accepts (exact ints and/or
-"any multiple of n"), the dtypes and head dims it runs, the layer kinds it serves and the
-(kernel_block_size, head_dim) combinations it refuses. The memory plan chooses kernel block
+"any multiple of n"), the dtypes and head dims it runs, the layer kinds it serves, whether it
+soft-caps attention logits (`softcap`) and the (kernel_block_size, head_dim) combinations it
+refuses. The memory plan chooses kernel block
 sizes from these declarations only; nothing in the engine special-cases a backend.
 
 Sizes follow what vLLM's backends declare; `torch` is hybridkv's reference backend and `triton`
@@ -80,6 +81,7 @@ class AttentionBackendInfo:
     needs: str | None = None  # a capability the machine must have to run it ("triton")
     description: str = ""
     runs_on: str | None = None  # without an impl: the implemented backend that runs its groups
+    softcap: bool = False  # attention logit soft-capping (c * tanh(s / c)) of the scores
 
     @property
     def runner(self) -> str | None:
@@ -110,8 +112,9 @@ class AttentionBackendInfo:
             )
         return min(candidates)
 
-    def why_not(self, kind: str, dtype: str, head_dim: int) -> str | None:
-        """Why this backend cannot serve a layer of this kind, dtype and head dim (None: it can)."""
+    def why_not(self, kind: str, dtype: str, head_dim: int, softcap: bool = False) -> str | None:
+        """Why this backend cannot serve a layer of this kind, dtype and head dim, with logit
+        soft-capping if `softcap` (None: it can)."""
         if kind not in self.kinds:
             return f"serves {', '.join(sorted(self.kinds))}, not {kind}"
         if canonical_dtype(dtype) not in self.dtypes:
@@ -119,6 +122,8 @@ class AttentionBackendInfo:
         if self.head_dims is not None and head_dim not in self.head_dims:
             dims = ", ".join(map(str, self.head_dims))
             return f"runs head dims {dims}, not {head_dim}"
+        if softcap and not self.softcap:
+            return "has no attention logit soft-capping"
         return None
 
     def load(self) -> type:
@@ -147,6 +152,7 @@ BACKENDS: dict[str, AttentionBackendInfo] = {
             ALL_FLOAT | {"fp8_e4m3", "fp8_e5m2"},
             impl="hybridkv.layers.attention.torch_backend:TorchAttentionBackend",
             description="hybridkv's PyTorch reference (CPU default)",
+            softcap=True,
         ),
         AttentionBackendInfo(
             "triton",
@@ -156,6 +162,7 @@ BACKENDS: dict[str, AttentionBackendInfo] = {
             impl="hybridkv.layers.attention.triton_backend:TritonAttentionBackend",
             needs="triton",
             description="hybridkv's Triton kernels (CUDA / ROCm default)",
+            softcap=True,
         ),
         AttentionBackendInfo(
             "flash_attn",
@@ -163,6 +170,7 @@ BACKENDS: dict[str, AttentionBackendInfo] = {
             _ATTN,
             HALF_AND_FP8,
             hybrid_fp32_state_block_sizes=KernelBlockSizes((16, 32, 64)),
+            softcap=True,  # (vLLM passes logits_soft_cap to FlashAttention's softcap)
         ),
         AttentionBackendInfo(
             "flashinfer",
@@ -170,6 +178,7 @@ BACKENDS: dict[str, AttentionBackendInfo] = {
             _ATTN,
             HALF_AND_FP8,
             excluded=((16, 256),),
+            softcap=True,  # (FlashInfer's logits_soft_cap)
         ),
         AttentionBackendInfo(
             "flashmla",

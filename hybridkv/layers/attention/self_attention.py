@@ -28,10 +28,13 @@ class SelfAttention(nn.Module):
         sliding_window: int | None = None,
         qk_norm_eps: float | None = None,
         sinks: bool = False,
+        softcap: float | None = None,
     ) -> None:
         """`scale` defaults to 1/sqrt(head_dim); `qk_norm_eps` set adds q_norm / k_norm
         (RMSNorm over each head, before RoPE); `sinks` adds the per-head softmax-denominator
-        logits `sinks` [num_heads] (gpt-oss), passed to the kernels like the window.
+        logits `sinks` [num_heads] (gpt-oss), passed to the kernels like the window; `softcap`
+        c caps the scaled scores to c * tanh(s / c) before the softmax (attention logit
+        soft-capping, Gemma 2's `attn_logit_softcapping`).
 
         Under tensor parallelism (`hybridkv.distributed`) each rank keeps num_heads / size
         query heads and its KV heads (split, or one replicated when the size exceeds them);
@@ -65,7 +68,7 @@ class SelfAttention(nn.Module):
         declare_shards(self, sinks=column(tp, (0, full_heads)) if sinks else None)
         scale = head_dim**-0.5 if scale is None else scale
         self.attn = PagedAttention(
-            layer_index, num_heads, num_kv_heads, head_dim, scale, sliding_window
+            layer_index, num_heads, num_kv_heads, head_dim, scale, sliding_window, softcap
         )
         self.attn.sharded = True  # its heads are this rank's
 

@@ -10,6 +10,12 @@
  * slots hold (NaN included) cannot leak; a request with no position gets a zero output.
  * q, out: [S, H, Dh]; the group = H / KVH query heads of a KV head share its keys and values.
  * sinks: [H] or NULL (gpt-oss): one more logit per head in the softmax denominator, no value.
+ * softcap: c > 0 caps every score s = scale * q.k to c * tanh(s / c) before the softmax
+ * (attention logit soft-capping, Gemma 2); 0: none. The sinks are not capped. Vector paths
+ * take tanh(y) = sign(y) (1 - e) / (1 + e), e = e^(-2|y|) by the exponential the softmax uses,
+ * and below |y| = DA_TANH_SMALL (where 1 - e would lose digits) its Taylor polynomial to y^9:
+ * relative error below 3e-7 everywhere (a few float32 steps); the plain loops call tanhf.
+ * Masked positions stay -inf (capped first, then masked).
  * q, the cache and out are float32, or all bfloat16 (out rounded once, to nearest even, from
  * the float32 result; products and sums float32 either way).
  *
@@ -79,6 +85,12 @@
 #define DA_PARALLEL_MIN (1 << 17) /* elements of K read (positions x KVH x Dh) */
 #define DA_AMX_MIN 128            /* positions x KVH below which AMX does not pay its set-up */
 #define DA_INLINE static inline __attribute__((always_inline))
+#define DA_TANH_SMALL 0.3f        /* |y| below which tanh(y) is its Taylor polynomial */
+/* Taylor coefficients of tanh(y) / y in y^2: 1, -1/3, 2/15, -17/315, 62/2835 */
+#define DA_T3 (-0.33333333f)
+#define DA_T5 0.13333333f
+#define DA_T7 (-0.053968254f)
+#define DA_T9 0.021869489f
 
 typedef struct {
     const void *cache;
@@ -87,6 +99,7 @@ typedef struct {
     int64_t kbs, KVH, Dh, Dp, H, group, row; /* row: elements of a token (all KV heads) */
     int64_t hp, passes, nbp; /* heads per pass, passes per group; AMX: tile columns (2^k) */
     float scale;
+    float cap, inv_cap; /* logit soft-capping: c and 1 / c (cap 0: none) */
 } da_shape;
 
 /* A span's state: acc [H][Dp] (sums of e^(s - m) v; with AVX-512 and bfloat16 each 32-chunk
@@ -224,6 +237,32 @@ static inline __m512 da_exp16(__m512 x) { /* hkv_exp_nonpositive of 16 lanes (wi
 
 static inline __mmask16 da_mask16(int64_t n) {
     return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+/* Soft-capped scores of 16 lanes: c * tanh(x / c) (see the top of this file). */
+static inline __m512 da_softcap16(__m512 x, float cap, float inv_cap) {
+    const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(inv_cap)), one = _mm512_set1_ps(1.0f);
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000);
+    const __m512i ybits = _mm512_castps_si512(y);
+    const __m512 a = _mm512_castsi512_ps(_mm512_andnot_si512(sign, ybits)); /* |y| */
+    /* (each branch only where a lane needs it: with caps well above the scores, as Gemma 2's
+     * 50, every lane takes the polynomial) */
+    const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(DA_TANH_SMALL), _CMP_LT_OQ);
+    __m512 t = a;
+    if (small != 0xffff) {
+        const __m512 e = da_exp16(_mm512_mul_ps(a, _mm512_set1_ps(-2.0f)));
+        t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    }
+    if (small) {
+        const __m512 a2 = _mm512_mul_ps(a, a);
+        __m512 p = _mm512_fmadd_ps(a2, _mm512_set1_ps(DA_T9), _mm512_set1_ps(DA_T7));
+        p = _mm512_fmadd_ps(a2, p, _mm512_set1_ps(DA_T5));
+        p = _mm512_fmadd_ps(a2, p, _mm512_set1_ps(DA_T3));
+        p = _mm512_fmadd_ps(a2, p, one);
+        t = _mm512_mask_mul_ps(t, small, a, p);
+    }
+    const __m512i tbits = _mm512_or_si512(_mm512_castps_si512(t), _mm512_and_si512(sign, ybits));
+    return _mm512_mul_ps(_mm512_castsi512_ps(tbits), _mm512_set1_ps(cap));
 }
 
 /* The weights' rescale when maxima grow: acc row of head h times alpha, l[h] too. */
@@ -390,7 +429,9 @@ static void da_softmax_rows(const da_shape *A, int64_t n, int64_t nh, const floa
     const __mmask16 valid = da_mask16(n);
     const __m512 ninf = _mm512_set1_ps(-INFINITY), scale = _mm512_set1_ps(A->scale);
     for (int64_t h = 0; h < nh; h++) {
-        const __m512 s = _mm512_mask_mul_ps(ninf, valid, da_sum16(rows + h * 256), scale);
+        __m512 x = _mm512_mul_ps(da_sum16(rows + h * 256), scale);
+        if (A->cap > 0.0f) x = da_softcap16(x, A->cap, A->inv_cap);
+        const __m512 s = _mm512_mask_mov_ps(ninf, valid, x);
         const float top = _mm512_reduce_max_ps(s);
         if (top > m[h]) {
             if (m[h] != -INFINITY)
@@ -510,7 +551,9 @@ static void da_softmax_cols(const da_shape *A, int64_t n, int64_t nh, const floa
     __m512 s[DA_TILE * DA_AMX_HEADS / 16], top = ninf; /* nv <= nbp vectors */
     for (int64_t v = 0; v < nv; v++) {
         const __mmask16 valid = heads & da_mask16(n * nbp - 16 * v);
-        s[v] = _mm512_mask_mul_ps(ninf, valid, _mm512_load_ps(sc + 16 * v), scale);
+        __m512 x = _mm512_mul_ps(_mm512_load_ps(sc + 16 * v), scale);
+        if (A->cap > 0.0f) x = da_softcap16(x, A->cap, A->inv_cap);
+        s[v] = _mm512_mask_mov_ps(ninf, valid, x);
         top = _mm512_max_ps(top, s[v]);
     }
     top = da_fold(top, nbp, 1);
@@ -705,6 +748,34 @@ static inline __m256 da_sum8(const float *r) {
                          _mm256_permute2f128_ps(b0, b1, 0x31));
 }
 
+/* Soft-capped scores of 8 lanes: c * tanh(x / c) (see the top of this file). */
+static inline __m256 da_softcap8(__m256 x, float cap, float inv_cap) {
+    const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(inv_cap)), one = _mm256_set1_ps(1.0f);
+    const __m256 sign = _mm256_set1_ps(-0.0f), a = _mm256_andnot_ps(sign, y); /* |y| */
+    const __m256 small = _mm256_cmp_ps(a, _mm256_set1_ps(DA_TANH_SMALL), _CMP_LT_OQ);
+    const int lanes = _mm256_movemask_ps(small); /* (each branch only where a lane needs it) */
+    __m256 t = a;
+    if (lanes != 0xff) {
+        const __m256 e = hkv_exp8_nonpositive(_mm256_mul_ps(a, _mm256_set1_ps(-2.0f)));
+        t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    }
+    if (lanes) {
+        const __m256 a2 = _mm256_mul_ps(a, a);
+        __m256 p = _mm256_fmadd_ps(a2, _mm256_set1_ps(DA_T9), _mm256_set1_ps(DA_T7));
+        p = _mm256_fmadd_ps(a2, p, _mm256_set1_ps(DA_T5));
+        p = _mm256_fmadd_ps(a2, p, _mm256_set1_ps(DA_T3));
+        p = _mm256_fmadd_ps(a2, p, one);
+        t = _mm256_blendv_ps(t, _mm256_mul_ps(a, p), small);
+    }
+    return _mm256_mul_ps(_mm256_or_ps(t, _mm256_and_ps(sign, y)), _mm256_set1_ps(cap));
+}
+
+/* Scaled (and soft-capped) scores of 8 positions from da_dots' rows. */
+static inline __m256 da_scores8(const da_shape *A, const float *r, __m256 scale) {
+    const __m256 x = _mm256_mul_ps(da_sum8(r), scale);
+    return A->cap > 0.0f ? da_softcap8(x, A->cap, A->inv_cap) : x;
+}
+
 /* The online softmax step of nh heads over a tile of n positions (da_softmax_rows of the
  * AVX-512 path, two vectors of 8 positions). */
 static void da_softmax_rows(const da_shape *A, int64_t n, int64_t nh, const float *rows,
@@ -713,9 +784,8 @@ static void da_softmax_rows(const da_shape *A, int64_t n, int64_t nh, const floa
     const __m256 ninf = _mm256_set1_ps(-INFINITY), scale = _mm256_set1_ps(A->scale);
     for (int64_t h = 0; h < nh; h++) {
         const float *r = rows + h * DA_TILE * 8;
-        const __m256 s0 = _mm256_blendv_ps(ninf, _mm256_mul_ps(da_sum8(r), scale), v0);
-        const __m256 s1 =
-            n > 8 ? _mm256_blendv_ps(ninf, _mm256_mul_ps(da_sum8(r + 64), scale), v1) : ninf;
+        const __m256 s0 = _mm256_blendv_ps(ninf, da_scores8(A, r, scale), v0);
+        const __m256 s1 = n > 8 ? _mm256_blendv_ps(ninf, da_scores8(A, r + 64, scale), v1) : ninf;
         const float top = hkv_hmax8(_mm256_max_ps(s0, s1));
         if (top > m[h]) {
             if (m[h] != -INFINITY)
@@ -859,7 +929,8 @@ static void da_group(const da_shape *A, const int64_t *off, int64_t n, int64_t g
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < Dh; d++) dot += qh[d] * x[d];
-            sc[j * DA_TILE + i] = dot * A->scale;
+            const float sj = dot * A->scale;
+            sc[j * DA_TILE + i] = A->cap > 0.0f ? A->cap * tanhf(sj * A->inv_cap) : sj;
         }
     }
     for (int64_t j = 0; j < nh; j++) {
@@ -1027,12 +1098,13 @@ static inline int64_t da_len(int64_t end, int64_t window) {
 void hkv_paged_decode(const void *q, const void *cache, int bf16, int64_t kbs, int64_t KVH,
                       int64_t Dh, int64_t H, const int32_t *block_table, int64_t table_stride,
                       const int32_t *seq_lens, int64_t window, int64_t S, float scale,
-                      const float *sinks, void *out) {
+                      float softcap, const float *sinks, void *out) {
     if (S <= 0 || H <= 0 || KVH <= 0 || Dh <= 0) return;
     const int64_t elem = bf16 ? 2 : 4, group = H / KVH;
     const int64_t Dp = (Dh + DA_CHUNK - 1) / DA_CHUNK * DA_CHUNK;
+    const float cap = softcap > 0.0f ? softcap : 0.0f;
     da_shape base = {cache, block_table, bf16, 0, kbs, KVH, Dh, Dp, H, group, KVH * Dh, 0, 0, 0,
-                     scale};
+                     scale, cap, cap > 0.0f ? 1.0f / cap : 0.0f};
     int64_t total = 0;
     for (int64_t s = 0; s < S; s++) total += da_len(seq_lens[s], window);
 #if DA_AMX

@@ -17,7 +17,7 @@ from hybridkv.ops.native.common import FLOAT_DTYPES, contiguous_f32, is_bf16, is
 _i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 native.declare({
     "hkv_paged_decode": [_ptr, _ptr, _int, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64,
-                         _f32, _ptr, _ptr],
+                         _f32, _f32, _ptr, _ptr],
     "hkv_write_kv": [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64],
 })  # fmt: skip
 
@@ -59,9 +59,12 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None,
     sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | None:
     """Decode attention natively: None when the kernels or these tensors are not supported.
     sinks: [heads] float32 or None (a per-head logit in every softmax denominator, gpt-oss).
+    softcap: c > 0 or None: each score s = scale * q.k becomes c * tanh(s / c) (the kernel's
+    tanh: absolute error about 2e-7, see decode_attention.c).
 
     q: [S, heads, d]; kv_cache: [num_kernel_blocks, 2, kbs, kv_heads, d] contiguous, of q's
     dtype (float32 or bfloat16; float32 math either way); block_table: [S, max_blocks] int32;
@@ -80,12 +83,15 @@ def paged_decode_attention(
         return None
     lens = seq_lens.to(torch.int32).contiguous()  # (the step's own int32 lengths: a view)
     window = 0 if sliding_window is None else int(sliding_window)
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
     q = q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype)
     sink = None if sinks is None else derived(sinks, "f32", contiguous_f32)
     lib.hkv_paged_decode(
         q.data_ptr(), kv_cache.data_ptr(), is_bf16(q), kbs, kv_heads, head_dim, num_heads,
         block_table.data_ptr(), block_table.stride(0), lens.data_ptr(), window, num_seqs, scale,
-        None if sink is None else sink.data_ptr(), out.data_ptr(),
+        0.0 if softcap is None else float(softcap), None if sink is None else sink.data_ptr(),
+        out.data_ptr(),
     )  # fmt: skip
     return out
