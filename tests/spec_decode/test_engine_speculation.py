@@ -244,3 +244,22 @@ def test_a_grammar_request_shares_a_step_with_drafts() -> None:
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert got[1].text.isdigit() and len(got[1].text) == 6
     assert engine.spec_stats.num_accepted_tokens > 0
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_verify_steps(granite_family, monkeypatch) -> None:
+    """TP = 2: drafts travel in the step's token ids, restores in the step description; every
+    rank saves and restores its own shard of the states; transformers' tokens."""
+    engines: list[Engine] = []
+    init = Engine.__init__
+
+    def with_oracle(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        engines.append(self)
+        self.scheduler.drafter = Oracle(granite_family)
+
+    monkeypatch.setattr(Engine, "__init__", with_oracle)
+    check_case(granite_family, SETTINGS["multi-turn"], speculative_config=SPEC,
+               tensor_parallel_size=2)  # fmt: skip
+    stats = engines[-1].spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
