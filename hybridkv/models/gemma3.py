@@ -16,6 +16,19 @@ query_pre_attn_scalar ** -0.5. Defaults: transformers 5.24 `Gemma3TextConfig`.
 A ForConditionalGeneration checkpoint keeps the text model under `language_model.model.` (or
 `model.language_model.`); the vision tower and the multimodal projector are skipped (one log
 line each); prompts are text only.
+
+Two keys of `Gemma3TextConfig` are read as transformers 5.25 reads them, which may surprise:
+
+- `attn_logit_softcapping` (null in every Gemma 3 checkpoint; Gemma 2 had 50) is accepted and
+  NOT applied: transformers' Gemma3Attention stores it but never passes it to its attention
+  function (its eager path would cap only if given `softcap=`), so a Gemma 3 with the key set
+  gives the logits of the same model without it. hybridkv does the same and logs one warning;
+  its kernels can soft-cap (`SelfAttention(softcap=)`), for families that do apply it.
+- `use_bidirectional_attention` (EmbeddingGemma, an encoder: a prompt token attends to the
+  tokens after it as well as before, inside a window on sliding layers) is refused on purpose,
+  in one line naming the key: a token's output would depend on tokens after it, so it cannot be
+  decoded token by token, prefilled in chunks or served from a prefix cache, which is all this
+  engine does; embedding models are not served here.
 """
 
 from __future__ import annotations
@@ -93,15 +106,11 @@ class Gemma3TextConfig(HFConfig):
                 f"config.json of {self.ARCHITECTURE}: hidden_activation="
                 f"{self.hidden_activation!r} is not supported (only gelu_pytorch_tanh)"
             )
-        if self.attn_logit_softcapping is not None:
+        if self.use_bidirectional_attention:  # (see the module docstring)
             raise ConfigError(
-                f"config.json of {self.ARCHITECTURE}: attn_logit_softcapping="
-                f"{self.attn_logit_softcapping} is not supported (only null, as Gemma 3 ships)"
-            )
-        if self.use_bidirectional_attention:
-            raise ConfigError(
-                f"config.json of {self.ARCHITECTURE}: use_bidirectional_attention=true is not "
-                "supported (causal decoding only)"
+                f"config.json of {self.ARCHITECTURE}: use_bidirectional_attention=true "
+                "(EmbeddingGemma, an encoder) is not supported: bidirectional attention cannot "
+                "be decoded causally, prefilled in chunks or prefix-cached"
             )
         if self.query_pre_attn_scalar <= 0:
             raise ConfigError(
@@ -247,6 +256,11 @@ class Gemma3ForCausalLM(CausalLM):
         self.embed_scale = config.hidden_size**0.5
         self.softcap = config.final_logit_softcapping
         self._skipped: dict[str, int] = {}
+        if config.attn_logit_softcapping is not None:  # (see the module docstring)
+            logger.warning(
+                "%s: attn_logit_softcapping=%s is not applied, as transformers' Gemma 3 does "
+                "not apply it", config.ARCHITECTURE, config.attn_logit_softcapping,
+            )  # fmt: skip
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """-> hidden: [num_tokens, hidden]."""

@@ -15,6 +15,12 @@ latent attention (MLA) layer every few layers, MoE MLPs after the first dense on
   part of the key is shared by the heads and used as it comes, and it is still cached (MLASpec
   bytes per token = kv_lora_rank + qk_rope_head_dim). Softmax scale 1/sqrt(nope + rope); the
   LoRA norms use eps 1e-6 (transformers builds them with its RMSNorm default).
+- `num_key_value_heads` changes no weight (kv_b_proj expands the latent into keys and values
+  for every query head). transformers' attention then repeats those per-head keys and values
+  num_attention_heads // num_key_value_heads times: 1 or 0 times (kv heads above half the
+  heads; 0: its default SDPA path skips the repeat, its eager path fails) leave the math of
+  kv heads == heads, which hybridkv computes; 2 or more make its forward fail on mismatched
+  head counts, so hybridkv refuses those in one line.
 - MoE (`mlp_layer_types`, else dense for the first `first_k_dense_replace` layers): DeepSeek-V3's
   grouped sigmoid router with score-correction bias and `routed_scaling_factor`
   (`layers.moe.RoutingRule`, the same routing as transformers' KimiLinear), SwiGLU experts and
@@ -115,10 +121,12 @@ class KimiLinearConfig(HFConfig):
         )  # fmt: skip
         if self.hidden_act != "silu":
             self._fail(f"hidden_act {self.hidden_act!r} is not supported; supported: silu")
-        kv_heads = self.num_key_value_heads or self.num_attention_heads
-        if kv_heads != self.num_attention_heads:
-            self._fail(f"num_key_value_heads ({kv_heads}) must equal num_attention_heads "
-                       f"({self.num_attention_heads}): MLA expands the latent per head")
+        heads = self.num_attention_heads
+        kv_heads = heads if self.num_key_value_heads is None else self.num_key_value_heads
+        if kv_heads <= 0 or heads // kv_heads > 1:  # (see the module docstring)
+            self._fail(f"num_key_value_heads ({kv_heads}) must be more than half of "
+                       f"num_attention_heads ({heads}): MLA keeps keys and values per query "
+                       "head, and transformers' forward fails when it repeats them")
         if self.linear_conv_kernel_dim < 2:
             self._fail("short_conv_kernel_size must be at least 2, got "
                        f"{self.linear_conv_kernel_dim}")  # fmt: skip

@@ -19,6 +19,9 @@ valid non-default small value. For each variant:
 
 A variant transformers itself refuses (its config or model construction raises) is listed in
 `HF_REFUSES`, named in its test id, and its test checks that transformers still refuses it.
+One that transformers builds but cannot run is in `HF_FORWARD_FAILS`; one that transformers
+runs but hybridkv refuses on purpose (a model this engine cannot serve) in `REFUSED_ON_PURPOSE`
+with the reason: both must be refused by hybridkv in one line naming the key.
 """
 
 from __future__ import annotations
@@ -356,21 +359,18 @@ HF_FORWARD_FAILS: dict[str, dict[str, str]] = {
     },
 }  # fmt: skip
 
-# Findings not fixed yet: (arch, variant name) -> what differs.
-XFAIL: dict[tuple[str, str], str] = {
-    ("Gemma3ForCausalLM", "attn_logit_softcapping"): (
-        "hybridkv refuses attention logit soft-capping (its paged attention kernels have none); "
-        "transformers applies tanh soft-capping to the scores"
-    ),
+# Variants transformers builds and runs but hybridkv refuses on purpose, in one line naming the
+# key: (arch, variant name) -> (the key the message names, why).
+REFUSED_ON_PURPOSE: dict[tuple[str, str], tuple[str, str]] = {
     ("Gemma3ForCausalLM", "use_bidirectional_attention"): (
-        "hybridkv refuses bidirectional attention (it decodes causally); transformers builds "
-        "and runs a bidirectional Gemma 3"
-    ),
-    ("KimiLinearForCausalLM", "num_key_value_heads"): (
-        "hybridkv refuses num_key_value_heads != num_attention_heads; transformers' SDPA path "
-        "runs with num_key_value_heads > num_attention_heads (0 KV groups, MLA keys per head)"
+        "use_bidirectional_attention",
+        "EmbeddingGemma (an encoder): a prompt token attends to the tokens after it, which "
+        "cannot be decoded causally, prefilled in chunks or prefix-cached",
     ),
 }
+
+# Findings not fixed yet: (arch, variant name) -> what differs.
+XFAIL: dict[tuple[str, str], str] = {}
 
 COVERED = [a for a in sorted(MODELS) if a in BASES]
 # their text configs (Gemma3TextConfig, Qwen3_5TextConfig, Qwen3_5MoeTextConfig) are covered
@@ -384,11 +384,15 @@ LOGIT_ALWAYS = {
     ("MambaForCausalLM", "intermediate_size"), ("FalconMambaForCausalLM", "intermediate_size"),
     ("DeepseekV2ForCausalLM", "num_experts(alias)"),
     ("KimiLinearForCausalLM", "tie_word_embeddings"),
+    # transformers' Gemma 3 reads attn_logit_softcapping but does not apply it (hybridkv too)
+    ("Gemma3ForCausalLM", "attn_logit_softcapping"),
+    # MLA: more KV heads than query heads is the math of as many (transformers' SDPA path)
+    ("KimiLinearForCausalLM", "num_key_value_heads"),
 }  # fmt: skip
 
 
-def _params() -> tuple[list[Any], list[Any], list[Any], list[Any]]:
-    meta, refused, both_refuse, accepted, always = [], [], [], [], []
+def _params() -> tuple[list[Any], list[Any], list[Any], list[Any], list[Any]]:
+    meta, refused, both_refuse, accepted, always, on_purpose = [], [], [], [], [], []
     for arch in COVERED:
         for name, key, value in variants(arch):
             test_id = f"{arch}-{name}={value}"
@@ -400,6 +404,11 @@ def _params() -> tuple[list[Any], list[Any], list[Any], list[Any]]:
                 test_id += "-hf-forward-fails"
                 both_refuse.append(pytest.param(arch, key, value, named, id=test_id))
                 continue
+            if (arch, name) in REFUSED_ON_PURPOSE:
+                named = REFUSED_ON_PURPOSE[(arch, name)][0]
+                test_id += "-refused-on-purpose"
+                on_purpose.append(pytest.param(arch, key, value, named, id=test_id))
+                continue
             marks = []
             if (arch, name) in XFAIL:
                 marks.append(pytest.mark.xfail(strict=True, reason=XFAIL[(arch, name)]))
@@ -410,10 +419,10 @@ def _params() -> tuple[list[Any], list[Any], list[Any], list[Any]]:
             meta.append(pytest.param(arch, key, value, id=test_id, marks=marks))
     sample = random.Random(31).sample(accepted, min(LOGIT_SAMPLES, len(accepted))) + always
     logits = [pytest.param(a, k, v, id=i) for a, k, v, i in sorted(sample, key=lambda s: s[3])]
-    return meta, refused, both_refuse, logits
+    return meta, refused, both_refuse, logits, on_purpose
 
 
-META, REFUSED, BOTH_REFUSE, LOGITS = _params()
+META, REFUSED, BOTH_REFUSE, LOGITS, ON_PURPOSE = _params()
 
 
 def test_every_registered_architecture_is_covered():
@@ -448,6 +457,28 @@ def test_variant_transformers_cannot_run_is_refused_in_one_line(arch, key, value
     with pytest.raises(ConfigError, match=named) as err:
         build_on_meta(full)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("arch", "key", "value", "named"), ON_PURPOSE)
+def test_variant_refused_on_purpose_is_refused_in_one_line(arch, key, value, named):
+    """transformers builds the model (it is not refusing it); hybridkv refuses it in one line
+    naming the key (see REFUSED_ON_PURPOSE for why)."""
+    from hybridkv.kv.specs import ConfigError
+
+    data = config_dict(arch, key, value)
+    build_hf(arch, data)
+    full = {"architectures": [arch], "model_type": MODEL_TYPES[arch], **data}
+    with pytest.raises(ConfigError, match=named) as err:
+        build_on_meta(full)
+    assert "\n" not in str(err.value)
+
+
+def test_refusal_categories_name_real_variants():
+    """Every entry of the refusal and xfail tables is a variant that is generated."""
+    names = {(arch, name) for arch in COVERED for name, _, _ in variants(arch)}
+    listed = set(REFUSED_ON_PURPOSE) | set(XFAIL) | set(LOGIT_ALWAYS)
+    listed |= {(a, n) for table in (HF_REFUSES, HF_FORWARD_FAILS) for a in table for n in table[a]}
+    assert listed <= names, sorted(listed - names)
 
 
 @pytest.mark.parametrize(("arch", "key", "value"), LOGITS)

@@ -27,7 +27,17 @@ from .conformance import (  # noqa: F401
     test_captured_decode_equals_eager,
     test_greedy_matches_transformers,
 )
-from .utils import engine_greedy, prompts, save_model, save_tokenizer, seeded
+from .utils import (
+    engine_greedy,
+    engine_prefill_logits,
+    max_rel_error,
+    prompts,
+    reference_greedy,
+    reference_logits,
+    save_model,
+    save_tokenizer,
+    seeded,
+)
 
 # checkpoints whose decode steps must be captured (test_captured_decode_equals_eager)
 CAPTURED = ("defaults",)  # ("odd" soft-caps its logits in PyTorch)
@@ -171,7 +181,6 @@ def _write_config(tmp_path, **overrides):
 BAD_CONFIGS = [
     ({"num_attention_heads": 3, "num_key_value_heads": 2}, "must be a multiple of"),
     ({"hidden_activation": "relu"}, "hidden_activation='relu' is not supported"),
-    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
     ({"layer_types": ["full_attention"]}, "layer_types has 1 entries"),
     ({"layer_types": ["mamba", "full_attention"]}, "unknown layer type 'mamba'"),
@@ -229,8 +238,6 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(checkpoint):
     prefill logits stay as close to the float32 ones as transformers' own bfloat16 run."""
     import copy
 
-    from .utils import engine_prefill_logits, max_rel_error, reference_logits
-
     folder, hf = checkpoint
     ids = prompts(VOCAB, [37])[0]
     ref32 = reference_logits(hf, ids)
@@ -238,3 +245,81 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16(checkpoint):
     engine = Engine(str(folder), dtype="bfloat16", kernel_block_size=4, enable_prefix_caching=False)
     ours = engine_prefill_logits(engine, ids)
     assert max_rel_error(ours, ref32) <= 2 * max_rel_error(ref16, ref32) + 1e-3
+
+
+SOFTCAP = 0.3  # against scores of about +-0.5 here: applied, it changes the logits a lot
+
+
+def build_softcapped(cap: float = SOFTCAP):
+    """The "defaults" model with `attn_logit_softcapping` set, the same weights."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        **{k: v for k, v in build_defaults().config.to_dict().items() if k in _KEYS},
+        attn_logit_softcapping=cap,
+    )
+    model = seeded(Gemma3ForCausalLM, cfg)
+    _randomise_norms(model)
+    return model
+
+
+_KEYS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "sliding_window", "layer_types",
+    "max_position_embeddings", "initializer_range",
+)  # fmt: skip
+
+
+def test_attn_logit_softcapping_is_read_as_transformers_reads_it(tmp_path, caplog):
+    """transformers 5.25's Gemma 3 stores `attn_logit_softcapping` but never applies it (its
+    attention function is not given `softcap=`): the prefill logits and greedy tokens of a
+    Gemma 3 with the key set are transformers', i.e. those of the same model without the key,
+    and the engine says once that it does not apply it."""
+    hf = build_softcapped()
+    plain = build_defaults()
+    ids = prompts(VOCAB, [37])[0]
+    with torch.inference_mode():
+        same = hf(torch.tensor([ids])).logits
+        assert torch.equal(same, plain(torch.tensor([ids])).logits)  # transformers ignores it
+    folder = save_model(hf, tmp_path / "softcapped")
+    assert json.loads((folder / "config.json").read_text())["attn_logit_softcapping"] == SOFTCAP
+    with caplog.at_level(logging.WARNING, logger="hybridkv"):
+        engine = check_prefill_logits(folder, hf)
+    assert f"attn_logit_softcapping={SOFTCAP} is not applied" in caplog.text
+    assert all(layer.self_attn.attn.softcap is None for layer in engine.model.model.layers)
+    asks = prompts(VOCAB, [9, 30], seed=3)
+    want, margin = reference_greedy(hf, asks, 8)
+    assert margin > 1e-3
+    assert engine_greedy(engine, asks, 8) == want
+
+
+def test_soft_capped_attention_matches_transformers_eager_softcap(tmp_path, monkeypatch):
+    """The soft-capping kernels inside a whole model: the Gemma 3 above with its layers' cap
+    switched on in hybridkv (`PagedAttention.softcap`: the PyTorch prefill and the native
+    decode) against transformers' own eager attention given `softcap=` (the path Gemma 2
+    takes): prefill logits and greedy tokens; and the cap changes those logits."""
+    import functools
+
+    from transformers.models.gemma3 import modeling_gemma3
+
+    hf = build_softcapped()
+    hf.set_attn_implementation("eager")
+    eager = modeling_gemma3.eager_attention_forward
+
+    def capped(module, *args, **kwargs):
+        return eager(module, *args, **kwargs, softcap=module.attn_logit_softcapping)
+
+    ids = prompts(VOCAB, [37])[0]
+    uncapped = reference_logits(hf, ids)
+    monkeypatch.setattr(modeling_gemma3, "eager_attention_forward", functools.wraps(eager)(capped))
+    ref = reference_logits(hf, ids)
+    assert max_rel_error(uncapped, ref) > 0.05  # the cap matters at this size
+    folder = save_model(hf, tmp_path / "capped")
+    engine = Engine(str(folder), dtype="float32", kernel_block_size=4, enable_prefix_caching=False)
+    for layer in engine.model.model.layers:
+        layer.self_attn.attn.softcap = SOFTCAP
+    assert max_rel_error(engine_prefill_logits(engine, ids), ref) <= 1e-4
+    asks = prompts(VOCAB, [9, 30], seed=3)
+    want, margin = reference_greedy(hf, asks, 8)
+    assert margin > 1e-3
+    assert engine_greedy(engine, asks, 8) == want

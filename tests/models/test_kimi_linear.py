@@ -132,7 +132,9 @@ def test_real_config_declares_the_plan_only_specs():
 def test_bad_configs_are_one_line(tmp_path):
     base = {"architectures": ["KimiLinearForCausalLM"], **COMMON}
     bad = [
-        ({"num_key_value_heads": 2}, "must equal num_attention_heads"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads .2. must be more than half of "
+         "num_attention_heads .4."),
+        ({"num_key_value_heads": 0}, "num_key_value_heads .0. must be more than half"),
         ({"num_experts": 5}, "must be a multiple of num_expert_group"),
         ({"topk_group": 3}, "topk_group .3. must be at most num_expert_group"),
         ({"linear_attn_config": dict(COMMON["linear_attn_config"], kda_layers=[1, 3])},
@@ -140,6 +142,28 @@ def test_bad_configs_are_one_line(tmp_path):
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ]  # fmt: skip
     check_config_errors(tmp_path, base, bad)
+
+
+@pytest.mark.parametrize("kv_heads", [3, 5, 8, None])
+def test_num_key_value_heads_read_as_transformers_reads_it(kv_heads, tmp_path_factory):
+    """MLA keeps keys and values per query head, so num_key_value_heads changes no weight;
+    transformers' attention repeats them heads // kv_heads times: 1 (kv 3 of 4 heads) or 0
+    (kv 5, 8: its default SDPA path skips the repeat) leave the math of kv == heads, and
+    hybridkv's prefill logits and greedy tokens are transformers' (None: heads, its default).
+    Half the heads or fewer (2 or more repeats) fail in transformers and are refused (above)."""
+    from transformers import KimiLinearConfig as HFKimiLinearConfig
+    from transformers import KimiLinearForCausalLM
+
+    config = HFKimiLinearConfig(**dict(_base(), num_key_value_heads=kv_heads))
+    assert config.num_key_value_heads == (4 if kv_heads is None else kv_heads)
+    hf = seeded(KimiLinearForCausalLM, config, seed=3)
+    _randomise(hf, 3)
+    assert hf.config._attn_implementation == "sdpa"
+    folder = save_model(hf, tmp_path_factory.mktemp(f"kv{kv_heads}"))
+    engine = check_prefill_logits(folder, hf, length=13)
+    asks = prompts(VOCAB, [7, 12], seed=2)
+    want, _ = reference_greedy(hf, asks, 4)
+    assert engine_greedy(engine, asks, 4) == want
 
 
 def test_bfloat16_state_runs_close_to_float32(checkpoint):
