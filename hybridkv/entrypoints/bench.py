@@ -22,12 +22,13 @@ def run_hybridkv(
     new_tokens: int,
     dtype: str = "float32",
     repeat: int = 1,
+    engines: list | None = None,
     **engine_kwargs,
 ) -> float:
     """Median seconds (over `repeat` runs, after a warm-up) to generate `new_tokens` greedy
     tokens (EOS ignored) for every prompt at once. Prefix caching is off unless asked for, so
     that repeats of the same prompts do the same work (and compare with engines that have
-    none)."""
+    none). `engines`: the engine is appended to it (its stats stay readable)."""
     from hybridkv import LLM, SamplingParams
 
     engine_kwargs.setdefault("max_num_seqs", len(prompts))
@@ -35,6 +36,9 @@ def run_hybridkv(
     llm = LLM(model, dtype=dtype, **engine_kwargs)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    llm.engine.spec_stats = type(llm.engine.spec_stats)()  # the measured runs only
+    if engines is not None:
+        engines.append(llm.engine)
     times = []
     for _ in range(repeat):
         start = time.perf_counter()

@@ -261,14 +261,27 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="CPU: run every step eagerly (no captured decode steps)",
     )
+    _add_speculative_arg(p)
+    _add_quantization_arg(p)
+    _add_parallel_args(p)
+
+
+def _add_speculative_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative-config",
         default=None,
         help='speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4}\' (prompt-lookup drafts verified in decode steps)',
     )
-    _add_quantization_arg(p)
-    _add_parallel_args(p)
+
+
+def _speculative(args: argparse.Namespace) -> Any:
+    """The parsed --speculative-config (a one-line error for bad JSON or keys), or None."""
+    if args.speculative_config is None:
+        return None
+    from hybridkv.spec_decode.config import SpeculativeConfig
+
+    return SpeculativeConfig.from_cli(args.speculative_config)
 
 
 def _add_quantization_arg(p: argparse.ArgumentParser) -> None:
@@ -317,9 +330,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if args.memory is not None:
         kwargs["memory_bytes"] = parse_bytes(args.memory)
     if args.speculative_config is not None:
-        from hybridkv.spec_decode.config import SpeculativeConfig
-
-        kwargs["speculative_config"] = SpeculativeConfig.from_cli(args.speculative_config)
+        kwargs["speculative_config"] = _speculative(args)
     return kwargs
 
 
@@ -592,6 +603,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compare-transformers", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
+    _add_speculative_arg(p)
     _add_quantization_arg(p)
     _add_parallel_args(p)
     p.set_defaults(func=cmd_bench)
@@ -614,6 +626,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
     quantization = _quantization(args)
     check_quantization(quantization)  # before any prompt is made
+    speculative = _speculative(args)
     folder = args.model or str(DEFAULT_MODEL)
     vocab = family_config(load_model_config(folder)).vocab_size
     prompts = random_prompts(vocab, args.requests, args.min_prompt, args.max_prompt, args.seed)
@@ -630,9 +643,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     }
     cpu_line, ops = cpu_ops(op_dtypes(args.dtype))
     print(f"{cpu_line}\n{format_ops(ops)}", file=sys.stderr, flush=True)
+    engines: list = []
     seconds = run_hybridkv(
-        folder, prompts, args.new_tokens, dtype=args.dtype, quantization=quantization, **parallel
-    )
+        folder, prompts, args.new_tokens, dtype=args.dtype, quantization=quantization,
+        speculative_config=speculative, engines=engines, **parallel,
+    )  # fmt: skip
     rows = [("hybridkv", seconds)]
     if args.compare_transformers:
         rows.append(("transformers", run_transformers(folder, prompts, args.new_tokens)))
@@ -646,11 +661,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         }
         for e, t in rows
     ]
+    spec = engines[0].spec_stats if speculative is not None else None
+    if spec is not None:
+        result[0]["spec_decode"] = spec.as_dict()
     if args.json:
         print(json.dumps(result))
     else:
         for r in result:
             print(f"{r['engine']:<13} {r['tokens_per_s']:>9.1f} tokens/s  ({r['seconds']} s)")
+        if spec is not None:
+            print(spec.summary())
     return 0
 
 

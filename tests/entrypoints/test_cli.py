@@ -82,6 +82,10 @@ def test_generate_text_and_prompts_file(capsys, tiny_model_dir, tmp_path):
         (["serve", "--quantization", "fp8"], "quantization must be None or one of 'int8'"),
         (["bench", "--quantization", "q8_0"], "got 'q8_0'"),
         (["generate", "--max-capture-size", "-1"], "max_capture_size must be an integer >= 0"),
+        (["generate", "--speculative-config", "{bad"], "--speculative-config is not valid JSON"),
+        (["serve", "--speculative-config", '{"method": "eagle3"}'], "method 'eagle3'"),
+        (["bench", "--speculative-config", '{"method": "ngram"}'], "needs num_speculative_tokens"),
+        (["generate", "--speculative-config", '{"method": "mtp"}'], "not available yet"),
     ],
 )
 def test_errors_are_one_line(capsys, tiny_model_dir, argv, message):
@@ -112,6 +116,17 @@ def test_bench(capsys, tiny_model_dir):
     assert code == 0
     (row,) = json.loads(out)
     assert row["engine"] == "hybridkv" and row["output_tokens"] == 12 and row["tokens_per_s"] > 0
+
+
+def test_bench_with_speculative_decoding(capsys, tiny_model_dir):
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    code, out, _ = run(capsys, "bench", "--model", str(tiny_model_dir), "--requests", "2",
+                       "--new-tokens", "12", "--min-prompt", "8", "--max-prompt", "20",
+                       "--speculative-config", spec, "--json")  # fmt: skip
+    assert code == 0
+    (row,) = json.loads(out)
+    assert row["output_tokens"] == 24 and row["spec_decode"]["num_speculative_tokens"] == 3
+    assert row["spec_decode"]["num_draft_tokens"] >= row["spec_decode"]["num_accepted_tokens"]
 
 
 def test_generate_and_bench_int8(capsys, tiny_model_dir):

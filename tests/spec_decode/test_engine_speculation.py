@@ -10,6 +10,8 @@ small that requests are preempted). The tiny models' vocabulary (96 tokens) and
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -32,7 +34,9 @@ FAMILIES = {
     "kimi_linear": mla.kimi_linear,  # KDA + MLA
     "mamba2": dense.mamba2_checkpoint,  # state only
 }
-SETTINGS = {c.name: c for c in CASES if c.name in ("multi-turn", "preempt")}  # both block mode
+# block and page allocation, a second turn hitting the first's blocks and state snapshots,
+# chunked prefill (a 13-token budget also cuts drafts), a pool that preempts
+SETTINGS = {c.name: c for c in CASES if c.name in ("page", "multi-turn", "chunked", "preempt")}
 
 one_thread = state.one_thread  # one intra-op thread (autouse)
 
@@ -263,3 +267,23 @@ def test_tensor_parallel_verify_steps(granite_family, monkeypatch) -> None:
                tensor_parallel_size=2)  # fmt: skip
     stats = engines[-1].spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_prefix_cache_hits_are_the_ones_without_drafts(granite_family) -> None:
+    """Snapshots land on confirmed positions only (a chunk with drafts ends before the next
+    boundary): the same two-turn workload hits the same tokens, with the same snapshots,
+    whether drafts run or not."""
+    from tests.models.conformance import TURNS
+    from tests.models.utils import engine_greedy
+
+    fam = granite_family
+    stats = []
+    for spec in (None, SPEC):
+        engine = Engine(str(fam.folder), dtype="float32", kernel_block_size=4,
+                        speculative_config=spec)  # fmt: skip
+        if spec is not None:
+            engine.scheduler.drafter = Oracle(fam)
+        assert engine_greedy(engine, fam.plain[:TURNS], NEW_TOKENS) == fam.plain_ref[:TURNS]
+        assert engine_greedy(engine, fam.turns, NEW_TOKENS) == fam.turn_ref
+        stats.append(dataclasses.asdict(engine.cache.stats))
+    assert stats[1] == stats[0] and stats[0]["hit_tokens"] > 0 and stats[0]["snapshots_taken"] > 0
