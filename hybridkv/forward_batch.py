@@ -22,6 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
+# Continuation steps whose chunks are at most this long attend as decode rows: one row of
+# AttentionMetadata per token (its request's table row, seq_len = its position + 1), so each
+# query computes what the decode step of its position would (speculative decoding's verify
+# chunks, the tokens a rejection recomputes, small prefill pieces).
+DECODE_ROWS_MAX_QUERY = 16
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:

@@ -257,6 +257,9 @@ class Scheduler:
             spec.max_drafts(len(self.running), req.num_tokens),
             req.sampling_params.max_tokens - req.num_output_tokens - 1,
             budget - n,
+            # chunks of k + 1 tokens, also after a rejection recomputes some (steps of one
+            # shape are captured and replayed: hybridkv.worker.graphs)
+            spec.num_speculative_tokens + 1 - n,
         )
         if self.config.max_model_len is not None:
             cap = min(cap, self.config.max_model_len - req.num_tokens - 1)

@@ -13,8 +13,15 @@ step writes its values there in NumPy, then replays:
                           [S, max_blocks], slots [S];  per state group: state pages [S]
                       --> program.run()  --> logits [S, vocab] (a fixed buffer too)
 
-Which steps: decodes only (one token per request, each with a state, each sampling), up to
-`max_size` requests, on the CPU, one process (no tensor parallelism). A size is captured at
+Which steps: decodes (one token per request, each with a state, each sampling) and uniform
+verify steps of speculative decoding (q tokens per request, the last known token and q - 1
+drafts, every one sampling; their attention runs as decode rows, see
+`ModelRunner.build_batch`), up to `max_size` requests, on the CPU, one process (no tensor
+parallelism). A shape is (requests S, tokens per request q):
+
+    ids, positions [S*q];  per attention group: block table rows [S*q, max_blocks] (a request's
+    row once per token), slots [S*q], seq_lens [S*q] (position + 1);  per state group: state
+    pages [S]  -->  program.run()  -->  logits [S*q, vocab] A size is captured at
 its second step (the first runs eagerly and computes what the kernels keep with the weights,
 such as transposed conv weights), and from its third step on it replays. A model whose step
 computes anything outside native kernels (a PyTorch op somewhere, e.g. a family's MoE routing)
@@ -34,7 +41,12 @@ import numpy as np
 import torch
 
 from hybridkv.core.scheduler import ScheduledChunk
-from hybridkv.forward_batch import AttentionMetadata, ForwardBatch, StateMetadata
+from hybridkv.forward_batch import (
+    DECODE_ROWS_MAX_QUERY,
+    AttentionMetadata,
+    ForwardBatch,
+    StateMetadata,
+)
 from hybridkv.ops.native.program import Arena, Program, capture
 from hybridkv.ops.native.spans import provide_spans
 
@@ -49,14 +61,16 @@ class StaticInputs:
     """The input buffers of one batch size, as NumPy views (written every step) and as the
     ForwardBatch the captured step read (the same memory)."""
 
-    ids: np.ndarray  # [S] int64
-    positions: np.ndarray  # [S] int64
-    seq_lens: np.ndarray  # [S] int32
-    tables: dict[int, tuple[np.ndarray, np.ndarray]]  # attention group -> [S, max_blocks], [S]
+    ids: np.ndarray  # [S*q] int64
+    positions: np.ndarray  # [S*q] int64
+    seq_lens: np.ndarray  # [S*q] int32: each token row's (attention)
+    request_lens: np.ndarray  # [S] int32: each request's tokens after the step
+    # attention group -> [S*q, max_blocks], [S*q]
+    tables: dict[int, tuple[np.ndarray, np.ndarray]]
     pages: dict[int, np.ndarray]  # state group -> [S] int64
     batch: ForwardBatch
     # the state kernels' has-initial flags (uint8), first tokens and token counts: the same
-    # for every decode step of this size
+    # for every step of this shape
     spans: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -69,9 +83,17 @@ class CapturedStep:
     logits: torch.Tensor
 
 
-def is_decode_step(chunks: Sequence[ScheduledChunk]) -> bool:
-    """One token per request, each continuing a request (a state to read) and sampling."""
-    return all(c.num_tokens == 1 and c.start > 0 and c.samples for c in chunks)
+def uniform_tokens(chunks: Sequence[ScheduledChunk]) -> int:
+    """q when every chunk continues its request with q tokens and samples (a decode: q = 1; a
+    verify step: known tokens then drafts, q in all), else 0. The program computes the logits
+    of all q tokens of each; the runner keeps the rows each chunk asks for."""
+    if not chunks:
+        return 0
+    q = chunks[0].num_tokens
+    if q > DECODE_ROWS_MAX_QUERY:
+        return 0
+    ok = all(c.num_tokens == q and c.start > 0 and c.samples for c in chunks)
+    return q if ok else 0
 
 
 class DecodeGraphs:
@@ -80,35 +102,37 @@ class DecodeGraphs:
     def __init__(self, runner: ModelRunner, max_size: int) -> None:
         self.runner = runner
         self.max_size = max_size
-        self.steps: dict[int, CapturedStep] = {}
-        self.seen: dict[int, int] = {}
+        self.steps: dict[tuple[int, int], CapturedStep] = {}  # (requests, tokens each)
+        self.seen: dict[tuple[int, int], int] = {}
         self.disabled: str | None = None  # why this model's steps cannot be captured
         self.replays = 0
         # what the captured steps allocate: one step runs at a time, so all sizes share it
         self.arena = Arena()
 
     def logits(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
-        """The logits of a decode step ([S, vocab] float32, one row per chunk), from its
-        captured program (capturing it first at the second step of this size); None: run the
-        step eagerly."""
+        """The logits of a decode or uniform verify step ([S*q, vocab] float32, q rows per
+        chunk), from its captured program (capturing it first at the second step of this
+        shape); None: run the step eagerly."""
         size = len(chunks)
-        if self.disabled or not 0 < size <= self.max_size or not is_decode_step(chunks):
+        q = uniform_tokens(chunks)
+        if self.disabled or not 0 < size <= self.max_size or not q:
             return None
-        step = self.steps.get(size)
+        shape = (size, q)
+        step = self.steps.get(shape)
         if step is not None:
-            self._fill(step.inputs, chunks)
+            self._fill(step.inputs, chunks, q)
             step.program.run()
             self.replays += 1
             return step.logits
-        self.seen[size] = self.seen.get(size, 0) + 1
-        if self.seen[size] < 2:
+        self.seen[shape] = self.seen.get(shape, 0) + 1
+        if self.seen[shape] < 2:
             return None
-        return self._capture(chunks)
+        return self._capture(chunks, q)
 
-    def _capture(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
-        inputs = self._static_inputs(len(chunks))
-        self._fill(inputs, chunks)
-        self._provide_spans(inputs)
+    def _capture(self, chunks: Sequence[ScheduledChunk], q: int) -> torch.Tensor:
+        inputs = self._static_inputs(len(chunks), q)
+        self._fill(inputs, chunks, q)
+        self._provide_spans(inputs, q)
         model = self.runner.model
         logits, program, why = capture(
             lambda: model.compute_logits(model(inputs.batch)), self.arena
@@ -117,31 +141,36 @@ class DecodeGraphs:
             self.disabled = why
             logger.info("decode steps of this model run eagerly: %s", why)
         else:
-            self.steps[len(chunks)] = CapturedStep(inputs, program, logits)
+            self.steps[(len(chunks), q)] = CapturedStep(inputs, program, logits)
         return logits
 
     # -- the static inputs ---------------------------------------------------------------------
 
-    def _static_inputs(self, size: int) -> StaticInputs:
-        """Buffers for `size` decodes, and the step metadata over them: query_start_loc,
-        logits_indices, has_initial_state and the state kernels' spans are the same for
-        every decode step of this size, the rest is written by `_fill`."""
+    def _static_inputs(self, size: int, q: int = 1) -> StaticInputs:
+        """Buffers for `size` requests of `q` tokens each, and the step metadata over them:
+        query_start_loc, logits_indices, has_initial_state and the state kernels' spans are
+        the same for every step of this shape, the rest is written by `_fill`. Attention sees
+        one decode row per token (q = 1: one per request), the state layers q-token chunks."""
         runner = self.runner
-        ids = np.zeros(size, np.int64)
-        positions = np.zeros(size, np.int64)
-        seq_lens = np.ones(size, np.int32)
-        qsl = torch.arange(size + 1, dtype=torch.int32)
+        num_tokens = size * q
+        ids = np.zeros(num_tokens, np.int64)
+        positions = np.zeros(num_tokens, np.int64)
+        seq_lens = np.ones(num_tokens, np.int32)
+        request_lens = np.ones(size, np.int32)
+        rows_qsl = torch.arange(num_tokens + 1, dtype=torch.int32)  # one query per row
+        qsl = torch.arange(0, num_tokens + 1, q, dtype=torch.int32)  # q tokens per request
         seq_lens_t = torch.from_numpy(seq_lens)
         tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         attention: dict[int, AttentionMetadata] = {}
         for gid, table in runner.tables.items():
             width = table.table.shape[1]
-            rows, slots = np.zeros((size, width), np.int32), np.zeros(size, np.int64)
+            rows = np.zeros((num_tokens, width), np.int32)
+            slots = np.zeros(num_tokens, np.int64)
             tables[gid] = (rows, slots)
             attention[gid] = AttentionMetadata(
                 block_table=torch.from_numpy(rows),
                 slot_mapping=torch.from_numpy(slots),
-                query_start_loc=qsl,
+                query_start_loc=rows_qsl,
                 seq_lens=seq_lens_t,
                 max_query_len=1,
                 max_seq_len=width * table.kernel_block_size,  # (an upper bound of any step's)
@@ -151,53 +180,64 @@ class DecodeGraphs:
         has = torch.ones(size, dtype=torch.bool)
         spans_rest = (
             torch.ones(size, dtype=torch.uint8),  # has_initial_state as the kernels take it
-            torch.arange(size, dtype=torch.int64),  # each request's token
-            torch.ones(size, dtype=torch.int64),  # one token each
+            torch.arange(0, num_tokens, q, dtype=torch.int64),  # each request's first token
+            torch.full((size,), q, dtype=torch.int64),  # q tokens each
         )
         for gid in runner.state_pages:
             pages[gid] = np.zeros(size, np.int64)
-            meta = StateMetadata(
+            state[gid] = StateMetadata(
                 state_pages=torch.from_numpy(pages[gid]),
                 has_initial_state=has,
                 query_start_loc=qsl,
-                max_query_len=1,
+                max_query_len=q,
             )
-            state[gid] = meta
         batch = ForwardBatch(
             input_ids=torch.from_numpy(ids),
             positions=torch.from_numpy(positions),
             query_start_loc=qsl,
-            seq_lens=seq_lens_t,
-            max_query_len=1,
-            logits_indices=torch.arange(size, dtype=torch.int64),
+            seq_lens=torch.from_numpy(request_lens),
+            max_query_len=q,
+            logits_indices=torch.arange(num_tokens, dtype=torch.int64),
             attention=attention,
             state=state,
         )
-        return StaticInputs(ids, positions, seq_lens, tables, pages, batch, spans_rest)
+        return StaticInputs(
+            ids, positions, seq_lens, request_lens, tables, pages, batch, spans_rest
+        )
 
-    def _fill(self, inputs: StaticInputs, chunks: Sequence[ScheduledChunk]) -> None:
+    def _fill(self, inputs: StaticInputs, chunks: Sequence[ScheduledChunk], q: int) -> None:
         """Write this step's values into the buffers the captured program reads."""
         runner, size = self.runner, len(chunks)
         rows = np.fromiter((runner.rows[c.request_id] for c in chunks), np.int64, size)
-        inputs.ids[:] = np.fromiter((c.token_ids[0] for c in chunks), np.int64, size)
-        inputs.positions[:] = np.fromiter((c.start for c in chunks), np.int64, size)
+        starts = np.fromiter((c.start for c in chunks), np.int64, size)
+        if q == 1:
+            inputs.ids[:] = np.fromiter((c.token_ids[0] for c in chunks), np.int64, size)
+            inputs.positions[:] = starts
+            token_rows = rows
+        else:
+            ids = (t for c in chunks for t in c.token_ids)
+            inputs.ids[:] = np.fromiter(ids, np.int64, size * q)
+            inputs.positions[:] = np.repeat(starts, q) + np.tile(np.arange(q), size)
+            token_rows = np.repeat(rows, q)
         inputs.seq_lens[:] = inputs.positions + 1
+        inputs.request_lens[:] = starts + q
         for gid, table in runner.tables.items():
             block_rows, slots = inputs.tables[gid]
             host = table.host_table()
             assert host is not None  # (CPU tables only)
-            np.take(host, rows, axis=0, out=block_rows)
-            slots[:] = table.slot_mapping_host(rows, inputs.positions)
+            np.take(host, token_rows, axis=0, out=block_rows)
+            slots[:] = table.slot_mapping_host(token_rows, inputs.positions)
         for gid, pages in runner.state_pages.items():
             np.take(pages.numpy(), rows, out=inputs.pages[gid])
 
-    def _provide_spans(self, inputs: StaticInputs) -> None:
+    def _provide_spans(self, inputs: StaticInputs, q: int) -> None:
         """Hand the state kernels the capture step's spans (the same tensors every replay
         reads), so that they convert nothing with tensor ops."""
-        size = inputs.ids.shape[0]
+        num_tokens = inputs.ids.shape[0]
         for gid, meta in inputs.batch.state.items():
             pages = inputs.pages[gid]
+            bounds = (int(pages.min()), int(pages.max()), q, 0, num_tokens)
             provide_spans(
                 meta.state_pages, meta.has_initial_state, meta.query_start_loc,
-                (meta.state_pages, *inputs.spans), (int(pages.min()), int(pages.max()), 1, 0, size),
+                (meta.state_pages, *inputs.spans), bounds,
             )  # fmt: skip

@@ -33,7 +33,12 @@ import torch
 
 from hybridkv.core.managers import StateCopy
 from hybridkv.core.scheduler import ScheduledChunk, SchedulerOutput
-from hybridkv.forward_batch import AttentionMetadata, ForwardBatch, StateMetadata
+from hybridkv.forward_batch import (
+    DECODE_ROWS_MAX_QUERY,
+    AttentionMetadata,
+    ForwardBatch,
+    StateMetadata,
+)
 from hybridkv.kv.plan import GroupPlan, MemoryPlan
 from hybridkv.kv.specs import StateSpec
 from hybridkv.layers.attention.base import AttentionImpl
@@ -251,13 +256,24 @@ class ModelRunner:
         max_q, token_rows = int(q_lens.max()), rows[seq_of_token]
         qsl_dev = _to(qsl.astype(np.int32), dev)
         seq_lens = _to(seq_lens_np, dev)
+        # Short continuation chunks (drafts to verify, the tokens a rejection recomputes, small
+        # prefill pieces) attend as decode rows: one row per token, its request's table row and
+        # seq_len = its position + 1. Each row computes what the decode step of its position
+        # would (the decode kernels, no per-chunk masks), after the chunk's K/V are written.
+        #
+        #   chunk of request r, tokens at positions p .. p + q - 1
+        #   -> rows: (table[r], seq_len p + 1), ..., (table[r], seq_len p + q)
+        as_rows = 1 < max_q <= DECODE_ROWS_MAX_QUERY and bool((starts > 0).all())
+        att_rows = token_rows if as_rows else rows
+        att_lens = (positions + 1).astype(np.int32) if as_rows else seq_lens_np
+        att_qsl = _to(np.arange(num_tokens + 1, dtype=np.int32), dev) if as_rows else qsl_dev
         attention = {
             gid: AttentionMetadata(
-                block_table=self._gather_rows(table, rows),
+                block_table=self._gather_rows(table, att_rows),
                 slot_mapping=self._slots(table, token_rows, positions),
-                query_start_loc=qsl_dev,
-                seq_lens=seq_lens,
-                max_query_len=max_q,
+                query_start_loc=att_qsl,
+                seq_lens=_to(att_lens, dev) if as_rows else seq_lens,
+                max_query_len=1 if as_rows else max_q,
                 max_seq_len=int(seq_lens_np.max()),
             )
             for gid, table in self.tables.items()
@@ -322,6 +338,8 @@ class ModelRunner:
         logits = None
         if self.graphs is not None and not any(c.prompt_targets for c in out.chunks):
             logits = self.graphs.logits(out.chunks)
+            if logits is not None and any(c.num_logits_rows < c.num_tokens for c in out.chunks):
+                logits = logits[_logits_indices(out.chunks, _offsets(out.chunks))]
         if logits is None:
             logits = self._forward(out.chunks, prompt)
         self._copy_states([op for c in out.chunks for op in c.allocation.snapshots])
@@ -384,6 +402,13 @@ def _logits_indices(chunks: Sequence[ScheduledChunk], qsl: np.ndarray) -> np.nda
         if c.samples
     ]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _offsets(chunks: Sequence[ScheduledChunk]) -> np.ndarray:
+    """[num_chunks + 1]: where each chunk's tokens start in the step (query_start_loc)."""
+    qsl = np.zeros(len(chunks) + 1, dtype=np.int64)
+    np.cumsum([c.num_tokens for c in chunks], out=qsl[1:])
+    return qsl
 
 
 def _load_attention_backend(group: GroupPlan) -> AttentionImpl:

@@ -93,7 +93,8 @@ def test_replayed_steps_equal_eager_ones(dense, dtype):
     assert captured == eager  # tokens and log-probabilities, bit for bit
     expect_capture(graphs, dtype)
     if graphs.replays:
-        assert set(graphs.steps) == {1, 2, 3, 4, 5}  # every batch size the run met
+        # every batch size the run met, one token each
+        assert set(graphs.steps) == {(n, 1) for n in (1, 2, 3, 4, 5)}
 
 
 def test_int8_weights_capture_too(dense):
@@ -176,7 +177,7 @@ def test_sizes_above_the_limit_run_eagerly(dense):
     eager, _ = run(dense, ids, params, enforce_eager=True)
     captured, graphs = run(dense, ids, params, max_capture_size=2)
     assert captured == eager
-    assert max(graphs.steps, default=0) <= 2
+    assert max((s for s, _ in graphs.steps), default=0) <= 2
 
 
 def test_capture_settings_are_checked(dense):
@@ -203,3 +204,33 @@ def test_threads_may_change_between_replays(dense):
         torch.set_num_threads(before)
     assert first == eager and second == eager
     expect_capture(llm.engine.runner.graphs)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verify_steps_replay_like_eager_ones(dense, dtype, monkeypatch):
+    """Speculative decoding's uniform verify steps (q tokens per request, attention as decode
+    rows, state layers on q-token chunks) are captured per (requests, q) and replay the eager
+    step's numbers: same tokens with drafts as without, captured or eager."""
+    from hybridkv.engine import Engine
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2}  # fmt: skip
+    ids = prompts(VOCAB, [5, 17, 9, 30])
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    calls = {}
+    init = Engine.__init__
+
+    def always_k(self, *args, **kwargs):  # every step of a request drafts 3 (uniform shapes)
+        init(self, *args, **kwargs)
+        if self.proposer is not None:
+            self.scheduler.drafter = lambda req, k: [int(req.all_token_ids[-1])] * k
+
+    monkeypatch.setattr(Engine, "__init__", always_k)
+    plain, _ = run(dense, ids, params, dtype=dtype)
+    eager, _ = run(dense, ids, params, dtype=dtype, enforce_eager=True, speculative_config=spec)
+    captured, graphs = run(dense, ids, params, dtype=dtype, speculative_config=spec)
+    assert captured == eager == plain
+    expect_capture(graphs, dtype)
+    if graphs.replays:
+        assert any(q > 1 for _, q in graphs.steps), graphs.steps
+    assert calls == {}
