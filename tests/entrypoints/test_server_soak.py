@@ -1,4 +1,4 @@
-"""Soak: mixed clients against one server for --soak-seconds (default 100): streaming and not,
+"""Soak: mixed clients against one server for --soak-seconds (default 60): streaming and not,
 completions and chat, several prompts per request, log-probs, clients that leave mid-stream or
 before a non-streaming answer, bad input, shared prompt prefixes, and a pool small enough that
 requests are preempted. Afterwards nothing runs or waits, the pool is idle and intact, no
