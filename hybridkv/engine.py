@@ -76,7 +76,7 @@ from hybridkv.sampling_params import MAX_SEED, SamplingParams, check_unicode
 from hybridkv.spec_decode.config import SpeculativeConfig
 from hybridkv.spec_decode.metrics import SpecDecodeStats
 from hybridkv.spec_decode.ngram import NgramProposer
-from hybridkv.spec_decode.verify import speculable, verify
+from hybridkv.spec_decode.verify import greedy_tokens, speculable, verify
 from hybridkv.tokenizer import load_tokenizer
 from hybridkv.worker.cpu_threads import CpuShare
 from hybridkv.worker.host_memory import keep_freed_memory
@@ -389,11 +389,12 @@ class Engine:
             rows = min(rows, spec.disable_by_batch_size - 1)
         return rows
 
-    def _drafts(self, req: Request, max_drafts: int) -> list[int]:
-        """The scheduler's drafter: n-gram drafts for a request whose sampling allows them."""
+    def _drafts(self, req: Request, max_drafts: int) -> list[int] | None:
+        """The scheduler's drafter: n-gram drafts for a request whose sampling allows them
+        (None for one whose sampling reads more than the logits)."""
         assert self.proposer is not None
         if not speculable(req.sampling_params, req.matcher is not None):
-            return []
+            return None
         return self.proposer.propose(req.request_id, req.all_token_ids, max_drafts)
 
     def _capture_size(self) -> int:
@@ -722,12 +723,23 @@ class Engine:
             picked = self.sampler(logits, [rows[i] for i in plain], masks)
             samples = {result.request_ids[i]: s for i, s in zip(plain, picked, strict=True)}
         verified: dict[str, list[int]] = {}
+        greedy = [i for i, rid in enumerate(result.request_ids) if rid in drafts
+                  and rows[i].params.greedy]  # fmt: skip
+        if greedy:  # one argmax over every greedy verify row, compared on the host
+            picked_rows = [r for i in greedy for r in range(first[i], first[i + 1])]
+            argmax = self.sampler.argmax(result.logits[picked_rows]).tolist()
+            at = 0
+            for i in greedy:
+                n = first[i + 1] - first[i]
+                rid = result.request_ids[i]
+                verified[rid] = greedy_tokens(argmax[at : at + n], drafts[rid])
+                at += n
         for i, rid in enumerate(result.request_ids):
-            if rid in drafts:
+            if rid in drafts and rid not in verified:
                 logits = result.logits[first[i] : first[i + 1]]
-                tokens = verify(logits, drafts[rid], rows[i], self.sampler.generator)
-                verified[rid] = tokens
-                self.spec_stats.observe(len(drafts[rid]), len(tokens) - 1)
+                verified[rid] = verify(logits, drafts[rid], rows[i], self.sampler.generator)
+        for rid, tokens in verified.items():
+            self.spec_stats.observe(len(drafts[rid]), len(tokens) - 1)
         return samples, verified
 
     def _start_masks(self, out: SchedulerOutput) -> Future | None:

@@ -103,8 +103,9 @@ class SchedulerOutput:
         return not self.chunks
 
 
-# (request, the most drafts it may get) -> its drafts (the engine's proposer)
-Drafter = Callable[[Request, int], Sequence[int]]
+# (request, the most drafts it may get) -> its drafts (the engine's proposer), or None for a
+# request that may not carry any (its sampling reads more than the logits)
+Drafter = Callable[[Request, int], Sequence[int] | None]
 
 
 class Scheduler:
@@ -217,6 +218,7 @@ class Scheduler:
     def _schedule_running(
         self, budget: int, chunks: list[ScheduledChunk], preempted: list[Request]
     ) -> int:
+        proposed = self._propose(budget) if self.drafter is not None else {}
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -225,7 +227,12 @@ class Scheduler:
             n = self._chunk_size(req, req.num_computed_tokens, budget, None)
             if n <= 0:
                 continue
-            drafts = self._drafts(req, n, budget) if self.drafter is not None else ()
+            drafts = proposed.get(req.request_id, ())
+            if req.num_computed_tokens + n != req.num_tokens or (
+                self.cache.has_state and self._scratch_used >= self.num_scratch_rows
+            ):
+                drafts = ()  # a chunk cut short by the budget, or no scratch row left
+            drafts = drafts[: max(0, budget - n)]
             fitted = None
             if drafts:  # optional: without room for them the request decodes plainly
                 alloc = self.cache.allocate(req, n + len(drafts))
@@ -243,15 +250,43 @@ class Scheduler:
             budget -= n + len(drafts)
         return budget
 
-    def _drafts(self, req: Request, n: int, budget: int) -> Sequence[int]:
-        """Drafts for a running request whose chunk of `n` tokens ends its known tokens (it
-        samples) past its prompt, within every cap: the config's (k, disable_by_batch_size),
+    def _propose(self, budget: int) -> dict[str, tuple[int, ...]]:
+        """Drafts for the running requests past their prompt, within `_draft_cap`. One shape
+        per step: when any request has drafts, the others that may carry some get filler drafts
+        (their last token repeated) up to their cap, so that every decode chunk has k + 1
+        tokens and the step is captured and replayed (hybridkv.worker.graphs); a rejected
+        filler costs a row of a step that runs anyway. Without any match nobody drafts: the
+        step stays a plain decode."""
+        assert self.drafter is not None
+        caps: dict[str, tuple[Request, int]] = {}
+        drafts: dict[str, tuple[int, ...]] = {}
+        for req in self.running:
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            cap = self._draft_cap(req, req.num_tokens - req.num_computed_tokens, budget)
+            if cap <= 0:
+                continue
+            proposed = self.drafter(req, cap)
+            if proposed is None:
+                continue  # may not carry drafts
+            caps[req.request_id] = (req, cap)
+            drafts[req.request_id] = tuple(proposed)[:cap]
+        if any(drafts.values()):
+            for rid, (req, cap) in caps.items():
+                d = drafts[rid]
+                last = d[-1] if d else req.all_token_ids[-1]
+                drafts[rid] = d + (last,) * (cap - len(d))
+        return drafts
+
+    def _draft_cap(self, req: Request, n: int, budget: int) -> int:
+        """The most drafts a running request whose chunk of `n` tokens ends its known tokens
+        (it samples) past its prompt may carry: the config's (k, disable_by_batch_size),
         max_tokens and max_model_len (a verify chunk never writes a position the request cannot
-        reach), the step's token budget, the scratch rows, and the next state snapshot (a
-        snapshot must never hold a draft's state: the chunk ends before it)."""
+        reach), the step's token budget, and the next state snapshot (a snapshot must never
+        hold a draft's state: the chunk ends before it)."""
         start = req.num_computed_tokens
-        if start < req.num_prompt_tokens or start + n != req.num_tokens:
-            return ()
+        if start < req.num_prompt_tokens or n < 1:
+            return 0
         spec = self.config.speculative_config
         cap = min(
             spec.max_drafts(len(self.running), req.num_tokens),
@@ -264,13 +299,10 @@ class Scheduler:
         if self.config.max_model_len is not None:
             cap = min(cap, self.config.max_model_len - req.num_tokens - 1)
         if self.cache.has_state:
-            if self._scratch_used >= self.num_scratch_rows:
-                return ()
-            cap = min(cap, self.cache.next_snapshot_at(req) - (start + n) - 1)
-        if cap <= 0:
-            return ()
-        assert self.drafter is not None
-        return tuple(self.drafter(req, cap))[:cap]
+            if self.num_scratch_rows < 1:
+                return 0
+            cap = min(cap, int(min(self.cache.next_snapshot_at(req) - (start + n) - 1, cap)))
+        return max(cap, 0)
 
     def _allocate_or_preempt(
         self, req: Request, n: int, preempted: list[Request]

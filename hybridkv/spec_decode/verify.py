@@ -32,6 +32,16 @@ def speculable(params: SamplingParams, has_matcher: bool) -> bool:
     return not (params.processes_logits or has_matcher or params.logprobs is not None)
 
 
+def greedy_tokens(target: Sequence[int], drafts: Sequence[int]) -> list[int]:
+    """target: the argmax of a request's d + 1 rows, drafts: its d drafts -> the drafts equal
+    to the target's token at their position, then the target's token at the first mismatch
+    (what `greedy_verify` gives, on host lists: no tensors for one request's few tokens)."""
+    a = 0
+    while a < len(drafts) and drafts[a] == target[a]:
+        a += 1
+    return [*drafts[:a], target[a]]
+
+
 def verify(
     logits: torch.Tensor,
     drafts: Sequence[int],

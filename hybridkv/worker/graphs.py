@@ -104,7 +104,10 @@ class DecodeGraphs:
         self.max_size = max_size
         self.steps: dict[tuple[int, int], CapturedStep] = {}  # (requests, tokens each)
         self.seen: dict[tuple[int, int], int] = {}
-        self.disabled: str | None = None  # why this model's steps cannot be captured
+        self.disabled: str | None = None  # why this model's decode steps cannot be captured
+        # verify shapes whose capture was refused, and why (e.g. more rows than a native MoE
+        # kernel takes): they run eagerly, the other shapes are still captured
+        self.refused: dict[tuple[int, int], str] = {}
         self.replays = 0
         # what the captured steps allocate: one step runs at a time, so all sizes share it
         self.arena = Arena()
@@ -118,6 +121,8 @@ class DecodeGraphs:
         if self.disabled or not 0 < size <= self.max_size or not q:
             return None
         shape = (size, q)
+        if shape in self.refused:
+            return None
         step = self.steps.get(shape)
         if step is not None:
             self._fill(step.inputs, chunks, q)
@@ -137,7 +142,10 @@ class DecodeGraphs:
         logits, program, why = capture(
             lambda: model.compute_logits(model(inputs.batch)), self.arena
         )
-        if program is None:
+        if program is None and q > 1:
+            self.refused[(len(chunks), q)] = why
+            logger.info("verify steps of %d x %d tokens run eagerly: %s", len(chunks), q, why)
+        elif program is None:
             self.disabled = why
             logger.info("decode steps of this model run eagerly: %s", why)
         else:

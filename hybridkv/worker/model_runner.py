@@ -208,17 +208,24 @@ class ModelRunner:
         if not pairs or not self.scratch:
             return
         rows = torch.tensor([r for r, _ in pairs])
-        srows = torch.tensor([s for _, s in pairs], device=self.device)
+        srow_list = [s for _, s in pairs]
+        # the scheduler hands out scratch rows 0, 1, 2, ... in a step: saves fill a prefix
+        prefix = srow_list == list(range(len(srow_list)))
+        srows = torch.tensor(srow_list, device=self.device)
         for group in self.plan.state_groups:
             pages = self.state_pages[group.group_id][rows].to(self.device)
             for name in group.layer_names:
                 view = self.buffers.views[name]
                 assert isinstance(view, dict)
                 for key, tensor in view.items():
-                    if save:
-                        self.scratch[name][key][srows] = tensor[pages]
+                    scratch = self.scratch[name][key]
+                    if save and prefix:  # one gather into the rows, no temporary
+                        torch.index_select(tensor, 0, pages, out=scratch[: len(srow_list)])
+                    elif save:
+                        scratch.index_copy_(0, srows, tensor.index_select(0, pages))
                     else:
-                        tensor[pages] = self.scratch[name][key][srows]
+                        src = scratch[: len(srow_list)] if prefix else scratch[srows]
+                        tensor.index_copy_(0, pages, src)
 
     def _copy_states(self, ops: Sequence[StateCopy]) -> None:
         """Copy every state tensor of every layer of a group from one page to another."""

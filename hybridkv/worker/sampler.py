@@ -119,6 +119,11 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
+    @staticmethod
+    def argmax(logits: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens of [n, vocab] float32 logits: [n] int64 (the declared argmax op)."""
+        return _argmax(logits)
+
     def __call__(
         self,
         logits: torch.Tensor,
