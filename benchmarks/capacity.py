@@ -25,6 +25,14 @@ fresh process of its own (`--in-process` to run them all in one).
     python benchmarks/capacity.py            # full run, prints a table
     python benchmarks/capacity.py --json     # the same numbers as JSON rows
     python benchmarks/capacity.py --quick    # reduced version (under a minute)
+
+Speculative decoding (issue 30): `--speculative K` replays with a deterministic stand-in for
+the model (the token at position p of request r is a hash of (r, p)) twice, without drafts and
+with up to K drafts per decode step (each draft right with probability 3/4, verified as greedy
+verification would), through the same scheduler and cache managers. The outputs are the same
+token for token, so the hit rate and the snapshots must be too (columns `spec`, `accept`).
+
+    python benchmarks/capacity.py --workloads multi_turn --speculative 4
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -146,8 +155,14 @@ class Independent(Workload):
 class MultiTurn(Workload):
     TURNS = 4
 
-    def __init__(self, rng: random.Random, n_requests: int, open_conversations: int):
+    def __init__(
+        self, rng: random.Random, n_requests: int, open_conversations: int, seed: int | None = None
+    ):
+        """`seed`: each turn draws from its own generator, seeded by (seed, conversation,
+        turn), so a turn does not depend on the order in which others finished (replays that
+        must see the same requests: `--speculative`); None: one shared generator."""
         self.rng = rng
+        self.seed = seed
         self.system = [rng.randrange(VOCAB) for _ in range(480)]
         self.n_conversations = n_requests // self.TURNS
         self.open = open_conversations
@@ -155,8 +170,9 @@ class MultiTurn(Workload):
         self.turn: dict[str, int] = {}
 
     def _turn(self, conv: int, history: list[int], turn: int) -> Request:
-        user = [self.rng.randrange(VOCAB) for _ in range(self.rng.randint(20, 80))]
-        req = _request(f"c{conv}t{turn}", history + user, self.rng.randint(50, 200))
+        rng = self.rng if self.seed is None else random.Random(f"{self.seed}:{conv}:{turn}")
+        user = [rng.randrange(VOCAB) for _ in range(rng.randint(20, 80))]
+        req = _request(f"c{conv}t{turn}", history + user, rng.randint(50, 200))
         self.turn[req.request_id] = turn
         return req
 
@@ -176,12 +192,13 @@ class MultiTurn(Workload):
         return [self._start()] if self.started < self.n_conversations else []
 
 
-def make_workload(name: str, seed: int, scale: Scale) -> Workload:
+def make_workload(name: str, seed: int, scale: Scale, order_free: bool = False) -> Workload:
     rng = random.Random(seed)
     if name == "short_chat":
         return Independent(rng, scale.short_requests, (12, 200), (50, 300))
     if name == "multi_turn":
-        return MultiTurn(rng, scale.multi_requests, scale.open_conversations)
+        turn_seed = seed if order_free else None
+        return MultiTurn(rng, scale.multi_requests, scale.open_conversations, turn_seed)
     return Independent(rng, scale.long_requests, (8192, 32768), (50, 300))
 
 
@@ -242,7 +259,47 @@ def has_sliding_window(model: str) -> bool:
     return any(g.window is not None for g in plan_for_config(load_preset(model), cfg).groups)
 
 
-def replay(model: str, workload: str, mode: str, seed: int, scale: Scale) -> dict:
+def target_token(request_id: str, position: int) -> int:
+    """The stand-in model of `--speculative`: request r's token at `position`."""
+    return zlib.crc32(f"{request_id}:{position}".encode()) % VOCAB
+
+
+class SpeculativeReplay:
+    """Drafts and their verification without a model (`--speculative`): a draft is the target's
+    token with probability 3/4 (else another one); verification keeps the leading right drafts
+    and appends the target's token, as greedy verification does."""
+
+    def __init__(self, k: int, seed: int) -> None:
+        self.k = k
+        self.rng = random.Random(seed)
+        self.drafted = self.accepted = 0
+
+    def drafter(self, req: Request, max_drafts: int) -> list[int]:
+        n = len(req.all_token_ids)
+        return [
+            target_token(req.request_id, n + i)
+            if self.rng.random() < 0.75
+            else (target_token(req.request_id, n + i) + 1) % VOCAB
+            for i in range(max_drafts)
+        ]
+
+    def verify(self, sched: Scheduler, chunk) -> list[int]:
+        req = sched.request(chunk.request_id)
+        n = len(req.all_token_ids)
+        drafts = chunk.token_ids[chunk.num_known :]
+        a = 0
+        while a < len(drafts) and drafts[a] == target_token(req.request_id, n + a):
+            a += 1
+        self.drafted += len(drafts)
+        self.accepted += a
+        return [*drafts[:a], target_token(req.request_id, n + a)]
+
+
+def replay(
+    model: str, workload: str, mode: str, seed: int, scale: Scale, speculative: int | None = None
+) -> dict:
+    """One replay; `speculative`: None samples random tokens (the tables above), 0 / K runs the
+    stand-in model without / with up to K drafts per decode step."""
     # Earlier replays leave managers in reference cycles (the pool knows its groups and they
     # know the pool): collect them first, so that every replay starts from the same heap.
     gc.collect()
@@ -262,16 +319,32 @@ def replay(model: str, workload: str, mode: str, seed: int, scale: Scale) -> dic
     gc.freeze()
     cm = CacheManager(plan, cfg)
     manager_ns = _time_manager_calls(cm)
-    sched = Scheduler(cm, SchedulerConfig(max_num_seqs=1024, max_num_batched_tokens=8192))
+    spec = SpeculativeReplay(speculative, seed) if speculative else None
+    sched_cfg = SchedulerConfig(
+        max_num_seqs=1024, max_num_batched_tokens=8192,
+        speculative_config={"method": "ngram", "num_speculative_tokens": speculative}
+        if spec else None,
+    )  # fmt: skip
+    sched = Scheduler(cm, sched_cfg, spec.drafter if spec else None, 1024 if spec else 0)
     rng = random.Random(seed + 1)
-    work = make_workload(workload, seed, scale)
+    work = make_workload(workload, seed, scale, order_free=speculative is not None)
     for req in work.initial():
         sched.add_request(req)
     peak = request_steps = max_snapshots = pages_at_peak = 0
     unused_at_peak = 0.0
     while sched.has_unfinished:
         out = sched.schedule()
-        sampled = {c.request_id: rng.randrange(VOCAB) for c in out.chunks if c.samples}
+        sampled: dict[str, int | list[int]] = {}
+        for c in out.chunks:
+            if not c.samples:
+                continue
+            if spec is not None and c.num_drafts:
+                sampled[c.request_id] = spec.verify(sched, c)
+            elif speculative is not None:
+                position = sched.request(c.request_id).num_tokens
+                sampled[c.request_id] = target_token(c.request_id, position)
+            else:
+                sampled[c.request_id] = rng.randrange(VOCAB)
         finished = sched.update(out, sampled)
         request_steps += len(out.chunks)
         if len(sched.running) > peak:
@@ -298,34 +371,50 @@ def replay(model: str, workload: str, mode: str, seed: int, scale: Scale) -> dic
         "manager_us_per_request_step": manager_ns() / 1e3 / max(1, request_steps),
         "preemptions": sched.num_preemptions,
         "page_tokens": plan.page_tokens,
+        "spec": speculative or 0,
+        "accept": round(spec.accepted / spec.drafted, 3) if spec and spec.drafted else None,
+        "snapshots_taken": cm.stats.snapshots_taken,
         "num_pages": plan.num_pages,
         # a pure state model (Mamba2) has no kernel block: its hits land on page_tokens
         "kernel_block_size": next((g.kernel_block_size for g in plan.attention_groups), None),
     }
 
 
-def run_isolated(model: str, workloads: list[str], quick: bool, seed: int) -> list[dict]:
+def run_isolated(
+    model: str, workloads: list[str], quick: bool, seed: int, speculative: int = 0
+) -> list[dict]:
     """`run` for one model in a fresh Python process: a model's timings then do not depend on
     which models ran before it (in one process, the later models ran 15-35% slower)."""
     cmd = [sys.executable, __file__, "--in-process", "--json", "--seed", str(seed)]
     cmd += ["--models", model, "--workloads", *workloads] + (["--quick"] if quick else [])
+    cmd += ["--speculative", str(speculative)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{model}: " + " | ".join(proc.stderr.strip().splitlines()[-3:]))
     return json.loads(proc.stdout)
 
 
-def run(models: list[str], workloads: list[str], scale: Scale, seed: int) -> Iterator[dict]:
+def run(
+    models: list[str], workloads: list[str], scale: Scale, seed: int, speculative: int = 0
+) -> Iterator[dict]:
     for model in models:
         modes = MODES + ((WHOLE,) if has_sliding_window(model) else ())
         for workload in workloads:
             for mode in modes:
-                rows = [replay(model, workload, mode, seed, scale) for _ in range(scale.runs)]
-                row = dict(rows[0])
-                row["manager_us_per_request_step"] = round(
-                    statistics.median(r["manager_us_per_request_step"] for r in rows), 2
-                )
-                yield row
+                for spec in (0, speculative) if speculative else (None,):
+                    yield _median_row(model, workload, mode, seed, scale, spec)
+
+
+def _median_row(
+    model: str, workload: str, mode: str, seed: int, scale: Scale, spec: int | None
+) -> dict:
+    """One (model, workload, mode) row: manager time is the median of `scale.runs` replays."""
+    rows = [replay(model, workload, mode, seed, scale, spec) for _ in range(scale.runs)]
+    row = dict(rows[0])
+    row["manager_us_per_request_step"] = round(
+        statistics.median(r["manager_us_per_request_step"] for r in rows), 2
+    )
+    return row
 
 
 COLUMNS = [
@@ -358,12 +447,20 @@ HEADS = [
 ]
 
 
-def print_header() -> None:
-    print("  ".join(h.ljust(w) for h, (_, w) in zip(HEADS, COLUMNS, strict=True)))
+SPEC_COLUMNS = [("spec", 4), ("accept", 6), ("snapshots_taken", 6)]
+SPEC_HEADS = ["spec", "accept", "snaps+"]
 
 
-def print_row(r: dict) -> None:
-    print("  ".join(str(r[k]).ljust(w) for k, w in COLUMNS), flush=True)
+def print_header(speculative: int = 0) -> None:
+    columns, heads = COLUMNS, HEADS
+    if speculative:
+        columns, heads = columns + SPEC_COLUMNS, heads + SPEC_HEADS
+    print("  ".join(h.ljust(w) for h, (_, w) in zip(heads, columns, strict=True)))
+
+
+def print_row(r: dict, speculative: int = 0) -> None:
+    columns = COLUMNS + SPEC_COLUMNS if speculative else COLUMNS
+    print("  ".join(str(r[k]).ljust(w) for k, w in columns), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -373,6 +470,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="*", default=None, help="preset ids (default: all ten)")
     p.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=WORKLOADS)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--speculative", type=int, default=0, metavar="K",
+        help="also replay with up to K drafts per decode step (stand-in model; see above)",
+    )  # fmt: skip
     p.add_argument(
         "--in-process",
         action="store_true",
@@ -387,19 +488,23 @@ def main(argv: list[str] | None = None) -> int:
             f"capacity benchmark: 40 GiB, platform cuda, flashinfer sizes, max_num_seqs 1024, "
             f"seed {args.seed}{' (quick)' if args.quick else ''}"
         )
-        print_header()
+        print_header(args.speculative)
     if args.in_process:
-        produced: Iterator[dict] = run(models, args.workloads, scale, args.seed)
+        produced: Iterator[dict] = run(
+            models, args.workloads, scale, args.seed, args.speculative
+        )
     else:
         produced = (
             row
             for model in models
-            for row in run_isolated(model, args.workloads, args.quick, args.seed)
+            for row in run_isolated(
+                model, args.workloads, args.quick, args.seed, args.speculative
+            )
         )
     for row in produced:
         rows.append(row)
         if not args.json:
-            print_row(row)
+            print_row(row, args.speculative)
     if args.json:
         print(json.dumps(rows, indent=1))
     return 0

@@ -414,8 +414,14 @@ class Scheduler:
         computed = chunk.start if rewind else chunk.start + chunk.num_known + num_accepted
         for token in tokens:
             req.all_token_ids.append(token)
-            if self._stop_if_done(req):
-                return True
+            if self._stop_reason(req) is not None:
+                # what the step computed up to the stop enters the prefix cache, as a plain
+                # decode step commits its chunk before its token ends the request
+                done = min(computed, req.num_tokens - 1)
+                if done > req.num_computed_tokens:
+                    req.num_computed_tokens = done
+                    self.cache.commit(req, done)
+                return self._stop_if_done(req)
         req.num_computed_tokens = computed
         self.cache.commit(req, computed)
         if rewind:

@@ -44,3 +44,20 @@ def test_quick_capacity_run(capsys):
     mamba = "mistralai/Mamba-Codestral-7B-v0.1"
     assert by[(mamba, "multi_turn", "block")]["hit_rate"] > 0.5
     assert by[(mamba, "short_chat", "block")]["unused_pinned_tokens_per_request"] == 0
+
+
+def test_speculative_replay_keeps_hits_and_snapshots():
+    """`--speculative`: the same requests with drafts verified (some rejected: state rewinds
+    on the hybrid) hit the same prefix tokens and take the same snapshots as without."""
+    spec = importlib.util.spec_from_file_location("capacity_bench_spec", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    for model in ("ibm-granite/granite-4.0-h-small", "meta-llama/Llama-3.1-8B"):
+        plain, drafted = (
+            module.replay(model, "multi_turn", "block", 0, module.QUICK, k) for k in (0, 4)
+        )
+        assert 0.3 < drafted["accept"] < 0.9, drafted["accept"]
+        for key in ("hit_rate", "snapshots_taken", "snapshot_pages", "preemptions"):
+            assert drafted[key] == plain[key], (model, key, plain[key], drafted[key])
+        assert plain["hit_rate"] > 0.5
