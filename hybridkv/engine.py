@@ -76,7 +76,7 @@ from hybridkv.sampling_params import MAX_SEED, SamplingParams, check_unicode
 from hybridkv.spec_decode.config import SpeculativeConfig
 from hybridkv.spec_decode.metrics import SpecDecodeStats
 from hybridkv.spec_decode.ngram import NgramProposer
-from hybridkv.spec_decode.verify import greedy_tokens, speculable, verify
+from hybridkv.spec_decode.verify import greedy_tokens, logprob_entries, speculable, verify
 from hybridkv.tokenizer import load_tokenizer
 from hybridkv.worker.cpu_threads import CpuShare
 from hybridkv.worker.host_memory import keep_freed_memory
@@ -310,12 +310,22 @@ class Engine:
         spec = self.speculative_config
         self.proposer = None if spec is None else NgramProposer.from_config(spec)
         self.spec_stats = SpecDecodeStats()
+        # request id -> log-prob entries of its verified tokens (this step's, when it asks)
+        self._verified_logprobs: dict[str, list[dict[int, float]]] = {}
         self.scheduler = Scheduler(
             self.cache,
             self.scheduler_config,
             None if self.proposer is None else self._drafts,
             self._num_scratch_rows(),
         )
+        if spec is not None:
+            scratch = getattr(self.runner, "scratch_bytes", 0)
+            logger.info(
+                "speculative decoding: %s, k=%s, prompt lookup %s..%s; %d state scratch rows "
+                "(%.1f MiB, outside the cache budget)", spec.method, spec.num_speculative_tokens,
+                spec.prompt_lookup_min, spec.prompt_lookup_max, self._num_scratch_rows(),
+                scratch / 2**20,
+            )  # fmt: skip
         self.eos_token_ids = eos_token_ids(text_config(hf_config), generation_config(folder))
         self.vocab_size = family.vocab_size
         self.requests: dict[str, Request] = {}
@@ -627,6 +637,7 @@ class Engine:
             elif req.request_id in verified:
                 req.first_token_time = req.first_token_time or now
                 req.token_times += [now] * len(verified[req.request_id])
+                req.logprobs += self._verified_logprobs.pop(req.request_id, [])
         new_tokens: dict[str, int | list[int]] = {rid: s.token for rid, s in samples.items()}
         new_tokens.update(verified)
         finished = self.scheduler.update(out, new_tokens)
@@ -738,8 +749,14 @@ class Engine:
             if rid in drafts and rid not in verified:
                 logits = result.logits[first[i] : first[i + 1]]
                 verified[rid] = verify(logits, drafts[rid], rows[i], self.sampler.generator)
-        for rid, tokens in verified.items():
-            self.spec_stats.observe(len(drafts[rid]), len(tokens) - 1)
+        self._verified_logprobs = {}
+        for i, rid in enumerate(result.request_ids):
+            if rid in verified:
+                self.spec_stats.observe(len(drafts[rid]), len(verified[rid]) - 1)
+                k = rows[i].params.logprobs
+                if k is not None:
+                    rows_logits = result.logits[first[i] : first[i] + len(verified[rid])]
+                    self._verified_logprobs[rid] = logprob_entries(rows_logits, verified[rid], k)
         return samples, verified
 
     def _start_masks(self, out: SchedulerOutput) -> Future | None:

@@ -26,10 +26,23 @@ from hybridkv.worker.sampler import SamplingRow, probabilities
 
 
 def speculable(params: SamplingParams, has_matcher: bool) -> bool:
-    """Whether a request may carry drafts: its sampling reads only the logits (first version:
-    penalties, logit bias and grammars would need their state at every draft position, and
-    log-probs each draft row's)."""
-    return not (params.processes_logits or has_matcher or params.logprobs is not None)
+    """Whether a request may carry drafts: its sampling reads only the logits (penalties,
+    logit bias and grammars would need their state at every draft position). Log-probs are
+    fine: each verified token's come from its own row (`logprob_entries`)."""
+    return not (params.processes_logits or has_matcher)
+
+
+def logprob_entries(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[dict[int, float]]:
+    """logits: [n, vocab] the rows that chose `tokens` (row j chose token j) -> per token its
+    top-k log-probs and its own, as the sampler gives a sampled token's (raw distribution)."""
+    lp = torch.log_softmax(logits.float().cpu(), dim=-1)
+    entries = []
+    top_v, top_i = lp.topk(max(k, 1), dim=-1)
+    for j, token in enumerate(tokens):
+        entry = {int(a): float(b) for a, b in zip(top_i[j, :k], top_v[j, :k], strict=True)}
+        entry[int(token)] = float(lp[j, token])
+        entries.append(entry)
+    return entries
 
 
 def greedy_tokens(target: Sequence[int], drafts: Sequence[int]) -> list[int]:

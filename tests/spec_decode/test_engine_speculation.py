@@ -146,8 +146,9 @@ def test_max_model_len_caps_the_drafts(granite_family) -> None:
 
 
 def test_requests_that_cannot_speculate_share_the_step(granite_family) -> None:
-    """Log-probs and penalties read more than the logits: such requests decode without drafts
-    next to requests that carry some, and both give what they give alone."""
+    """Penalties read more than the logits: such a request decodes without drafts next to
+    requests that carry some (one with log-probs: each verified token's from its own row), and
+    all give what they give without speculation."""
     fam = granite_family
     plain = Engine(str(fam.folder), dtype="float32")
     engine = Engine(str(fam.folder), dtype="float32", speculative_config=SPEC)
