@@ -32,6 +32,7 @@ import logging
 import os
 import time
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -734,8 +735,14 @@ class Engine:
             picked = self.sampler(logits, [rows[i] for i in plain], masks)
             samples = {result.request_ids[i]: s for i, s in zip(plain, picked, strict=True)}
         verified: dict[str, list[int]] = {}
+        # penalties and logit bias apply row by row, the drafts before a row counted as output
+        processed = {
+            i: self._processed_rows(result.logits[first[i] : first[i + 1]], rows[i], drafts[rid])
+            for i, rid in enumerate(result.request_ids)
+            if rid in drafts and rows[i].params.processes_logits
+        }
         greedy = [i for i, rid in enumerate(result.request_ids) if rid in drafts
-                  and rows[i].params.greedy]  # fmt: skip
+                  and rows[i].params.greedy and i not in processed]  # fmt: skip
         if greedy:  # one argmax over every greedy verify row, compared on the host
             picked_rows = [r for i in greedy for r in range(first[i], first[i + 1])]
             argmax = self.sampler.argmax(result.logits[picked_rows]).tolist()
@@ -747,7 +754,7 @@ class Engine:
                 at += n
         for i, rid in enumerate(result.request_ids):
             if rid in drafts and rid not in verified:
-                logits = result.logits[first[i] : first[i + 1]]
+                logits = processed.get(i, result.logits[first[i] : first[i + 1]])
                 verified[rid] = verify(logits, drafts[rid], rows[i], self.sampler.generator)
         self._verified_logprobs = {}
         for i, rid in enumerate(result.request_ids):
@@ -758,6 +765,18 @@ class Engine:
                     rows_logits = result.logits[first[i] : first[i] + len(verified[rid])]
                     self._verified_logprobs[rid] = logprob_entries(rows_logits, verified[rid], k)
         return samples, verified
+
+    def _processed_rows(
+        self, logits: torch.Tensor, row: SamplingRow, drafts: Sequence[int]
+    ) -> torch.Tensor:
+        """A verify chunk's rows after logit bias and penalties: row j sees the request's
+        output followed by its first j drafts (what decoding would have counted there)."""
+        outputs = list(row.output_token_ids)
+        per_row = [
+            dataclasses.replace(row, output_token_ids=[*outputs, *drafts[:j]])
+            for j in range(len(drafts) + 1)
+        ]
+        return self.sampler.process(logits, per_row)
 
     def _start_masks(self, out: SchedulerOutput) -> Future | None:
         """Fill the grammar masks of the step's sampling rows in the mask thread, so that

@@ -26,10 +26,12 @@ from hybridkv.worker.sampler import SamplingRow, probabilities
 
 
 def speculable(params: SamplingParams, has_matcher: bool) -> bool:
-    """Whether a request may carry drafts: its sampling reads only the logits (penalties,
-    logit bias and grammars would need their state at every draft position). Log-probs are
-    fine: each verified token's come from its own row (`logprob_entries`)."""
-    return not (params.processes_logits or has_matcher)
+    """Whether a request may carry drafts: any without a grammar (its matcher would have to
+    advance through the drafts and roll back). Penalties and logit bias apply row by row with
+    the drafts before each row counted (the engine's `_processed_rows`); log-probs come from
+    each verified token's own row (`logprob_entries`)."""
+    del params  # every sampling parameter but the grammar is verified row by row
+    return not has_matcher
 
 
 def logprob_entries(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[dict[int, float]]:

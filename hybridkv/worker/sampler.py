@@ -149,6 +149,11 @@ class Sampler:
 
     # -- logits processing ---------------------------------------------------------------------
 
+    def process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Logit bias and penalties of rows without a grammar (speculative verification: a
+        verify chunk's rows, each with the output it follows)."""
+        return self._process(logits, rows, None)
+
     def _process(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], bitmask: torch.Tensor | None
     ) -> torch.Tensor:

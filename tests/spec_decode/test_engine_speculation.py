@@ -145,18 +145,31 @@ def test_max_model_len_caps_the_drafts(granite_family) -> None:
     assert tokens == fam.plain_ref[3][:10]
 
 
-def test_requests_that_cannot_speculate_share_the_step(granite_family) -> None:
-    """Penalties read more than the logits: such a request decodes without drafts next to
-    requests that carry some (one with log-probs: each verified token's from its own row), and
-    all give what they give without speculation."""
+def test_penalties_bias_and_logprobs_with_drafts(granite_family) -> None:
+    """Penalties and logit bias apply row by row (the drafts before a row counted as output),
+    log-probs come from each verified token's row: such requests carry drafts too and give what
+    they give without speculation, next to plain greedy ones."""
     fam = granite_family
     plain = Engine(str(fam.folder), dtype="float32")
     engine = Engine(str(fam.folder), dtype="float32", speculative_config=SPEC)
-    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    logprobs = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
-    penalised = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
-                               repetition_penalty=1.3)  # fmt: skip
-    requests = [(fam.plain[i], p) for i, p in enumerate((greedy, logprobs, penalised, greedy))]
+    drafted: set[str] = set()
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        drafted.update(c.request_id for c in out.chunks if c.num_drafts)
+        return out
+
+    engine.scheduler.schedule = recording
+    base = dict(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    kinds = [
+        SamplingParams(**base),
+        SamplingParams(**base, logprobs=2),
+        SamplingParams(**base, repetition_penalty=1.3),
+        SamplingParams(**base, frequency_penalty=0.8, presence_penalty=0.5),
+        SamplingParams(**base, logit_bias={3: 2.5, 7: -1.0}),
+    ]
+    requests = [(fam.plain[i], p) for i, p in enumerate(kinds)]
     want = _run_all(plain, requests)
     got = _run_all(engine, requests)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -164,7 +177,8 @@ def test_requests_that_cannot_speculate_share_the_step(granite_family) -> None:
     for a, b in zip(got[1].logprobs, want[1].logprobs, strict=True):
         assert a.keys() == b.keys()
         assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
-    assert engine.spec_stats.num_drafts > 0
+    ids = sorted(drafted)
+    assert len(ids) == len(kinds), ids  # every kind carried drafts
     assert set(engine.proposer.indexes) <= {r for r in engine.requests}  # discarded when done
 
 
