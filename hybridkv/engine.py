@@ -32,7 +32,6 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,7 +76,7 @@ from hybridkv.sampling_params import MAX_SEED, SamplingParams, check_unicode
 from hybridkv.spec_decode.config import SpeculativeConfig
 from hybridkv.spec_decode.metrics import SpecDecodeStats
 from hybridkv.spec_decode.ngram import NgramProposer
-from hybridkv.spec_decode.verify import greedy_tokens, logprob_entries, speculable, verify
+from hybridkv.spec_decode.verify import Verified, speculable, verify_step
 from hybridkv.tokenizer import load_tokenizer
 from hybridkv.worker.cpu_threads import CpuShare
 from hybridkv.worker.host_memory import keep_freed_memory
@@ -90,6 +89,7 @@ MIN_REQUEST_TOKENS = 16  # the shortest request a pool must hold (else the engin
 # spaces or dashes, under 100 characters).
 MAX_CHARS_PER_TOKEN = 256
 GREEDY = SamplingParams(temperature=0.0)
+NOTHING_VERIFIED = Verified({}, {})  # a step without drafts
 logger = logging.getLogger("hybridkv")
 
 
@@ -311,8 +311,6 @@ class Engine:
         spec = self.speculative_config
         self.proposer = None if spec is None else NgramProposer.from_config(spec)
         self.spec_stats = SpecDecodeStats()
-        # request id -> log-prob entries of its verified tokens (this step's, when it asks)
-        self._verified_logprobs: dict[str, list[dict[int, float]]] = {}
         self.scheduler = Scheduler(
             self.cache,
             self.scheduler_config,
@@ -635,12 +633,12 @@ class Engine:
             sample = samples.get(req.request_id)
             if sample is not None:
                 self._record_sample(req, sample, now, failed)
-            elif req.request_id in verified:
+            elif req.request_id in verified.tokens:
                 req.first_token_time = req.first_token_time or now
-                req.token_times += [now] * len(verified[req.request_id])
-                req.logprobs += self._verified_logprobs.pop(req.request_id, [])
+                req.token_times += [now] * len(verified.tokens[req.request_id])
+                req.logprobs += verified.logprobs.get(req.request_id, [])
         new_tokens: dict[str, int | list[int]] = {rid: s.token for rid, s in samples.items()}
-        new_tokens.update(verified)
+        new_tokens.update(verified.tokens)
         finished = self.scheduler.update(out, new_tokens)
         sampled = [r for r in stepped if r.request_id in new_tokens and r not in failed]
         finished += self._finish_grammars(sampled)
@@ -699,17 +697,17 @@ class Engine:
 
     def _sample(
         self, result: StepLogits, masks: Future | None, out: SchedulerOutput
-    ) -> tuple[dict[str, Sample], dict[str, list[int]]]:
+    ) -> tuple[dict[str, Sample], Verified]:
         """Sample a token for every request of the step that samples (the engine owns their
         sampling state: generators, the tokens the penalties count, grammar matchers), and
         verify the drafts of those that carried some: (samples, verified tokens)."""
         bitmask = masks.result() if masks is not None else None  # (before any early return)
         if result.logits is None or not result.request_ids:
-            return {}, {}
+            return {}, NOTHING_VERIFIED
         rows = [self._sampling_row(self.requests.get(rid)) for rid in result.request_ids]
         if not result.num_rows:
             samples = self.sampler(result.logits, rows, bitmask)
-            return dict(zip(result.request_ids, samples, strict=True)), {}
+            return dict(zip(result.request_ids, samples, strict=True)), NOTHING_VERIFIED
         return self._sample_and_verify(result, rows, out, bitmask)
 
     def _sample_and_verify(
@@ -718,10 +716,10 @@ class Engine:
         rows: list[SamplingRow],
         out: SchedulerOutput,
         bitmask: torch.Tensor | None,
-    ) -> tuple[dict[str, Sample], dict[str, list[int]]]:
+    ) -> tuple[dict[str, Sample], Verified]:
         """A step with drafts: requests with one logits row sample as usual (grammar rows
         among them: their mask rows are theirs in request order), the others verify their
-        drafts (`speculable` requests: no grammar, penalties or log-probs)."""
+        drafts (`hybridkv.spec_decode.verify.verify_step`)."""
         assert result.logits is not None
         drafts = {c.request_id: c.token_ids[c.num_known :] for c in out.chunks if c.num_drafts}
         first = [0]
@@ -734,49 +732,11 @@ class Engine:
             masks = None if bitmask is None else bitmask[plain]
             picked = self.sampler(logits, [rows[i] for i in plain], masks)
             samples = {result.request_ids[i]: s for i, s in zip(plain, picked, strict=True)}
-        verified: dict[str, list[int]] = {}
-        # penalties and logit bias apply row by row, the drafts before a row counted as output
-        processed = {
-            i: self._processed_rows(result.logits[first[i] : first[i + 1]], rows[i], drafts[rid])
-            for i, rid in enumerate(result.request_ids)
-            if rid in drafts and rows[i].params.processes_logits
-        }
-        greedy = [i for i, rid in enumerate(result.request_ids) if rid in drafts
-                  and rows[i].params.greedy and i not in processed]  # fmt: skip
-        if greedy:  # one argmax over every greedy verify row, compared on the host
-            picked_rows = [r for i in greedy for r in range(first[i], first[i + 1])]
-            argmax = self.sampler.argmax(result.logits[picked_rows]).tolist()
-            at = 0
-            for i in greedy:
-                n = first[i + 1] - first[i]
-                rid = result.request_ids[i]
-                verified[rid] = greedy_tokens(argmax[at : at + n], drafts[rid])
-                at += n
-        for i, rid in enumerate(result.request_ids):
-            if rid in drafts and rid not in verified:
-                logits = processed.get(i, result.logits[first[i] : first[i + 1]])
-                verified[rid] = verify(logits, drafts[rid], rows[i], self.sampler.generator)
-        self._verified_logprobs = {}
-        for i, rid in enumerate(result.request_ids):
-            if rid in verified:
-                self.spec_stats.observe(len(drafts[rid]), len(verified[rid]) - 1)
-                k = rows[i].params.logprobs
-                if k is not None:
-                    rows_logits = result.logits[first[i] : first[i] + len(verified[rid])]
-                    self._verified_logprobs[rid] = logprob_entries(rows_logits, verified[rid], k)
+        drafting = {rid: (i, rows[i]) for i, rid in enumerate(result.request_ids) if rid in drafts}
+        verified = verify_step(result.logits, first, drafting, drafts, self.sampler)
+        for rid, tokens in verified.tokens.items():
+            self.spec_stats.observe(len(drafts[rid]), len(tokens) - 1)
         return samples, verified
-
-    def _processed_rows(
-        self, logits: torch.Tensor, row: SamplingRow, drafts: Sequence[int]
-    ) -> torch.Tensor:
-        """A verify chunk's rows after logit bias and penalties: row j sees the request's
-        output followed by its first j drafts (what decoding would have counted there)."""
-        outputs = list(row.output_token_ids)
-        per_row = [
-            dataclasses.replace(row, output_token_ids=[*outputs, *drafts[:j]])
-            for j in range(len(drafts) + 1)
-        ]
-        return self.sampler.process(logits, per_row)
 
     def _start_masks(self, out: SchedulerOutput) -> Future | None:
         """Fill the grammar masks of the step's sampling rows in the mask thread, so that

@@ -6,23 +6,26 @@ A request with d drafts has d + 1 logits rows (its last known token's, then each
     predict  draft x_1  draft x_2  ...  the token after x_d (the bonus when all are accepted)
 
 Greedy requests keep the drafts that equal the target's argmax, then the target's token at the
-first mismatch (`greedy_verify`: exactly the tokens greedy decoding would produce from these
-logits). Requests that sample keep drafts by rejection sampling against their processed
-distribution (temperature, min-p, top-k, top-p; `rejection_sample`), with their own generator
-when seeded: the output follows the target's distribution. Only requests whose sampling reads
-nothing but the logits carry drafts (no penalties, logit bias, grammar or log-probs: the
-engine's `speculable`).
+first mismatch (`greedy_verify` / `greedy_tokens`: exactly the tokens greedy decoding would
+produce from these logits). Requests that sample keep drafts by rejection sampling against
+their processed distribution (temperature, min-p, top-k, top-p; `rejection_sample`), with
+their own generator when seeded: the output follows the target's distribution. Penalties and
+logit bias apply row by row, row j counting the first j drafts as output (`processed_rows`);
+log-probs come from each verified token's own row (`logprob_entries`). Only grammar requests
+carry no drafts (`speculable`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from hybridkv.sampling_params import SamplingParams
 from hybridkv.spec_decode.rejection import greedy_verify, rejection_sample
-from hybridkv.worker.sampler import SamplingRow, probabilities
+from hybridkv.worker.sampler import Sampler, SamplingRow, probabilities
 
 
 def speculable(params: SamplingParams, has_matcher: bool) -> bool:
@@ -78,3 +81,71 @@ def verify(
             probs, draft_tokens, num_drafts, generators=[row.generator], generator=generator
         )
     return result.token_lists()[0]
+
+
+@dataclass(frozen=True)
+class Verified:
+    """A step's verification: each request's new tokens (accepted drafts, then the target's),
+    and the log-prob entries of those tokens for requests that ask for them."""
+
+    tokens: dict[str, list[int]]
+    logprobs: dict[str, list[dict[int, float]]]
+
+
+def verify_step(
+    logits: torch.Tensor,
+    first_rows: Sequence[int],
+    rows: dict[str, tuple[int, SamplingRow]],
+    drafts: dict[str, Sequence[int]],
+    sampler: Sampler,
+) -> Verified:
+    """logits: the step's [num_rows, vocab]; request r's d + 1 rows start at
+    first_rows[rows[r][0]]; rows: request id -> (its index, its SamplingRow); drafts: request
+    id -> its d drafts. Greedy requests without logits processing share one argmax; the others
+    (penalties, logit bias: applied row by row; random sampling) verify one by one."""
+
+    def rows_of(i: int) -> torch.Tensor:
+        return logits[first_rows[i] : first_rows[i + 1]]
+
+    processed = {
+        rid: processed_rows(rows_of(i), row, drafts[rid], sampler)
+        for rid, (i, row) in rows.items()
+        if row.params.processes_logits
+    }
+    tokens: dict[str, list[int]] = {}
+    greedy = [rid for rid, (_, row) in rows.items() if row.params.greedy and rid not in processed]
+    if greedy:  # one argmax over every greedy verify row, compared on the host
+        picked = [
+            r
+            for rid in greedy
+            for r in range(first_rows[rows[rid][0]], first_rows[rows[rid][0] + 1])
+        ]
+        argmax = sampler.argmax(logits[picked]).tolist()
+        at = 0
+        for rid in greedy:
+            n = len(drafts[rid]) + 1
+            tokens[rid] = greedy_tokens(argmax[at : at + n], drafts[rid])
+            at += n
+    for rid, (i, row) in rows.items():
+        if rid not in tokens:
+            x = processed.get(rid, rows_of(i))
+            tokens[rid] = verify(x, drafts[rid], row, sampler.generator)
+    logprobs = {
+        rid: logprob_entries(rows_of(i)[: len(tokens[rid])], tokens[rid], row.params.logprobs)
+        for rid, (i, row) in rows.items()
+        if row.params.logprobs is not None
+    }
+    return Verified(tokens, logprobs)
+
+
+def processed_rows(
+    logits: torch.Tensor, row: SamplingRow, drafts: Sequence[int], sampler: Sampler
+) -> torch.Tensor:
+    """A verify chunk's rows after logit bias and penalties: row j sees the request's output
+    followed by its first j drafts (what decoding would have counted there)."""
+    outputs = list(row.output_token_ids)
+    per_row = [
+        dataclasses.replace(row, output_token_ids=[*outputs, *drafts[:j]])
+        for j in range(len(drafts) + 1)
+    ]
+    return sampler.process(logits, per_row)
