@@ -634,9 +634,7 @@ class Engine:
             if sample is not None:
                 self._record_sample(req, sample, now, failed)
             elif req.request_id in verified.tokens:
-                req.first_token_time = req.first_token_time or now
-                req.token_times += [now] * len(verified.tokens[req.request_id])
-                req.logprobs += verified.logprobs.get(req.request_id, [])
+                self._record_verified(req, verified, now, failed)
         new_tokens: dict[str, int | list[int]] = {rid: s.token for rid, s in samples.items()}
         new_tokens.update(verified.tokens)
         finished = self.scheduler.update(out, new_tokens)
@@ -743,7 +741,8 @@ class Engine:
         they are ready when the logits are (llguidance drops the GIL; the rows are the
         runner's `StepLogits.request_ids`, in chunk order). None: no row has a grammar."""
         ids = [c.request_id for c in out.chunks if c.sampling is not None]
-        reqs = [self.requests.get(rid) for rid in ids]
+        drafted = {c.request_id for c in out.chunks if c.num_drafts}  # masked when verified
+        reqs = [None if rid in drafted else self.requests.get(rid) for rid in ids]
         rows = [i for i, r in enumerate(reqs) if r is not None and r.matcher is not None]
         if not rows:
             return None
@@ -778,6 +777,22 @@ class Engine:
         if req.matcher is not None and not req.matcher.accept_token(sample.token):
             req.error = f"the grammar of this request rejected token {sample.token}"
             failed.append(req)
+
+    def _record_verified(
+        self, req: Request, verified: Verified, now: float, failed: list
+    ) -> None:
+        """A request's verified tokens: times, log-probs, and its grammar advanced through them
+        (verification only chose tokens its masks allowed)."""
+        tokens = verified.tokens[req.request_id]
+        req.first_token_time = req.first_token_time or now
+        req.token_times += [now] * len(tokens)
+        req.logprobs += verified.logprobs.get(req.request_id, [])
+        if req.matcher is not None:
+            for token in tokens:
+                if not req.matcher.accept_token(token):
+                    req.error = f"the grammar of this request rejected token {token}"
+                    failed.append(req)
+                    return
 
     def _finish_grammars(self, sampled: list[Request]) -> list[Request]:
         """Requests whose grammar is complete stop (also with ignore_eos or min_tokens: no

@@ -11,8 +11,9 @@ produce from these logits). Requests that sample keep drafts by rejection sampli
 their processed distribution (temperature, min-p, top-k, top-p; `rejection_sample`), with
 their own generator when seeded: the output follows the target's distribution. Penalties and
 logit bias apply row by row, row j counting the first j drafts as output (`processed_rows`);
-log-probs come from each verified token's own row (`logprob_entries`). Only grammar requests
-carry no drafts (`speculable`).
+log-probs come from each verified token's own row (`logprob_entries`); a grammar masks row j
+after the drafts before it, its matcher advanced through them and rolled back
+(`grammar_rows`): verification never accepts a token the grammar forbids.
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from hybridkv.worker.sampler import Sampler, SamplingRow, probabilities
 
 
 def speculable(params: SamplingParams, has_matcher: bool) -> bool:
-    """Whether a request may carry drafts: any without a grammar (its matcher would have to
-    advance through the drafts and roll back). Penalties and logit bias apply row by row with
-    the drafts before each row counted (the engine's `_processed_rows`); log-probs come from
-    each verified token's own row (`logprob_entries`)."""
-    del params  # every sampling parameter but the grammar is verified row by row
-    return not has_matcher
+    """Whether a request may carry drafts: every one. Penalties and logit bias apply row by row
+    with the drafts before each row counted (`processed_rows`), a grammar masks each row after
+    the drafts before it (`grammar_rows`), log-probs come from each verified token's own row
+    (`logprob_entries`). Kept as the one place a future exception would go."""
+    del params, has_matcher
+    return True
 
 
 def logprob_entries(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[dict[int, float]]:
@@ -112,6 +113,10 @@ def verify_step(
         for rid, (i, row) in rows.items()
         if row.params.processes_logits
     }
+    drafts = dict(drafts)
+    for rid, (_, row) in rows.items():
+        if row.matcher is not None:  # each row masked by the grammar after the drafts before it
+            processed[rid], drafts[rid] = grammar_rows(processed[rid], row, drafts[rid])
     tokens: dict[str, list[int]] = {}
     greedy = [rid for rid, (_, row) in rows.items() if row.params.greedy and rid not in processed]
     if greedy:  # one argmax over every greedy verify row, compared on the host
@@ -138,14 +143,29 @@ def verify_step(
     return Verified(tokens, logprobs)
 
 
+def grammar_rows(
+    x: torch.Tensor, row: SamplingRow, drafts: Sequence[int]
+) -> tuple[torch.Tensor, Sequence[int]]:
+    """x: a grammar request's d + 1 processed rows -> the rows masked by its grammar (row j
+    after drafts[:j]) and the drafts the grammar allows in a row, n of them (the rows past n
+    are dropped: draft n, which the grammar forbids, cannot be accepted, so row n gives the
+    last token)."""
+    from hybridkv.structured import apply_bitmask
+
+    bitmask, n = row.matcher.draft_masks(drafts)
+    x = x[: n + 1].clone()
+    apply_bitmask(x, bitmask, range(n + 1))
+    return x, drafts[:n]
+
+
 def processed_rows(
     logits: torch.Tensor, row: SamplingRow, drafts: Sequence[int], sampler: Sampler
 ) -> torch.Tensor:
     """A verify chunk's rows after logit bias and penalties: row j sees the request's output
     followed by its first j drafts (what decoding would have counted there)."""
     outputs = list(row.output_token_ids)
-    per_row = [
-        dataclasses.replace(row, output_token_ids=[*outputs, *drafts[:j]])
+    per_row = [  # (a grammar masks the rows afterwards, each in its own state: grammar_rows)
+        dataclasses.replace(row, output_token_ids=[*outputs, *drafts[:j]], matcher=None)
         for j in range(len(drafts) + 1)
     ]
     return sampler.process(logits, per_row)

@@ -166,6 +166,23 @@ class GrammarMatcher:
             return
         self._m.unsafe_compute_mask_ptr(target.data_ptr(), self._words * 4)
 
+    def draft_masks(self, drafts: Sequence[int]) -> tuple[torch.Tensor, int]:
+        """Speculative verification: the masks of a verify chunk's rows. Row j is the mask
+        after drafts[:j]; the matcher advances through the drafts as far as the grammar allows
+        (an EOS draft stops it: EOS ends a request, it never needs to be a draft) and is rolled
+        back. Returns (bitmask [n + 1, words], n): n drafts the grammar allows in a row."""
+        bitmask = torch.zeros((len(drafts) + 1, self._words), dtype=torch.int32)
+        n = 0
+        self.fill_bitmask(bitmask, 0)
+        for token in drafts:
+            if token in self._eos or not self.accept_token(token):
+                break
+            n += 1
+            self.fill_bitmask(bitmask, n)
+        if n:
+            self._m.rollback(n)
+        return bitmask[: n + 1], n
+
     def is_terminated(self) -> bool:
         """True once nothing but EOS can follow: the grammar is complete and cannot be
         extended, or EOS was accepted. (An integer like "12" may still grow, so it is not.)"""

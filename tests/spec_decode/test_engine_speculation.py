@@ -245,23 +245,43 @@ def _run_all(engine: Engine, requests):
     return [done[i] for i in ids]
 
 
-def test_a_grammar_request_shares_a_step_with_drafts() -> None:
-    """A structured-output request (its mask rows filled while the forward runs) decodes in
-    the same steps as requests verifying drafts: its mask stays its own row."""
+def test_grammar_requests_verify_drafts_under_their_masks() -> None:
+    """Structured outputs carry drafts too: each verify row is masked by the grammar after the
+    drafts before it (the matcher advanced and rolled back), so verification never accepts a
+    token the grammar forbids; outputs equal the plain run's, next to free requests."""
+    import json
+
     from hybridkv.engine import DEFAULT_MODEL
     from hybridkv.structured.grammar import GrammarSpec
 
     code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):"
-    digits = SamplingParams(
-        max_tokens=12, temperature=0.0, structured=GrammarSpec("regex", "[0-9]{6}")
-    )
-    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    requests = [(code, greedy), (code, digits), (code + "\n", greedy)]
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    base = dict(max_tokens=40, temperature=0.0)
+    digits = SamplingParams(**base, structured=GrammarSpec("regex", "[0-9]{6}"))
+    shaped = SamplingParams(**base, structured=GrammarSpec("json_schema", json.dumps(schema)))
+    greedy = SamplingParams(**base, ignore_eos=True)
+    requests = [(code, greedy), (code, digits), (code + "\n", greedy), ("{", shaped)]
     want = _run_all(Engine(str(DEFAULT_MODEL), dtype="float32"), requests)
     engine = Engine(str(DEFAULT_MODEL), dtype="float32", speculative_config=SPEC)
+    drafted: set[str] = set()
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        drafted.update(c.request_id for c in out.chunks if c.num_drafts)
+        return out
+
+    engine.scheduler.schedule = recording
     got = _run_all(engine, requests)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert got[1].text.isdigit() and len(got[1].text) == 6
+    assert set(json.loads(got[3].text)) == {"name", "n"}
+    assert len(drafted) == len(requests)  # the grammar requests verified drafts too
     assert engine.spec_stats.num_accepted_tokens > 0
 
 
