@@ -1,4 +1,5 @@
-"""Soak: mixed clients against one server for --soak-seconds (default 60): streaming and not,
+"""Soak: mixed clients against a server for --soak-seconds (default 60; half of it plain, half
+with speculative decoding): streaming and not,
 completions and chat, several prompts per request, log-probs, clients that leave mid-stream or
 before a non-streaming answer, bad input, shared prompt prefixes, and a pool small enough that
 requests are preempted. Afterwards nothing runs or waits, the pool is idle and intact, no
@@ -46,12 +47,16 @@ def rss_bytes() -> int:
     raise AssertionError("no VmRSS in /proc/self/status")
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    # 24 pages of 32 tokens for 8 concurrent requests of up to ~200 tokens: preemption happens
+@pytest.fixture(scope="module", params=["plain", "speculative"])
+def server(tiny_model_dir, request):
+    # 24 pages of 32 tokens for 8 concurrent requests of up to ~200 tokens: preemption happens;
+    # once plain, once with speculative decoding (n-gram drafts, often rejected: state
+    # rollbacks under preemption, aborts and bad input)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     engine = Engine(
-        str(tiny_model_dir), dtype="float32", max_num_seqs=8, max_model_len=256, num_pages=24
-    )
+        str(tiny_model_dir), dtype="float32", max_num_seqs=8, max_model_len=256, num_pages=24,
+        speculative_config=spec if request.param == "speculative" else None,
+    )  # fmt: skip
     with running_server(engine, MODEL) as srv:
         yield srv
 
@@ -182,7 +187,7 @@ async def _run_clients(base: str, seconds: float, tally: Tally) -> None:
 
 @pytest.mark.slow
 def test_soak_mixed_clients(server, request):
-    seconds = request.config.getoption("--soak-seconds")
+    seconds = request.config.getoption("--soak-seconds") / 2  # each server gets half
     warm_up = min(WARM_UP_S, seconds / 4)
     tally = Tally()
     asyncio.run(_run_clients(server.base_url, warm_up, tally))
@@ -208,6 +213,9 @@ def test_soak_mixed_clients(server, request):
     server.engine.cache.check_integrity()  # the engine is idle: safe from this thread
     assert not server.async_engine._streams  # every handler closed its submission
     assert stats["preemptions"] > 0 and stats["prefix_hits"] > 0
+    if server.engine.speculative_config is not None:
+        spec = server.engine.spec_stats
+        assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
     assert metrics.get('hybridkv_requests_total{status="abort"}', 0) > 0
     assert rss_end - rss_start < RSS_GROWTH_BOUND
     assert objects_end - objects_start < OBJECT_GROWTH_BOUND
