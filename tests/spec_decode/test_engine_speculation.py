@@ -152,15 +152,7 @@ def test_penalties_bias_and_logprobs_with_drafts(granite_family) -> None:
     fam = granite_family
     plain = Engine(str(fam.folder), dtype="float32")
     engine = Engine(str(fam.folder), dtype="float32", speculative_config=SPEC)
-    drafted: set[str] = set()
-    schedule = engine.scheduler.schedule
-
-    def recording():
-        out = schedule()
-        drafted.update(c.request_id for c in out.chunks if c.num_drafts)
-        return out
-
-    engine.scheduler.schedule = recording
+    drafted = record_drafted(engine)
     base = dict(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     kinds = [
         SamplingParams(**base),
@@ -228,6 +220,21 @@ def test_mtp_is_refused_with_a_clear_error(granite_family) -> None:
         Engine(str(granite_family.folder), speculative_config={"method": "eagle"})
 
 
+def record_drafted(engine: Engine) -> set[str]:
+    """The ids of the requests that carried drafts in any step from now on (filled as the
+    engine runs)."""
+    drafted: set[str] = set()
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        drafted.update(c.request_id for c in out.chunks if c.num_drafts)
+        return out
+
+    engine.scheduler.schedule = recording
+    return drafted
+
+
 def _run(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
     return _run_all(engine, [(prompt, params)])[0].token_ids
 
@@ -268,15 +275,7 @@ def test_grammar_requests_verify_drafts_under_their_masks() -> None:
     requests = [(code, greedy), (code, digits), (code + "\n", greedy), ("{", shaped)]
     want = _run_all(Engine(str(DEFAULT_MODEL), dtype="float32"), requests)
     engine = Engine(str(DEFAULT_MODEL), dtype="float32", speculative_config=SPEC)
-    drafted: set[str] = set()
-    schedule = engine.scheduler.schedule
-
-    def recording():
-        out = schedule()
-        drafted.update(c.request_id for c in out.chunks if c.num_drafts)
-        return out
-
-    engine.scheduler.schedule = recording
+    drafted = record_drafted(engine)
     got = _run_all(engine, requests)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert got[1].text.isdigit() and len(got[1].text) == 6
