@@ -69,6 +69,7 @@ from hybridkv.models.registry import (  # noqa: E402
     plan_for_config,
 )
 from hybridkv.sampling_params import SamplingParams  # noqa: E402
+from hybridkv.spec_decode.verify import greedy_tokens  # noqa: E402
 
 MODELS = [
     "ibm-granite/granite-4.0-h-small",
@@ -287,12 +288,11 @@ class SpeculativeReplay:
         req = sched.request(chunk.request_id)
         n = len(req.all_token_ids)
         drafts = chunk.token_ids[chunk.num_known :]
-        a = 0
-        while a < len(drafts) and drafts[a] == target_token(req.request_id, n + a):
-            a += 1
+        targets = [target_token(req.request_id, n + i) for i in range(len(drafts) + 1)]
+        tokens = greedy_tokens(targets, drafts)
         self.drafted += len(drafts)
-        self.accepted += a
-        return [*drafts[:a], target_token(req.request_id, n + a)]
+        self.accepted += len(tokens) - 1
+        return tokens
 
 
 def replay(

@@ -76,7 +76,7 @@ from hybridkv.sampling_params import MAX_SEED, SamplingParams, check_unicode
 from hybridkv.spec_decode.config import SpeculativeConfig
 from hybridkv.spec_decode.metrics import SpecDecodeStats
 from hybridkv.spec_decode.ngram import NgramProposer
-from hybridkv.spec_decode.verify import Verified, speculable, verify_step
+from hybridkv.spec_decode.verify import Verified, verify_step
 from hybridkv.tokenizer import load_tokenizer
 from hybridkv.worker.cpu_threads import CpuShare
 from hybridkv.worker.host_memory import keep_freed_memory
@@ -398,12 +398,9 @@ class Engine:
             rows = min(rows, spec.disable_by_batch_size - 1)
         return rows
 
-    def _drafts(self, req: Request, max_drafts: int) -> list[int] | None:
-        """The scheduler's drafter: n-gram drafts for a request whose sampling allows them
-        (None for one whose sampling reads more than the logits)."""
+    def _drafts(self, req: Request, max_drafts: int) -> list[int]:
+        """The scheduler's drafter: n-gram drafts (every request may carry some: verify.py)."""
         assert self.proposer is not None
-        if not speculable(req.sampling_params, req.matcher is not None):
-            return None
         return self.proposer.propose(req.request_id, req.all_token_ids, max_drafts)
 
     def _capture_size(self) -> int:

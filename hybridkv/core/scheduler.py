@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from hybridkv.config import SchedulerConfig
 from hybridkv.core.coordinator import NO_HIT, CacheManager, PrefixHit, StepAllocation
+from hybridkv.core.managers import INF
 from hybridkv.core.request import Request, RequestStatus
 from hybridkv.sampling_params import SamplingParams
 
@@ -301,7 +302,9 @@ class Scheduler:
         if self.cache.has_state:
             if self.num_scratch_rows < 1:
                 return 0
-            cap = min(cap, int(min(self.cache.next_snapshot_at(req) - (start + n) - 1, cap)))
+            snapshot = self.cache.next_snapshot_at(req)
+            if snapshot != INF:
+                cap = min(cap, int(snapshot) - (start + n) - 1)
         return max(cap, 0)
 
     def _allocate_or_preempt(

@@ -13,7 +13,8 @@ their own generator when seeded: the output follows the target's distribution. P
 logit bias apply row by row, row j counting the first j drafts as output (`processed_rows`);
 log-probs come from each verified token's own row (`logprob_entries`); a grammar masks row j
 after the drafts before it, its matcher advanced through them and rolled back
-(`grammar_rows`): verification never accepts a token the grammar forbids.
+(`grammar_rows`): verification never accepts a token the grammar forbids. So every request
+may carry drafts.
 """
 
 from __future__ import annotations
@@ -24,18 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv.sampling_params import SamplingParams
 from hybridkv.spec_decode.rejection import greedy_verify, rejection_sample
 from hybridkv.worker.sampler import Sampler, SamplingRow, probabilities
-
-
-def speculable(params: SamplingParams, has_matcher: bool) -> bool:
-    """Whether a request may carry drafts: every one. Penalties and logit bias apply row by row
-    with the drafts before each row counted (`processed_rows`), a grammar masks each row after
-    the drafts before it (`grammar_rows`), log-probs come from each verified token's own row
-    (`logprob_entries`). Kept as the one place a future exception would go."""
-    del params, has_matcher
-    return True
 
 
 def logprob_entries(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[dict[int, float]]:

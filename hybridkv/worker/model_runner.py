@@ -253,8 +253,7 @@ class ModelRunner:
         starts = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
         q_lens = np.fromiter((c.num_tokens for c in chunks), np.int64, len(chunks))
         rows = np.fromiter((self.rows[c.request_id] for c in chunks), np.int64, len(chunks))
-        qsl = np.zeros(len(chunks) + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=qsl[1:])
+        qsl = _offsets(chunks)
         num_tokens = int(qsl[-1])
         # position of every token: its request's start + its index inside the chunk
         seq_of_token = np.repeat(np.arange(len(chunks)), q_lens)

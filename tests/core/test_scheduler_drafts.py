@@ -13,6 +13,7 @@ from hybridkv.core.request import Request
 from hybridkv.core.scheduler import Scheduler
 from hybridkv.kv.plan import make_plan
 from hybridkv.sampling_params import SamplingParams
+from hybridkv.spec_decode.verify import greedy_tokens
 
 from .helpers import ATTN, STATE, layers_of
 
@@ -36,10 +37,7 @@ def verify(sched: Scheduler, chunk) -> list[int]:
     req = sched.request(chunk.request_id)
     n = req.num_tokens
     drafts = chunk.token_ids[chunk.num_known :]
-    a = 0
-    while a < len(drafts) and drafts[a] == target(req.request_id, n + a):
-        a += 1
-    return [*drafts[:a], target(req.request_id, n + a)]
+    return greedy_tokens([target(req.request_id, n + i) for i in range(len(drafts) + 1)], drafts)
 
 
 def drive(sched: Scheduler, check=None) -> list:
