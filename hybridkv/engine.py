@@ -49,7 +49,7 @@ from hybridkv.config import (
 )
 from hybridkv.core.coordinator import CacheManager
 from hybridkv.core.request import Request, RequestStatus
-from hybridkv.core.scheduler import Scheduler, SchedulerOutput
+from hybridkv.core.scheduler import Scheduler, SchedulerOutput, with_drafts
 from hybridkv.distributed.parallel import SINGLE, building
 from hybridkv.distributed.runtime import (
     DriverRunner,
@@ -281,7 +281,7 @@ class Engine:
         self.runtime = rt
         self.device, self.dtype, self.max_model_len = rt.device, rt.dtype, rt.max_model_len
         self.cache_config, self.scheduler_config = rt.cache, rt.scheduler
-        self.speculative_config = self._resolve_speculation(str(folder), tp_size)
+        self.speculative_config = self._resolve_speculation(str(folder), tp_size, family)
         # CPU: as many threads as the CPUs other programs leave free (re-read every second)
         self.cpu_share = CpuShare() if self.device.type == "cpu" else None
         if self.device.type == "cpu" and self.model_config.keep_freed_memory:
@@ -309,21 +309,26 @@ class Engine:
 
         self.cache = CacheManager(self.plan, self.cache_config)
         spec = self.speculative_config
-        self.proposer = None if spec is None else NgramProposer.from_config(spec)
+        mtp = spec is not None and spec.method == "mtp"
+        self.proposer = None if spec is None or mtp else NgramProposer.from_config(spec)
         self.spec_stats = SpecDecodeStats()
+        drafter = self._mtp_placeholders if mtp else self._drafts
         self.scheduler = Scheduler(
             self.cache,
             self.scheduler_config,
-            None if self.proposer is None else self._drafts,
+            None if spec is None else drafter,
             self._num_scratch_rows(),
+            mtp=mtp,
         )
         if spec is not None:
             scratch = getattr(self.runner, "scratch_bytes", 0)
+            how = "the checkpoint's MTP layer" if mtp else (
+                f"prompt lookup {spec.prompt_lookup_min}..{spec.prompt_lookup_max}"
+            )  # fmt: skip
             logger.info(
-                "speculative decoding: %s, k=%s, prompt lookup %s..%s; %d state scratch rows "
-                "(%.1f MiB, outside the cache budget)", spec.method, spec.num_speculative_tokens,
-                spec.prompt_lookup_min, spec.prompt_lookup_max, self._num_scratch_rows(),
-                scratch / 2**20,
+                "speculative decoding: %s, k=%s, %s; %d state scratch rows (%.1f MiB, outside "
+                "the cache budget)", spec.method, spec.num_speculative_tokens, how,
+                self._num_scratch_rows(), scratch / 2**20,
             )  # fmt: skip
         self.eos_token_ids = eos_token_ids(text_config(hf_config), generation_config(folder))
         self.vocab_size = family.vocab_size
@@ -356,8 +361,11 @@ class Engine:
         """This rank's model (its shard under tensor parallelism), the plan every rank agreed
         on, the weights and the runner that allocates the cache."""
         rt = self.runtime
+        spec = self.speculative_config
         with building(self.tp), torch.device("meta"):
             meta_model = cls(family)
+            if spec is not None and spec.method == "mtp":
+                meta_model.build_mtp()  # its attention layers join the plan like any other
         layers = meta_model.cache_layers(rt.cache_dtypes)
         plan = make_plan(layers, self.cache_config, self.architecture, rt.plan_target())
         plan = dataclasses.replace(plan, tensor_parallel_size=self.tp.size)
@@ -376,16 +384,26 @@ class Engine:
             num_scratch_rows=self._num_scratch_rows(),
         )
 
-    def _resolve_speculation(self, model: str, tp_size: int) -> SpeculativeConfig | None:
+    def _resolve_speculation(
+        self, model: str, tp_size: int, family: HFConfig
+    ) -> SpeculativeConfig | None:
         spec = self.scheduler_config.speculative_config
         if spec is None:
             return None
-        if spec.method != "ngram":
-            raise ValueError(
-                f"speculative_config: method {spec.method!r} is not available yet (multi-token "
-                "prediction layers are not loaded); use method 'ngram'"
-            )
-        return spec.for_target(model, tp_size, max_model_len=self.max_model_len)
+        mtp_layers = int(getattr(family, "num_mtp_layers", 0) or 0)
+        if spec.method == "mtp":
+            if mtp_layers > 1:
+                raise ValueError(
+                    f"speculative_config: method 'mtp' runs checkpoints with one MTP layer; "
+                    f"{model!r} declares {mtp_layers} (num_mtp_layers / mtp_num_hidden_layers)"
+                )
+            if spec.draft_sample_method != "greedy":
+                raise ValueError(
+                    "speculative_config: draft_sample_method "
+                    f"{spec.draft_sample_method!r} is not supported yet; allowed: 'greedy' "
+                    "(MTP drafts are the argmax)"
+                )
+        return spec.for_target(model, tp_size, mtp_layers, max_model_len=self.max_model_len)
 
     def _num_scratch_rows(self) -> int:
         """Speculative decoding on a model with state groups: requests that may carry drafts
@@ -398,6 +416,17 @@ class Engine:
             rows = min(rows, spec.disable_by_batch_size - 1)
         return rows
 
+    def _mtp_placeholders(self, req: Request, max_drafts: int) -> tuple[int, ...] | None:
+        """The scheduler's drafter under method "mtp": the runner's MTP layers make the drafts
+        in the step itself (`MtpDrafter`), from the pairs the request's last chunk left; the
+        chunk carries placeholders (its last token repeated) until then. None (no drafts):
+        nothing pending that ends at the chunk's last known token."""
+        pending = req.mtp_pending
+        last_known = req.num_tokens - 1
+        if pending is None or pending[0] + len(pending[1]) != last_known:
+            return None
+        return (req.all_token_ids[-1],) * max_drafts
+
     def _drafts(self, req: Request, max_drafts: int) -> list[int]:
         """The scheduler's drafter: n-gram drafts (every request may carry some: verify.py)."""
         assert self.proposer is not None
@@ -408,6 +437,9 @@ class Engine:
         cfg = self.model_config
         if cfg.enforce_eager or self.device.type != "cpu" or self.tp.size > 1:
             return 0
+        spec = self.speculative_config
+        if spec is not None and spec.method == "mtp":
+            return 0  # the MTP layers take the target's hidden states (a captured step: logits)
         return cfg.max_capture_size
 
     def _serve_as_worker(self, runner: ModelRunner) -> None:
@@ -617,6 +649,8 @@ class Engine:
         masks = self._start_masks(out)  # grammar masks, filled while the forward runs
         try:
             result = self.runner.execute(out)
+            if result.drafts:  # MTP drafts, made in the step: verified in place of placeholders
+                out = with_drafts(out, result.drafts)
             samples, verified = self._sample(result, masks, out)
         except TensorParallelError:
             raise  # a rank died or hung: fatal, not one step's failure

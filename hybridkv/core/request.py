@@ -46,6 +46,10 @@ class Request:
         self.generator: Any = None  # torch.Generator of a seeded request, made at its 1st sample
         self.matcher: Any = None  # grammar matcher (structured outputs)
         self.prompt_logprobs: list[dict[int, float]] = []  # for prompt tokens 1, 2, ...
+        # speculative decoding with MTP layers: the pairs of the request's last chunk whose
+        # next token is confirmed, (first position, the token after each), which the runner's
+        # MTP layers take in the request's next step (None: nothing pending)
+        self.mtp_pending: tuple[int, tuple[int, ...]] | None = None
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridkv.config import SchedulerConfig
 from hybridkv.core.coordinator import NO_HIT, CacheManager, PrefixHit, StepAllocation
@@ -62,6 +62,12 @@ class ScheduledChunk:
     # the runner saves the request's states into that scratch row before the forward
     num_drafts: int = 0
     scratch_row: int = -1
+    # MTP drafts (`Request.mtp_pending`): the MTP layers first take the pairs (the target's
+    # hidden state at position p from the request's previous chunk, the token at p + 1) for
+    # p = mtp_start .. mtp_start + len(mtp_next_ids) - 1; with drafts, the runner makes them
+    # from the last pair on (the chunk's drafts are placeholders until then)
+    mtp_start: int = -1
+    mtp_next_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -104,6 +110,21 @@ class SchedulerOutput:
         return not self.chunks
 
 
+def replace_drafts(
+    chunks: Iterable[ScheduledChunk], drafts: Mapping[str, Sequence[int]]
+) -> tuple[ScheduledChunk, ...]:
+    """The chunks with the drafts made during the step (MTP) in place of their placeholders."""
+    return tuple(
+        replace(c, token_ids=c.token_ids[: c.num_known] + tuple(drafts[c.request_id]))
+        if c.request_id in drafts else c
+        for c in chunks
+    )  # fmt: skip
+
+
+def with_drafts(out: SchedulerOutput, drafts: Mapping[str, Sequence[int]]) -> SchedulerOutput:
+    return replace(out, chunks=replace_drafts(out.chunks, drafts))
+
+
 # (request, the most drafts it may get) -> its drafts (the engine's proposer), or None for a
 # request that may not carry any (its sampling reads more than the logits)
 Drafter = Callable[[Request, int], Sequence[int] | None]
@@ -116,14 +137,17 @@ class Scheduler:
         config: SchedulerConfig,
         drafter: Drafter | None = None,
         num_scratch_rows: int = 0,
+        mtp: bool = False,
     ) -> None:
         """`drafter`: speculative decoding's proposer (None: off). `num_scratch_rows`: how many
         requests of a step may carry drafts when the model has state groups (the runner's
-        scratch rows); ignored without state groups."""
+        scratch rows); ignored without state groups. `mtp`: the runner's MTP layers draft
+        (every chunk tells them its request's confirmed pairs: `ScheduledChunk.mtp_next_ids`)."""
         self.cache = cache
         self.config = config
         self.drafter = drafter
         self.num_scratch_rows = num_scratch_rows
+        self.mtp = mtp
         self._restores: list[tuple[str, int]] = []
         self._scratch_used = 0
         self.waiting: deque[Request] = deque()
@@ -191,6 +215,8 @@ class Scheduler:
         if params.prompt_logprobs is not None and start + 1 < req.num_prompt_tokens:
             end = min(start + n + 1, req.num_prompt_tokens)
             targets = tuple(req.all_token_ids[start + 1 : end])
+        mtp_start, mtp_next = req.mtp_pending or (-1, ())
+        req.mtp_pending = None  # the runner's MTP layers take them in this step
         return ScheduledChunk(
             req.request_id,
             tokens,
@@ -201,6 +227,8 @@ class Scheduler:
             params.prompt_logprobs or 0,
             len(drafts),
             scratch_row,
+            mtp_start,
+            mtp_next,
         )
 
     def request(self, request_id: str) -> Request:
@@ -344,6 +372,7 @@ class Scheduler:
         self.cache.free(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
+        req.mtp_pending = None
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -398,12 +427,13 @@ class Scheduler:
                 continue
             req.num_computed_tokens = chunk.end
             self.cache.commit(req, chunk.end)
-            if not chunk.samples:
-                continue
-            token = sampled[req.request_id]
-            req.all_token_ids.append(token if isinstance(token, int) else token[0])
-            if self._stop_if_done(req):
-                finished.append(req)
+            if chunk.samples:
+                token = sampled[req.request_id]
+                req.all_token_ids.append(token if isinstance(token, int) else token[0])
+                if self._stop_if_done(req):
+                    finished.append(req)
+                    continue
+            self._keep_mtp_pairs(req, chunk.start, chunk.num_tokens)
         if self.cache.config.debug_checks:
             self.cache.check_integrity()
         return finished
@@ -429,7 +459,15 @@ class Scheduler:
         self.cache.commit(req, computed)
         if rewind:
             self._restores.append((req.request_id, chunk.scratch_row))
+        self._keep_mtp_pairs(req, chunk.start, chunk.num_known + num_accepted)
         return False
+
+    def _keep_mtp_pairs(self, req: Request, start: int, num_confirmed: int) -> None:
+        """The chunk's positions start .. start + num_confirmed - 1 hold confirmed tokens whose
+        next token is known: the MTP layers take those pairs in the request's next step."""
+        if self.mtp:
+            next_ids = tuple(req.all_token_ids[start + 1 : start + num_confirmed + 1])
+            req.mtp_pending = (start, next_ids) if len(next_ids) == num_confirmed else None
 
     def _stop_if_done(self, req: Request) -> bool:
         reason = self._stop_reason(req)

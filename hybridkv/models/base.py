@@ -39,6 +39,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.mtp: nn.Module | None = None  # multi-token prediction layers (`build_mtp`)
 
     # -- cache -------------------------------------------------------------------------------
 
@@ -120,6 +121,33 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] -> logits: [n, vocab] float32."""
         return logits_float32(self.lm_head(hidden))
+
+    # -- multi-token prediction (speculative decoding, method "mtp") ---------------------------
+    #
+    # A family whose checkpoints carry MTP layers reads their count from config.json
+    # (`num_mtp_layers` of its config), builds them on request (`build_mtp`, on the meta
+    # device like the rest: each MTP layer's attention is a cache owner the plan sees) and
+    # loads their tensors. One MTP step over a batch of pairs (the target's final hidden state
+    # at position p, the token at p + 1):
+    #
+    #     out = mtp_forward(next_ids [T], hidden [T, H], batch)   # batch: RoPE position p + 1
+    #     logits = mtp_logits(out)                                 # the draft for p + 2
+    #
+    # and `out` is the hidden state the next (autoregressive) MTP step takes.
+
+    def build_mtp(self) -> None:
+        """Add the MTP layers (before `cache_layers`, `materialise` and `load_weights`)."""
+        raise ValueError(f"{type(self).__name__} has no multi-token-prediction layers")
+
+    def mtp_forward(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """input_ids: [T] (the token after each pair's position), hidden: [T, H] -> [T, H]."""
+        raise NotImplementedError
+
+    def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP output [n, H] -> draft logits [n, vocab] float32 (the shared lm_head)."""
+        return self.compute_logits(hidden)
 
 
 def check_no_unloaded_buffers(model: nn.Module) -> None:

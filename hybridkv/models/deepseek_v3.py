@@ -17,8 +17,14 @@
   `routed_scaling_factor`. Plus `n_shared_experts` always-on experts (one SwiGLU of
   moe_intermediate_size * n_shared_experts).
 - Checkpoints: per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, ...) or stacked ones
-  (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]); multi-token-prediction layers
-  (index >= num_hidden_layers) are skipped.
+  (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]).
+- Multi-token prediction (`num_mtp_layers`, alias num_nextn_predict_layers): checkpoint layers
+  `model.layers.{num_hidden_layers + i}` are skipped unless speculative decoding asks for them
+  (`build_mtp`); then each loads as transformers' MtpLayer reads it: enorm, hnorm, eh_proj, a
+  decoder block (always MoE) and `shared_head.norm` (its post-norm); the embedding and lm_head
+  are the target's (the layer's own `embed_tokens` / `shared_head.head` copies are skipped).
+  One MTP step: out = shared_head.norm(block(eh_proj([enorm(embed(t_{p+1})) | hnorm(h_p)])))
+  at RoPE position p + 1; draft logits = lm_head(out).
 - Tensor parallel: MLA by heads (layers/attention/mla.py; the latent replicated), dense MLPs,
   experts and shared experts by intermediate size (router replicated; the experts' and shared
   experts' partial sums all-reduced once), vocabulary-parallel embeddings and lm_head.
@@ -55,7 +61,10 @@ class DeepseekV3Config(RopeConfig):
     """Defaults: transformers 5.24 `DeepseekV3Config`."""
 
     ARCHITECTURE: ClassVar[str] = "DeepseekV3ForCausalLM"
-    ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {"n_routed_experts": ("num_local_experts",)}
+    ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "n_routed_experts": ("num_local_experts",),
+        "num_mtp_layers": ("num_nextn_predict_layers",),
+    }
 
     vocab_size: int = 129280
     hidden_size: int = 7168
@@ -82,6 +91,7 @@ class DeepseekV3Config(RopeConfig):
     tie_word_embeddings: bool = False
     rope_interleave: bool = True
     attention_bias: bool = False
+    num_mtp_layers: int = 1  # multi-token-prediction layers the checkpoint carries
 
     def __post_init__(self) -> None:
         self._require_positive(
@@ -91,6 +101,8 @@ class DeepseekV3Config(RopeConfig):
         )  # fmt: skip
         if self.q_lora_rank is not None:
             self._require_positive("q_lora_rank")
+        if self.num_mtp_layers < 0:
+            self._fail(f"num_mtp_layers must be >= 0, got {self.num_mtp_layers}")
         if self.qk_rope_head_dim < 0 or self.qk_nope_head_dim < 0:
             self._fail("qk_rope_head_dim and qk_nope_head_dim must be >= 0")
         if self.qk_rope_head_dim % 2:
@@ -171,7 +183,7 @@ class DeepseekV3MoE(SharedExpertsMoE):
 
 
 class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, index: int) -> None:
+    def __init__(self, cfg: DeepseekV3Config, index: int, moe: bool | None = None) -> None:
         super().__init__()
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = MultiHeadLatentAttention(
@@ -180,7 +192,7 @@ class DeepseekV3DecoderLayer(nn.Module):
             bias=cfg.attention_bias, scale=cfg.softmax_scale, rope_interleave=cfg.rope_interleave,
         )  # fmt: skip
         self.mlp: nn.Module
-        if index >= cfg.first_k_dense_replace:
+        if (index >= cfg.first_k_dense_replace) if moe is None else moe:
             self.mlp = DeepseekV3MoE(cfg)
         else:
             self.mlp = GatedMLP(hidden, cfg.intermediate_size, bias=cfg.mlp_bias)
@@ -204,6 +216,37 @@ class DeepseekV3Model(nn.Module):
             DeepseekV3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekMTPLayer(DeepseekV3DecoderLayer):
+    """One multi-token-prediction layer: a decoder block (MoE, as transformers' MTP config
+    forces) plus enorm / hnorm / eh_proj in front and shared_head.norm behind."""
+
+    def __init__(self, cfg: DeepseekV3Config, index: int) -> None:
+        super().__init__(cfg, index, moe=True)
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.enorm = RMSNorm(hidden, eps)
+        self.hnorm = RMSNorm(hidden, eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)  # replicated under TP
+        self.shared_head = SharedHead(cfg)
+
+
+class DeepseekMTP(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config) -> None:
+        super().__init__()
+        n = cfg.num_hidden_layers
+        self.layers = nn.ModuleList(
+            DeepseekMTPLayer(cfg, n + i) for i in range(cfg.num_mtp_layers)
+        )
+
+
+MTP_SKIPPED = (".embed_tokens.", ".shared_head.head.")  # the target's are used
 
 
 class DeepseekV3ForCausalLM(CausalLM):
@@ -232,6 +275,37 @@ class DeepseekV3ForCausalLM(CausalLM):
             x = layer(x, batch, self.rotary, cos_sin)
         return self.model.norm(x)
 
+    # -- multi-token prediction --------------------------------------------------------------
+
+    def build_mtp(self) -> None:
+        if self.config.num_mtp_layers < 1:
+            super().build_mtp()
+        self.mtp = DeepseekMTP(self.config)
+
+    def mtp_forward(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        assert isinstance(self.mtp, DeepseekMTP)
+        layer = self.mtp.layers[0]
+        e = layer.enorm(self.model.embed_tokens(input_ids))  # [T, H]
+        x = layer.eh_proj(torch.cat([e, layer.hnorm(hidden)], dim=-1))  # [T, 2H] -> [T, H]
+        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        x = DeepseekV3DecoderLayer.forward(layer, x, batch, self.rotary, cos_sin)
+        return layer.shared_head.norm(x)
+
+    def map_weight_name(self, name: str) -> str | None:
+        """Checkpoint layers past num_hidden_layers are the MTP layers: `mtp.layers.{i}` once
+        built (their copies of the embedding and head skipped), else skipped."""
+        if not name.startswith("model.layers."):
+            return name
+        index, _, rest = name[len("model.layers.") :].partition(".")
+        first = self.config.num_hidden_layers
+        if not index.isdigit() or int(index) < first:
+            return name
+        if self.mtp is None or any(s in f".{rest}" for s in MTP_SKIPPED):
+            return None
+        return f"mtp.layers.{int(index) - first}.{rest}"
+
 
 # -- DeepSeek-V2 -------------------------------------------------------------------------------
 
@@ -249,7 +323,10 @@ class DeepseekV2Config(DeepseekV3Config):
 
     ARCHITECTURE: ClassVar[str] = "DeepseekV2ForCausalLM"
     # transformers' DeepseekV2Config attribute_map (V3's num_local_experts is not one of V2's)
-    ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {"n_routed_experts": ("num_experts",)}
+    ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "n_routed_experts": ("num_experts",),
+        "num_mtp_layers": ("num_nextn_predict_layers",),
+    }
 
     vocab_size: int = 102400
     hidden_size: int = 4096
@@ -268,6 +345,7 @@ class DeepseekV2Config(DeepseekV3Config):
     norm_topk_prob: bool = False
     max_position_embeddings: int = 2048
     mlp_bias: bool = False  # type: ignore[misc]
+    num_mtp_layers: int = 0  # (DeepSeek-V2 checkpoints carry none)
 
     def _check_routing(self) -> None:
         if self.topk_method not in TOPK_METHODS:

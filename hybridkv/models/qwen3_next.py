@@ -24,7 +24,15 @@ Checkpoints hold one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, ...)
 into `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I] (transformers' own
 names, which load as they are). A ForConditionalGeneration checkpoint keeps the text model
 under `model.language_model.`; its `model.visual.` tensors are skipped, as are the
-multi-token-prediction tensors (`mtp.`) every real checkpoint carries, with one log line.
+multi-token-prediction tensors (`mtp.`) every real checkpoint carries, with one log line, unless
+speculative decoding asks for them (method "mtp", `build_mtp`): then `mtp.fc`,
+`mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.layers.0` (a gated-attention decoder
+layer; its feed-forward block as layer 0's) and `mtp.norm` load, and one MTP step is
+
+    x = fc([norm_e(embed(t_{p+1})) | norm_h(h_p)])      h_p: the target's final (normed) hidden
+    x = mtp.layers.0(x) at RoPE position p + 1           its attention: a cache layer of its own
+    out = mtp.norm(x);  draft logits = lm_head(out)     (vLLM's Qwen3NextMTP; `out` feeds the
+                                                         next autoregressive step)
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import dataclasses
 import logging
 import re
 from collections.abc import Iterable, Iterator
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -91,7 +100,13 @@ class Qwen3NextConfig(RopeConfig):
     num_experts_per_tok: int = 10
     num_experts: int = 512
     norm_topk_prob: bool = True
+    # multi-token prediction layers of the checkpoint (Qwen3.5 writes the count; Qwen3-Next's
+    # config.json does not and its checkpoints carry one, vLLM's default)
+    mtp_num_hidden_layers: int = 1
 
+    ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "mtp_num_hidden_layers": ("num_nextn_predict_layers",)
+    }
     GDN_LAYOUT = "qwen3_next"
 
     def __post_init__(self) -> None:
@@ -112,6 +127,9 @@ class Qwen3NextConfig(RopeConfig):
                 f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
                 f"linear_num_key_heads ({self.linear_num_key_heads})"
             )
+        if self.mtp_num_hidden_layers < 0:
+            n = self.mtp_num_hidden_layers
+            raise ValueError(f"mtp_num_hidden_layers must be >= 0, got {n}")
         n, every = self.num_hidden_layers, self.full_attention_interval
         if self.layer_types is None:
             kinds = tuple("attention" if (i + 1) % every == 0 else "mamba" for i in range(n))
@@ -123,6 +141,10 @@ class Qwen3NextConfig(RopeConfig):
         self._set("layer_types", kinds)
         self._set("mlp_only_layers", tuple(self.mlp_only_layers or ()))
         self.rope  # one-line errors for an unsupported rope type, at load time  # noqa: B018
+
+    @property
+    def num_mtp_layers(self) -> int:
+        return self.mtp_num_hidden_layers
 
     @property
     def mixers(self) -> tuple[str, ...]:
@@ -273,14 +295,16 @@ class SparseMoe(nn.Module):
 
 
 class Qwen3NextDecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3NextConfig, index: int) -> None:
+    def __init__(self, cfg: Qwen3NextConfig, index: int, ffn_index: int | None = None) -> None:
+        """`index`: the cache layer index (an MTP layer: num_hidden_layers + i, always gated
+        attention); `ffn_index`: the layer whose feed-forward kind it takes (default: index)."""
         super().__init__()
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
-        if cfg.mixers[index] == "gdn":
+        if index < cfg.num_hidden_layers and cfg.mixers[index] == "gdn":
             self.linear_attn = cfg.gdn(index)
         else:
             self.self_attn = GatedAttention(cfg, index)
-        if cfg.ffn(index) == "moe":
+        if cfg.ffn(index if ffn_index is None else ffn_index) == "moe":
             self.mlp: nn.Module = SparseMoe(cfg)
         else:
             self.mlp = GatedMLP(hidden, cfg.intermediate_size)
@@ -309,6 +333,23 @@ class Qwen3NextModel(nn.Module):
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+class Qwen3NextMTP(nn.Module):
+    """The multi-token-prediction layers (checkpoint prefix `mtp.`); the embedding and lm_head
+    are the target's. Replicated projections under tensor parallelism (fc is [H, 2H])."""
+
+    def __init__(self, cfg: Qwen3NextConfig) -> None:
+        super().__init__()
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(hidden, eps)
+        self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(hidden, eps)
+        self.layers = nn.ModuleList(
+            Qwen3NextDecoderLayer(cfg, cfg.num_hidden_layers + i, ffn_index=i)
+            for i in range(cfg.num_mtp_layers)
+        )
+        self.norm = ZeroCenteredRMSNorm(hidden, eps)
+
+
 class Qwen3NextForCausalLM(CausalLM):
     tensor_parallel = True
 
@@ -328,12 +369,32 @@ class Qwen3NextForCausalLM(CausalLM):
             x = layer(x, batch, self.rotary, cos_sin)
         return self.model.norm(x)
 
+    # -- multi-token prediction --------------------------------------------------------------
+
+    def build_mtp(self) -> None:
+        if self.config.num_mtp_layers < 1:
+            super().build_mtp()
+        self.mtp = Qwen3NextMTP(self.config)
+
+    def mtp_forward(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        mtp = self.mtp
+        assert isinstance(mtp, Qwen3NextMTP)
+        e = mtp.pre_fc_norm_embedding(self.model.embed_tokens(input_ids))  # [T, H]
+        x = mtp.fc(torch.cat([e, mtp.pre_fc_norm_hidden(hidden)], dim=-1))  # [T, 2H] -> [T, H]
+        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        x = mtp.layers[0](x, batch, self.rotary, cos_sin)
+        return mtp.norm(x)
+
     # -- weights -----------------------------------------------------------------------------
 
-    SKIPPED_PREFIXES = ("mtp.",)  # multi-token prediction (speculative decoding: not yet)
+    SKIPPED_PREFIXES = ("mtp.",)  # multi-token prediction: loaded only after build_mtp
 
     def map_weight_name(self, name: str) -> str | None:
         for prefix in self.SKIPPED_PREFIXES:
+            if prefix == "mtp." and self.mtp is not None:
+                continue
             if name.startswith(prefix):
                 self._skipped[prefix] = self._skipped.get(prefix, 0) + 1
                 return None

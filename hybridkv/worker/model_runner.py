@@ -10,10 +10,12 @@ One step, in order:
        running-state pages in each state group's page table
     4. copy prefix-hit snapshots into running-state pages        (before the forward);
        save the states of requests that carry drafts into their scratch rows
-    5. build the immutable ForwardBatch, run the model, compute the logits of the sampling
+    5. MTP drafts (speculative decoding with the checkpoint's MTP layers): the MTP layers take
+       each request's confirmed pairs from its previous chunk and draft the chunk's drafts
+    6. build the immutable ForwardBatch, run the model, compute the logits of the sampling
        requests (a decode step of a captured size replays its native program instead:
        hybridkv.worker.graphs) and the prompt log-probs of chunks that ask for them
-    6. copy running states into new snapshot pages               (after the forward)
+    7. copy running states into new snapshot pages               (after the forward)
 
 Everything it needs comes in the step description (`SchedulerOutput`: plain ids and values);
 it never calls back into the cache manager. Each group runs on the kernels its plan names: an
@@ -23,6 +25,7 @@ logits (`StepLogits`); the engine, which owns each request's sampling state, sam
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +35,7 @@ import numpy as np
 import torch
 
 from hybridkv.core.managers import StateCopy
-from hybridkv.core.scheduler import ScheduledChunk, SchedulerOutput
+from hybridkv.core.scheduler import ScheduledChunk, SchedulerOutput, replace_drafts
 from hybridkv.forward_batch import (
     DECODE_ROWS_MAX_QUERY,
     AttentionMetadata,
@@ -76,6 +79,8 @@ class StepLogits:
     # rows of `logits` per request (a request with d drafts has d + 1: its last known token's,
     # then each draft's); () when every request has one
     num_rows: tuple[int, ...] = ()
+    # the drafts the MTP layers made, by request (they replace the chunk's placeholders)
+    drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def load_state_ops(group: GroupPlan) -> Any:
@@ -143,6 +148,9 @@ class ModelRunner:
             for name in g.layer_names
         } if num_scratch_rows else {}  # fmt: skip
         model.bind_cache(self._layer_caches())
+        # MTP drafts: each request's final hidden states of its last chunk ([n, hidden], rows
+        # for positions start .. start + n - 1), which its next step's MTP pairs take
+        self.mtp = MtpDrafter(self) if model.mtp is not None else None
         self.rows: dict[str, int] = {}
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         capturable = max_capture_size > 0 and device.type == "cpu" and native.library() is not None
@@ -166,6 +174,8 @@ class ModelRunner:
         """Forget the rows of requests whose cache the scheduler freed (finished or preempted:
         `finished` is kept for the tensor-parallel protocol; a row holds no sampling state)."""
         for rid in request_ids:
+            if self.mtp is not None:
+                self.mtp.hidden.pop(rid, None)
             row = self.rows.pop(rid, None)
             if row is not None:
                 for table in self.tables.values():
@@ -339,22 +349,25 @@ class ModelRunner:
         self._apply_allocations(out)
         saves = [(c.request_id, c.scratch_row) for c in out.chunks if c.scratch_row >= 0]
         self._scratch_copies(saves, save=True)
+        chunks, drafts = out.chunks, {}
+        if self.mtp is not None:
+            chunks, drafts = self.mtp.step(out.chunks)
         # a captured decode step replays (hybridkv.worker.graphs); any other step runs eagerly
         prompt: dict[str, PromptLogprobs] = {}
         logits = None
-        if self.graphs is not None and not any(c.prompt_targets for c in out.chunks):
-            logits = self.graphs.logits(out.chunks)
-            if logits is not None and any(c.num_logits_rows < c.num_tokens for c in out.chunks):
-                logits = logits[_logits_indices(out.chunks, _offsets(out.chunks))]
+        if self.graphs is not None and not any(c.prompt_targets for c in chunks):
+            logits = self.graphs.logits(chunks)
+            if logits is not None and any(c.num_logits_rows < c.num_tokens for c in chunks):
+                logits = logits[_logits_indices(chunks, _offsets(chunks))]
         if logits is None:
-            logits = self._forward(out.chunks, prompt)
-        self._copy_states([op for c in out.chunks for op in c.allocation.snapshots])
+            logits = self._forward(chunks, prompt)
+        self._copy_states([op for c in chunks for op in c.allocation.snapshots])
         if not self.driver:
             return StepLogits()
-        ids = tuple(c.request_id for c in out.chunks if c.sampling is not None)
-        rows = tuple(c.num_logits_rows for c in out.chunks if c.sampling is not None)
-        drafted = any(c.num_drafts for c in out.chunks)
-        return StepLogits(ids, logits, prompt, rows if drafted else ())
+        ids = tuple(c.request_id for c in chunks if c.sampling is not None)
+        rows = tuple(c.num_logits_rows for c in chunks if c.sampling is not None)
+        drafted = any(c.num_drafts for c in chunks)
+        return StepLogits(ids, logits, prompt, rows if drafted else (), drafts)
 
     def _forward(
         self, chunks: Sequence[ScheduledChunk], prompt: dict[str, PromptLogprobs]
@@ -362,7 +375,9 @@ class ModelRunner:
         """The model on one step: the logits of its sampling requests ([num_sampled, vocab]
         float32), None when none samples; prompt log-probs go into `prompt`."""
         batch = self.build_batch(chunks)
-        hidden = self.model(batch)
+        hidden = self.model(batch)  # [num_tokens, hidden]
+        if self.mtp is not None:
+            self.mtp.keep(chunks, hidden)
         start = 0
         for chunk in chunks:
             if chunk.prompt_targets:
@@ -391,6 +406,107 @@ class ModelRunner:
                 chosen += c
                 top += t
         return PromptLogprobs(chunk.start, chosen, top)
+
+
+class MtpDrafter:
+    """Drafts with the checkpoint's multi-token-prediction layers (the model's `mtp_forward`).
+
+    A pair (p) is the target's final hidden state at position p and the token at p + 1; its
+    MTP K/V go to the MTP layer's slot p (the MTP attention layer is a cache layer of the
+    request's attention group: same block table), at RoPE position p + 1. A chunk's pairs wait
+    for its request's next step (the token after the chunk's last confirmed position is known
+    only after sampling), which runs them first, then drafts:
+
+        previous chunk   positions s .. s + m - 1 confirmed, hidden rows kept  (keep)
+        this chunk       known tokens .. x_P' | d drafts to make
+        MTP pass 1       pairs s .. P' - 1 (next ids from the scheduler) -> K/V at slots
+                         s .. P' - 1; logits of pair P' - 1 -> draft 1
+        MTP pass j > 1   one pair per request: (output of the step before, draft j - 1) at
+                         slot P' - 2 + j -> draft j          (slots inside this chunk's
+                                                              allocation, rewritten later)
+
+    Greedy drafts (argmax, a point mass for rejection sampling). Under tensor parallelism rank 0
+    holds the full logits: the drafts reach every rank by one all-reduce per pass."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.model = runner.model
+        self.hidden: dict[str, torch.Tensor] = {}
+        head = getattr(self.model, "lm_head", None)
+        self.tp = getattr(head, "tp", None)
+
+    def keep(self, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor) -> None:
+        """hidden: [num_tokens, H] of the step; each chunk's rows wait for its next step."""
+        qsl = _offsets(chunks)
+        for i, chunk in enumerate(chunks):
+            self.hidden[chunk.request_id] = hidden[qsl[i] : qsl[i + 1]]
+
+    def step(
+        self, chunks: Sequence[ScheduledChunk]
+    ) -> tuple[tuple[ScheduledChunk, ...], dict[str, tuple[int, ...]]]:
+        """Run every chunk's pending pairs, then the drafts; returns the chunks with their MTP
+        drafts in place of the placeholders, and the drafts by request id."""
+        pending = [c for c in chunks if c.mtp_next_ids and c.request_id in self.hidden]
+        if not pending:
+            return tuple(chunks), {}
+        # pass 1: every pending pair; its outputs at the drafting chunks' last pairs
+        first = [_pairs(c, c.mtp_start, c.mtp_next_ids, _drafts_from(c)) for c in pending]
+        rows = [self.hidden.pop(c.request_id)[: len(c.mtp_next_ids)] for c in pending]
+        out = self._pass(first, torch.cat(rows))  # [num drafting, H]
+        drafting = [c for c in pending if _drafts_from(c)]
+        drafts: dict[str, list[int]] = {c.request_id: [] for c in drafting}
+        for j in range(max((c.num_drafts for c in drafting), default=0)):
+            for c, token in zip(drafting, self._argmax(out), strict=True):
+                drafts[c.request_id].append(token)
+            more = [i for i, c in enumerate(drafting) if c.num_drafts > j + 1]
+            if not more:
+                break
+            drafting = [drafting[i] for i in more]
+            # pass j + 2: (the output of pass j + 1, draft j + 1) at slot P' - 1 + j + 1
+            step = [
+                _pairs(c, c.start + c.num_known - 1 + j, (drafts[c.request_id][-1],), True)
+                for c in drafting
+            ]
+            out = self._pass(step, out[more])
+        return replace_drafts(chunks, drafts), {rid: tuple(d) for rid, d in drafts.items()}
+
+    def _pass(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> torch.Tensor:
+        """One MTP pass over pairs laid out as chunks (token_ids: each pair's next token, start:
+        its first pair's position); hidden: [num pairs, H] -> the outputs at the last pair of
+        every sampling chunk [n, H]."""
+        batch = self.runner.build_batch(chunks)
+        # the K/V of pair p go to slot p; its RoPE position is its token's, p + 1 (as
+        # transformers' MTP runs it: only relative positions reach the attention scores)
+        batch = dataclasses.replace(batch, positions=batch.positions + 1)
+        out = self.model.mtp_forward(batch.input_ids, hidden, batch)
+        return out[batch.logits_indices]
+
+    def _argmax(self, out: torch.Tensor) -> list[int]:
+        """Greedy drafts of MTP outputs [n, H], the same on every rank."""
+        logits = self.model.mtp_logits(out)  # rank 0: [n, vocab]; other ranks: their part
+        if self.tp is None or self.tp.size == 1:
+            return logits.argmax(dim=-1).tolist()
+        ids = logits.argmax(dim=-1) if self.runner.driver else torch.zeros(
+            logits.shape[0], dtype=torch.int64, device=logits.device
+        )  # fmt: skip
+        return self.tp.all_reduce(ids.contiguous()).tolist()
+
+
+def _drafts_from(chunk: ScheduledChunk) -> bool:
+    """A chunk with drafts whose pending pairs end at its last known token's position - 1
+    (the pair whose output drafts the token after it); else its drafts stay placeholders."""
+    last_pair = chunk.mtp_start + len(chunk.mtp_next_ids) - 1
+    return chunk.num_drafts > 0 and last_pair == chunk.start + chunk.num_known - 2
+
+
+def _pairs(
+    chunk: ScheduledChunk, start: int, next_ids: tuple[int, ...], samples: bool
+) -> ScheduledChunk:
+    """A chunk of MTP pairs for build_batch: positions start .. start + len(next_ids) - 1."""
+    return dataclasses.replace(
+        chunk, token_ids=next_ids, start=start, num_drafts=0, prompt_targets=(),
+        sampling=chunk.sampling if samples else None,
+    )  # fmt: skip
 
 
 def _logits_indices(chunks: Sequence[ScheduledChunk], qsl: np.ndarray) -> np.ndarray:
