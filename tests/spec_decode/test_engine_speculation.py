@@ -214,7 +214,7 @@ def test_rejection_sampling_keeps_the_target_distribution(granite_family, monkey
 
 
 def test_mtp_is_refused_with_a_clear_error(granite_family) -> None:
-    with pytest.raises(ValueError, match="method 'mtp' is not available yet"):
+    with pytest.raises(ValueError, match="method 'mtp' needs a checkpoint with multi-token"):
         Engine(str(granite_family.folder), speculative_config={"method": "mtp"})
     with pytest.raises(ValueError, match="speculative_config"):
         Engine(str(granite_family.folder), speculative_config={"method": "eagle"})

@@ -1,0 +1,159 @@
+"""Speculative decoding with the checkpoint's own multi-token-prediction layers (method "mtp").
+
+Every family with MTP weights (Qwen3-Next, Qwen3.5 dense and MoE, DeepSeek-V3): the drafts the
+engine makes equal those of a reference built from transformers' modules on the same weights
+(`mtp_checkpoints`), in every step, through rejections and rewinds; greedy tokens equal
+transformers' under page allocation, multi-turn prefix hits, chunked prefill, preemption and
+tensor parallelism 2; the prefix cache hits what it hits without speculation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from hybridkv.engine import Engine
+from hybridkv.sampling_params import SamplingParams
+from tests.distributed import test_tensor_parallel as dense
+from tests.distributed import test_tp_mla as mla
+from tests.distributed import test_tp_state_families as state
+from tests.models.conformance import CASES, NEW_TOKENS, TURNS, check_case, make_family
+from tests.models.utils import engine_greedy
+from tests.spec_decode.mtp_checkpoints import add_mtp, reference_drafts
+
+K = 3
+MTP = {"method": "mtp", "num_speculative_tokens": K}
+BUILDERS = {
+    "qwen3_next": dense.qwen3_next_checkpoint,  # GDN + gated attention, MoE
+    "qwen3_5": dense.qwen3_5_checkpoint,  # dense MLPs (the MTP layer's too)
+    "qwen3_5_moe": dense.qwen3_5_moe_checkpoint,
+    "deepseek_v3": mla.deepseek_v3,  # MLA; the MTP block is MoE
+}
+FULL = ("qwen3_next", "deepseek_v3")  # every cache setting; the others: multi-turn
+SETTINGS = {c.name: c for c in CASES if c.name in ("page", "multi-turn", "chunked", "preempt")}
+
+one_thread = state.one_thread  # one intra-op thread (autouse)
+
+
+@dataclasses.dataclass
+class MtpFamily:
+    fam: object
+    hf: object
+    mtp: object
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
+def mtp_family(request, tmp_path_factory) -> MtpFamily:
+    folder, hf = BUILDERS[request.param](tmp_path_factory)
+    mtp = add_mtp(folder, hf)
+    return MtpFamily(make_family(folder, hf, hf.config.vocab_size), hf, mtp)
+
+
+def record_drafts(engine: Engine) -> list[tuple[str, int, tuple[int, ...]]]:
+    """(request id, tokens before the drafts, drafts) of every step from now on."""
+    seen: list[tuple[str, int, tuple[int, ...]]] = []
+    execute = engine.runner.execute
+
+    def recording(out):
+        result = execute(out)
+        for c in out.chunks:
+            if c.request_id in result.drafts:
+                seen.append((c.request_id, c.start + c.num_known, result.drafts[c.request_id]))
+        return result
+
+    engine.runner.execute = recording
+    return seen
+
+
+def test_drafts_equal_the_reference_mtp(mtp_family) -> None:
+    """Every draft of every step equals the reference MTP's on the same tokens (its K/V
+    cache, the pairs a step leaves for the next, rewinds after rejections, the continuation
+    passes), and the greedy tokens are transformers'."""
+    fam = mtp_family.fam
+    engine = Engine(str(fam.folder), dtype="float32", speculative_config=MTP)
+    seen = record_drafts(engine)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = fam.plain[:3]
+    reqs = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert [done[r.request_id] for r in reqs] == [r[:12] for r in fam.plain_ref[:3]]
+    by_id = {r.request_id: i for i, r in enumerate(reqs)}
+    assert len({rid for rid, _, _ in seen}) == 3
+    assert any(len(d) == K for _, _, d in seen)
+    for rid, num_tokens, drafts in seen:
+        i = by_id[rid]
+        ids = prompts[i] + fam.plain_ref[i][: num_tokens - len(prompts[i])]
+        want = reference_drafts(mtp_family.hf, mtp_family.mtp, ids, len(drafts))
+        assert list(drafts) == want, (rid, num_tokens)
+    assert engine.spec_stats.num_draft_tokens == sum(len(d) for _, _, d in seen)
+
+
+@pytest.mark.parametrize(
+    ("mtp_family", "setting"),
+    [(f, s) for f in BUILDERS for s in SETTINGS if f in FULL or s == "multi-turn"],
+    indirect=["mtp_family"],
+)
+def test_greedy_with_mtp_matches_transformers(mtp_family, setting) -> None:
+    check_case(mtp_family.fam, SETTINGS[setting], speculative_config=MTP)
+
+
+def test_prefix_cache_hits_are_the_ones_without_mtp(mtp_family) -> None:
+    """A second turn hits the first turn's blocks (and state snapshots) exactly as without
+    speculation: the MTP layer's blocks are hashed and shared with its group's."""
+    fam = mtp_family.fam
+    stats = []
+    for spec in (None, MTP):
+        engine = Engine(str(fam.folder), dtype="float32", kernel_block_size=4,
+                        speculative_config=spec)  # fmt: skip
+        assert engine_greedy(engine, fam.plain[:TURNS], NEW_TOKENS) == fam.plain_ref[:TURNS]
+        assert engine_greedy(engine, fam.turns, NEW_TOKENS) == fam.turn_ref
+        stats.append(dataclasses.asdict(engine.cache.stats))
+        if spec is not None:
+            assert engine.spec_stats.num_draft_tokens > 0
+    assert stats[1] == stats[0] and stats[0]["hit_tokens"] > 0
+
+
+def test_the_mtp_layer_is_a_cache_layer_of_the_plan(mtp_family) -> None:
+    engine = Engine(str(mtp_family.fam.folder), dtype="float32", speculative_config=MTP)
+    names = [n for g in engine.plan.groups for n in g.layer_names]
+    assert any(n.startswith("mtp.layers.0.") for n in names), names
+    plain = Engine(str(mtp_family.fam.folder), dtype="float32")
+    plain_names = [n for g in plain.plan.groups for n in g.layer_names]
+    assert not any(n.startswith("mtp.") for n in plain_names)
+    assert plain.model.mtp is None
+
+
+@pytest.mark.parametrize("mtp_family", FULL, indirect=True)
+def test_tensor_parallel_mtp(mtp_family) -> None:
+    """TP = 2: the MTP layer is sharded like the target's; rank 0's argmax reaches the other
+    rank by one all-reduce per pass; transformers' tokens."""
+    check_case(mtp_family.fam, SETTINGS["multi-turn"], speculative_config=MTP,
+               tensor_parallel_size=2)  # fmt: skip
+
+
+def test_mtp_needs_mtp_layers(tmp_path_factory) -> None:
+    folder, _ = mla.deepseek_v2(tmp_path_factory)  # DeepSeek-V2: no MTP layers
+    with pytest.raises(ValueError, match="needs a checkpoint with multi-token-prediction"):
+        Engine(str(folder), speculative_config={"method": "mtp"})
+
+
+def test_mtp_refusals(mtp_family, tmp_path) -> None:
+    folder = mtp_family.fam.folder
+    with pytest.raises(ValueError, match="draft_sample_method 'probabilistic' is not supported"):
+        Engine(str(folder), speculative_config={"method": "mtp", "draft_sample_method":
+                                                "probabilistic"})  # fmt: skip
+    # a checkpoint declaring two MTP layers (none released has more than one)
+    for f in folder.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_nextn_predict_layers"] = config["mtp_num_hidden_layers"] = 2
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="runs checkpoints with one MTP layer; .* declares 2"):
+        Engine(str(tmp_path), speculative_config={"method": "mtp"})
