@@ -157,6 +157,12 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
         default=1,
         help="plan one rank of this many (per-rank heads: the page size changes with it)",
     )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help="speculative decoding as JSON (vLLM's speculative_config); method 'mtp' plans the "
+        "cache layers of the checkpoint's multi-token-prediction layers too",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
 
@@ -186,9 +192,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     name = args.model or "the built-in default model"
     dtype = None if args.dtype is None else canonical_dtype(args.dtype)
     ParallelConfig(tensor_parallel_size=args.tensor_parallel_size)  # one-line errors
+    spec = None
+    if args.speculative_config is not None:
+        from hybridkv.spec_decode.config import SpeculativeConfig
+
+        spec = SpeculativeConfig.from_cli(args.speculative_config)
+    mtp = spec is not None and spec.method == "mtp"
+    if mtp:
+        from hybridkv.models.registry import family_config
+
+        layers = int(getattr(family_config(load_model_config(model)), "num_mtp_layers", 0) or 0)
+        spec.for_target(model, args.tensor_parallel_size, layers)  # one-line errors
     plan = plan_for_config(
-        load_model_config(model), cache, args.max_model_len, dtype, args.tensor_parallel_size
-    )
+        load_model_config(model), cache, args.max_model_len, dtype, args.tensor_parallel_size,
+        mtp,
+    )  # fmt: skip
     config = load_model_config(model)
     compute = dtype or model_dtype(config)
     kv = [g.spec.dtype for g in plan.attention_groups]

@@ -110,23 +110,29 @@ def family_config(config: dict[str, Any]) -> HFConfig:
     return model_class(architecture_of(config)).config_class.from_hf(text_config(config))
 
 
-def build_on_meta(config: dict[str, Any], tensor_parallel_size: int = 1) -> CausalLM:
+def build_on_meta(
+    config: dict[str, Any], tensor_parallel_size: int = 1, mtp: bool = False
+) -> CausalLM:
     """The model a Hugging Face config dict describes, built on the meta device (no memory for
-    weights); at `tensor_parallel_size` > 1, rank 0's shard (every rank declares the same)."""
+    weights); at `tensor_parallel_size` > 1, rank 0's shard (every rank declares the same).
+    `mtp`: with its multi-token-prediction layers (speculative decoding, method "mtp")."""
     import torch
 
     from hybridkv.distributed.parallel import TensorParallel, building
 
     typed = family_config(config)
     with building(TensorParallel(tensor_parallel_size)), torch.device("meta"):
-        return model_class(architecture_of(config))(typed)
+        model = model_class(architecture_of(config))(typed)
+        if mtp:
+            model.build_mtp()
+        return model
 
 
 def declared_cache_layers(
-    config: dict[str, Any], dtypes: CacheDtypes, tensor_parallel_size: int = 1
+    config: dict[str, Any], dtypes: CacheDtypes, tensor_parallel_size: int = 1, mtp: bool = False
 ) -> list[CacheLayer]:
     """The cache layers a runnable model declares, per rank (what `hybridkv plan` plans)."""
-    model = build_on_meta(config, tensor_parallel_size)
+    model = build_on_meta(config, tensor_parallel_size, mtp)
     if tensor_parallel_size > 1:
         unsharded = sorted({type(m).__name__ for _, m in model.cache_owners() if not m.sharded})
         if unsharded:
@@ -143,13 +149,15 @@ def plan_for_config(
     max_model_len: int | None = None,
     compute_dtype: str | None = None,
     tensor_parallel_size: int = 1,
+    mtp: bool = False,
 ) -> MemoryPlan:
     """Plan the cache of a Hugging Face config dict (`hybridkv plan`, benchmarks): one rank's
-    plan at `tensor_parallel_size` (every rank's is the same)."""
+    plan at `tensor_parallel_size` (every rank's is the same); `mtp`: with the cache layers of
+    its multi-token-prediction layers."""
     dtypes = resolve_cache_dtypes(
         config, cache.kv_cache_dtype, cache.state_dtype, cache.ssm_state_dtype
     )
-    layers = declared_cache_layers(config, dtypes, tensor_parallel_size)
+    layers = declared_cache_layers(config, dtypes, tensor_parallel_size, mtp)
     if max_model_len is None:
         max_model_len = int(text_config(config).get("max_position_embeddings") or 4096)
     target = PlanTarget(max_model_len, compute_dtype=compute_dtype or model_dtype(config))

@@ -158,3 +158,27 @@ def test_cpu_plan_prints_the_cpu_record_and_the_chosen_ops(capsys):
     assert {r["op"] for r in data["ops"]} == set(registry.FAMILIES)
     code, out, _ = run(capsys, "plan")  # a CUDA plan says nothing of this CPU
     assert "CPU:" not in out
+
+
+def test_plan_with_mtp_layers(capsys):
+    """--speculative-config with method 'mtp' plans the MTP layers' cache too: Qwen3-Next's
+    gated attention MTP layer joins the attention bucket (13 layers), DeepSeek-V3's MLA one
+    the MLA group; a model without MTP layers is a one-line error (exit 2)."""
+    spec = '{"method": "mtp"}'
+    for model, key, without, with_mtp, mtp_index in (
+        ("Qwen/Qwen3-Next-80B-A3B-Instruct", "attention", 12, 13, 48),
+        ("deepseek-ai/DeepSeek-V3", "mla", 61, 62, 61),
+    ):
+        plans = []
+        for extra in ((), ("--speculative-config", spec)):
+            code, out, _ = run(capsys, "plan", "--model", model, "--json", *extra)
+            assert code == 0
+            plans.append(json.loads(out))
+        sizes = [sum(len(g["layer_ids"]) for g in p["groups"] if g["kind"] == key) for p in plans]
+        assert sizes == [without, with_mtp]
+        ids = [i for g in plans[1]["groups"] if g["kind"] == key for i in g["layer_ids"]]
+        assert mtp_index in ids  # the MTP layer: index num_hidden_layers
+    code, _, err = run(capsys, "plan", "--model", "meta-llama/Llama-3.1-8B",
+                       "--speculative-config", spec)  # fmt: skip
+    assert code == 2
+    assert "needs a checkpoint with multi-token-prediction layers" in err
