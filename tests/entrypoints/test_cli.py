@@ -85,7 +85,7 @@ def test_generate_text_and_prompts_file(capsys, tiny_model_dir, tmp_path):
         (["generate", "--speculative-config", "{bad"], "--speculative-config is not valid JSON"),
         (["serve", "--speculative-config", '{"method": "eagle3"}'], "method 'eagle3'"),
         (["bench", "--speculative-config", '{"method": "ngram"}'], "needs num_speculative_tokens"),
-        (["generate", "--speculative-config", '{"method": "mtp"}'], "not available yet"),
+        (["generate", "--speculative-config", '{"method": "mtp"}'], "needs a checkpoint with"),
     ],
 )
 def test_errors_are_one_line(capsys, tiny_model_dir, argv, message):

@@ -44,11 +44,18 @@ class MtpFamily:
     mtp: object
 
 
+_BUILT: dict[str, MtpFamily] = {}  # one build per family for the module (pytest tears a
+# parametrized module fixture down whenever consecutive tests change its parameter)
+
+
 @pytest.fixture(scope="module", params=list(BUILDERS))
 def mtp_family(request, tmp_path_factory) -> MtpFamily:
-    folder, hf = BUILDERS[request.param](tmp_path_factory)
-    mtp = add_mtp(folder, hf)
-    return MtpFamily(make_family(folder, hf, hf.config.vocab_size), hf, mtp)
+    name = request.param
+    if name not in _BUILT:
+        folder, hf = BUILDERS[name](tmp_path_factory)
+        mtp = add_mtp(folder, hf)
+        _BUILT[name] = MtpFamily(make_family(folder, hf, hf.config.vocab_size), hf, mtp)
+    return _BUILT[name]
 
 
 def record_drafts(engine: Engine) -> list[tuple[str, int, tuple[int, ...]]]:
