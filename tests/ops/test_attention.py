@@ -6,21 +6,27 @@ import torch
 from hybridkv.ops.attention import paged_attention, write_kv_cache
 
 
-def naive_attention(q, k, v, scale, window=None):
-    """One request, dense: q [q_len, h, d] at the end of k/v [seq_len, kvh, d]."""
+def naive_attention(q, k, v, scale, window=None, sinks=None, cap=None):
+    """One request, dense, float64: q [q_len, h, d] at the end of k/v [seq_len, kvh, d].
+    `cap`: logit soft-capping (c * tanh(s / c), before the mask, as Gemma 2's eager attention);
+    `sinks` [h]: one more logit per head that has no value (gpt-oss), never capped."""
     q_len, h, _ = q.shape
     seq_len, kvh, _ = k.shape
-    g = h // kvh
-    k = k.repeat_interleave(g, dim=1)
-    v = v.repeat_interleave(g, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    k = k.double().repeat_interleave(h // kvh, dim=1)
+    v = v.double().repeat_interleave(h // kvh, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale  # [h, q_len, seq_len]
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
     k_pos = torch.arange(seq_len)[None, :]
     mask = k_pos <= q_pos
     if window is not None:
         mask &= k_pos > q_pos - window
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v.double())
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.double()[:, None, None].expand(h, q_len, 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., :seq_len]
+    return torch.einsum("hqk,khd->qhd", probs, v)
 
 
 def make_batch(q_lens, seq_lens, kbs, heads, kv_heads, d, num_blocks, seed=0, nan_fill=True):

@@ -10,8 +10,6 @@ the sink) run ragged batches over NaN-filled paged caches, with and without a wi
 from __future__ import annotations
 
 import os
-import shutil
-import sys
 
 import pytest
 import torch
@@ -22,27 +20,10 @@ if not torch.cuda.is_available():
 from hybridkv.ops.attention import paged_attention  # noqa: E402
 from hybridkv.ops.native import decode_attention as native_attn  # noqa: E402
 
-from .test_attention import make_batch  # noqa: E402
+from .test_attention import make_batch, naive_attention  # noqa: E402
+from .test_native import needs_compiler  # noqa: E402
 
 SCALE = 0.3
-
-
-def sink_reference(q, k, v, sinks, scale, window=None):
-    """One request, dense, float64: q [q_len, h, d] at the end of k/v [seq_len, kvh, d]."""
-    q_len, h, _ = q.shape
-    seq_len, kvh, _ = k.shape
-    k = k.double().repeat_interleave(h // kvh, dim=1)
-    v = v.double().repeat_interleave(h // kvh, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale  # [h, q_len, seq_len]
-    q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-    k_pos = torch.arange(seq_len)[None, :]
-    mask = k_pos <= q_pos
-    if window is not None:
-        mask &= k_pos > q_pos - window
-    scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.double()[:, None, None].expand(h, q_len, 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.einsum("hqk,khd->qhd", probs, v)
 
 
 def batch_and_reference(q_lens, seq_lens, kbs, heads, kv_heads, window, seed=0):
@@ -52,7 +33,7 @@ def batch_and_reference(q_lens, seq_lens, kbs, heads, kv_heads, window, seed=0):
     # large sinks next to small ones: some heads give the sink most of the mass
     sinks = torch.linspace(-2.0, 3.0, heads)
     ref = torch.cat(
-        [sink_reference(qs[i], ks[i], vs[i], sinks, SCALE, window) for i in range(len(q_lens))]
+        [naive_attention(qs[i], ks[i], vs[i], SCALE, window, sinks) for i in range(len(q_lens))]
     )
     return (q, cache, table, qsl, sl), sinks, ref
 
@@ -72,10 +53,7 @@ def test_torch_path_matches_reference(kbs, window, kernels):
     torch.testing.assert_close(no_sink, plain, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(
-    shutil.which("gcc") is None or not sys.platform.startswith("linux"),
-    reason="the native kernels are built with gcc on Linux",
-)
+@needs_compiler
 @pytest.mark.parametrize(("kbs", "window"), [(1, None), (3, 4), (16, 7)])
 def test_native_decode_matches_reference(kbs, window):
     args, sinks, ref = batch_and_reference([1] * 5, [1, 9, 23, 5, 40], kbs, 6, 2, window, seed=3)

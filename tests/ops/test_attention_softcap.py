@@ -13,8 +13,6 @@ grouped queries and odd head counts; the native decode kernel's own tests
 from __future__ import annotations
 
 import os
-import shutil
-import sys
 
 import pytest
 import torch
@@ -25,36 +23,12 @@ if not torch.cuda.is_available():
 from hybridkv.ops.attention import paged_attention  # noqa: E402
 from hybridkv.ops.native import decode_attention as native_attn  # noqa: E402
 
-from .test_attention import make_batch  # noqa: E402
+from .test_attention import make_batch, naive_attention  # noqa: E402
+from .test_native import needs_compiler  # noqa: E402
 
 SCALE = 0.6  # scores spread by about 0.6 * sqrt(8) = 1.7: a cap of 1 changes them a lot
 CAP = 1.0
 
-needs_compiler = pytest.mark.skipif(
-    shutil.which("gcc") is None or not sys.platform.startswith("linux"),
-    reason="the native kernels are built with gcc on Linux",
-)
-
-
-def dense_reference(q, k, v, scale, cap, window=None, sinks=None):
-    """One request, dense, float64: q [q_len, h, d] at the end of k/v [seq_len, kvh, d]."""
-    q_len, h, _ = q.shape
-    seq_len, kvh, _ = k.shape
-    k = k.double().repeat_interleave(h // kvh, dim=1)
-    v = v.double().repeat_interleave(h // kvh, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale  # [h, q_len, seq_len]
-    if cap is not None:
-        scores = torch.tanh(scores / cap) * cap
-    q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-    k_pos = torch.arange(seq_len)[None, :]
-    mask = k_pos <= q_pos
-    if window is not None:
-        mask &= k_pos > q_pos - window
-    scores = scores.masked_fill(~mask, float("-inf"))
-    if sinks is not None:
-        scores = torch.cat([scores, sinks.double()[:, None, None].expand(h, q_len, 1)], dim=-1)
-    probs = torch.softmax(scores, dim=-1)[..., :seq_len]
-    return torch.einsum("hqk,khd->qhd", probs, v)
 
 
 def batch_and_reference(q_lens, seq_lens, kbs, heads, kv_heads, window, sinks, cap, seed=0):
@@ -63,7 +37,7 @@ def batch_and_reference(q_lens, seq_lens, kbs, heads, kv_heads, window, sinks, c
     )
     sink = torch.linspace(-2.0, 1.0, heads) if sinks else None
     ref = torch.cat(
-        [dense_reference(qs[i], ks[i], vs[i], SCALE, cap, window, sink) for i in range(len(q_lens))]
+        [naive_attention(qs[i], ks[i], vs[i], SCALE, window, sink, cap) for i in range(len(q_lens))]
     )
     return (q, cache, table, qsl, sl), sink, ref
 
@@ -98,9 +72,9 @@ def test_torch_path_in_bfloat16(dtype):
     _, _, _, _, _, qs, ks, vs = make_batch([5, 1, 1], [9, 30, 2], 4, 6, 2, 8, 200, seed=2)
     ref = torch.cat(
         [
-            dense_reference(
+            naive_attention(
                 qs[i].to(dtype).float(), ks[i].to(dtype).float(), vs[i].to(dtype).float(),
-                SCALE, CAP,
+                SCALE, cap=CAP,
             )
             for i in range(3)
         ]
@@ -179,7 +153,7 @@ def test_triton_tanh_is_accurate_for_small_and_large_caps():
     args, _, _ = batch_and_reference([4, 1], [20, 40], 16, 4, 2, None, False, CAP, seed=7)
     _, _, _, _, _, qs, ks, vs = make_batch([4, 1], [20, 40], 16, 4, 2, 8, 200, seed=7)
     for cap in (1e3, 0.35, 0.05):
-        ref = torch.cat([dense_reference(qs[i], ks[i], vs[i], SCALE, cap) for i in range(2)])
+        ref = torch.cat([naive_attention(qs[i], ks[i], vs[i], SCALE, cap=cap) for i in range(2)])
         out = tri.paged_attention(*args, SCALE, softcap=cap)
         torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
     with pytest.raises(ValueError, match="softcap must be positive"):
@@ -238,8 +212,8 @@ def test_self_attention_caps_its_scores():
         q = attn.q_proj(x).view(n, heads, d)
         k = attn.k_proj(x).view(n, kv_heads, d)
         v = attn.v_proj(x).view(n, kv_heads, d)
-        dense = dense_reference(q, k, v, SCALE, CAP).float().reshape(n, heads * d)
+        dense = naive_attention(q, k, v, SCALE, cap=CAP).float().reshape(n, heads * d)
         want = attn.o_proj(dense)
-        plain = attn.o_proj(dense_reference(q, k, v, SCALE, None).float().reshape(n, -1))
+        plain = attn.o_proj(naive_attention(q, k, v, SCALE).float().reshape(n, -1))
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     assert (plain - want).abs().max() > 1e-2
