@@ -390,19 +390,12 @@ class Engine:
         spec = self.scheduler_config.speculative_config
         if spec is None:
             return None
+        if spec.method == "mtp" and spec.draft_sample_method != "greedy":
+            raise ValueError(
+                f"speculative_config: draft_sample_method {spec.draft_sample_method!r} is not "
+                "supported yet; allowed: 'greedy' (MTP drafts are the argmax)"
+            )
         mtp_layers = int(getattr(family, "num_mtp_layers", 0) or 0)
-        if spec.method == "mtp":
-            if mtp_layers > 1:
-                raise ValueError(
-                    f"speculative_config: method 'mtp' runs checkpoints with one MTP layer; "
-                    f"{model!r} declares {mtp_layers} (num_mtp_layers / mtp_num_hidden_layers)"
-                )
-            if spec.draft_sample_method != "greedy":
-                raise ValueError(
-                    "speculative_config: draft_sample_method "
-                    f"{spec.draft_sample_method!r} is not supported yet; allowed: 'greedy' "
-                    "(MTP drafts are the argmax)"
-                )
         return spec.for_target(model, tp_size, mtp_layers, max_model_len=self.max_model_len)
 
     def _num_scratch_rows(self) -> int:

@@ -136,7 +136,21 @@ class CausalLM(nn.Module):
     # and `out` is the hidden state the next (autoregressive) MTP step takes.
 
     def build_mtp(self) -> None:
-        """Add the MTP layers (before `cache_layers`, `materialise` and `load_weights`)."""
+        """Add the MTP layer (before `cache_layers`, `materialise` and `load_weights`): one,
+        the count of every released checkpoint; a chain of several is not built."""
+        n = int(getattr(self.config, "num_mtp_layers", 0) or 0)
+        name = type(self).__name__
+        if n < 1:
+            raise ValueError(f"{name} has no multi-token-prediction layers")
+        if n > 1:
+            raise ValueError(
+                f"{name}: checkpoints with {n} MTP layers are not supported; method 'mtp' runs "
+                "checkpoints with one (num_nextn_predict_layers / mtp_num_hidden_layers)"
+            )
+        self.mtp = self.make_mtp()
+
+    def make_mtp(self) -> nn.Module:
+        """The family's MTP layer module (families with MTP checkpoints)."""
         raise ValueError(f"{type(self).__name__} has no multi-token-prediction layers")
 
     def mtp_forward(

@@ -277,10 +277,8 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     # -- multi-token prediction --------------------------------------------------------------
 
-    def build_mtp(self) -> None:
-        if self.config.num_mtp_layers < 1:
-            super().build_mtp()
-        self.mtp = DeepseekMTP(self.config)
+    def make_mtp(self) -> nn.Module:
+        return DeepseekMTP(self.config)
 
     def mtp_forward(
         self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch

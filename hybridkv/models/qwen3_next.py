@@ -371,10 +371,8 @@ class Qwen3NextForCausalLM(CausalLM):
 
     # -- multi-token prediction --------------------------------------------------------------
 
-    def build_mtp(self) -> None:
-        if self.config.num_mtp_layers < 1:
-            super().build_mtp()
-        self.mtp = Qwen3NextMTP(self.config)
+    def make_mtp(self) -> nn.Module:
+        return Qwen3NextMTP(self.config)
 
     def mtp_forward(
         self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch

@@ -25,7 +25,8 @@ never had is refused naming the keys hybridkv honours. Honoured:
     draft_tensor_parallel_size  mtp: None or the target's size (the MTP layers are sharded like
                             the target's); ngram: any (there is no draft model)
     draft_sample_method     "greedy" (drafts are argmax: a point mass in rejection sampling) or,
-                            mtp only, "probabilistic" (drafts sampled from the MTP distribution q)
+                            mtp only, "probabilistic" (parsed; the engine refuses it until
+                            drafts sampled from the MTP distribution q are built)
 
 Keys that ask for something hybridkv does not do (EAGLE, draft models, suffix trees, typical
 acceptance, ...) are accepted only at vLLM's own default value, so a config written for vLLM

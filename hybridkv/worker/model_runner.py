@@ -449,11 +449,14 @@ class MtpDrafter:
         pending = [c for c in chunks if c.mtp_next_ids and c.request_id in self.hidden]
         if not pending:
             return tuple(chunks), {}
-        # pass 1: every pending pair; its outputs at the drafting chunks' last pairs
-        first = [_pairs(c, c.mtp_start, c.mtp_next_ids, _drafts_from(c)) for c in pending]
+        # pass 1: every pending pair; its outputs at the drafting chunks' last pairs (the
+        # scheduler gives drafts only to a chunk whose pairs end at its last known token - 1)
+        drafting = [c for c in pending if c.num_drafts]
+        for c in drafting:
+            assert c.mtp_start + len(c.mtp_next_ids) == c.start + c.num_known - 1, c
+        first = [_pairs(c, c.mtp_start, c.mtp_next_ids, c.num_drafts > 0) for c in pending]
         rows = [self.hidden.pop(c.request_id)[: len(c.mtp_next_ids)] for c in pending]
         out = self._pass(first, torch.cat(rows))  # [num drafting, H]
-        drafting = [c for c in pending if _drafts_from(c)]
         drafts: dict[str, list[int]] = {c.request_id: [] for c in drafting}
         for j in range(max((c.num_drafts for c in drafting), default=0)):
             for c, token in zip(drafting, self._argmax(out), strict=True):
@@ -490,13 +493,6 @@ class MtpDrafter:
             logits.shape[0], dtype=torch.int64, device=logits.device
         )  # fmt: skip
         return self.tp.all_reduce(ids.contiguous()).tolist()
-
-
-def _drafts_from(chunk: ScheduledChunk) -> bool:
-    """A chunk with drafts whose pending pairs end at its last known token's position - 1
-    (the pair whose output drafts the token after it); else its drafts stay placeholders."""
-    last_pair = chunk.mtp_start + len(chunk.mtp_next_ids) - 1
-    return chunk.num_drafts > 0 and last_pair == chunk.start + chunk.num_known - 2
 
 
 def _pairs(

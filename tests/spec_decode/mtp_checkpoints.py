@@ -37,11 +37,8 @@ class QwenMTP(nn.Module):
         super().__init__()
         cfg = copy.deepcopy(hf.config)
         cfg.layer_types = ["full_attention"] * cfg.num_hidden_layers
-        module = type(hf.model.layers[0]).__module__
-        mod = __import__(module, fromlist=["x"])
         layer_cls = type(hf.model.layers[0])
-        norm_cls = next(getattr(mod, n) for n in dir(mod) if n.endswith("RMSNorm")
-                        and "Gated" not in n)  # fmt: skip
+        norm_cls = type(hf.model.norm)  # the family's zero-centred RMSNorm
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.pre_fc_norm_embedding = norm_cls(h, eps=eps)
