@@ -430,9 +430,6 @@ class Engine:
         cfg = self.model_config
         if cfg.enforce_eager or self.device.type != "cpu" or self.tp.size > 1:
             return 0
-        spec = self.speculative_config
-        if spec is not None and spec.method == "mtp":
-            return 0  # the MTP layers take the target's hidden states (a captured step: logits)
         return cfg.max_capture_size
 
     def _serve_as_worker(self, runner: ModelRunner) -> None:

@@ -11,7 +11,8 @@ step writes its values there in NumPy, then replays:
 
     step of S decodes --> ids, positions, seq_lens [S];  per attention group: block table rows
                           [S, max_blocks], slots [S];  per state group: state pages [S]
-                      --> program.run()  --> logits [S, vocab] (a fixed buffer too)
+                      --> program.run()  --> logits [S, vocab] (a fixed buffer too), and
+                          the final hidden states [S, hidden] the MTP drafter takes
 
 Which steps: decodes (one token per request, each with a state, each sampling) and uniform
 verify steps of speculative decoding (q tokens per request, the last known token and q - 1
@@ -81,6 +82,7 @@ class CapturedStep:
     # [S, vocab] float32: what the program writes, in the arena the captured sizes share (read
     # it before the next step)
     logits: torch.Tensor
+    hidden: torch.Tensor  # [S*q, hidden]: the model's output the logits came from (arena)
 
 
 def uniform_tokens(chunks: Sequence[ScheduledChunk]) -> int:
@@ -109,6 +111,9 @@ class DecodeGraphs:
         # kernel takes): they run eagerly, the other shapes are still captured
         self.refused: dict[tuple[int, int], str] = {}
         self.replays = 0
+        # the final hidden states of the last step `logits` answered ([S*q, hidden], arena
+        # memory: copy what must outlive the next step)
+        self.hidden: torch.Tensor | None = None
         # what the captured steps allocate: one step runs at a time, so all sizes share it
         self.arena = Arena()
 
@@ -128,6 +133,7 @@ class DecodeGraphs:
             self._fill(step.inputs, chunks, q)
             step.program.run()
             self.replays += 1
+            self.hidden = step.hidden
             return step.logits
         self.seen[shape] = self.seen.get(shape, 0) + 1
         if self.seen[shape] < 2:
@@ -139,9 +145,13 @@ class DecodeGraphs:
         self._fill(inputs, chunks, q)
         self._provide_spans(inputs, q)
         model = self.runner.model
-        logits, program, why = capture(
-            lambda: model.compute_logits(model(inputs.batch)), self.arena
-        )
+
+        def forward() -> tuple[torch.Tensor, torch.Tensor]:
+            hidden = model(inputs.batch)
+            return hidden, model.compute_logits(hidden)
+
+        (hidden, logits), program, why = capture(forward, self.arena)
+        self.hidden = hidden
         if program is None and q > 1:
             self.refused[(len(chunks), q)] = why
             logger.info("verify steps of %d x %d tokens run eagerly: %s", len(chunks), q, why)
@@ -149,7 +159,7 @@ class DecodeGraphs:
             self.disabled = why
             logger.info("decode steps of this model run eagerly: %s", why)
         else:
-            self.steps[(len(chunks), q)] = CapturedStep(inputs, program, logits)
+            self.steps[(len(chunks), q)] = CapturedStep(inputs, program, logits, hidden)
         return logits
 
     # -- the static inputs ---------------------------------------------------------------------

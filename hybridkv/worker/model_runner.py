@@ -357,6 +357,9 @@ class ModelRunner:
         logits = None
         if self.graphs is not None and not any(c.prompt_targets for c in chunks):
             logits = self.graphs.logits(chunks)
+            if logits is not None and self.mtp is not None:
+                assert self.graphs.hidden is not None  # (arena memory: the next replay's)
+                self.mtp.keep(chunks, self.graphs.hidden.clone())
             if logits is not None and any(c.num_logits_rows < c.num_tokens for c in chunks):
                 logits = logits[_logits_indices(chunks, _offsets(chunks))]
         if logits is None:

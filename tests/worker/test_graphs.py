@@ -232,3 +232,27 @@ def test_verify_steps_replay_like_eager_ones(dense, dtype, monkeypatch):
     expect_capture(graphs, dtype)
     if graphs.replays:
         assert any(q > 1 for _, q in graphs.steps), graphs.steps
+
+
+def test_replays_expose_the_hidden_states_of_their_logits(dense):
+    """A replay's `hidden` is what its logits came from (rewritten by every replay, not the
+    capture step's): the MTP drafter takes it (speculative decoding, method "mtp")."""
+    llm = LLM(str(dense), dtype="float32")
+    graphs = llm.engine.runner.graphs
+    model = llm.engine.runner.model
+    checked = []
+    replay = graphs.logits
+
+    def checking(chunks):
+        logits = replay(chunks)
+        if logits is not None:
+            checked.append(torch.equal(model.compute_logits(graphs.hidden), logits))
+        return logits
+
+    graphs.logits = checking
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for lengths in ([5, 9, 3], [4], [6, 2, 7]):  # size 3 replays after size 1 was captured
+        llm.generate(prompts(VOCAB, lengths), params)
+    expect_capture(graphs)
+    if graphs.replays:
+        assert len(checked) > 10 and all(checked)
