@@ -30,8 +30,16 @@ hidden-size 768 shapes and the 32000-row lm_head: benchmarks/quantization.py):
                    float32 layer at M = 64 (Zen 5). bfloat16 x (widened to
                    float32 once, exactly: the same tiles): up to M = SMALL_M rows, where it
                    beats the path below (decode of the 100m model at batch 1: +25%)
-    float32 chunks float32 x of DEQUANT_M rows or more (prefill): q converted to float32 in
-                   chunks of DEQUANT_ELEMENTS weights (exact), one float32 GEMM per chunk,
+    bfloat16 GEMM  float32 x of DEQUANT_M rows or more (prefill) where oneDNN runs bfloat16
+                   GEMMs fast (AMX, AVX512-BF16: the CPU record's "oneDNN bf16"): x rounded to
+                   bfloat16, q converted to bfloat16 in blocks (exact), oneDNN's GEMM, the
+                   output (rounded to bfloat16, as the bfloat16 layer's) scaled per column.
+                   The one place an int8 layer of a float32 model leaves float32 math: on
+                   compute-bound prefill rows float32 FMAs ran at a third of the bfloat16
+                   layer's pace (768 -> 3224, M = 512: 9.6 ms against 1.2 ms, 1.8 ms this way;
+                   llama.cpp's Q8_0 rounds activations to 8 bits there).
+    float32 chunks float32 x of DEQUANT_M rows or more elsewhere (prefill): q converted to float32
+                   in chunks of DEQUANT_ELEMENTS weights (exact), one float32 GEMM per chunk,
                    the output scaled per column: float32 math as above, on PyTorch's GEMM.
                    1.1-1.5x the native tiles at M = 128-1024 (Xeon, 1 and 2 threads; within
                    1.06-1.3x of the float32 layer), which still win at M = 64
@@ -86,6 +94,7 @@ SMALL_M = 16  # rows of x up to which the kernels beat dequantize + bfloat16 GEM
 CHUNK_ELEMENTS = 1 << 20  # weights dequantized at once on the GEMM path (2 MiB of bfloat16)
 DEQUANT_M = 128  # rows of float32 x from which float32 chunks + GEMM beat the tiles (AVX-512)
 DEQUANT_ELEMENTS = 1 << 21  # weights converted at once there (8 MiB of float32)
+BF16_GEMM_ELEMENTS = 1 << 22  # weights converted at once for a bfloat16 GEMM (8 MiB)
 # _weight_int8pack_mm's AVX-512 kernel steps over K by 16 with aligned loads of x (32 bytes)
 # and of the weight rows: another K reads past the rows (wrong sums or a crash), so those
 # layers (a tensor-parallel shard of 24 columns, say) take the GEMM path at every M
@@ -133,7 +142,8 @@ def native_limits() -> tuple[int, int]:
 
 # The int8 linear family, keyed by x's dtype (each implementation takes x [M, K], q, scale):
 # on an AVX-512 Xeon
-#   float32   native-avx512 (rows <= DEQUANT_M - 1), float32-chunks
+#   float32   native-avx512 (rows <= DEQUANT_M - 1), then onednn-bf16-gemm where oneDNN has
+#             fast bfloat16 GEMMs (AMX, AVX512-BF16), else float32-chunks
 #   bfloat16  native-avx512 (rows <= SMALL_M), torch-bf16
 # on an AVX2 CPU the kernel at every M (`native_limits`); without the kernel float32 x takes
 # the bfloat16 path below DEQUANT_M rows and the float32 chunks from there.
@@ -150,6 +160,8 @@ INT8_LINEAR = declare(
                unless=("avx512",), description="int8_linear.c, 8 lanes: every M"),
         OpImpl("dequant-bf16", _HERE + "bf16_int8_matmul", _CPU, _F32,
                max_rows=lambda: DEQUANT_M - 1, description="dequantized bf16 GEMM"),
+        OpImpl("onednn-bf16-gemm", _HERE + "bf16_gemm_int8_matmul", _CPU, _F32, ("onednn_bf16",),
+               description="prefill rows: x and q as bfloat16, oneDNN's AMX / AVX512-BF16 GEMM"),
         OpImpl("float32-chunks", _HERE + "f32_int8_matmul", dtypes=_F32,
                description="q converted to float32 in chunks, one GEMM each"),
         OpImpl("torch-bf16", _HERE + "bf16_int8_matmul", description="dequantized bf16 GEMM"),
@@ -187,6 +199,24 @@ def f32_int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> to
             chunk = q[start : start + rows].to(torch.float32)  # [rows, K]
             torch.mm(x, chunk.T, out=out[:, start : start + rows])
     return out.mul_(scale.to(torch.float32))
+
+
+def bf16_gemm_int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`int8_matmul` of float32 x of many rows (prefill) on a CPU whose oneDNN has fast bfloat16
+    GEMMs: x rounded to bfloat16, q converted to bfloat16 in blocks of BF16_GEMM_ELEMENTS
+    weights (exact: |q| <= 127), one bfloat16 GEMM each (float32 sums, the output rounded to
+    bfloat16 as the bfloat16 layer's is), scaled per column in float32. Compute-bound prefill
+    runs at the bfloat16 layer's pace instead of float32 FMAs' (module docstring)."""
+    xb = x.to(COMPUTE_DTYPE)
+    m, (n, k) = xb.shape[0], q.shape
+    rows = max(1, BF16_GEMM_ELEMENTS // max(k, 1))
+    if rows >= n:
+        out = F.linear(xb, q.to(COMPUTE_DTYPE)).to(torch.float32)
+    else:
+        out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+        for start in range(0, n, rows):  # [M, rows] in bfloat16, widened into its columns
+            out[:, start : start + rows] = F.linear(xb, q[start : start + rows].to(COMPUTE_DTYPE))
+    return out.mul_(scale.to(torch.float32)).to(x.dtype)
 
 
 def bf16_int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

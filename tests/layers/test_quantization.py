@@ -12,6 +12,7 @@ from hybridkv.layers import quantization as quant
 from hybridkv.layers.linear import PackedLinear, prepack_available, prepack_linears
 from hybridkv.layers.quantization import (
     Int8Linear,
+    bf16_gemm_int8_matmul,
     bf16_int8_matmul,
     dequantize_rows,
     int8_matmul,
@@ -138,9 +139,10 @@ def test_native_limits_follow_the_build():
 @pytest.mark.skipif(not native_int8.available(), reason="no native int8 kernel (AVX2) here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_matmul_at_prefill_sizes(dtype):
-    """Past DEQUANT_M rows (float32 chunks on AVX-512, the kernel's GEMM on AVX2), an odd K:
-    float32 math on the dequantized weight (bfloat16 x: PyTorch's path on AVX-512 above SMALL_M,
-    its bfloat16 GEMM)."""
+    """Past DEQUANT_M rows (on AVX-512: oneDNN's bfloat16 GEMM where it is fast, else float32
+    chunks; the kernel's GEMM on AVX2), an odd K: float32 math on the dequantized weight, but
+    for bfloat16 x (PyTorch's path on AVX-512 above SMALL_M) and the bfloat16 GEMM (x and the
+    output rounded to bfloat16)."""
     w = weight(37, 77)
     q, scale = quantize_rows(w)
     x = torch.randn(quant.DEQUANT_M + 5, 77, generator=torch.Generator().manual_seed(1))
@@ -149,9 +151,28 @@ def test_int8_matmul_at_prefill_sizes(dtype):
     xd = x.double()
     exact = xd @ dequantize_rows(q, scale).double().T
     magnitude = xd.abs() @ dequantize_rows(q, scale).double().abs().T
-    bound = 1e-6 * magnitude + (2 * BF16_ULP * exact.abs() if dtype == torch.bfloat16 else 0)
+    chain = quant.INT8_LINEAR.chain(x.device, x.dtype, ())
+    in_bf16 = dtype == torch.bfloat16 or chain.for_rows(x.shape[0]) is bf16_gemm_int8_matmul
+    bound = 1e-6 * magnitude + (BF16_ULP * (magnitude + 2 * exact.abs()) if in_bf16 else 0)
     assert out.dtype == dtype
     assert bool(((out.double() - exact).abs() <= bound).all())
+
+
+def test_bf16_gemm_path_in_blocks(monkeypatch):
+    """float32 prefill rows on oneDNN's bfloat16 GEMM: whole, or the weight converted a block of
+    rows at a time (the lm_head's size), within bfloat16 rounding of x and of the output."""
+    w = weight(50, 64)
+    q, scale = quantize_rows(w)
+    x = torch.randn(130, 64, generator=torch.Generator().manual_seed(2))
+    exact = x.double() @ dequantize_rows(q, scale).double().T
+    magnitude = x.double().abs() @ dequantize_rows(q, scale).double().abs().T
+    bound = 1e-6 * magnitude + BF16_ULP * (magnitude + 2 * exact.abs())
+    whole = bf16_gemm_int8_matmul(x, q, scale)
+    monkeypatch.setattr(quant, "BF16_GEMM_ELEMENTS", 64 * 16)  # blocks of 16 of the 50 rows
+    blocks = bf16_gemm_int8_matmul(x, q, scale)
+    for out in (whole, blocks):
+        assert out.dtype == torch.float32
+        assert bool(((out.double() - exact).abs() <= bound).all())
 
 
 def test_kernel_input_at_an_unaligned_offset_is_copied():
