@@ -26,18 +26,20 @@ hidden-size 768 shapes and the 32000-row lm_head: benchmarks/quantization.py):
                    float32 math (the error is the int8 weight's alone), at every M: up to 16
                    rows the weight streams from memory at the pace of a plain read of its bytes
                    (M = 1; 2.5-4x the native float32 linear, benchmarks/README.md); up to
-                   DEQUANT_M - 1 rows (below, float32 chunks), 15-25% slower than the
-                   float32 layer at M = 64 (Zen 5). bfloat16 x (widened to
+                   BF16_GEMM_M - 1 rows where oneDNN's bfloat16 GEMM is fast (below), else
+                   DEQUANT_M - 1 (below, float32 chunks), 15-25% slower than the float32
+                   layer at M = 64 (Zen 5). bfloat16 x (widened to
                    float32 once, exactly: the same tiles): up to M = SMALL_M rows, where it
                    beats the path below (decode of the 100m model at batch 1: +25%)
-    bfloat16 GEMM  float32 x of DEQUANT_M rows or more (prefill) where oneDNN runs bfloat16
+    bfloat16 GEMM  float32 x of BF16_GEMM_M rows or more where oneDNN runs bfloat16
                    GEMMs fast (AMX, AVX512-BF16: the CPU record's "oneDNN bf16"): x rounded to
                    bfloat16, q converted to bfloat16 in blocks (exact), oneDNN's GEMM, the
                    output (rounded to bfloat16, as the bfloat16 layer's) scaled per column.
                    The one place an int8 layer of a float32 model leaves float32 math: on
                    compute-bound prefill rows float32 FMAs ran at a third of the bfloat16
                    layer's pace (768 -> 3224, M = 512: 9.6 ms against 1.2 ms, 1.8 ms this way;
-                   llama.cpp's Q8_0 rounds activations to 8 bits there).
+                   at M = 64 1.46 ms against 0.36, 0.65 this way; llama.cpp's Q8_0 rounds
+                   activations to 8 bits there).
     float32 chunks float32 x of DEQUANT_M rows or more elsewhere (prefill): q converted to float32
                    in chunks of DEQUANT_ELEMENTS weights (exact), one float32 GEMM per chunk,
                    the output scaled per column: float32 math as above, on PyTorch's GEMM.
@@ -95,6 +97,10 @@ CHUNK_ELEMENTS = 1 << 20  # weights dequantized at once on the GEMM path (2 MiB 
 DEQUANT_M = 128  # rows of float32 x from which float32 chunks + GEMM beat the tiles (AVX-512)
 DEQUANT_ELEMENTS = 1 << 21  # weights converted at once there (8 MiB of float32)
 BF16_GEMM_ELEMENTS = 1 << 22  # weights converted at once for a bfloat16 GEMM (8 MiB)
+# rows of float32 x from which oneDNN's bfloat16 GEMM (AMX) beats the float32 tiles, where it
+# is fast (768 -> 3224, 2 threads: tiles 343 / 501 / 720 us at M = 16 / 24 / 32, the GEMM
+# 467 / 465 / 505 us)
+BF16_GEMM_M = 24
 # _weight_int8pack_mm's AVX-512 kernel steps over K by 16 with aligned loads of x (32 bytes)
 # and of the weight rows: another K reads past the rows (wrong sums or a crash), so those
 # layers (a tensor-parallel shard of 24 columns, say) take the GEMM path at every M
@@ -132,34 +138,37 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def native_limits() -> tuple[int, int]:
     """(rows of bfloat16 x up to which `int8_matmul` runs the native kernel, rows of float32 x
-    from which it runs the float32 chunks instead): SMALL_M and DEQUANT_M, read at the call;
-    every M and never where the kernel is the AVX2 one (the module docstring: the build and
-    the CPU decide, through the CPU record)."""
-    if native_int8.kernel() is not None and not loaded_record().supports("avx512"):
+    from which it leaves the kernel): SMALL_M, and BF16_GEMM_M where oneDNN runs bfloat16
+    GEMMs fast (its GEMM from there) else DEQUANT_M (float32 chunks), read at the call; every
+    M and never where the kernel is the AVX2 one (the module docstring: the build and the CPU
+    decide, through the CPU record)."""
+    record = loaded_record()
+    if native_int8.kernel() is not None and not record.supports("avx512"):
         return sys.maxsize, sys.maxsize
-    return SMALL_M, DEQUANT_M
+    return SMALL_M, BF16_GEMM_M if record.onednn_bf16 else DEQUANT_M
 
 
 # The int8 linear family, keyed by x's dtype (each implementation takes x [M, K], q, scale):
 # on an AVX-512 Xeon
-#   float32   native-avx512 (rows <= DEQUANT_M - 1), then onednn-bf16-gemm where oneDNN has
-#             fast bfloat16 GEMMs (AMX, AVX512-BF16), else float32-chunks
+#   float32   native-avx512 (rows < BF16_GEMM_M), onednn-bf16-gemm, where oneDNN has fast
+#             bfloat16 GEMMs (AMX, AVX512-BF16); else native-avx512 (rows < DEQUANT_M),
+#             float32-chunks
 #   bfloat16  native-avx512 (rows <= SMALL_M), torch-bf16
 # on an AVX2 CPU the kernel at every M (`native_limits`); without the kernel float32 x takes
-# the bfloat16 path below DEQUANT_M rows and the float32 chunks from there.
+# _weight_int8pack_mm up to SMALL_M rows, then oneDNN's bfloat16 GEMM or the float32 chunks.
 _CPU, _F32, _BF16 = frozenset({"cpu"}), frozenset({"float32"}), frozenset({"bfloat16"})
 _HERE = f"{__name__}:"
 INT8_LINEAR = declare(
     "int8_linear",
     (
         OpImpl("native-avx512", _HERE + "_native", _CPU, _F32, ("native", "avx512"),
-               max_rows=lambda: DEQUANT_M - 1, description="int8_linear.c, 16 lanes"),
+               max_rows=lambda: native_limits()[1] - 1, description="int8_linear.c, 16 lanes"),
         OpImpl("native-avx512-bf16", _HERE + "_native", _CPU, _BF16, ("native", "avx512"),
                max_rows=lambda: SMALL_M, description="int8_linear.c, vdpbf16ps"),
         OpImpl("native-avx2", _HERE + "_native", _CPU, _F32 | _BF16, ("native", "avx2"),
                unless=("avx512",), description="int8_linear.c, 8 lanes: every M"),
         OpImpl("dequant-bf16", _HERE + "bf16_int8_matmul", _CPU, _F32,
-               max_rows=lambda: DEQUANT_M - 1, description="dequantized bf16 GEMM"),
+               max_rows=lambda: SMALL_M, description="_weight_int8pack_mm, x as bf16"),
         OpImpl("onednn-bf16-gemm", _HERE + "bf16_gemm_int8_matmul", _CPU, _F32, ("onednn_bf16",),
                description="prefill rows: x and q as bfloat16, oneDNN's AMX / AVX512-BF16 GEMM"),
         OpImpl("float32-chunks", _HERE + "f32_int8_matmul", dtypes=_F32,

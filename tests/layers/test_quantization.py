@@ -113,10 +113,11 @@ def test_native_kernel_equals_dequantized_weight_times_input(dtype, m, k):
     bound = 1e-6 * magnitude + (BF16_ULP * exact.abs() if dtype == torch.bfloat16 else 0)
     assert bool(((out.double() - exact).abs() <= bound).all())
     check_quantization_error(xd, q, scale, w, out, k)
-    small_m, dequant_m = quant.native_limits()  # (AVX2: every M on the kernel)
-    if dtype == torch.float32 or m <= small_m:  # what the int8 layers run on (m < dequant_m)
-        assert m < dequant_m
+    small_m, kernel_until = quant.native_limits()  # (AVX2: every M on the kernel)
+    if m <= small_m or (dtype == torch.float32 and m < kernel_until):  # the int8 layers' path
         assert torch.equal(int8_matmul(x, q, scale), out)
+    elif dtype == torch.float32:  # oneDNN's bfloat16 GEMM past BF16_GEMM_M rows (AMX, AVX-512)
+        assert torch.equal(int8_matmul(x, q, scale), bf16_gemm_int8_matmul(x, q, scale))
     else:  # larger bfloat16 batches take PyTorch's dequantize + GEMM path (AVX-512)
         assert torch.equal(int8_matmul(x, q, scale), bf16_int8_matmul(x, q, scale))
     strided = torch.randn(m, k + 7).to(dtype)[:, 3 : 3 + k]  # rows at a stride
@@ -125,15 +126,17 @@ def test_native_kernel_equals_dequantized_weight_times_input(dtype, m, k):
 
 
 def test_native_limits_follow_the_build():
-    """AVX-512 builds: the measured SMALL_M / DEQUANT_M; an AVX2 build's kernel runs at every M
-    (its own GEMM above 20 rows); without the kernel, PyTorch's paths at their limits."""
+    """AVX-512 builds: the measured SMALL_M / BF16_GEMM_M (fast bfloat16 GEMMs) or DEQUANT_M;
+    an AVX2 build's kernel runs at every M (its own GEMM above 20 rows); without the kernel,
+    PyTorch's paths at their limits."""
     from hybridkv.ops.native import cpu
 
     limits = quant.native_limits()
     if native_int8.available() and not cpu.record().supports("avx512"):
         assert limits[0] >= 2**31 and limits[1] >= 2**31
-    else:
-        assert limits == (quant.SMALL_M, quant.DEQUANT_M)
+    else:  # float32 x leaves the kernel for oneDNN's bfloat16 GEMM where it is fast
+        fast_bf16 = cpu.record().onednn_bf16
+        assert limits == (quant.SMALL_M, quant.BF16_GEMM_M if fast_bf16 else quant.DEQUANT_M)
 
 
 @pytest.mark.skipif(not native_int8.available(), reason="no native int8 kernel (AVX2) here")
