@@ -325,10 +325,16 @@ class Engine:
             how = "the checkpoint's MTP layer" if mtp else (
                 f"prompt lookup {spec.prompt_lookup_min}..{spec.prompt_lookup_max}"
             )  # fmt: skip
+            k = f"k={spec.num_speculative_tokens}"
+            schedule = spec.num_speculative_tokens_per_batch_size
+            if schedule is not None:
+                k += f" per batch size {[list(e) for e in schedule]}"
+            if spec.adaptive_k:
+                k += " (adaptive: at most)"
             logger.info(
-                "speculative decoding: %s, k=%s, %s; %d state scratch rows (%.1f MiB, outside "
-                "the cache budget)", spec.method, spec.num_speculative_tokens, how,
-                self._num_scratch_rows(), scratch / 2**20,
+                "speculative decoding: %s, %s, %s; %d state scratch rows (%.1f MiB, outside "
+                "the cache budget)", spec.method, k, how, self._num_scratch_rows(),
+                scratch / 2**20,
             )  # fmt: skip
         self.eos_token_ids = eos_token_ids(text_config(hf_config), generation_config(folder))
         self.vocab_size = family.vocab_size
@@ -404,10 +410,7 @@ class Engine:
         spec = self.speculative_config
         if spec is None or not self.plan.state_groups:
             return 0
-        rows = self.scheduler_config.max_num_seqs
-        if spec.disable_by_batch_size is not None:
-            rows = min(rows, spec.disable_by_batch_size - 1)
-        return rows
+        return spec.max_drafting_batch(self.scheduler_config.max_num_seqs)
 
     def _mtp_placeholders(self, req: Request, max_drafts: int) -> tuple[int, ...] | None:
         """The scheduler's drafter under method "mtp": the runner's MTP layers make the drafts
@@ -633,6 +636,7 @@ class Engine:
         if self.cpu_share is not None:
             self.cpu_share.tick()
         self._release_held()
+        started = time.perf_counter()
         out = self.scheduler.schedule()
         # the step's live requests (one aborted while the step ran is gone)
         stepped = [r for c in out.chunks if (r := self.requests.get(c.request_id)) is not None]
@@ -659,6 +663,7 @@ class Engine:
         new_tokens: dict[str, int | list[int]] = {rid: s.token for rid, s in samples.items()}
         new_tokens.update(verified.tokens)
         finished = self.scheduler.update(out, new_tokens)
+        self.scheduler.observe_step(out, time.perf_counter() - started)  # (adaptive_k)
         sampled = [r for r in stepped if r.request_id in new_tokens and r not in failed]
         finished += self._finish_grammars(sampled)
         finished += self._apply_stop_strings(sampled, failed)

@@ -41,6 +41,7 @@ from hybridkv.core.coordinator import NO_HIT, CacheManager, PrefixHit, StepAlloc
 from hybridkv.core.managers import INF
 from hybridkv.core.request import Request, RequestStatus
 from hybridkv.sampling_params import SamplingParams
+from hybridkv.spec_decode.adaptive import Candidate, GoodputPolicy
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,14 @@ class Scheduler:
         self.drafter = drafter
         self.num_scratch_rows = num_scratch_rows
         self.mtp = mtp
+        spec = config.speculative_config
+        # `adaptive_k`: the step's drafts per chunk chosen for tokens per second
+        self.adaptive: GoodputPolicy | None = None
+        if drafter is not None and spec is not None and spec.adaptive_k:
+            assert spec.num_speculative_tokens is not None
+            self.adaptive = GoodputPolicy(spec.num_speculative_tokens, rewinds=cache.has_state)
+        self._real_drafts: dict[str, int] = {}  # request id -> drafts offered (no fillers)
+        self._first_drafts: dict[str, int] = {}  # adaptive_k: first drafts cut from the step
         self._restores: list[tuple[str, int]] = []
         self._scratch_used = 0
         self.waiting: deque[Request] = deque()
@@ -293,19 +302,64 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue
             cap = self._draft_cap(req, req.num_tokens - req.num_computed_tokens, budget)
-            if cap <= 0:
-                continue
+            if cap > 0:
+                caps[req.request_id] = (req, cap)
+        self._real_drafts, self._first_drafts = {}, {}
+        if self.adaptive is not None and caps and not self.adaptive.worth_proposing(
+            [Candidate(rid, r.num_tokens - r.num_computed_tokens, 0, cap)
+             for rid, (r, cap) in caps.items()]
+        ):  # fmt: skip
+            return {}  # not even drafts for every row would beat a plain step
+        for rid, (req, cap) in list(caps.items()):
             proposed = self.drafter(req, cap)
             if proposed is None:
-                continue  # may not carry drafts
-            caps[req.request_id] = (req, cap)
-            drafts[req.request_id] = tuple(proposed)[:cap]
+                del caps[rid]  # may not carry drafts
+                continue
+            drafts[rid] = tuple(proposed)[:cap]
+        self._real_drafts = {rid: len(d) for rid, d in drafts.items()}
+        if self.adaptive is not None and any(drafts.values()):
+            self._adapt(caps, drafts)
         if any(drafts.values()):
             for rid, (req, cap) in caps.items():
                 d = drafts[rid]
                 last = d[-1] if d else req.all_token_ids[-1]
                 drafts[rid] = d + (last,) * (cap - len(d))
         return drafts
+
+    def _adapt(
+        self, caps: dict[str, tuple[Request, int]], drafts: dict[str, tuple[int, ...]]
+    ) -> None:
+        """`adaptive_k`: cut every cap (and the drafts) to the step's chosen tokens per chunk
+        (`GoodputPolicy.choose`); the fillers then pad to the cut caps."""
+        assert self.adaptive is not None
+        known = {rid: req.num_tokens - req.num_computed_tokens for rid, (req, _) in caps.items()}
+        candidates = [
+            Candidate(rid, known[rid], len(drafts[rid]), cap) for rid, (_, cap) in caps.items()
+        ]
+        tokens_each = self.adaptive.choose(candidates)
+        for rid, (req, cap) in caps.items():
+            cut = max(0, min(cap, tokens_each - known[rid]))
+            if drafts[rid] and not cut and known[rid] == 1:
+                self._first_drafts[rid] = drafts[rid][0]  # judged by the token it samples
+            caps[rid] = (req, cut)
+            drafts[rid] = drafts[rid][:cut]
+            self._real_drafts[rid] = len(drafts[rid])
+
+    def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
+        """`adaptive_k`: the engine's wall time of a step. Measured only for steps of one
+        shape (every chunk a decode row or a verify chunk of the same length)."""
+        if self.adaptive is None or not output.chunks:
+            return
+        if output.restores:
+            self.adaptive.observe_rewind_step(len(output.chunks), seconds)
+            return
+        tokens_each = len(output.chunks[0].token_ids)
+        for c in output.chunks:
+            if c.sampling is None or len(c.token_ids) != tokens_each:
+                return
+            if tokens_each > 1 and not c.num_drafts:
+                return  # a prefill chunk (or a rewound request's recomputation alone)
+        self.adaptive.observe_step(len(output.chunks), tokens_each, seconds)
 
     def _draft_cap(self, req: Request, n: int, budget: int) -> int:
         """The most drafts a running request whose chunk of `n` tokens ends its known tokens
@@ -430,6 +484,9 @@ class Scheduler:
             if chunk.samples:
                 token = sampled[req.request_id]
                 req.all_token_ids.append(token if isinstance(token, int) else token[0])
+                first = self._first_drafts.get(req.request_id)
+                if first is not None and self.adaptive is not None:
+                    self.adaptive.observe_plain(req.request_id, req.all_token_ids[-1] == first)
                 if self._stop_if_done(req):
                     finished.append(req)
                     continue
@@ -443,6 +500,9 @@ class Scheduler:
         the request there), then commit what the target confirmed (module docstring).
         Returns whether the request finished."""
         num_accepted = len(tokens) - 1
+        if self.adaptive is not None:
+            real = self._real_drafts.get(req.request_id, chunk.num_drafts)
+            self.adaptive.observe_verify(req.request_id, real, num_accepted)
         rewind = self.cache.has_state and num_accepted < chunk.num_drafts
         computed = chunk.start if rewind else chunk.start + chunk.num_known + num_accepted
         for token in tokens:
@@ -511,6 +571,8 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str) -> None:
         self._by_id.pop(req.request_id, None)
+        if self.adaptive is not None:
+            self.adaptive.forget(req.request_id)
         self.cache.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

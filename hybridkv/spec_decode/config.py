@@ -21,12 +21,23 @@ never had is refused naming the keys hybridkv honours. Honoured:
     prompt_lookup_max/min   ngram only: the longest / shortest suffix n-gram matched (vLLM: both
                             absent -> 5 and 5; one given -> the other takes its value; min <= max)
     disable_by_batch_size   no drafts in a step with at least this many running requests (>= 2)
+    num_speculative_tokens_per_batch_size  vLLM's dynamic-k schedule: [[lo, hi, k], ...], k drafts
+                            in a step with lo..hi running requests (ranges sorted, disjoint, the
+                            first from 1; a gap or a batch past the last range takes the k of
+                            the range before; 0 <= k <= num_speculative_tokens)
     max_model_len           no drafts for a request once length + k reaches this
     draft_tensor_parallel_size  mtp: None or the target's size (the MTP layers are sharded like
                             the target's); ngram: any (there is no draft model)
     draft_sample_method     "greedy" (drafts are argmax: a point mass in rejection sampling) or,
                             mtp only, "probabilistic" (parsed; the engine refuses it until
                             drafts sampled from the MTP distribution q are built)
+
+hybridkv's own key (vLLM has no such key):
+
+    adaptive_k              true: each step picks how many drafts its verify chunks carry
+                            (0..the caps above) for the most tokens per second, from the step
+                            times it measured and the acceptance seen per draft position
+                            (`hybridkv.spec_decode.adaptive`); default false (k every step)
 
 Keys that ask for something hybridkv does not do (EAGLE, draft models, suffix trees, typical
 acceptance, ...) are accepted only at vLLM's own default value, so a config written for vLLM
@@ -68,7 +79,7 @@ UNSUPPORTED_METHODS = frozenset(
 HONOURED_KEYS = (
     "method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
     "disable_by_batch_size", "max_model_len", "draft_tensor_parallel_size",
-    "draft_sample_method",
+    "draft_sample_method", "num_speculative_tokens_per_batch_size", "adaptive_k",
 )  # fmt: skip
 
 _DRAFT_MODEL = "there is no separate draft model (ngram copies, mtp uses the target's layers)"
@@ -96,10 +107,6 @@ DEFAULT_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "parallel_drafting": ((False,), "parallel drafting is not supported"),
     "enable_adaptive_verification": ((False,), "a DSpark option; not supported"),
     "dspark_draft_topk": ((None,), "a DSpark option; not supported"),
-    "num_speculative_tokens_per_batch_size": (
-        (None,),
-        "per-batch-size k is not supported (disable_by_batch_size is)",
-    ),
     "rejection_sample_method": (("standard",), "only 'standard' rejection sampling"),
     "synthetic_acceptance_rates": ((None,), "synthetic acceptance is not supported"),
     "synthetic_acceptance_length": ((None,), "synthetic acceptance is not supported"),
@@ -171,6 +178,50 @@ def _resolve_method(method: object, model: object) -> str:
     _fail(f"unknown method {method!r}; allowed: 'ngram', 'mtp'")
 
 
+_SCHEDULE = "num_speculative_tokens_per_batch_size"
+
+
+def _schedule(value: object) -> tuple[tuple[int, int, int], ...] | None:
+    """vLLM's dynamic-k schedule as parsed from JSON: a list of [lo, hi, k] entries -> sorted
+    tuples (checked in full by `_check_schedule`)."""
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or not value:
+        _fail(f"{_SCHEDULE} must be a non-empty list of [lo, hi, k] entries, got {value!r}")
+    entries = []
+    for entry in value:
+        if isinstance(entry, list | tuple) and len(entry) == 5:
+            _fail(
+                f"{_SCHEDULE}: entry {list(entry)} has context-length bounds (5 items), which "
+                "hybridkv does not support; use [lo, hi, k] entries"
+            )
+        if not isinstance(entry, list | tuple) or len(entry) != 3:
+            _fail(f"{_SCHEDULE}: each entry must be [lo, hi, k], got {entry!r}")
+        for item in entry:
+            if isinstance(item, bool) or not isinstance(item, int):
+                _fail(f"{_SCHEDULE}: entry {list(entry)} must hold integers")
+        entries.append((entry[0], entry[1], entry[2]))
+    return tuple(sorted(entries))
+
+
+def _check_schedule(schedule: tuple[tuple[int, int, int], ...], k: int | None) -> None:
+    """vLLM's rules: positive batch ranges, lo <= hi, disjoint, the first from 1; k >= 0.
+    hybridkv also refuses a k above num_speculative_tokens (vLLM clamps it silently)."""
+    previous_hi = 0
+    for lo, hi, n in schedule:
+        where = f"{_SCHEDULE}: entry [{lo}, {hi}, {n}]"
+        if lo < 1 or hi < lo:
+            _fail(f"{where}: the batch-size range must have 1 <= lo <= hi")
+        if lo <= previous_hi:
+            _fail(f"{where} overlaps the range before it (ranges must be disjoint)")
+        if n < 0 or (k is not None and n > k):
+            top = "num_speculative_tokens" if k is None else f"num_speculative_tokens={k}"
+            _fail(f"{where}: k must be in 0..{top}")
+        previous_hi = hi
+    if schedule[0][0] != 1:
+        _fail(f"{_SCHEDULE}: the first range must start at batch size 1, got {schedule[0][0]}")
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """A parsed, validated `speculative_config` (the module docstring lists the keys).
@@ -187,6 +238,9 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int | None = None
     draft_sample_method: str = "greedy"
     model: str | None = None
+    # vLLM's dynamic-k schedule, normalised: ((lo, hi, k), ...) sorted by lo
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
+    adaptive_k: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -211,6 +265,10 @@ class SpeculativeConfig:
                 f"draft_sample_method must be 'greedy' or 'probabilistic', "
                 f"got {self.draft_sample_method!r}"
             )
+        if not isinstance(self.adaptive_k, bool):
+            _fail(f"adaptive_k must be true or false, got {self.adaptive_k!r}")
+        if self.num_speculative_tokens_per_batch_size is not None:
+            _check_schedule(self.num_speculative_tokens_per_batch_size, k)
 
     def _check_ngram(self) -> None:
         hi, lo = self.prompt_lookup_max, self.prompt_lookup_min
@@ -293,6 +351,8 @@ class SpeculativeConfig:
             draft_tensor_parallel_size=config.get("draft_tensor_parallel_size"),
             draft_sample_method=config.get("draft_sample_method", "greedy"),
             model=model,
+            num_speculative_tokens_per_batch_size=_schedule(config.get(_SCHEDULE)),
+            adaptive_k=config.get("adaptive_k", False),
         )
 
     @classmethod
@@ -334,6 +394,10 @@ class SpeculativeConfig:
     def to_dict(self) -> dict[str, Any]:
         """The config as vLLM spells it (keys at None left out); `from_dict` reads it back."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if out[_SCHEDULE] is not None:
+            out[_SCHEDULE] = [list(entry) for entry in out[_SCHEDULE]]
+        if not out["adaptive_k"]:
+            del out["adaptive_k"]  # hybridkv's own key: absent at its default, as vLLM knows none
         return {k: v for k, v in out.items() if v is not None}
 
     # -- against the target model --------------------------------------------------------------
@@ -378,7 +442,7 @@ class SpeculativeConfig:
                 f"num_speculative_tokens={k} must be at most {mtp_layers} (the MTP layers) "
                 f"or a multiple of it"
             )
-        return replace(spec, num_speculative_tokens=k, model=None)
+        return replace(spec, num_speculative_tokens=k, model=None)  # (rechecks the schedule)
 
     # -- per step ------------------------------------------------------------------------------
 
@@ -396,4 +460,28 @@ class SpeculativeConfig:
             return 0
         if self.max_model_len is not None and num_tokens + k >= self.max_model_len:
             return 0
-        return k
+        return min(k, self.k_for_batch_size(num_running))
+
+    def k_for_batch_size(self, num_running: int) -> int:
+        """k of `num_speculative_tokens_per_batch_size` at this batch size (vLLM's lookup: the
+        range holding it, else the last range before it); num_speculative_tokens without one."""
+        k = self.num_speculative_tokens
+        assert k is not None
+        if self.num_speculative_tokens_per_batch_size is None:
+            return k
+        chosen = k
+        for lo, _hi, n in self.num_speculative_tokens_per_batch_size:
+            if lo > num_running:
+                break
+            chosen = n  # the range holding num_running, or the last one before it
+        return chosen
+
+    def max_drafting_batch(self, max_num_seqs: int) -> int:
+        """The most requests that may carry drafts in one step (the state scratch rows):
+        max_num_seqs, less where disable_by_batch_size or a schedule's k = 0 stops drafting."""
+        rows = max_num_seqs
+        if self.disable_by_batch_size is not None:
+            rows = min(rows, self.disable_by_batch_size - 1)
+        while rows > 0 and self.k_for_batch_size(rows) == 0:
+            rows -= 1
+        return rows

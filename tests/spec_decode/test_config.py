@@ -302,3 +302,81 @@ def test_frozen_and_checked_on_construction():
         SpeculativeConfig(method="eagle", num_speculative_tokens=2)
     with pytest.raises(ValueError, match="needs prompt_lookup_max"):
         SpeculativeConfig(method="ngram", num_speculative_tokens=2)
+
+
+# -- num_speculative_tokens_per_batch_size (vLLM's dynamic k) and adaptive_k ---------------------
+
+
+def test_batch_size_schedule_as_vllm_looks_it_up():
+    """The range holding the batch size gives k; a gap or a batch past the last range takes
+    the k of the range before (vLLM's dense lookup)."""
+    c = parse(
+        method="ngram", num_speculative_tokens=5,
+        num_speculative_tokens_per_batch_size=[[5, 8, 2], [1, 1, 5], [2, 3, 3], [12, 16, 0]],
+    )  # fmt: skip
+    assert c.num_speculative_tokens_per_batch_size == ((1, 1, 5), (2, 3, 3), (5, 8, 2),
+                                                       (12, 16, 0))  # fmt: skip
+    got = [c.k_for_batch_size(b) for b in range(1, 20)]
+    assert got == [5, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0]
+    assert [c.max_drafts(b, 10) for b in (1, 2, 6, 12)] == [5, 3, 2, 0]
+    assert c.max_drafting_batch(64) == 11 and c.max_drafting_batch(4) == 4
+    # with disable_by_batch_size both apply
+    d = dataclasses.replace(c, disable_by_batch_size=3)
+    assert [d.max_drafts(b, 10) for b in (1, 2, 3)] == [5, 3, 0]
+    assert d.max_drafting_batch(64) == 2
+    assert parse(method="ngram", num_speculative_tokens=2).max_drafting_batch(7) == 7
+
+
+@pytest.mark.parametrize(
+    ("schedule", "match"),
+    [
+        ([], "non-empty list"),
+        ("[[1, 4, 2]]", "non-empty list"),
+        ([[1, 4]], r"each entry must be \[lo, hi, k\]"),
+        ([[1, 4, 2, 5, 3]], "context-length bounds"),
+        ([[1, 4, 2.0]], "must hold integers"),
+        ([[1, True, 2]], "must hold integers"),
+        ([[0, 4, 2]], "1 <= lo <= hi"),
+        ([[1, 4, 2], [6, 5, 1]], "1 <= lo <= hi"),
+        ([[1, 4, 2], [4, 8, 1]], "overlaps the range before it"),
+        ([[2, 4, 2]], "must start at batch size 1, got 2"),
+        ([[1, 4, -1]], r"k must be in 0\.\.num_speculative_tokens=3"),
+        ([[1, 4, 4]], r"k must be in 0\.\.num_speculative_tokens=3"),
+    ],
+)
+def test_batch_size_schedule_refusals(schedule, match):
+    msg = refused(match, method="ngram", num_speculative_tokens=3,
+                  num_speculative_tokens_per_batch_size=schedule)  # fmt: skip
+    assert "num_speculative_tokens_per_batch_size" in msg
+
+
+def test_batch_size_schedule_for_mtp_checked_once_k_is_known():
+    c = parse(method="mtp", num_speculative_tokens_per_batch_size=[[1, 2, 1], [3, 8, 0]])
+    assert c.for_target("m", mtp_layers=1).k_for_batch_size(4) == 0
+    with pytest.raises(ValueError, match="k must be in 0..num_speculative_tokens=1"):
+        parse(method="mtp", num_speculative_tokens_per_batch_size=[[1, 2, 2]]).for_target(
+            "m", mtp_layers=1
+        )
+
+
+def test_adaptive_k_is_a_bool_and_hybridkvs_own_key():
+    assert parse(method="ngram", num_speculative_tokens=2).adaptive_k is False
+    c = parse(method="ngram", num_speculative_tokens=2, adaptive_k=True)
+    assert c.adaptive_k is True and c.to_dict()["adaptive_k"] is True
+    refused("adaptive_k must be true or false, got 1", method="ngram",
+            num_speculative_tokens=2, adaptive_k=1)  # fmt: skip
+    # at its default it is left out of the vLLM spelling
+    assert "adaptive_k" not in parse(method="ngram", num_speculative_tokens=2).to_dict()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"method": "ngram", "num_speculative_tokens": 4,
+         "num_speculative_tokens_per_batch_size": [[1, 4, 4], [5, 64, 1]]},
+        {"method": "ngram", "num_speculative_tokens": 2, "adaptive_k": True},
+    ],
+)  # fmt: skip
+def test_schedule_and_adaptive_round_trip(config):
+    c = SpeculativeConfig.from_dict(config)
+    assert SpeculativeConfig.from_cli(json.dumps(c.to_dict())) == c

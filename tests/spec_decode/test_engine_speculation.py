@@ -321,3 +321,77 @@ def test_prefix_cache_hits_are_the_ones_without_drafts(granite_family) -> None:
         assert engine_greedy(engine, fam.turns, NEW_TOKENS) == fam.turn_ref
         stats.append(dataclasses.asdict(engine.cache.stats))
     assert stats[1] == stats[0] and stats[0]["hit_tokens"] > 0 and stats[0]["snapshots_taken"] > 0
+
+
+class RightDrafts:
+    """Drafts from transformers' own continuation, all right."""
+
+    def __init__(self, fam: Family) -> None:
+        self.refs = {tuple(p): r for p, r in zip(fam.plain, fam.plain_ref, strict=True)}
+
+    def __call__(self, req, max_drafts: int) -> list[int]:
+        j = req.num_output_tokens
+        return list(self.refs[tuple(req.prompt_token_ids)][j : j + max_drafts])
+
+
+COSTS = {
+    # a step that streams the weights: more rows nearly free
+    "memory-bound": lambda n, q: 1e-3 * (1 + 0.01 * n * q),
+    # compute-bound, and verify steps run eagerly: a row of one costs more than a decode row
+    "compute-bound": lambda n, q: 1e-4 * n * q * (1.5 if q > 1 else 1.0),
+}
+
+
+@pytest.mark.parametrize("bound", list(COSTS))
+def test_adaptive_k_follows_the_step_times(granite_family, bound) -> None:
+    """adaptive_k with every draft right: where rows are nearly free every step verifies k
+    drafts; where they cost more than they return, the engine stops drafting once it has
+    measured that. Either way transformers' tokens. (Step times are synthetic: the engine's
+    measured ones replaced by a cost model of the shape.)"""
+    fam = granite_family
+    engine = Engine(str(fam.folder), dtype="float32", enable_prefix_caching=False,
+                    speculative_config={**SPEC, "adaptive_k": True})  # fmt: skip
+    sched = engine.scheduler
+    sched.drafter = RightDrafts(fam)
+    observe, cost = sched.observe_step, COSTS[bound]
+    sched.observe_step = lambda out, s: observe(  # type: ignore[method-assign]
+        out, cost(len(out.chunks), len(out.chunks[0].token_ids) if out.chunks else 1)
+    )
+    shapes: list[int] = []
+    update = sched.update
+
+    def recording(out, sampled):
+        shapes.extend(len(c.token_ids) for c in out.chunks if c.sampling is not None)
+        return update(out, sampled)
+
+    sched.update = recording  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    for _ in range(2):  # one request at a time: batch size 1
+        for prompt, ref in zip(fam.plain, fam.plain_ref, strict=True):
+            shapes.clear()
+            assert [o.token_ids for o in _run_all(engine, [(prompt, params)])] == [ref]
+    k1 = SPEC["num_speculative_tokens"] + 1
+    decode = shapes[1:]  # (the last request's steps after its prefill)
+    if bound == "memory-bound":
+        assert decode.count(k1) >= len(decode) - 2
+    else:
+        assert set(decode) == {1}
+    assert engine.scheduler.adaptive is not None
+    assert engine.scheduler.adaptive.firsts == {}  # finished requests forgotten
+
+
+def test_batch_size_schedule_drafts_by_batch_size(granite_family) -> None:
+    """num_speculative_tokens_per_batch_size: k drafts alone, none at batch 2 (vLLM's
+    dynamic k), transformers' tokens both ways."""
+    fam = granite_family
+    spec = {**SPEC, "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 64, 0]]}
+    engine = Engine(str(fam.folder), dtype="float32", speculative_config=spec)
+    engine.scheduler.drafter = RightDrafts(fam)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    got = _run_all(engine, [(p, params) for p in fam.plain[:2]])
+    assert [o.token_ids for o in got] == fam.plain_ref[:2]
+    together = engine.spec_stats.num_draft_tokens
+    got = _run_all(engine, [(fam.plain[2], params)])
+    assert [o.token_ids for o in got] == fam.plain_ref[2:3]
+    assert engine.spec_stats.num_draft_tokens > together
+    assert together <= 2 * 3  # at most the steps where one of the two ran alone

@@ -78,8 +78,40 @@ def test_drafts_equal_the_reference_mtp(mtp_family) -> None:
     """Every draft of every step equals the reference MTP's on the same tokens (its K/V
     cache, the pairs a step leaves for the next, rewinds after rejections, the continuation
     passes), and the greedy tokens are transformers'."""
+    seen = check_drafts(mtp_family, Engine(str(mtp_family.fam.folder), dtype="float32",
+                                           speculative_config=MTP))  # fmt: skip
+    assert any(len(d) == K for _, _, d in seen)
+
+
+@pytest.mark.parametrize("mtp_family", ["qwen3_next"], indirect=True)
+def test_adaptive_k_cuts_mtp_drafts_and_keeps_them_right(mtp_family) -> None:
+    """adaptive_k: steps whose drafts were cut (none, while the pairs still run) leave the
+    MTP layer's cache as the reference's: later drafts still equal the reference's."""
+    engine = Engine(str(mtp_family.fam.folder), dtype="float32",
+                    speculative_config={**MTP, "adaptive_k": True})  # fmt: skip
+    sched = engine.scheduler
+    assert sched.adaptive is not None
+    sched.adaptive.probe_every = 4  # probes draft again now and then
+    observe = sched.observe_step
+    sched.observe_step = lambda out, s: observe(  # type: ignore[method-assign]
+        out, 1e-3 * (1 + 0.1 * sum(len(c.token_ids) for c in out.chunks))
+    )
+    steps = []
+    update = sched.update
+
+    def counting(out, sampled):
+        steps.append(sum(c.sampling is not None for c in out.chunks))
+        return update(out, sampled)
+
+    sched.update = counting  # type: ignore[method-assign]
+    seen = check_drafts(mtp_family, engine)
+    # (random MTP heads: drafts are rejected, so drafting stops after its first steps)
+    assert 0 < len(seen) < sum(steps) - 3  # steps ran without drafts, their pairs still ran
+
+
+def check_drafts(mtp_family: MtpFamily, engine: Engine) -> list:
+    """Three requests: transformers' tokens, every draft the reference MTP's."""
     fam = mtp_family.fam
-    engine = Engine(str(fam.folder), dtype="float32", speculative_config=MTP)
     seen = record_drafts(engine)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = fam.plain[:3]
@@ -92,13 +124,13 @@ def test_drafts_equal_the_reference_mtp(mtp_family) -> None:
     assert [done[r.request_id] for r in reqs] == [r[:12] for r in fam.plain_ref[:3]]
     by_id = {r.request_id: i for i, r in enumerate(reqs)}
     assert len({rid for rid, _, _ in seen}) == 3
-    assert any(len(d) == K for _, _, d in seen)
     for rid, num_tokens, drafts in seen:
         i = by_id[rid]
         ids = prompts[i] + fam.plain_ref[i][: num_tokens - len(prompts[i])]
         want = reference_drafts(mtp_family.hf, mtp_family.mtp, ids, len(drafts))
         assert list(drafts) == want, (rid, num_tokens)
     assert engine.spec_stats.num_draft_tokens == sum(len(d) for _, _, d in seen)
+    return seen
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,272 @@
+"""`adaptive_k`: how many drafts a step's verify chunks carry, chosen for tokens per second.
+
+A draft costs its row in the verify step whether it is accepted or not. Where a step streams
+the weights (a large model at a small batch) a few more rows are nearly free; where it is
+compute-bound (a CPU at batch 8, a tiny model) every row costs about what a decode token does,
+and drafts accepted half the time make the step slower than plain decoding
+(benchmarks/README.md: 0.4-0.7x at batch 8 with k = 4). No single k is right for both, and
+`disable_by_batch_size` / `num_speculative_tokens_per_batch_size` need the user to know the
+machine. This policy measures instead (the "goodput" criterion of SmartSpec, Liu et al. 2024):
+
+    steps of n requests with q tokens each  ->  seconds(n, q): median of the latest step times
+    (one shape per step: core/scheduler.py)
+    verified drafts                         ->  a_j: the chance that draft j is accepted once
+                                                drafts 1 .. j - 1 were (over all requests);
+                                                b_i: request i's own chance for its first
+
+    expected tokens(q) = sum over requests i of 1 + P_i(1) + ... + P_i(m_i),
+                         P_i(j) = b_i a_2 ... a_j (drafts 1 .. j accepted),
+                         m_i = min(d_i, q - u_i)  (u_i: tokens it computes anyway, d_i: its
+                         drafts)
+    cost(q)            = seconds(n, q) + P(a rewind | q) * rewind seconds(n)
+    chosen q           = argmax expected tokens(q) / cost(q),  q in [max u_i, max u_i + cap_i]
+
+Whether a first draft is right depends on the request (n-gram drafts are right for a request
+that copies, wrong for one that does not): b_i is a moving average over its last
+REQUEST_WINDOW first drafts, leaning on a_1 (PRIOR_WEIGHT observations' worth) until it has its
+own. Once a first draft is right the next ones mostly are (a copied passage goes on), which the
+shared a_j for j >= 2 hold. A request whose drafts were cut from a step still teaches: the
+token it then samples shows whether its first draft was right (`observe_plain`).
+
+With state layers a rejected draft (fillers included: the rows that pad a request to the step's
+shape are its last token repeated, rejected but for chance) rewinds the request: the next step
+restores its state and recomputes its known and accepted tokens (docs/speculative-decoding.md),
+a step of mixed chunk lengths that runs eagerly. `rewind seconds(n)` is what such steps took
+beyond a plain step (measured: steps with restores; one plain step's time until then), and
+P(a rewind | q) = 1 - prod_i P(request i has none).
+
+An unmeasured shape is predicted to cost what the largest measured one below it does (more
+tokens per row for free: the optimistic guess, so that each size that could pay is tried once)
+and runs when that prediction wins; a shape's first two runs (eager, then building its captured
+program) are not counted, two more make its median. Every `probe_every` steps the least
+recently measured option runs again, so the choice follows the machine's load. Only which
+drafts are verified changes, never a token: greedy output stays equal to decoding without
+drafts.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+TIME_WINDOW = 32  # step times a shape's median is taken over (the latest)
+POSITION_WINDOW = 64  # verified drafts a position's acceptance average weighs
+REQUEST_WINDOW = 16  # first drafts a request's own average weighs
+PRIOR_WEIGHT = 2.0  # observations' worth of the all-request rate in a request's estimate
+PROBE_EVERY = 128  # steps between re-measurements of the stalest candidate shape
+# runs of a shape not counted: the first runs eagerly, the second builds its captured program
+# (hybridkv.worker.graphs captures a shape at its second step)
+WARMUP_RUNS = 2
+MIN_SAMPLES = 2  # samples of a shape (after its warm-up runs) before its mean is trusted
+
+
+@dataclass
+class MovingMean:
+    """A mean of the first `window` samples, then an exponential moving average (1 / window)."""
+
+    window: int
+    value: float = 0.0
+    count: int = 0
+
+    def add(self, sample: float) -> None:
+        self.count += 1
+        self.value += (sample - self.value) / min(self.count, self.window)
+
+
+@dataclass
+class StepTimes:
+    """A shape's latest TIME_WINDOW step times and their median: a step that a collection,
+    another process or a page fault slowed down moves a median little, a mean a lot."""
+
+    samples: deque[float] = field(default_factory=lambda: deque(maxlen=TIME_WINDOW))
+    value: float = 0.0
+    last_step: int = 0  # the policy step of the latest sample
+
+    @property
+    def count(self) -> int:
+        return len(self.samples)
+
+    def add(self, seconds: float, step: int) -> None:
+        self.samples.append(seconds)
+        self.value = statistics.median(self.samples)
+        self.last_step = step
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One request of the step that may carry drafts: `known` tokens it computes anyway,
+    `drafts` real drafts offered (fillers excluded), at most `cap` drafts allowed."""
+
+    request_id: str
+    known: int
+    drafts: int
+    cap: int
+
+
+class GoodputPolicy:
+    """Chooses a step's tokens per verify chunk (module docstring). The scheduler calls
+    `worth_proposing`, then (if so) `choose`; it reports verified drafts (`observe_verify`),
+    first drafts of requests that ran without them (`observe_plain`) and finished requests
+    (`forget`); the engine reports step times (`observe_step`)."""
+
+    def __init__(self, max_drafts: int, rewinds: bool, probe_every: int = PROBE_EVERY) -> None:
+        self.max_drafts = max_drafts
+        self.rewinds = rewinds  # the model has state layers: a rejection recomputes
+        self.probe_every = probe_every
+        self.seconds: dict[tuple[int, int], StepTimes] = {}
+        self._runs: dict[tuple[int, int], int] = {}  # warm-up runs seen per shape
+        self.rewind_steps: dict[int, StepTimes] = {}  # steps with restores, by batch size
+        # a_j (index j - 1): draft j accepted once 1 .. j - 1 were, over every request
+        self.positions = [MovingMean(POSITION_WINDOW) for _ in range(max_drafts)]
+        self.firsts: dict[str, MovingMean] = {}  # b_i: first drafts per live request
+        self.num_steps = 0
+
+    # -- measurements --------------------------------------------------------------------------
+
+    def observe_step(self, num_requests: int, tokens_each: int, seconds: float) -> None:
+        key = (num_requests, tokens_each)
+        runs = self._runs.get(key, 0)
+        if runs < WARMUP_RUNS:
+            self._runs[key] = runs + 1
+            return
+        self.seconds.setdefault(key, StepTimes()).add(seconds, self.num_steps)
+
+    def observe_rewind_step(self, num_requests: int, seconds: float) -> None:
+        """A step that restored rewound requests (its chunks of mixed lengths)."""
+        self.rewind_steps.setdefault(num_requests, StepTimes()).add(seconds, self.num_steps)
+
+    def observe_verify(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """The request verified `num_drafts` real drafts and accepted the first
+        `num_accepted`: drafts 1 .. num_accepted + 1 were reached, the last one rejected."""
+        for j in range(min(num_drafts, num_accepted + 1, self.max_drafts)):
+            accepted = 1.0 if j < num_accepted else 0.0
+            self.positions[j].add(accepted)
+            if j == 0:
+                self.firsts.setdefault(request_id, MovingMean(REQUEST_WINDOW)).add(accepted)
+
+    def observe_plain(self, request_id: str, first_draft_right: bool) -> None:
+        """The request ran without its drafts; its sampled token tells about its first."""
+        sample = 1.0 if first_draft_right else 0.0
+        self.positions[0].add(sample)
+        self.firsts.setdefault(request_id, MovingMean(REQUEST_WINDOW)).add(sample)
+
+    def forget(self, request_id: str) -> None:
+        self.firsts.pop(request_id, None)
+
+    def chain(self, request_id: str) -> list[float]:
+        """chain[j]: the chance that the request's drafts 1 .. j are all accepted (chain[0] =
+        1). A rate without observations reads as 1.0: drafting is tried first."""
+        rates = [m.value if m.count else 1.0 for m in self.positions]
+        own = self.firsts.get(request_id)
+        if own is not None and own.count:
+            weight = min(own.count, own.window)
+            rates[0] = (own.value * weight + rates[0] * PRIOR_WEIGHT) / (weight + PRIOR_WEIGHT)
+        chain = [1.0]
+        for rate in rates:
+            chain.append(chain[-1] * rate)
+        return chain
+
+    # -- expectations --------------------------------------------------------------------------
+
+    def expected_tokens(
+        self, candidates: Sequence[Candidate], tokens_each: int, certain: bool = False
+    ) -> float:
+        total = 0.0
+        for c in candidates:
+            m = max(0, min(c.drafts, c.cap, tokens_each - c.known))
+            if certain:
+                total += 1 + m
+            else:  # the target's token + the expected accepted drafts
+                total += sum(self.chain(c.request_id)[: m + 1])
+        return total
+
+    def rewind_chance(self, candidates: Sequence[Candidate], tokens_each: int) -> float:
+        """The chance that some request of the step rewinds (state layers only): one with a
+        draft, real or filler, that is rejected (a filler is, but for chance)."""
+        none = 1.0
+        for c in candidates:
+            m = max(0, min(c.cap, tokens_each - c.known))  # drafts, fillers included
+            if m > min(c.drafts, m):
+                return 1.0  # a filler
+            none *= self.chain(c.request_id)[m]
+        return 1.0 - none
+
+    # -- step times ----------------------------------------------------------------------------
+
+    def _measured(self, n: int, below: int) -> list[int]:
+        """Measured tokens per chunk at batch n, below `below`, ascending."""
+        return sorted(
+            q for (size, q), m in self.seconds.items()
+            if size == n and q < below and m.count >= MIN_SAMPLES
+        )  # fmt: skip
+
+    def _step_seconds(self, n: int, q: int) -> float | None:
+        """Measured seconds of shape (n, q); unmeasured, optimistically those of the largest
+        measured shape below it (module docstring); None: nothing measured at or below it."""
+        times = self.seconds.get((n, q))
+        if times is not None and times.count >= MIN_SAMPLES:
+            return times.value
+        below = self._measured(n, q)
+        return self.seconds[(n, below[-1])].value if below else None
+
+    def _cost(
+        self, candidates: Sequence[Candidate], tokens_each: int, certain: bool = False
+    ) -> float | None:
+        n = len(candidates)
+        seconds = self._step_seconds(n, tokens_each)
+        if seconds is not None and self.rewinds and not certain:
+            seconds += self.rewind_chance(candidates, tokens_each) * self._rewind_seconds(n)
+        return seconds
+
+    def _rewind_seconds(self, n: int) -> float:
+        """What a step with rewinds takes beyond a plain step at batch n (module docstring)."""
+        plain = self._step_seconds(n, 1) or 0.0
+        times = self.rewind_steps.get(n)
+        if times is None or times.count < MIN_SAMPLES:
+            return plain
+        return max(0.0, times.value - plain)
+
+    def _last_step(self, n: int, q: int) -> int:
+        mean = self.seconds.get((n, q))
+        return -1 if mean is None else mean.last_step
+
+    # -- the choice ----------------------------------------------------------------------------
+
+    def worth_proposing(self, candidates: Sequence[Candidate]) -> bool:
+        """Called once per step before drafts are made: False when not even drafts for every
+        row up to its cap, all accepted, would beat the smallest shape (nor is a shape to
+        measure or a probe due), so the proposer's work is skipped too. Optimistic about
+        acceptance: a request that runs without its drafts still teaches (`observe_plain`)."""
+        self.num_steps += 1
+        upper = [Candidate(c.request_id, c.known, c.cap, c.cap) for c in candidates]
+        return self.choose(upper, certain=True) != max(c.known for c in candidates)
+
+    def choose(self, candidates: Sequence[Candidate], certain: bool = False) -> int:
+        """Tokens per chunk for this step: max known .. max(known + cap); the smallest when
+        no request was offered a draft (a plain decode step). `certain`: as if every draft
+        were accepted."""
+        low = max(c.known for c in candidates)
+        high = max(c.known + c.cap for c in candidates)
+        if high <= low or not any(c.drafts for c in candidates):
+            return low
+        n = len(candidates)
+        options = range(low, high + 1)
+        if self._probing():
+            return min(options, key=lambda q: self._last_step(n, q))
+        gains = {q: self.expected_tokens(candidates, q, certain) for q in options}
+        # worth running: more tokens per chunk than q - 1 would give
+        useful = [q for q in options if q == low or gains[q] > gains[q - 1]]
+        best, best_rate = low, -1.0
+        for q in useful:
+            cost = self._cost(candidates, q, certain)
+            if cost is None:
+                return q  # nothing measured at or below it: measure it
+            if gains[q] / cost > best_rate:
+                best, best_rate = q, gains[q] / cost
+        return best  # if unmeasured, its prediction won: running it measures it
+
+    def _probing(self) -> bool:
+        every = self.probe_every
+        return every > 0 and self.num_steps > 0 and self.num_steps % every == 0
