@@ -1,10 +1,11 @@
 """Speculative decoding (n-gram prompt lookup) against plain decoding, side by side in one run.
 
 For each model, workload and batch size: decode tokens/s without drafts and with
-`num_speculative_tokens` k in --ks (prompt_lookup_min 2, max 5), greedy, EOS ignored, prefix
-caching off; the speedup over plain decoding, the acceptance rate and the mean accepted length
-(tokens per verify step and request, the bonus token included). Medians of --repeat runs after
-a warm-up. Each run also checks that the tokens equal plain decoding's.
+`num_speculative_tokens` k in --ks (prompt_lookup_min 2, max 5), k drafts every step or
+`adaptive_k` (--policies), greedy, EOS ignored, prefix caching off; the speedup over plain
+decoding, the acceptance rate and the mean accepted length (tokens per verify step and request,
+the bonus token included). Medians of --repeat runs after a warm-up pass over the same
+workload. Each run also checks that the tokens equal plain decoding's.
 
 Workloads:
 - "repeat": documents that repeat passages (three random 48-token passages, then the first two
@@ -13,7 +14,8 @@ Workloads:
 - "random": random token ids: nothing to look up, so almost no drafts (the cost of having
   speculation on when it cannot help);
 - "code" (the built-in default model only, which has a tokenizer and was trained on code):
-  Python sources that define similar functions.
+  four Python sources that define similar functions; at batch 1 the four one after another
+  (two of them the model continues by repeating itself, two not), at batch b cycled to b.
 
     python benchmarks/speculative.py                       # default model + "100m", ~5 minutes
     python benchmarks/speculative.py --models default --batches 1 --repeat 1   # quick
@@ -78,31 +80,41 @@ class Oracle:
 
 
 def run(
-    model: str | None, prompts, new_tokens: int, k: int, repeat: int, oracle: Oracle | None = None
+    model: str | None,
+    groups: list[list],
+    new_tokens: int,
+    k: int,
+    repeat: int,
+    oracle: Oracle | None = None,
+    adaptive: bool = False,
 ) -> dict:
+    """Decode `groups` one after another (each group's prompts as one batch), `repeat` times
+    after one warm-up pass over all of them (which also lets adaptive_k measure its shapes)."""
     from hybridkv import LLM, SamplingParams
 
     spec = None
     if k:
         spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
-                "prompt_lookup_max": 5}  # fmt: skip
-    llm = LLM(model, dtype="float32", max_num_seqs=len(prompts), enable_prefix_caching=False,
+                "prompt_lookup_max": 5, "adaptive_k": adaptive}  # fmt: skip
+    batch = max(len(g) for g in groups)
+    llm = LLM(model, dtype="float32", max_num_seqs=batch, enable_prefix_caching=False,
               speculative_config=spec)  # fmt: skip
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     if oracle is not None:
         llm.engine.scheduler.drafter = oracle
-    llm.generate(prompts[:2], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    for prompts in groups:  # warm-up
+        llm.generate(prompts, params, use_tqdm=False)
     times, tokens = [], None
     for _ in range(repeat):
         llm.engine.spec_stats = type(llm.engine.spec_stats)()
         start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = [o for prompts in groups for o in llm.generate(prompts, params, use_tqdm=False)]
         times.append(time.perf_counter() - start)
         tokens = [o.outputs[0].token_ids for o in outs]
     stats = llm.engine.spec_stats
     seconds = statistics.median(times)
     return {
-        "tokens_per_s": len(prompts) * new_tokens / seconds,
+        "tokens_per_s": sum(len(g) for g in groups) * new_tokens / seconds,
         "seconds": seconds,
         "acceptance": stats.acceptance_rate if k else None,
         "mean_len": stats.mean_accepted_length if k else None,
@@ -120,8 +132,12 @@ def main() -> None:
     p.add_argument("--oracle", type=int, default=None, metavar="N",
                    help="drafts from the plain run's tokens, every N-th call with a wrong one "
                    "(0: all right); measures the verify step's cost at a set acceptance")
+    p.add_argument("--policies", nargs="+", choices=["k", "adaptive"], default=["k", "adaptive"],
+                   help="k: k drafts every step; adaptive: adaptive_k (at most k, chosen per "
+                   "step from measured step times)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    policies = [policy == "adaptive" for policy in args.policies]
 
     import torch
 
@@ -146,21 +162,22 @@ def main() -> None:
                 vocab = json.loads((DEFAULT_MODEL / "config.json").read_text())["vocab_size"]
             for workload in workloads:
                 for batch in args.batches:
-                    if workload == "code":
-                        prompts = (CODE * batch)[:batch]
+                    if workload == "code":  # batch 1: the four sources one after another
+                        groups = [[c] for c in CODE] if batch == 1 else [(CODE * batch)[:batch]]
                     elif workload == "repeat":
-                        prompts = repeat_prompts(vocab, batch, seed=batch)
+                        groups = [repeat_prompts(vocab, batch, seed=batch)]
                     else:
-                        prompts = random_prompts(vocab, batch, seed=batch)
-                    base = run(model, prompts, args.new_tokens, 0, args.repeat)
-                    for k in args.ks:
+                        groups = [random_prompts(vocab, batch, seed=batch)]
+                    prompts = [p for g in groups for p in g]
+                    base = run(model, groups, args.new_tokens, 0, args.repeat)
+                    for k, adaptive in [(k, a) for k in args.ks for a in policies]:
                         oracle = None
                         if args.oracle is not None:
                             oracle = Oracle(prompts, base["tokens"], args.oracle)
-                        r = run(model, prompts, args.new_tokens, k, args.repeat, oracle)
+                        r = run(model, groups, args.new_tokens, k, args.repeat, oracle, adaptive)
                         rows.append({
                             "model": name, "workload": workload, "oracle": args.oracle,
-                            "batch": batch, "k": k,
+                            "batch": batch, "k": k, "adaptive": adaptive,
                             "plain_tok_s": base["tokens_per_s"], "spec_tok_s": r["tokens_per_s"],
                             "speedup": r["tokens_per_s"] / base["tokens_per_s"],
                             "acceptance": r["acceptance"], "mean_len": r["mean_len"],
@@ -175,11 +192,13 @@ def main() -> None:
 
 def print_row(r: dict, header: bool) -> None:
     if header:
-        print(f"{'model':8} {'workload':8} {'batch':>5} {'k':>2} {'plain tok/s':>11} "
+        print(f"{'model':8} {'workload':8} {'batch':>5} {'k':>2} {'policy':8} {'plain tok/s':>11} "
               f"{'spec tok/s':>10} {'speedup':>7} {'accept':>6} {'mean len':>8} same")  # fmt: skip
-    print(f"{r['model']:8} {r['workload']:8} {r['batch']:5d} {r['k']:2d} {r['plain_tok_s']:11.1f} "
-          f"{r['spec_tok_s']:10.1f} {r['speedup']:6.2f}x {r['acceptance']:6.2f} "
-          f"{r['mean_len']:8.2f} {'yes' if r['same_tokens'] else 'NO'}", flush=True)  # fmt: skip
+    policy = "adaptive" if r["adaptive"] else "k"
+    print(f"{r['model']:8} {r['workload']:8} {r['batch']:5d} {r['k']:2d} {policy:8} "
+          f"{r['plain_tok_s']:11.1f} {r['spec_tok_s']:10.1f} {r['speedup']:6.2f}x "
+          f"{r['acceptance']:6.2f} {r['mean_len']:8.2f} {'yes' if r['same_tokens'] else 'NO'}",
+          flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

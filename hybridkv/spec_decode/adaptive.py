@@ -26,7 +26,8 @@ that copies, wrong for one that does not): b_i is a moving average over its last
 REQUEST_WINDOW first drafts, leaning on a_1 (PRIOR_WEIGHT observations' worth) until it has its
 own. Once a first draft is right the next ones mostly are (a copied passage goes on), which the
 shared a_j for j >= 2 hold. A request whose drafts were cut from a step still teaches: the
-token it then samples shows whether its first draft was right (`observe_plain`).
+token it then samples shows whether its first draft was right (`observe_plain`). When no draft
+would pay the proposer is not even run, but for every LEARN_EVERY-th step (to keep learning).
 
 With state layers a rejected draft (fillers included: the rows that pad a request to the step's
 shape are its last token repeated, rejected but for chance) rewinds the request: the next step
@@ -60,6 +61,7 @@ PROBE_EVERY = 128  # steps between re-measurements of the stalest candidate shap
 # (hybridkv.worker.graphs captures a shape at its second step)
 WARMUP_RUNS = 2
 MIN_SAMPLES = 2  # samples of a shape (after its warm-up runs) before its mean is trusted
+LEARN_EVERY = 8  # steps between proposals made only to learn each request's first drafts
 
 
 @dataclass
@@ -155,70 +157,80 @@ class GoodputPolicy:
     def forget(self, request_id: str) -> None:
         self.firsts.pop(request_id, None)
 
+    def first_rate(self, request_id: str) -> float:
+        """b_i: the request's own first-draft rate leaning on a_1 (a rate without
+        observations reads as 1.0: drafting is tried first)."""
+        first = self.positions[0]
+        prior = first.value if first.count else 1.0
+        own = self.firsts.get(request_id)
+        if own is None or not own.count:
+            return prior
+        weight = min(own.count, own.window)
+        return (own.value * weight + prior * PRIOR_WEIGHT) / (weight + PRIOR_WEIGHT)
+
+    def _tail(self) -> list[float]:
+        """tail[j] = a_2 ... a_{j+1} (tail[0] = 1): P(drafts 1 .. j + 1 accepted) / b_i."""
+        tail = [1.0]
+        for m in self.positions[1:]:
+            tail.append(tail[-1] * (m.value if m.count else 1.0))
+        return tail
+
     def chain(self, request_id: str) -> list[float]:
         """chain[j]: the chance that the request's drafts 1 .. j are all accepted (chain[0] =
-        1). A rate without observations reads as 1.0: drafting is tried first."""
-        rates = [m.value if m.count else 1.0 for m in self.positions]
-        own = self.firsts.get(request_id)
-        if own is not None and own.count:
-            weight = min(own.count, own.window)
-            rates[0] = (own.value * weight + rates[0] * PRIOR_WEIGHT) / (weight + PRIOR_WEIGHT)
-        chain = [1.0]
-        for rate in rates:
-            chain.append(chain[-1] * rate)
-        return chain
+        1)."""
+        b = self.first_rate(request_id)
+        return [1.0] + [b * t for t in self._tail()]
 
     # -- expectations --------------------------------------------------------------------------
+    # With tail sums S[m] = tail[0] + ... + tail[m - 1], a request with m drafts expects
+    # 1 + b_i S[m] tokens (the target's + the accepted drafts) and keeps them all (no rewind)
+    # with chance b_i tail[m - 1] (1 for m = 0).
 
-    def expected_tokens(
-        self, candidates: Sequence[Candidate], tokens_each: int, certain: bool = False
+    def expected_tokens(self, candidates: Sequence[Candidate], tokens_each: int) -> float:
+        firsts = [self.first_rate(c.request_id) for c in candidates]
+        return self._gain(candidates, firsts, _prefix_sums(self._tail()), tokens_each)
+
+    @staticmethod
+    def _gain(
+        candidates: Sequence[Candidate], firsts: list[float], sums: list[float], q: int
     ) -> float:
         total = 0.0
-        for c in candidates:
-            m = max(0, min(c.drafts, c.cap, tokens_each - c.known))
-            if certain:
-                total += 1 + m
-            else:  # the target's token + the expected accepted drafts
-                total += sum(self.chain(c.request_id)[: m + 1])
+        for c, b in zip(candidates, firsts, strict=True):
+            total += 1.0 + b * sums[max(0, min(c.drafts, c.cap, q - c.known))]
         return total
 
     def rewind_chance(self, candidates: Sequence[Candidate], tokens_each: int) -> float:
+        firsts = [self.first_rate(c.request_id) for c in candidates]
+        return self._rewind_chance(candidates, firsts, self._tail(), tokens_each)
+
+    @staticmethod
+    def _rewind_chance(
+        candidates: Sequence[Candidate], firsts: list[float], tail: list[float], q: int
+    ) -> float:
         """The chance that some request of the step rewinds (state layers only): one with a
         draft, real or filler, that is rejected (a filler is, but for chance)."""
         none = 1.0
-        for c in candidates:
-            m = max(0, min(c.cap, tokens_each - c.known))  # drafts, fillers included
+        for c, b in zip(candidates, firsts, strict=True):
+            m = max(0, min(c.cap, q - c.known))  # drafts, fillers included
             if m > min(c.drafts, m):
                 return 1.0  # a filler
-            none *= self.chain(c.request_id)[m]
+            if m:
+                none *= b * tail[m - 1]
         return 1.0 - none
 
     # -- step times ----------------------------------------------------------------------------
 
-    def _measured(self, n: int, below: int) -> list[int]:
-        """Measured tokens per chunk at batch n, below `below`, ascending."""
-        return sorted(
-            q for (size, q), m in self.seconds.items()
-            if size == n and q < below and m.count >= MIN_SAMPLES
-        )  # fmt: skip
-
     def _step_seconds(self, n: int, q: int) -> float | None:
         """Measured seconds of shape (n, q); unmeasured, optimistically those of the largest
         measured shape below it (module docstring); None: nothing measured at or below it."""
-        times = self.seconds.get((n, q))
-        if times is not None and times.count >= MIN_SAMPLES:
-            return times.value
-        below = self._measured(n, q)
-        return self.seconds[(n, below[-1])].value if below else None
+        for size in range(q, 0, -1):
+            if self._trusted(n, size):
+                return self.seconds[(n, size)].value
+        return None
 
-    def _cost(
-        self, candidates: Sequence[Candidate], tokens_each: int, certain: bool = False
-    ) -> float | None:
-        n = len(candidates)
-        seconds = self._step_seconds(n, tokens_each)
-        if seconds is not None and self.rewinds and not certain:
-            seconds += self.rewind_chance(candidates, tokens_each) * self._rewind_seconds(n)
-        return seconds
+    def _trusted(self, n: int, q: int) -> bool:
+        times = self.seconds.get((n, q))
+        return times is not None and times.count >= MIN_SAMPLES
 
     def _rewind_seconds(self, n: int) -> float:
         """What a step with rewinds takes beyond a plain step at batch n (module docstring)."""
@@ -229,24 +241,27 @@ class GoodputPolicy:
         return max(0.0, times.value - plain)
 
     def _last_step(self, n: int, q: int) -> int:
-        mean = self.seconds.get((n, q))
-        return -1 if mean is None else mean.last_step
+        times = self.seconds.get((n, q))
+        return -1 if times is None else times.last_step
 
     # -- the choice ----------------------------------------------------------------------------
 
     def worth_proposing(self, candidates: Sequence[Candidate]) -> bool:
-        """Called once per step before drafts are made: False when not even drafts for every
-        row up to its cap, all accepted, would beat the smallest shape (nor is a shape to
-        measure or a probe due), so the proposer's work is skipped too. Optimistic about
-        acceptance: a request that runs without its drafts still teaches (`observe_plain`)."""
+        """Called once per step before drafts are made: False when drafts for every row up to
+        its cap would not beat the smallest shape at the acceptance expected, on the shapes
+        measured so far (nor is a probe due), so the proposer's work is skipped too. Every
+        LEARN_EVERY steps drafts are made anyway: a request that then runs without them still
+        shows by its sampled token whether its first was right (`observe_plain`)."""
         self.num_steps += 1
+        if self.num_steps % LEARN_EVERY == 0:
+            return True
         upper = [Candidate(c.request_id, c.known, c.cap, c.cap) for c in candidates]
-        return self.choose(upper, certain=True) != max(c.known for c in candidates)
+        return self.choose(upper, measured_only=True) != max(c.known for c in candidates)
 
-    def choose(self, candidates: Sequence[Candidate], certain: bool = False) -> int:
+    def choose(self, candidates: Sequence[Candidate], measured_only: bool = False) -> int:
         """Tokens per chunk for this step: max known .. max(known + cap); the smallest when
-        no request was offered a draft (a plain decode step). `certain`: as if every draft
-        were accepted."""
+        no request was offered a draft (a plain decode step). `measured_only`: shapes not
+        measured yet are not options (no exploring)."""
         low = max(c.known for c in candidates)
         high = max(c.known + c.cap for c in candidates)
         if high <= low or not any(c.drafts for c in candidates):
@@ -255,18 +270,36 @@ class GoodputPolicy:
         options = range(low, high + 1)
         if self._probing():
             return min(options, key=lambda q: self._last_step(n, q))
-        gains = {q: self.expected_tokens(candidates, q, certain) for q in options}
-        # worth running: more tokens per chunk than q - 1 would give
-        useful = [q for q in options if q == low or gains[q] > gains[q - 1]]
-        best, best_rate = low, -1.0
-        for q in useful:
-            cost = self._cost(candidates, q, certain)
-            if cost is None:
+        firsts = [self.first_rate(c.request_id) for c in candidates]
+        tail = self._tail()
+        sums = _prefix_sums(tail)
+        rewind = self._rewind_seconds(n) if self.rewinds else 0.0
+        best, best_rate, previous = low, -1.0, -1.0
+        for q in options:
+            gain = self._gain(candidates, firsts, sums, q)
+            if gain <= previous:
+                continue  # no more tokens than q - 1 would give
+            previous = gain
+            if measured_only and not self._trusted(n, q):
+                continue
+            seconds = self._step_seconds(n, q)
+            if seconds is None:
                 return q  # nothing measured at or below it: measure it
-            if gains[q] / cost > best_rate:
-                best, best_rate = q, gains[q] / cost
+            if rewind:
+                seconds += self._rewind_chance(candidates, firsts, tail, q) * rewind
+            if gain / seconds > best_rate:
+                best, best_rate = q, gain / seconds
         return best  # if unmeasured, its prediction won: running it measures it
 
     def _probing(self) -> bool:
         every = self.probe_every
         return every > 0 and self.num_steps > 0 and self.num_steps % every == 0
+
+
+def _prefix_sums(values: list[float]) -> list[float]:
+    """[0, v0, v0 + v1, ...]"""
+    out, acc = [0.0], 0.0
+    for v in values:
+        acc += v
+        out.append(acc)
+    return out
