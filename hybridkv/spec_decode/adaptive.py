@@ -38,11 +38,13 @@ P(a rewind | q) = 1 - prod_i P(request i has none).
 
 An unmeasured shape is predicted to cost what the largest measured one below it does (more
 tokens per row for free: the optimistic guess, so that each size that could pay is tried once)
-and runs when that prediction wins; a shape's first two runs (eager, then building its captured
-program) are not counted, two more make its median. Every `probe_every` steps the least
-recently measured option runs again, so the choice follows the machine's load. Only which
-drafts are verified changes, never a token: greedy output stays equal to decoding without
-drafts.
+and runs when that prediction wins, one size at a time upwards (the smallest unmeasured size is
+the largest considered, so a steep cost curve stops the exploration early); a shape's first
+two runs (eager, then building its captured program) are not counted, two more make its
+median. Every `probe_every` steps the neighbour of the choice (one draft more or fewer)
+measured longest ago runs instead, so the choice follows the machine's load. Whether drafting
+could pay at all is decided once per LEARN_EVERY steps and batch size. Only which drafts are
+verified changes, never a token: greedy output stays equal to decoding without drafts.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ TIME_WINDOW = 32  # step times a shape's median is taken over (the latest)
 POSITION_WINDOW = 64  # verified drafts a position's acceptance average weighs
 REQUEST_WINDOW = 16  # first drafts a request's own average weighs
 PRIOR_WEIGHT = 2.0  # observations' worth of the all-request rate in a request's estimate
-PROBE_EVERY = 128  # steps between re-measurements of the stalest candidate shape
+PROBE_EVERY = 512  # steps between re-measurements of a neighbour of the chosen shape
 # runs of a shape not counted: the first runs eagerly, the second builds its captured program
 # (hybridkv.worker.graphs captures a shape at its second step)
 WARMUP_RUNS = 2
@@ -120,6 +122,9 @@ class GoodputPolicy:
         self.seconds: dict[tuple[int, int], StepTimes] = {}
         self._runs: dict[tuple[int, int], int] = {}  # warm-up runs seen per shape
         self.rewind_steps: dict[int, StepTimes] = {}  # steps with restores, by batch size
+        # (batch size, tokens the rows compute anyway) -> (worth proposing, the step it was
+        # decided at)
+        self._worth: dict[tuple[int, int], tuple[bool, int]] = {}
         # a_j (index j - 1): draft j accepted once 1 .. j - 1 were, over every request
         self.positions = [MovingMean(POSITION_WINDOW) for _ in range(max_drafts)]
         self.firsts: dict[str, MovingMean] = {}  # b_i: first drafts per live request
@@ -255,8 +260,18 @@ class GoodputPolicy:
         self.num_steps += 1
         if self.num_steps % LEARN_EVERY == 0:
             return True
+        if self._probing():
+            return True
+        # the answer for this batch size stands for LEARN_EVERY steps (it changes slowly)
+        low = max(c.known for c in candidates)
+        key = (len(candidates), low)
+        cached = self._worth.get(key)
+        if cached is not None and self.num_steps - cached[1] < LEARN_EVERY:
+            return cached[0]
         upper = [Candidate(c.request_id, c.known, c.cap, c.cap) for c in candidates]
-        return self.choose(upper, measured_only=True) != max(c.known for c in candidates)
+        worth = self.choose(upper, measured_only=True) != low
+        self._worth[key] = (worth, self.num_steps)
+        return worth
 
     def choose(self, candidates: Sequence[Candidate], measured_only: bool = False) -> int:
         """Tokens per chunk for this step: max known .. max(known + cap); the smallest when
@@ -268,8 +283,6 @@ class GoodputPolicy:
             return low
         n = len(candidates)
         options = range(low, high + 1)
-        if self._probing():
-            return min(options, key=lambda q: self._last_step(n, q))
         firsts = [self.first_rate(c.request_id) for c in candidates]
         tail = self._tail()
         sums = _prefix_sums(tail)
@@ -280,7 +293,8 @@ class GoodputPolicy:
             if gain <= previous:
                 continue  # no more tokens than q - 1 would give
             previous = gain
-            if measured_only and not self._trusted(n, q):
+            trusted = self._trusted(n, q)
+            if measured_only and not trusted:
                 continue
             seconds = self._step_seconds(n, q)
             if seconds is None:
@@ -289,6 +303,12 @@ class GoodputPolicy:
                 seconds += self._rewind_chance(candidates, firsts, tail, q) * rewind
             if gain / seconds > best_rate:
                 best, best_rate = q, gain / seconds
+            if not trusted and not measured_only:
+                break  # sizes are explored one at a time, upwards
+        if self._probing() and not measured_only:
+            # the choice's neighbours, the one measured longest ago: measured again
+            near = [q for q in (best - 1, best + 1) if q in options]
+            return min(near, key=lambda q: self._last_step(n, q), default=best)
         return best  # if unmeasured, its prediction won: running it measures it
 
     def _probing(self) -> bool:
