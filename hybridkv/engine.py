@@ -80,7 +80,7 @@ from hybridkv.spec_decode.verify import Verified, verify_step
 from hybridkv.tokenizer import load_tokenizer
 from hybridkv.worker.cpu_threads import CpuShare
 from hybridkv.worker.host_memory import keep_freed_memory
-from hybridkv.worker.model_runner import ModelRunner, StepLogits
+from hybridkv.worker.model_runner import ModelRunner, StepLogits, keeps_positions
 from hybridkv.worker.sampler import Sample, Sampler, SamplingRow, fill_bitmasks
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "default_model"
@@ -319,6 +319,7 @@ class Engine:
             None if spec is None else drafter,
             self._num_scratch_rows(),
             mtp=mtp,
+            keeps_positions=self._num_scratch_positions() > 0,
         )
         if spec is not None:
             scratch = getattr(self.runner, "scratch_bytes", 0)
@@ -331,10 +332,15 @@ class Engine:
                 k += f" per batch size {[list(e) for e in schedule]}"
             if spec.adaptive_k:
                 k += " (adaptive: at most)"
+            rollback = (
+                f"{self._num_scratch_positions()} states kept per row (rejections commit the "
+                "accepted position)" if self._num_scratch_positions()
+                else "states saved per row (rejections rewind)"
+            )  # fmt: skip
             logger.info(
-                "speculative decoding: %s, %s, %s; %d state scratch rows (%.1f MiB, outside "
-                "the cache budget)", spec.method, k, how, self._num_scratch_rows(),
-                scratch / 2**20,
+                "speculative decoding: %s, %s, %s; %d state scratch rows, %s (%.1f MiB, "
+                "outside the cache budget)", spec.method, k, how, self._num_scratch_rows(),
+                rollback, scratch / 2**20,
             )  # fmt: skip
         self.eos_token_ids = eos_token_ids(text_config(hf_config), generation_config(folder))
         self.vocab_size = family.vocab_size
@@ -388,6 +394,7 @@ class Engine:
             driver=self.tp.rank == 0,
             max_capture_size=self._capture_size(),
             num_scratch_rows=self._num_scratch_rows(),
+            num_scratch_positions=self._num_scratch_positions(),
         )
 
     def _resolve_speculation(
@@ -411,6 +418,16 @@ class Engine:
         if spec is None or not self.plan.state_groups:
             return 0
         return spec.max_drafting_batch(self.scheduler_config.max_num_seqs)
+
+    def _num_scratch_positions(self) -> int:
+        """States kept per scratch row when every state group's ops keep per-position states
+        (k: a verify chunk has at most k + 1 tokens, the last one's state is in the page);
+        0: rejections rewind instead."""
+        spec = self.speculative_config
+        if not self._num_scratch_rows() or not keeps_positions(self.plan):
+            return 0
+        assert spec is not None and spec.num_speculative_tokens is not None
+        return spec.num_speculative_tokens
 
     def _mtp_placeholders(self, req: Request, max_drafts: int) -> tuple[int, ...] | None:
         """The scheduler's drafter under method "mtp": the runner's MTP layers make the drafts

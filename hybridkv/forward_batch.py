@@ -68,6 +68,11 @@ class StateMetadata:
     has_initial_state: torch.Tensor  # [num_seqs] bool
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     max_query_len: int
+    # speculative decoding with per-position states (state ops that declare
+    # `keeps_positions`): [num_seqs] int64, each request's scratch row (-1: none). The layer
+    # also writes the state after each of such a request's tokens but its last into row
+    # `scratch_rows[s]`, position i of its `StateCache.positions` (None: a step without drafts)
+    scratch_rows: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

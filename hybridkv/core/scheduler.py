@@ -17,14 +17,18 @@ Speculative decoding (`SchedulerConfig.speculative_config`, docs/speculative-dec
 decode chunk may carry drafts after its known tokens; `update` receives the verified tokens
 (accepted drafts + one from the target) and sets the computed count to what the target
 confirmed. Attention needs no undo (rejected drafts' slots are rewritten before anything reads
-them); a state layer has consumed the rejected drafts, so a model with state groups saves each
-speculating request's state into a scratch row first and, after a rejection, restores it at the
-start of the next step and recomputes the chunk's accepted tokens with the next drafts:
+them); a state layer has consumed the rejected drafts. Where the state ops keep the state after
+every position (`keeps_positions`), the next step starts by committing the accepted position's
+state from the request's scratch row; elsewhere each speculating request's state is saved into
+its scratch row first and, after a rejection, restored at the start of the next step, and the
+chunk's accepted tokens are recomputed with the next drafts:
 
     chunk     [ known u | drafts d ]          start = s (tokens computed before)
     verified  a drafts accepted + 1 token from the target
     computed  attention only, or a == d:  s + u + a
-              state groups and a < d:     s  (state restored from its scratch row)
+              state groups and a < d:     s + u + a  (per-position states: commit position
+                                                      u - 1 + a of its scratch row)
+                                          s  (otherwise: state restored from its scratch row)
 
 The step description (`SchedulerOutput`) holds plain values only (ids, token ids, sampling
 parameters, the allocation's page and kernel-block ids), so it could be sent to another process.
@@ -101,6 +105,9 @@ class SchedulerOutput:
     # (request id, scratch row): states to restore before anything else (drafts rejected in
     # the step before; a request preempted or finished since is skipped)
     restores: tuple[tuple[str, int], ...] = ()
+    # per-position states: (request id, scratch row, chunk position): the state kept after
+    # that position becomes the request's running state, before anything else (the same rules)
+    commits: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -139,25 +146,31 @@ class Scheduler:
         drafter: Drafter | None = None,
         num_scratch_rows: int = 0,
         mtp: bool = False,
+        keeps_positions: bool = False,
     ) -> None:
         """`drafter`: speculative decoding's proposer (None: off). `num_scratch_rows`: how many
         requests of a step may carry drafts when the model has state groups (the runner's
         scratch rows); ignored without state groups. `mtp`: the runner's MTP layers draft
-        (every chunk tells them its request's confirmed pairs: `ScheduledChunk.mtp_next_ids`)."""
+        (every chunk tells them its request's confirmed pairs: `ScheduledChunk.mtp_next_ids`).
+        `keeps_positions`: the state ops keep every position's state (the runner's scratch rows
+        hold them): a rejection commits the accepted position instead of rewinding."""
         self.cache = cache
         self.config = config
         self.drafter = drafter
         self.num_scratch_rows = num_scratch_rows
         self.mtp = mtp
+        # a rejection rewinds the request (state restored, accepted tokens recomputed)
+        self.rewinds = cache.has_state and not keeps_positions
         spec = config.speculative_config
         # `adaptive_k`: the step's drafts per chunk chosen for tokens per second
         self.adaptive: GoodputPolicy | None = None
         if drafter is not None and spec is not None and spec.adaptive_k:
             assert spec.num_speculative_tokens is not None
-            self.adaptive = GoodputPolicy(spec.num_speculative_tokens, rewinds=cache.has_state)
+            self.adaptive = GoodputPolicy(spec.num_speculative_tokens, rewinds=self.rewinds)
         self._real_drafts: dict[str, int] = {}  # request id -> drafts offered (no fillers)
         self._first_drafts: dict[str, int] = {}  # adaptive_k: first drafts cut from the step
         self._restores: list[tuple[str, int]] = []
+        self._commits: list[tuple[str, int, int]] = []
         self._scratch_used = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -204,8 +217,9 @@ class Scheduler:
             self._schedule_waiting(budget, chunks)
         preempted_ids = tuple(r.request_id for r in preempted)
         restores, self._restores = tuple(self._restores), []
+        commits, self._commits = tuple(self._commits), []
         return SchedulerOutput(
-            tuple(chunks), preempted_ids, self.cache.drain_new_pages(), restores
+            tuple(chunks), preempted_ids, self.cache.drain_new_pages(), restores, commits
         )
 
     def _chunk(
@@ -503,7 +517,8 @@ class Scheduler:
         if self.adaptive is not None:
             real = self._real_drafts.get(req.request_id, chunk.num_drafts)
             self.adaptive.observe_verify(req.request_id, real, num_accepted)
-        rewind = self.cache.has_state and num_accepted < chunk.num_drafts
+        rejected = self.cache.has_state and num_accepted < chunk.num_drafts
+        rewind = rejected and self.rewinds
         computed = chunk.start if rewind else chunk.start + chunk.num_known + num_accepted
         for token in tokens:
             req.all_token_ids.append(token)
@@ -519,6 +534,9 @@ class Scheduler:
         self.cache.commit(req, computed)
         if rewind:
             self._restores.append((req.request_id, chunk.scratch_row))
+        elif rejected:  # the state after the last accepted token, kept by the state ops
+            position = chunk.num_known - 1 + num_accepted
+            self._commits.append((req.request_id, chunk.scratch_row, position))
         self._keep_mtp_pairs(req, chunk.start, chunk.num_known + num_accepted)
         return False
 

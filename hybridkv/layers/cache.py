@@ -15,7 +15,7 @@ runner builds the views from the declared spec, and `bind_cache` refuses views t
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,6 +44,10 @@ class StateCache:
     group_id: int
     tensors: Mapping[str, torch.Tensor]
     ops: Any  # the layer kind's ops class (declared in its StateSpec.ops), instantiated
+    # speculative decoding with per-position states: tensor name -> [scratch rows, positions,
+    # *state shape], where the ops write the state after each draft position
+    # (`StateMetadata.scratch_rows`); empty otherwise
+    positions: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
 LayerCache = AttentionCache | StateCache

@@ -54,7 +54,7 @@ from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
 from hybridkv.layers.cache import CacheOwner, StateCache
 from hybridkv.ops.conv1d import CONV_MAX_HISTORY
 from hybridkv.ops.derived import derived
-from hybridkv.ops.mamba2_ops import NormArgs, ScanParams, TorchMamba2Ops
+from hybridkv.ops.mamba2_ops import NormArgs, PositionScratch, ScanParams, TorchMamba2Ops
 from hybridkv.ops.norm import _apply_weight as apply_norm_weight
 from hybridkv.ops.norm import gated_rms_norm
 
@@ -284,7 +284,12 @@ class Mamba2Mixer(CacheOwner):
         cache = self.cache
         assert isinstance(cache, StateCache)
         meta: StateMetadata = self.step_metadata(batch)
-        out = self.mix(hidden_states, cache.tensors[CONV], cache.tensors[SSM], meta, cache.ops)
+        positions = None
+        if meta.scratch_rows is not None:  # speculative decoding: keep every position's state
+            positions = (cache.positions[CONV], cache.positions[SSM])
+        out = self.mix(
+            hidden_states, cache.tensors[CONV], cache.tensors[SSM], meta, cache.ops, positions
+        )
         return self.tp.all_reduce(out)
 
     def mix(
@@ -294,21 +299,24 @@ class Mamba2Mixer(CacheOwner):
         ssm_state: torch.Tensor,
         meta: StateMetadata,
         ops: TorchMamba2Ops = TORCH_OPS,
+        positions: PositionScratch | None = None,
     ) -> torch.Tensor:
         """hidden_states: [T, hidden]; conv_state: [num_pages, conv_dim, d_conv - 1];
         ssm_state: [num_pages, n_heads, head_dim, d_state] (both updated in place) -> [T, hidden].
+        positions: (conv, ssm) scratch [rows, positions, *state shape] for the states after
+        every position (`StateMetadata.scratch_rows`; ops that declare `keeps_positions`).
         """
         zxbcdt = self._project_in(hidden_states)  # [T, I + conv_dim + H]
         params = self._scan_params()
         if self.fusable:  # the ops may run the whole mixer in one call
             y = ops.fused_mix(
                 zxbcdt, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_state, ssm_state,
-                meta, params, self._norm_args(), self.n_groups,
+                meta, params, self._norm_args(), self.n_groups, positions,
             )  # fmt: skip
             if y is not None:
                 return self.out_proj(y)
         gate, xbc, dt = zxbcdt.split([self.intermediate_size, self.conv_dim, self.n_heads], -1)
-        y = self._conv_and_scan(xbc, dt, conv_state, ssm_state, meta, params, ops)
+        y = self._conv_and_scan(xbc, dt, conv_state, ssm_state, meta, params, ops, positions)
         y = self._output_gate(y, gate)
         return self.out_proj(y.to(hidden_states.dtype))
 
@@ -321,14 +329,16 @@ class Mamba2Mixer(CacheOwner):
         meta: StateMetadata,
         params: ScanParams,
         ops: TorchMamba2Ops,
+        positions: PositionScratch | None = None,
     ) -> torch.Tensor:
         """xbc: [T, conv_dim], dt: [T, H] raw -> y: [T, I] float32 (kept for the norm, as
         transformers' prefill does); both states updated in place."""
+        conv_kept, ssm_kept = (None, None) if positions is None else positions
         num_tokens, gn = xbc.shape[0], self.n_groups * self.d_state
         # xbc: [T, conv_dim] after the causal conv and activation, in float32: the scan's dtype
         xbc = ops.conv1d(
             xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_state, meta,
-            self.activation, torch.float32,
+            self.activation, torch.float32, conv_kept,
         )  # fmt: skip
         x, B, C = xbc.split([self.intermediate_size, gn, gn], dim=-1)
         y = ops.scan(
@@ -340,6 +350,7 @@ class Mamba2Mixer(CacheOwner):
             meta,
             params,
             torch.float32,
+            ssm_kept,
         )
         return y.reshape(num_tokens, self.intermediate_size)
 

@@ -104,7 +104,10 @@ class ShortConv(CacheOwner):
         cache = self.cache
         assert isinstance(cache, StateCache)
         meta: StateMetadata = self.step_metadata(batch)
-        return self.tp.all_reduce(self.mix(hidden_states, cache.tensors[CONV], meta, cache.ops))
+        # speculative decoding: the state after every position (ops that keep them)
+        kept = cache.positions[CONV] if meta.scratch_rows is not None else None
+        out = self.mix(hidden_states, cache.tensors[CONV], meta, cache.ops, kept)
+        return self.tp.all_reduce(out)
 
     def mix(
         self,
@@ -112,13 +115,15 @@ class ShortConv(CacheOwner):
         conv_state: torch.Tensor,
         meta: StateMetadata,
         ops: TorchMamba2Ops = TORCH_OPS,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """hidden_states: [T, hidden]; conv_state: [num_pages, C, L_cache - 1] (updated in
-        place) -> [T, hidden]."""
+        place) -> [T, hidden]. positions: [rows, positions, C, L_cache - 1] scratch for the
+        state after every position (`StateMetadata.scratch_rows`)."""
         b, c, x = self.in_proj(hidden_states).chunk(3, dim=-1)  # each [T, C]
         bx = _mul(b, x, x.dtype)  # [T, C] contiguous
         # float32 holding x.dtype's values (a bfloat16 conv result rounded by the kernel, not
         # cast by a tensor op: a bfloat16 decode step stays capturable); _mul reads it exactly
         w = self.conv.weight[:, 0, :]
-        conv = ops.conv1d(bx, w, self.conv.bias, conv_state, meta, None, torch.float32)
+        conv = ops.conv1d(bx, w, self.conv.bias, conv_state, meta, None, torch.float32, positions)
         return self.out_proj(_mul(c, conv, c.dtype))  # [T, hidden]

@@ -79,6 +79,8 @@ class NativeGDNOps(NativeMamba2Ops, TorchGDNOps):
     route is fixed per layer by its dtypes and width, never a fallback after a kernel
     declined."""
 
+    keeps_positions = False  # (the conv kernel would; the recurrence kernels do not yet)
+
     name = "native"
 
     def conv1d(

@@ -61,6 +61,8 @@ class NativeKdaOps(NativeMamba2Ops, TorchKdaOps):
     short enough history), else in PyTorch: a route fixed per layer by its dtypes, never a
     fallback after a kernel declined."""
 
+    keeps_positions = False  # (the conv kernel would; the recurrence kernels do not yet)
+
     name = "native"
 
     def conv1d(

@@ -42,6 +42,7 @@ class TorchMamba1Ops:
     """The PyTorch reference ops (any platform, any dtype)."""
 
     name = "torch"
+    keeps_positions = False  # (speculative decoding rewinds requests: TorchMamba2Ops's note)
     _conv = TorchMamba2Ops()
 
     def conv1d(

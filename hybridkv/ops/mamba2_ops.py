@@ -51,10 +51,19 @@ class NormArgs(NamedTuple):
     weight_in_fp32: bool
 
 
+# speculative decoding's per-position states of a step (`StateMetadata.scratch_rows`): the
+# layer's (conv scratch, ssm scratch), each [scratch rows, positions, *state shape]
+PositionScratch = tuple[torch.Tensor, torch.Tensor]
+
+
 class TorchMamba2Ops:
     """The PyTorch reference ops (any platform, any dtype)."""
 
     name = "torch"
+    # whether these ops keep the state after every position of a request's chunk where the step
+    # asks (`StateMetadata.scratch_rows`): speculative decoding then commits the accepted
+    # position's state instead of rewinding the request (docs/speculative-decoding.md)
+    keeps_positions = False
 
     def fused_mix(
         self,
@@ -67,6 +76,7 @@ class TorchMamba2Ops:
         p: ScanParams,
         norm: NormArgs,
         n_groups: int,
+        positions: PositionScratch | None = None,
     ) -> torch.Tensor | None:
         """The whole mixer between its projections in one call (conv + silu, dt, scan, gated
         norm; states in place) -> [T, I] in zxbcdt's dtype, where a backend offers it; None
@@ -82,9 +92,13 @@ class TorchMamba2Ops:
         meta: StateMetadata,
         activation: str | None,
         out_dtype: torch.dtype | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x: [T, C]; weight: [C, K]; conv_state: [num_pages, C, K-1] -> [T, C] in `out_dtype`
-        (default x.dtype; the Mamba2 mixer asks for float32, what its scan computes in)."""
+        (default x.dtype; the Mamba2 mixer asks for float32, what its scan computes in).
+        `positions` ([rows, positions, C, K-1]): keep the state after every position where
+        `meta.scratch_rows` says (only ops that declare `keeps_positions`)."""
+        _no_positions(self, positions)
         y = causal_conv1d_varlen(
             x, weight, bias, conv_state, meta.state_pages, meta.has_initial_state,
             meta.query_start_loc, meta.max_query_len, activation,
@@ -101,9 +115,12 @@ class TorchMamba2Ops:
         meta: StateMetadata,
         p: ScanParams,
         out_dtype: torch.dtype,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x: [T, H, P]; dt: [T, H] raw; B, C: [T, G, N]; ssm_state: [num_pages, H, P, N]
-        -> y: [T, H, P] in out_dtype (see `ops.mamba2.mamba2_scan_varlen`)."""
+        -> y: [T, H, P] in out_dtype (see `ops.mamba2.mamba2_scan_varlen`). `positions`
+        ([rows, positions, H, P, N]): as in `conv1d`."""
+        _no_positions(self, positions)
         return mamba2_scan_varlen(
             x, dt, p.A, B, C, p.D, p.dt_bias, ssm_state, meta.state_pages,
             meta.has_initial_state, meta.query_start_loc, meta.max_query_len, p.chunk_size,
@@ -120,6 +137,7 @@ class NativeMamba2Ops(TorchMamba2Ops):
     history up to `native_ssm.CONV_MAX_HISTORY` columns, which the layer's declaration checks)."""
 
     name = "native"
+    keeps_positions = True  # the kernels run such a request token by token (decode numbers)
 
     def conv1d(
         self,
@@ -130,6 +148,7 @@ class NativeMamba2Ops(TorchMamba2Ops):
         meta: StateMetadata,
         activation: str | None,
         out_dtype: torch.dtype | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As TorchMamba2Ops.conv1d. The kernel computes in float32 and, for bfloat16 x,
         rounds its result to bfloat16 values (after silu), the numbers the model gives in its
@@ -142,6 +161,7 @@ class NativeMamba2Ops(TorchMamba2Ops):
         y = native_ssm.conv1d(
             x, weight, bias, conv_state, meta.state_pages, meta.has_initial_state,
             meta.query_start_loc, fused, x.dtype == torch.bfloat16,
+            _kept(positions, meta),
         )  # fmt: skip
         if y is None:
             raise RuntimeError(_declined("conv1d", x, conv_state))
@@ -158,13 +178,20 @@ class NativeMamba2Ops(TorchMamba2Ops):
         p: ScanParams,
         norm: NormArgs,
         n_groups: int,
+        positions: PositionScratch | None = None,
     ) -> torch.Tensor | None:
         """One native call (`native_ssm.mamba2_mix`): the kernels the separate ops run, with their
         numbers, without the small tensor ops and checks between them."""
+        kept = None
+        if positions is not None:
+            conv, ssm = positions
+            rows = _kept(ssm, meta)
+            assert rows is not None
+            kept = (conv, ssm, rows[1])
         y = native_ssm.mamba2_mix(
             zxbcdt, conv_weight, conv_bias, conv_state, ssm_state, meta.state_pages,
             meta.has_initial_state, meta.query_start_loc, (p.A, p.D, p.dt_bias, p.dt_limit),
-            tuple(norm), n_groups, zxbcdt.dtype,
+            tuple(norm), n_groups, zxbcdt.dtype, kept,
         )  # fmt: skip
         if y is None:
             raise RuntimeError(_declined("mamba2 mixer", zxbcdt, ssm_state))
@@ -180,16 +207,38 @@ class NativeMamba2Ops(TorchMamba2Ops):
         meta: StateMetadata,
         p: ScanParams,
         out_dtype: torch.dtype,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if x.shape[0] == 0:
             return x.new_empty(x.shape, dtype=out_dtype)
         f = scan_inputs(x, dt, p.A, B, C, p.D, p.dt_bias, p.dt_limit)
         y = native_ssm.mamba2_scan(
-            ssm_state, meta.state_pages, meta.has_initial_state, meta.query_start_loc, *f
+            ssm_state, meta.state_pages, meta.has_initial_state, meta.query_start_loc, *f,
+            positions=_kept(positions, meta),
         )
         if y is None:
             raise RuntimeError(_declined("mamba2 scan", x, ssm_state))
         return y.to(out_dtype)
+
+
+def _no_positions(ops: TorchMamba2Ops, positions: torch.Tensor | None) -> None:
+    if positions is not None:
+        raise ValueError(
+            f"the {ops.name} Mamba2 ops do not keep per-position states (keeps_positions is "
+            "False): speculative decoding rewinds requests on this backend"
+        )
+
+
+def _kept(
+    scratch: torch.Tensor | None, meta: StateMetadata
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(scratch, rows) for a native kernel. The caller (the model runner) makes sure a request
+    with a row has at most scratch.shape[1] + 1 tokens: a kernel's checks here are a few ints,
+    never tensor ops (captured steps replay native calls only)."""
+    if scratch is None:
+        return None
+    assert meta.scratch_rows is not None
+    return scratch, meta.scratch_rows
 
 
 def _declined(op: str, x: torch.Tensor, state: torch.Tensor) -> str:
@@ -214,7 +263,9 @@ class TritonMamba2Ops(TorchMamba2Ops):
         meta: StateMetadata,
         activation: str | None,
         out_dtype: torch.dtype | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        _no_positions(self, positions)
         if is_decode(meta.max_query_len, x.shape[0], meta.state_pages):
             from hybridkv.ops import triton_mamba
 
@@ -254,7 +305,9 @@ class CompiledMamba2Ops(TorchMamba2Ops):
         meta: StateMetadata,
         p: ScanParams,
         out_dtype: torch.dtype,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        _no_positions(self, positions)
         decoding = is_decode(meta.max_query_len, x.shape[0], meta.state_pages)
         if decoding and x.shape[0] > 0 and bool(meta.has_initial_state.all()):
             f = scan_inputs(x, dt, p.A, B, C, p.D, p.dt_bias, p.dt_limit)

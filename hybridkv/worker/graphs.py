@@ -73,6 +73,9 @@ class StaticInputs:
     # the state kernels' has-initial flags (uint8), first tokens and token counts: the same
     # for every step of this shape
     spans: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    # [S] int64: each request's scratch row for per-position states (-1: none), verify
+    # shapes of state ops that keep them (`ModelRunner.keeps_positions`); else None
+    scratch_rows: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,7 @@ class DecodeGraphs:
             torch.arange(0, num_tokens, q, dtype=torch.int64),  # each request's first token
             torch.full((size,), q, dtype=torch.int64),  # q tokens each
         )
+        scratch_rows = np.full(size, -1, np.int64) if q > 1 and runner.keeps_positions else None
         for gid in runner.state_pages:
             pages[gid] = np.zeros(size, np.int64)
             state[gid] = StateMetadata(
@@ -208,6 +212,7 @@ class DecodeGraphs:
                 has_initial_state=has,
                 query_start_loc=qsl,
                 max_query_len=q,
+                scratch_rows=None if scratch_rows is None else torch.from_numpy(scratch_rows),
             )
         batch = ForwardBatch(
             input_ids=torch.from_numpy(ids),
@@ -220,8 +225,9 @@ class DecodeGraphs:
             state=state,
         )
         return StaticInputs(
-            ids, positions, seq_lens, request_lens, tables, pages, batch, spans_rest
-        )
+            ids, positions, seq_lens, request_lens, tables, pages, batch, spans_rest,
+            scratch_rows,
+        )  # fmt: skip
 
     def _fill(self, inputs: StaticInputs, chunks: Sequence[ScheduledChunk], q: int) -> None:
         """Write this step's values into the buffers the captured program reads."""
@@ -247,6 +253,9 @@ class DecodeGraphs:
             slots[:] = table.slot_mapping_host(token_rows, inputs.positions)
         for gid, pages in runner.state_pages.items():
             np.take(pages.numpy(), rows, out=inputs.pages[gid])
+        if inputs.scratch_rows is not None:
+            scratch_rows = runner.scratch_rows(chunks)  # (checked against the scratch)
+            inputs.scratch_rows[:] = -1 if scratch_rows is None else scratch_rows
 
     def _provide_spans(self, inputs: StaticInputs, q: int) -> None:
         """Hand the state kernels the capture step's spans (the same tensors every replay

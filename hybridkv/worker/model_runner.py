@@ -85,11 +85,25 @@ class StepLogits:
 
 def load_state_ops(group: GroupPlan) -> Any:
     """The ops implementation the plan chose for a state group (declared by its layer kind)."""
+    return state_ops_class(group)()
+
+
+def keeps_positions(plan: MemoryPlan) -> bool:
+    """Whether the ops of every state group keep the state after every position of a chunk
+    (`keeps_positions`): speculative decoding then commits each request's accepted position
+    instead of rewinding it (docs/speculative-decoding.md, "State layers")."""
+    groups = plan.state_groups
+    return bool(groups) and all(
+        getattr(state_ops_class(g), "keeps_positions", False) for g in groups
+    )
+
+
+def state_ops_class(group: GroupPlan) -> Any:
     assert isinstance(group.spec, StateSpec)
     for ops in group.spec.ops:
         if ops.name == group.backend:
             module, _, name = ops.impl.partition(":")
-            return getattr(importlib.import_module(module), name)()
+            return getattr(importlib.import_module(module), name)
     declared = ", ".join(o.name for o in group.spec.ops) or "none"
     raise ValueError(
         f"group {group.group_id} ({group.kind}) has no runnable ops {group.backend!r}; "
@@ -107,13 +121,17 @@ class ModelRunner:
         driver: bool = True,
         max_capture_size: int = 0,
         num_scratch_rows: int = 0,
+        num_scratch_positions: int = 0,
     ) -> None:
         """`driver`: this runner returns logits (rank 0 of a tensor-parallel group, or the only
         one); the other ranks run their shard of the forward and of the logits.
         `max_capture_size`: decode steps of up to this many requests are captured and replayed
         natively (`hybridkv.worker.graphs`; CPU, one process); 0: every step runs eagerly.
         `num_scratch_rows`: speculative decoding on a model with state groups: one saved state
-        per request that carries drafts in a step (`scratch_bytes` of memory)."""
+        per request that carries drafts in a step (`scratch_bytes` of memory).
+        `num_scratch_positions` > 0 (state ops that `keeps_positions`): each scratch row holds
+        that many states instead, the state after each position of a verify chunk but its last
+        (at most k), and a rejection commits the accepted one (`SchedulerOutput.commits`)."""
         self.model = model
         self.driver = driver
         self.plan = plan
@@ -138,10 +156,17 @@ class ModelRunner:
         }
         self.state_ops = {g.group_id: load_state_ops(g) for g in plan.state_groups}
         # layer -> tensor name -> [num_scratch_rows, *state shape]: states saved before a
-        # verify step (the running page cannot be rewound after the drafts ran through it)
+        # verify step (the running page cannot be rewound after the drafts ran through it); with
+        # per-position states [num_scratch_rows, num_scratch_positions, *state shape], written
+        # by the state ops during the verify step (the state after each position)
+        self.keeps_positions = num_scratch_rows > 0 and num_scratch_positions > 0
+        self.scratch_rows_count, self.scratch_positions = num_scratch_rows, num_scratch_positions
+        depth = (num_scratch_positions,) if self.keeps_positions else ()
         self.scratch: dict[str, dict[str, torch.Tensor]] = {
             name: {
-                key: torch.empty((num_scratch_rows, *t.shape[1:]), dtype=t.dtype, device=device)
+                key: torch.empty(
+                    (num_scratch_rows, *depth, *t.shape[1:]), dtype=t.dtype, device=device
+                )
                 for key, t in self.buffers.views[name].items()  # type: ignore[union-attr]
             }
             for g in plan.state_groups
@@ -163,7 +188,8 @@ class ModelRunner:
             for name in group.layer_names:
                 view = self.buffers.views[name]
                 if isinstance(view, dict):  # a state group: one view per declared tensor
-                    caches[name] = StateCache(gid, view, self.state_ops[gid])
+                    positions = self.scratch[name] if self.keeps_positions else {}
+                    caches[name] = StateCache(gid, view, self.state_ops[gid], positions)
                 else:  # [num_kernel_blocks, 2, kernel_block_size, kv_heads, head_dim]
                     caches[name] = AttentionCache(gid, view, self.attention_backends[gid])
         return caches
@@ -237,6 +263,45 @@ class ModelRunner:
                         src = scratch[: len(srow_list)] if prefix else scratch[srows]
                         tensor.index_copy_(0, pages, src)
 
+    def _commit_positions(self, commits: Sequence[tuple[str, int, int]]) -> None:
+        """(request id, scratch row, position): the request's drafts were rejected after the
+        chunk position `position`; its running states become the ones the state ops kept
+        there, in every state layer (one copy per state tensor, none per draft). Requests
+        without a row (preempted or finished since) are skipped.
+
+            scratch row r:  [ state after position 0 | 1 | ... | k - 1 ]   (the verify step's)
+                                          |
+                                          v  position a (the last accepted token's)
+            running page:   state after the chunk's last token  <-  scratch[r, a]
+        """
+        commits = [(self.rows[rid], srow, pos) for rid, srow, pos in commits if rid in self.rows]
+        if not commits or not self.keeps_positions:
+            return
+        rows = torch.tensor([r for r, _, _ in commits])
+        srows = torch.tensor([s for _, s, _ in commits], device=self.device)
+        positions = torch.tensor([p for _, _, p in commits], device=self.device)
+        for group in self.plan.state_groups:
+            pages = self.state_pages[group.group_id][rows].to(self.device)
+            for name in group.layer_names:
+                view = self.buffers.views[name]
+                assert isinstance(view, dict)
+                for key, tensor in view.items():
+                    tensor.index_copy_(0, pages, self.scratch[name][key][srows, positions])
+
+    def scratch_rows(self, chunks: Sequence[ScheduledChunk]) -> np.ndarray | None:
+        """[num_seqs] int64 scratch row of each chunk (-1: none) when the state ops keep
+        per-position states and some chunk carries drafts; else None."""
+        if not self.keeps_positions or not any(c.scratch_row >= 0 for c in chunks):
+            return None
+        depth, rows = self.scratch_positions, self.scratch_rows_count
+        for c in chunks:  # (the kernels write positions 0 .. num_tokens - 2 of the row)
+            if c.scratch_row >= rows or (c.scratch_row >= 0 and c.num_tokens - 1 > depth):
+                raise ValueError(
+                    f"request {c.request_id!r}: a chunk of {c.num_tokens} tokens in scratch row "
+                    f"{c.scratch_row}; the scratch holds {rows} rows of {depth} positions"
+                )
+        return np.fromiter((c.scratch_row for c in chunks), np.int64, len(chunks))
+
     def _copy_states(self, ops: Sequence[StateCopy]) -> None:
         """Copy every state tensor of every layer of a group from one page to another."""
         by_group: dict[int, tuple[list[int], list[int]]] = {}
@@ -296,6 +361,8 @@ class ModelRunner:
         }
         has = starts > 0
         has_initial_state = _to(has, dev)
+        scratch_rows = self.scratch_rows(chunks)
+        scratch_rows_t = None if scratch_rows is None else _to(scratch_rows, dev)
         state = {}
         for gid, pages in self.state_pages.items():
             step_pages = pages.numpy()[rows]
@@ -304,6 +371,7 @@ class ModelRunner:
                 has_initial_state=has_initial_state,
                 query_start_loc=qsl_dev,
                 max_query_len=max_q,
+                scratch_rows=scratch_rows_t,
             )
             if dev.type == "cpu":  # the native state kernels' arrays, converted here once
                 spans = (meta.state_pages, torch.from_numpy(has.view(np.uint8)),
@@ -344,11 +412,13 @@ class ModelRunner:
         driver) and the prompt log-probs of the chunks that ask for them."""
         self.release(out.preempted, finished=False)
         self._scratch_copies(out.restores, save=False)
+        self._commit_positions(out.commits)
         if out.is_empty:
             return StepLogits()
         self._apply_allocations(out)
-        saves = [(c.request_id, c.scratch_row) for c in out.chunks if c.scratch_row >= 0]
-        self._scratch_copies(saves, save=True)
+        if not self.keeps_positions:
+            saves = [(c.request_id, c.scratch_row) for c in out.chunks if c.scratch_row >= 0]
+            self._scratch_copies(saves, save=True)
         chunks, drafts = out.chunks, {}
         if self.mtp is not None:
             chunks, drafts = self.mtp.step(out.chunks)

@@ -281,3 +281,71 @@ def test_fused_native_mixer_equals_the_native_ops_one_by_one(family, dtype, monk
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # (softplus: libm vs PyTorch)
     for a, b in zip(fused[1:], separate[1:], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["granitemoehybrid", "nemotron_h"])
+def test_native_mixer_keeps_the_state_after_every_position(family, dtype, fused, monkeypatch):
+    """Speculative decoding's per-position states (`keeps_positions`): a verify step with
+    scratch rows writes, for each of a request's tokens but its last, the state a chunk ending
+    at that token leaves in its page (conv: exactly its last inputs; ssm: the same token-by-token
+    numbers), changes neither the outputs nor the pages, and leaves rows -1 untouched. Chunks
+    of 9 tokens too (the blocked scan is not taken for them)."""
+    from hybridkv.ops import native
+    from hybridkv.ops.mamba2_ops import NativeMamba2Ops, TorchMamba2Ops
+
+    if native.library() is None:
+        pytest.skip("native kernels unavailable here (no C compiler)")
+    assert NativeMamba2Ops.keeps_positions and not TorchMamba2Ops.keeps_positions
+    if not fused:
+        monkeypatch.setattr(NativeMamba2Ops, "fused_mix", lambda *a: None)
+    _, ours = build(family, seed=3)
+    ours = ours.to(dtype)
+    ops = NativeMamba2Ops()
+    g = torch.Generator().manual_seed(5)
+    num_pages, depth = 6, 8
+    conv0 = torch.randn(num_pages, ours.conv_dim, ours.d_conv - 1, generator=g).to(dtype)
+    ssm0 = torch.randn(num_pages, ours.n_heads, ours.head_dim, ours.d_state, generator=g)
+    ssm0 = (0.3 * ssm0).to(dtype)
+    lens, pages, rows = [5, 1, 9, 4], [2, 0, 4, 5], [1, -1, 0, -1]
+    x = torch.randn(sum(lens), HIDDEN, generator=g).to(dtype)
+
+    def step(tokens, lens, pages, scratch_rows=None, positions=None):
+        conv, ssm = conv0.clone(), ssm0.clone()
+        meta = meta_for(lens, pages, [True] * len(lens))
+        if scratch_rows is not None:
+            meta = StateMetadata(**{**meta.__dict__, "scratch_rows": torch.tensor(scratch_rows)})
+        with torch.no_grad():
+            out = ours.mix(tokens, conv, ssm, meta, ops, positions)
+        return out, conv, ssm
+
+    kept = (
+        torch.full((2, depth, *conv0.shape[1:]), float("nan"), dtype=dtype),
+        torch.full((2, depth, *ssm0.shape[1:]), float("nan"), dtype=dtype),
+    )
+    out, conv, ssm = step(x, lens, pages, rows, kept)
+    plain_out, plain_conv, plain_ssm = step(x, lens, pages)
+    first = [0, 5, 6, 15]
+    # requests of fewer than 8 tokens take the same scan path with or without positions
+    short_pages, short_tokens = [2, 0, 5], [*range(0, 6), *range(15, 19)]
+    assert torch.equal(conv, plain_conv)
+    assert torch.equal(ssm[short_pages], plain_ssm[short_pages])
+    assert torch.equal(out[short_tokens], plain_out[short_tokens])
+    torch.testing.assert_close(ssm, plain_ssm, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, plain_out, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        projected = ours._project_in(x)  # the prefixes below run on the same projections
+    for req, row in ((0, 1), (2, 0)):
+        for i in range(lens[req] - 1):
+            prefix = projected[first[req] : first[req] + i + 1]
+            monkeypatch.setattr(ours, "_project_in", lambda _, prefix=prefix: prefix)
+            _, ref_conv, ref_ssm = step(x[: i + 1], [i + 1], [pages[req]])
+            page = pages[req]
+            assert torch.equal(kept[0][row, i], ref_conv[page]), (req, i)
+            if fused:  # one kernel: the same numbers bit for bit
+                assert torch.equal(kept[1][row, i], ref_ssm[page]), (req, i)
+            else:  # (dt's softplus is a PyTorch op whose rounding may depend on the size)
+                torch.testing.assert_close(kept[1][row, i], ref_ssm[page], rtol=1e-5, atol=1e-6)
+        assert kept[0][row, lens[req] - 1 :].isnan().all()  # the last token's is in the page
+        assert kept[1][row, lens[req] - 1 :].isnan().all()

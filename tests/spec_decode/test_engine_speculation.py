@@ -2,7 +2,9 @@
 
 Greedy decoding with drafts must give transformers' tokens exactly, on every kind of cache:
 attention only, sliding windows with sinks, MLA, and every state kind (whose rejected drafts are
-undone by restoring the state saved before the verify step), under the cache settings that
+undone by committing the state kept after the last accepted position where the state ops keep
+per-position states, the native Mamba2 ops, else by restoring the state saved before the verify
+step and recomputing), under the cache settings that
 stress it (pages, a second turn hitting the first turn's blocks and state snapshots, a pool so
 small that requests are preempted). The tiny models' vocabulary (96 tokens) and
 `prompt_lookup_min` 1 make drafts frequent and often wrong, so both acceptance and rollback run.
@@ -71,12 +73,10 @@ class Oracle:
         return drafts
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
-def test_greedy_with_drafts_matches_transformers(family, setting, monkeypatch) -> None:
-    """Every verify outcome (all, some, none accepted) on every cache kind gives transformers'
-    greedy tokens; a state model rolls its states back after every partial acceptance."""
+def check_with_oracle(family, setting: str, monkeypatch) -> tuple[Engine, int, int]:
+    """check_case with `Oracle` drafts -> (the last engine, state restores, state commits)."""
     engines: list[Engine] = []
-    restores = [0]
+    counts = [0, 0]
     init = Engine.__init__
 
     def with_oracle(self, *args, **kwargs):
@@ -87,7 +87,8 @@ def test_greedy_with_drafts_matches_transformers(family, setting, monkeypatch) -
 
         def counting():
             out = schedule()
-            restores[0] += len(out.restores)
+            counts[0] += len(out.restores)
+            counts[1] += len(out.commits)
             return out
 
         self.scheduler.schedule = counting
@@ -97,10 +98,38 @@ def test_greedy_with_drafts_matches_transformers(family, setting, monkeypatch) -
     stats = engines[-1].spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert stats.accepted_tokens_per_pos[0] > 0 and stats.accepted_tokens_per_pos[-1] > 0
-    if engines[-1].plan.state_groups:
-        assert restores[0] > 0, "no state was ever rolled back"
+    return engines[-1], counts[0], counts[1]
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_greedy_with_drafts_matches_transformers(family, setting, monkeypatch) -> None:
+    """Every verify outcome (all, some, none accepted) on every cache kind gives transformers'
+    greedy tokens; a state model rolls its states back after every partial acceptance: by
+    committing a kept position where its ops keep them (Mamba2 on the native kernels), else by
+    restoring and recomputing."""
+    engine, restores, commits = check_with_oracle(family, setting, monkeypatch)
+    if not engine.plan.state_groups:
+        assert restores == commits == 0
+    elif engine.runner.keeps_positions:
+        assert commits > 0 and restores == 0, "no state was ever committed"
     else:
-        assert restores[0] == 0
+        assert restores > 0 and commits == 0, "no state was ever rolled back"
+
+
+@pytest.mark.parametrize("name", ["granite", "mamba2"])
+def test_mamba2_rewinds_where_its_ops_keep_no_positions(name, tmp_path_factory, monkeypatch):
+    """The same with the native Mamba2 ops declaring no per-position states: rejections rewind
+    (restore + recompute) and the tokens are still transformers'; with them, commits."""
+    from hybridkv.ops import native
+    from hybridkv.ops.mamba2_ops import NativeMamba2Ops
+
+    if native.library() is None:
+        pytest.skip("native kernels unavailable here (no C compiler): Mamba2 runs on torch")
+    folder, hf = FAMILIES[name](tmp_path_factory)
+    fam = make_family(folder, hf, hf.config.vocab_size)
+    monkeypatch.setattr(NativeMamba2Ops, "keeps_positions", False)
+    engine, restores, commits = check_with_oracle(fam, "page", monkeypatch)
+    assert not engine.runner.keeps_positions and restores > 0 and commits == 0
 
 
 @pytest.fixture(scope="module")

@@ -239,12 +239,29 @@ static void scan_rows(float *s, int init, int64_t tok0, int64_t len, int64_t h, 
  * (decode) keep it in L1 (scan_rows): there the state's trip from and to memory is the cost,
  * not the arithmetic. The state is float32 or (state_bf16) bfloat16, widened per (request,
  * head) into a float32 copy and rounded back after the span; inputs and math are float32.
+ *
+ * Speculative decoding keeps the state after every position (pos_state non-NULL): a request
+ * with pos_rows[r] >= 0 runs its span token by token (scan_rows, the decode step's numbers)
+ * and, after each of its tokens i = 0 .. lens[r] - 2, writes its head's state, in the state's
+ * dtype, to
+ *     pos_state + pos_rows[r] * pos_row_stride + i * pos_stride + h * P * N      (elements)
+ * (the state after its last token is in its page, as always).
  */
+static void put_state(void *dst, int bf16, const float *s, int64_t size) {
+    if (bf16) {
+        uint16_t *d = dst;
+        for (int64_t i = 0; i < size; i++) d[i] = hkv_f32_to_bf16(s[i]);
+    } else {
+        memcpy(dst, s, sizeof(float) * (size_t)size);
+    }
+}
+
 void hkv_mamba2_scan(void *state, int64_t page_stride, int state_bf16, const int64_t *pages,
                      const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
                      int64_t R, int64_t H, int64_t P, int64_t N, int64_t G, const float *x,
                      int64_t x_ts, const float *dt, const float *A, const float *B,
-                     const float *C, int64_t bc_ts, const float *D, float *y) {
+                     const float *C, int64_t bc_ts, const float *D, float *y, void *pos_state,
+                     const int64_t *pos_rows, int64_t pos_row_stride, int64_t pos_stride) {
     const int blockable =
         P % HKV_LANES == 0 && N % HKV_SCAN_ROWS == 0 && P * N <= HKV_SCAN_MAX_STATE;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
@@ -260,7 +277,17 @@ void hkv_mamba2_scan(void *state, int64_t page_stride, int state_bf16, const int
                 if (s == NULL) continue;
                 if (has_initial[r]) load_floats(state, 1, at, size, s);
             }
-            if (blockable && lens[r] >= HKV_SCAN_LONG)
+            const int64_t row = pos_state != NULL ? pos_rows[r] : -1;
+            if (row >= 0) {
+                const size_t elem = state_bf16 ? 2 : 4;
+                char *dst = (char *)pos_state + elem * (size_t)(row * pos_row_stride + h * size);
+                for (int64_t i = 0; i < lens[r]; i++) {
+                    scan_rows(s, i > 0 || has_initial[r], starts[r] + i, 1, h, H, P, N, G, x,
+                              x_ts, dt, A[h], B, C, bc_ts, D[h], y);
+                    if (i + 1 < lens[r])
+                        put_state(dst + elem * (size_t)(i * pos_stride), state_bf16, s, size);
+                }
+            } else if (blockable && lens[r] >= HKV_SCAN_LONG)
                 scan_blocked(s, has_initial[r], starts[r], lens[r], h, H, P, N, G, x, x_ts, dt,
                              A[h], B, C, bc_ts, D[h], y);
             else
@@ -539,12 +566,18 @@ static void conv_new_state(void *state, int state_bf16, int64_t page, const stru
  * row at the row stride: every access a new page and the same few L1 sets, 5-8x slower on a
  * 2048-token chunk.) The histories are gathered from the pages first, the outputs computed in
  * parallel, then the pages written, so no task reads a page another has written.
+ * Speculative decoding keeps the state after every position (pos_state non-NULL): a request
+ * with pos_rows[r] >= 0 and its tokens i = 0 .. lens[r] - 2 get the page the state would be
+ * after token i (its last K - 1 inputs up to i) written, in the state's dtype, at
+ *     pos_state + pos_rows[r] * pos_row_stride + i * pos_stride                 (elements)
  * Returns 0, or -1 when the history buffer could not be allocated (nothing written then).
  */
 int hkv_conv1d(void *state, int64_t page_stride, int state_bf16, const int64_t *pages,
                    const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
                    int64_t R, int64_t C, int64_t K, const void *x, int64_t x_stride, int x_bf16,
-                   const float *wt, const float *bias, int act_silu, int round_bf16, float *y) {
+                   const float *wt, const float *bias, int act_silu, int round_bf16, float *y,
+                   void *pos_state, const int64_t *pos_rows, int64_t pos_row_stride,
+                   int64_t pos_stride) {
     const int64_t hist_len = K - 1;
     int64_t tokens = 0, tasks = 0;
     for (int64_t r = 0; r < R; r++) {
@@ -593,6 +626,10 @@ int hkv_conv1d(void *state, int64_t page_stride, int state_bf16, const int64_t *
             const struct conv_src s = {x, x_stride, x_bf16, hist + r * hist_len * C,
                                        hist_len, C, starts[r]};
             conv_new_state(state, state_bf16, pages[r] * page_stride, &s, lens[r]);
+            const int64_t row = pos_state != NULL ? pos_rows[r] : -1;
+            for (int64_t i = 0; row >= 0 && i + 1 < lens[r]; i++)
+                conv_new_state(pos_state, state_bf16, row * pos_row_stride + i * pos_stride, &s,
+                               i + 1);
         }
     }
     free(hist);
@@ -1580,6 +1617,8 @@ int hkv_mamba1_scan(void *state, int64_t page_stride, int state_bf16, const int6
  * hkv_gated_rms_norm_mixed), with the same numbers; one call saves the dozens of small tensor
  * ops and wrapper checks between them, which at batch 1 cost more than the arithmetic.
  * Scratch (the conv output, dt, y) is malloc'd here; the conv reads a bf16 xBC in place.
+ * pos_conv / pos_ssm (with pos_rows; NULL: none): the states after every position, as the
+ * two kernels' pos_state arguments (strides in elements of each state).
  * Returns 0, or -1 when scratch could not be allocated (nothing written then). */
 int hkv_mamba2_mix(const void *zx, int zx_bf16, int64_t zx_stride, void *conv_state,
                    int64_t conv_page_stride, int conv_bf16, const float *conv_wt,
@@ -1589,7 +1628,9 @@ int hkv_mamba2_mix(const void *zx, int zx_bf16, int64_t zx_stride, void *conv_st
                    int64_t R, int64_t T, int64_t H, int64_t P, int64_t N, int64_t G,
                    const float *A, const float *D, const float *dt_bias, float dt_min,
                    float dt_max, const float *norm_w, int64_t norm_group, float eps,
-                   int norm_before_gate, int w_fp32, void *out, int out_bf16) {
+                   int norm_before_gate, int w_fp32, void *out, int out_bf16, void *pos_conv,
+                   int64_t conv_row_stride, int64_t conv_pos_stride, void *pos_ssm,
+                   int64_t ssm_row_stride, int64_t ssm_pos_stride, const int64_t *pos_rows) {
     const int64_t I = H * P, conv_dim = I + 2 * G * N;
     const size_t need = (size_t)T * (size_t)(conv_dim + H + I);
     float *scratch = malloc(sizeof(float) * (need ? need : 1));
@@ -1600,7 +1641,8 @@ int hkv_mamba2_mix(const void *zx, int zx_bf16, int64_t zx_stride, void *conv_st
                                   : (const void *)((const float *)zx + I);
     if (hkv_conv1d(conv_state, conv_page_stride, conv_bf16, pages, has_initial, starts, lens,
                        R, conv_dim, K, conv_in, zx_stride, zx_bf16, conv_wt, conv_bias, 1,
-                       round_conv, conv_y)) {
+                       round_conv, conv_y, pos_conv, pos_rows, conv_row_stride,
+                       conv_pos_stride)) {
         free(scratch);
         return -1;
     }
@@ -1616,7 +1658,7 @@ int hkv_mamba2_mix(const void *zx, int zx_bf16, int64_t zx_stride, void *conv_st
         }
     hkv_mamba2_scan(ssm_state, ssm_page_stride, ssm_bf16, pages, has_initial, starts, lens, R,
                     H, P, N, G, conv_y, conv_dim, dtp, A, conv_y + I, conv_y + I + G * N,
-                    conv_dim, D, y);
+                    conv_dim, D, y, pos_ssm, pos_rows, ssm_row_stride, ssm_pos_stride);
     hkv_gated_rms_norm_mixed(y, 0, zx, zx_bf16, zx_stride, norm_w, out, out_bf16, T, I,
                              norm_group, eps, norm_before_gate, w_fp32);
     free(scratch);

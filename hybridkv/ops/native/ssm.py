@@ -33,17 +33,48 @@ _i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_
 native.declare({
     # argument types in the C order; `# fmt: skip` keeps them one list per kernel
     "hkv_mamba2_scan": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
-                        _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr],
+                        _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr,
+                        _ptr, _ptr, _i64, _i64],
     "hkv_conv1d": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _int,
-                   _ptr, _ptr, _int, _int, _ptr],
+                   _ptr, _ptr, _int, _int, _ptr, _ptr, _ptr, _i64, _i64],
     "hkv_mamba2_mix": [_ptr, _int, _i64, _ptr, _i64, _int, _ptr, _ptr, _i64, _int, _ptr, _i64,
                        _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr,
-                       _ptr, _ptr, _f32, _f32, _ptr, _i64, _f32, _int, _int, _ptr, _int],
+                       _ptr, _ptr, _f32, _f32, _ptr, _i64, _f32, _int, _int, _ptr, _int,
+                       _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr],
     "hkv_mamba1_scan": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64,
                         _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr,
                         _ptr],
 })  # fmt: skip
 native.returns_status("hkv_mamba2_mix", "hkv_conv1d", "hkv_mamba1_scan")
+
+# Speculative decoding's per-position states (docs/speculative-decoding.md, "State layers"):
+# (scratch [rows, positions, *state shape] in the state's dtype, contiguous; rows [S] int64,
+# each request's scratch row or -1). A kernel given them also writes the state after each of a
+# request's tokens but its last to scratch[row, i]; None: nothing is kept.
+Positions = tuple[torch.Tensor, torch.Tensor] | None
+
+
+def _position_args(positions: Positions, state: torch.Tensor) -> tuple:
+    """(scratch pointer, rows pointer, row stride, position stride) for a kernel, all in
+    elements of `state`; nothing (None, None, 0, 0) without positions."""
+    if positions is None:
+        return None, None, 0, 0
+    scratch, rows = positions
+    ok = (
+        scratch.dtype == state.dtype
+        and scratch.dim() == state.dim() + 1
+        and scratch.shape[2:] == state.shape[1:]
+        and scratch.is_contiguous()
+        and rows.dtype == torch.int64
+        and rows.is_contiguous()
+    )
+    if not ok:
+        raise ValueError(
+            f"per-position states: scratch {tuple(scratch.shape)} {scratch.dtype} and rows "
+            f"{rows.dtype} do not fit a state {tuple(state.shape)} {state.dtype} (allowed: "
+            "contiguous [rows, positions, *state shape] in the state's dtype, int64 rows)"
+        )
+    return scratch.data_ptr(), rows.data_ptr(), scratch.stride(0), scratch.stride(1)
 
 
 def mamba2_scan(
@@ -57,9 +88,11 @@ def mamba2_scan(
     B: torch.Tensor,
     C: torch.Tensor,
     D: torch.Tensor,
+    positions: Positions = None,
 ) -> torch.Tensor | None:
     """The Mamba2 scan of packed requests natively (token by token, state in place); None when
-    the kernels or these tensors are not supported.
+    the kernels or these tensors are not supported. `positions`: also keep the state after
+    every position (`Positions`).
 
     ssm_state: [num_pages, H, P, N] float32 or bfloat16 (a page-strided view; each page's
     [H, P, N] contiguous); state_pages: [S]; has_initial_state: [S] bool; query_start_loc:
@@ -81,6 +114,7 @@ def mamba2_scan(
         has.data_ptr(), starts.data_ptr(), lens.data_ptr(), pages.shape[0], heads, head_dim,
         d_state, B.shape[1], x.data_ptr(), heads * head_dim, dt.data_ptr(), A.data_ptr(),
         B.data_ptr(), C.data_ptr(), B.shape[1] * d_state, D.data_ptr(), y.data_ptr(),
+        *_position_args(positions, ssm_state),
     )  # fmt: skip
     return y
 
@@ -179,10 +213,12 @@ def conv1d(
     query_start_loc: torch.Tensor,
     silu: bool = False,
     round_bf16: bool = False,
+    positions: Positions = None,
 ) -> torch.Tensor | None:
     """Causal conv1d of packed requests (prefill chunks and decode steps) natively, through silu
     when `silu` (else no activation), its float32 results rounded to bfloat16 values when
-    `round_bf16`; None when the kernels or these tensors are not supported.
+    `round_bf16`; None when the kernels or these tensors are not supported. `positions`: also
+    keep the state after every position (`Positions`).
 
     x: [T, C] (rows may be strided; float32 or bfloat16, read in place); weight: [C, K]; bias:
     [C] or None; conv_state:
@@ -208,6 +244,7 @@ def conv1d(
         has.data_ptr(), starts.data_ptr(), lens.data_ptr(), pages.shape[0], channels, width,
         x.data_ptr(), x.stride(0), is_bf16(x), wt.data_ptr(),
         None if bias is None else bias.data_ptr(), int(silu), int(round_bf16), y.data_ptr(),
+        *_position_args(positions, conv_state),
     )  # fmt: skip
     if failed:
         raise MemoryError("the native conv1d could not allocate its work space")
@@ -227,9 +264,11 @@ def mamba2_mix(
     norm: tuple[torch.Tensor, int, float, bool, bool],
     n_groups: int,
     out_dtype: torch.dtype,
+    positions: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """A whole Mamba2 mixer between its projections in one native call (hkv_mamba2_mix: conv,
-    dt, scan, gated norm; states in place); None when not supported.
+    dt, scan, gated norm; states in place); None when not supported. `positions`: (conv
+    scratch, ssm scratch, rows): also keep both states after every position (`Positions`).
 
     zxbcdt: [T, I + conv_dim + H] in_proj output (float32 or bfloat16, unit column stride);
     conv_weight: [conv_dim, K]; conv_state: [num_pages, conv_dim, K - 1]; ssm_state: [num_pages,
@@ -269,6 +308,20 @@ def mamba2_mix(
         starts.data_ptr(), lens.data_ptr(), pages.shape[0], tokens, heads, head_dim, d_state,
         n_groups, f32[0].data_ptr(), f32[1].data_ptr(), f32[2].data_ptr(), dt_min, dt_max,
         f32[3].data_ptr(), group_size, eps, int(norm_before_gate), int(weight_in_fp32),
-        out.data_ptr(), is_bf16(out),
+        out.data_ptr(), is_bf16(out), *_mix_position_args(positions, conv_state, ssm_state),
     )  # fmt: skip
     return None if failed else out
+
+
+def _mix_position_args(
+    positions: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+) -> tuple:
+    """hkv_mamba2_mix's last seven arguments (the two kernels' position arguments)."""
+    if positions is None:
+        return None, 0, 0, None, 0, 0, None
+    conv, ssm, rows = positions
+    conv_ptr, rows_ptr, conv_row, conv_pos = _position_args((conv, rows), conv_state)
+    ssm_ptr, _, ssm_row, ssm_pos = _position_args((ssm, rows), ssm_state)
+    return conv_ptr, conv_row, conv_pos, ssm_ptr, ssm_row, ssm_pos, rows_ptr
