@@ -2,7 +2,9 @@
 
 For each model, workload and batch size: decode tokens/s without drafts and with
 `num_speculative_tokens` k in --ks (prompt_lookup_min 2, max 5), k drafts every step or
-`adaptive_k` (--policies), greedy, EOS ignored, prefix caching off; the speedup over plain
+`adaptive_k` (--policies; "-rewind": with the state ops' per-position states turned off, so
+a rejection on a state model restores and recomputes, as before they existed), greedy, EOS
+ignored, prefix caching off; the speedup over plain
 decoding, the acceptance rate and the mean accepted length (tokens per verify step and request,
 the bonus token included). Medians of --repeat runs after a warm-up pass over the same
 workload. Each run also checks that the tokens equal plain decoding's.
@@ -87,9 +89,30 @@ def run(
     repeat: int,
     oracle: Oracle | None = None,
     adaptive: bool = False,
+    rewind: bool = False,
 ) -> dict:
     """Decode `groups` one after another (each group's prompts as one batch), `repeat` times
-    after one warm-up pass over all of them (which also lets adaptive_k measure its shapes)."""
+    after one warm-up pass over all of them (which also lets adaptive_k measure its shapes).
+    `rewind`: the engine built as if no state ops kept per-position states."""
+    from hybridkv.ops.mamba2_ops import NativeMamba2Ops
+
+    kept = NativeMamba2Ops.keeps_positions
+    NativeMamba2Ops.keeps_positions = kept and not rewind
+    try:
+        return _run(model, groups, new_tokens, k, repeat, oracle, adaptive)
+    finally:
+        NativeMamba2Ops.keeps_positions = kept
+
+
+def _run(
+    model: str | None,
+    groups: list[list],
+    new_tokens: int,
+    k: int,
+    repeat: int,
+    oracle: Oracle | None,
+    adaptive: bool,
+) -> dict:
     from hybridkv import LLM, SamplingParams
 
     spec = None
@@ -132,12 +155,13 @@ def main() -> None:
     p.add_argument("--oracle", type=int, default=None, metavar="N",
                    help="drafts from the plain run's tokens, every N-th call with a wrong one "
                    "(0: all right); measures the verify step's cost at a set acceptance")
-    p.add_argument("--policies", nargs="+", choices=["k", "adaptive"], default=["k", "adaptive"],
+    p.add_argument("--policies", nargs="+", default=["k", "adaptive"],
+                   choices=["k", "adaptive", "k-rewind", "adaptive-rewind"],
                    help="k: k drafts every step; adaptive: adaptive_k (at most k, chosen per "
-                   "step from measured step times)")
+                   "step from measured step times); -rewind: without per-position states")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    policies = [policy == "adaptive" for policy in args.policies]
+    policies = [(p.startswith("adaptive"), p.endswith("-rewind")) for p in args.policies]
 
     import torch
 
@@ -170,14 +194,15 @@ def main() -> None:
                         groups = [random_prompts(vocab, batch, seed=batch)]
                     prompts = [p for g in groups for p in g]
                     base = run(model, groups, args.new_tokens, 0, args.repeat)
-                    for k, adaptive in [(k, a) for k in args.ks for a in policies]:
+                    for k, (adaptive, rewind) in [(k, a) for k in args.ks for a in policies]:
                         oracle = None
                         if args.oracle is not None:
                             oracle = Oracle(prompts, base["tokens"], args.oracle)
-                        r = run(model, groups, args.new_tokens, k, args.repeat, oracle, adaptive)
+                        r = run(model, groups, args.new_tokens, k, args.repeat, oracle, adaptive,
+                                rewind)
                         rows.append({
                             "model": name, "workload": workload, "oracle": args.oracle,
-                            "batch": batch, "k": k, "adaptive": adaptive,
+                            "batch": batch, "k": k, "adaptive": adaptive, "rewind": rewind,
                             "plain_tok_s": base["tokens_per_s"], "spec_tok_s": r["tokens_per_s"],
                             "speedup": r["tokens_per_s"] / base["tokens_per_s"],
                             "acceptance": r["acceptance"], "mean_len": r["mean_len"],
@@ -192,10 +217,10 @@ def main() -> None:
 
 def print_row(r: dict, header: bool) -> None:
     if header:
-        print(f"{'model':8} {'workload':8} {'batch':>5} {'k':>2} {'policy':8} {'plain tok/s':>11} "
+        print(f"{'model':8} {'workload':8} {'batch':>5} {'k':>2} {'policy':15} {'plain tok/s':>11} "
               f"{'spec tok/s':>10} {'speedup':>7} {'accept':>6} {'mean len':>8} same")  # fmt: skip
-    policy = "adaptive" if r["adaptive"] else "k"
-    print(f"{r['model']:8} {r['workload']:8} {r['batch']:5d} {r['k']:2d} {policy:8} "
+    policy = ("adaptive" if r["adaptive"] else "k") + ("-rewind" if r["rewind"] else "")
+    print(f"{r['model']:8} {r['workload']:8} {r['batch']:5d} {r['k']:2d} {policy:15} "
           f"{r['plain_tok_s']:11.1f} {r['spec_tok_s']:10.1f} {r['speedup']:6.2f}x "
           f"{r['acceptance']:6.2f} {r['mean_len']:8.2f} {'yes' if r['same_tokens'] else 'NO'}",
           flush=True)  # fmt: skip
