@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,20 +248,27 @@ class ModelRunner:
         # the scheduler hands out scratch rows 0, 1, 2, ... in a step: saves fill a prefix
         prefix = srow_list == list(range(len(srow_list)))
         srows = torch.tensor(srow_list, device=self.device)
+        for pages, tensor, scratch in self._state_tensors(rows):
+            if save and prefix:  # one gather into the rows, no temporary
+                torch.index_select(tensor, 0, pages, out=scratch[: len(srow_list)])
+            elif save:
+                scratch.index_copy_(0, srows, tensor.index_select(0, pages))
+            else:
+                src = scratch[: len(srow_list)] if prefix else scratch[srows]
+                tensor.index_copy_(0, pages, src)
+
+    def _state_tensors(
+        self, rows: torch.Tensor
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(running pages of `rows` in the group, state tensor [num_pages, ...], its scratch)
+        for every state tensor of every state layer."""
         for group in self.plan.state_groups:
             pages = self.state_pages[group.group_id][rows].to(self.device)
             for name in group.layer_names:
                 view = self.buffers.views[name]
                 assert isinstance(view, dict)
                 for key, tensor in view.items():
-                    scratch = self.scratch[name][key]
-                    if save and prefix:  # one gather into the rows, no temporary
-                        torch.index_select(tensor, 0, pages, out=scratch[: len(srow_list)])
-                    elif save:
-                        scratch.index_copy_(0, srows, tensor.index_select(0, pages))
-                    else:
-                        src = scratch[: len(srow_list)] if prefix else scratch[srows]
-                        tensor.index_copy_(0, pages, src)
+                    yield pages, tensor, self.scratch[name][key]
 
     def _commit_positions(self, commits: Sequence[tuple[str, int, int]]) -> None:
         """(request id, scratch row, position): the request's drafts were rejected after the
@@ -280,13 +287,8 @@ class ModelRunner:
         rows = torch.tensor([r for r, _, _ in commits])
         srows = torch.tensor([s for _, s, _ in commits], device=self.device)
         positions = torch.tensor([p for _, _, p in commits], device=self.device)
-        for group in self.plan.state_groups:
-            pages = self.state_pages[group.group_id][rows].to(self.device)
-            for name in group.layer_names:
-                view = self.buffers.views[name]
-                assert isinstance(view, dict)
-                for key, tensor in view.items():
-                    tensor.index_copy_(0, pages, self.scratch[name][key][srows, positions])
+        for pages, tensor, scratch in self._state_tensors(rows):
+            tensor.index_copy_(0, pages, scratch[srows, positions])
 
     def scratch_rows(self, chunks: Sequence[ScheduledChunk]) -> np.ndarray | None:
         """[num_seqs] int64 scratch row of each chunk (-1: none) when the state ops keep
