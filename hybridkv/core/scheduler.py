@@ -64,7 +64,8 @@ class ScheduledChunk:
     prompt_top: int = 0
     # speculative decoding: the last `num_drafts` of token_ids are drafts to verify (the
     # logits of the last known token and of every draft are computed); `scratch_row` >= 0:
-    # the runner saves the request's states into that scratch row before the forward
+    # the runner saves the request's states into that scratch row before the forward, or, where
+    # the state ops keep per-position states, they write the state after each position there
     num_drafts: int = 0
     scratch_row: int = -1
     # MTP drafts (`Request.mtp_pending`): the MTP layers first take the pairs (the target's
