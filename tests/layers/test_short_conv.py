@@ -96,3 +96,39 @@ def test_the_spec_is_the_plan_only_short_conv_state():
 def test_l_cache_below_two_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"conv_L_cache must be at least 2 \(one .*\), got 1"):
         ShortConv(HIDDEN, 1)
+
+
+@pytest.mark.parametrize("l_cache", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_native_conv_keeps_the_state_after_every_position(l_cache, dtype):
+    """Speculative decoding's per-position states: with scratch rows, the native conv also
+    writes the state a chunk ending at each of a request's tokens but its last leaves (its last
+    L - 1 inputs, old columns shifted in for the first ones), without changing the outputs or
+    the pages; rows -1 write nothing."""
+    if native.library() is None:
+        pytest.skip("native kernels unavailable here (no C compiler)")
+    ours, _ = pair(l_cache, bias=True)
+    ours = ours.to(dtype)
+    ops = NativeMamba2Ops()
+    g = torch.Generator().manual_seed(7)
+    state0 = torch.randn(4, HIDDEN, l_cache - 1, generator=g).to(dtype)
+    lengths, pages, rows = [5, 2, 3], [1, 3, 0], [0, -1, 1]
+    x = torch.randn(sum(lengths), HIDDEN, generator=g).to(dtype)
+    kept = torch.full((2, 4, HIDDEN, l_cache - 1), float("nan"), dtype=dtype)
+    step = meta(pages, [True] * 3, lengths)
+    with_rows = StateMetadata(**{**step.__dict__, "scratch_rows": torch.tensor(rows)})
+    state = state0.clone()
+    out = ours.mix(x, state, with_rows, ops, kept)
+    plain_state = state0.clone()
+    assert torch.equal(out, ours.mix(x, plain_state, step, ops))
+    assert torch.equal(state, plain_state)
+    b, _, xs = ours.in_proj(x).chunk(3, dim=-1)
+    inputs = (b * xs).to(dtype)  # what the conv reads (B * x)
+    for req, first, row in ((0, 0, 0), (2, 7, 1)):
+        history = state0[pages[req]].t()  # [L - 1, C], oldest first
+        seen = torch.cat([history, inputs[first : first + lengths[req]]])
+        for i in range(lengths[req] - 1):
+            want = seen[i + 1 : i + l_cache].t()  # the last L - 1 inputs after token i
+            assert torch.equal(kept[row, i], want), (req, i)
+        assert kept[row, lengths[req] - 1 :].isnan().all()
