@@ -237,9 +237,13 @@ class GatedDeltaNet(CacheOwner):
         cache = self.cache
         assert isinstance(cache, StateCache)
         meta: StateMetadata = self.step_metadata(batch)
+        positions = None
+        if meta.scratch_rows is not None:  # speculative decoding: keep every position's state
+            positions = (cache.positions[CONV], cache.positions[RECURRENT])
         out = self.mix(
-            hidden_states, cache.tensors[CONV], cache.tensors[RECURRENT], meta, cache.ops
-        )
+            hidden_states, cache.tensors[CONV], cache.tensors[RECURRENT], meta, cache.ops,
+            positions,
+        )  # fmt: skip
         return self.tp.all_reduce(out)  # out_proj is row-parallel
 
     def mix(
@@ -249,9 +253,13 @@ class GatedDeltaNet(CacheOwner):
         recurrent_state: torch.Tensor,
         meta: StateMetadata,
         ops: TorchGDNOps = TORCH_OPS,
+        positions: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """hidden_states: [T, hidden]; conv_state: [num_pages, conv_dim, conv_kernel - 1];
-        recurrent_state: [num_pages, Hv, K, V] (both updated in place) -> [T, hidden]."""
+        recurrent_state: [num_pages, Hv, K, V] (both updated in place) -> [T, hidden].
+        positions: (conv, recurrent) scratch [rows, positions, *state shape] for the states
+        after every position (`StateMetadata.scratch_rows`; ops that `keeps_positions`)."""
+        conv_kept, rule_kept = (None, None) if positions is None else positions
         t = hidden_states.shape[0]
         qkv, z, g, beta = self._prep(hidden_states)  # g, beta: [T, Hv] float32
         # native decode steps: the conv's float32 results (bfloat16 values for a bfloat16 model)
@@ -259,8 +267,9 @@ class GatedDeltaNet(CacheOwner):
         # chunks of a bfloat16 model keep bfloat16 q, k, v: the AMX chunk kernel takes those)
         conv_dtype = torch.float32 if ops.name == "native" and meta.max_query_len == 1 else None
         qkv = ops.conv1d(
-            qkv, self.conv1d.weight[:, 0, :], None, conv_state, meta, "silu", conv_dtype
-        )
+            qkv, self.conv1d.weight[:, 0, :], None, conv_state, meta, "silu", conv_dtype,
+            conv_kept,
+        )  # fmt: skip
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         if self.beta_scale != 1.0:
             beta = beta * self.beta_scale
@@ -274,7 +283,7 @@ class GatedDeltaNet(CacheOwner):
             y = rule_norm(q, k, v, g, beta, recurrent_state, meta, z, self.norm.weight,
                           self.norm_eps)  # fmt: skip
         if y is None:
-            o = ops.rule(q, k, v, g, beta, recurrent_state, meta)  # [T, Hv, V] float32
+            o = ops.rule(q, k, v, g, beta, recurrent_state, meta, rule_kept)  # [T, Hv, V] fp32
             # transformers rounds the rule's output to the model dtype before the norm, which
             # normalises each value head with one [V] weight: rows of [T * Hv, V]
             o = o.to(hidden_states.dtype).reshape(t * self.num_v_heads, self.head_v_dim)

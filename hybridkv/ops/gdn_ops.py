@@ -31,6 +31,8 @@ from hybridkv.ops.mamba2_ops import (
     TorchMamba2Ops,
     TritonMamba2Ops,
     _declined,
+    _kept,
+    _no_positions,
 )
 from hybridkv.ops.native import gdn as native_gdn
 from hybridkv.ops.native import gdn_chunk as native_gdn_chunk
@@ -54,9 +56,13 @@ class TorchGDNOps(TorchMamba2Ops):
         beta: torch.Tensor,
         state: torch.Tensor,
         meta: StateMetadata,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q, k: [T, Hk, K] (raw); v: [T, Hv, V]; g, beta: [T, Hv] float32; state:
-        [num_pages, Hv, K, V] -> o [T, Hv, V] float32 (see `ops.gated_delta`)."""
+        [num_pages, Hv, K, V] -> o [T, Hv, V] float32 (see `ops.gated_delta`). `positions`
+        ([rows, positions, Hv, K, V]): keep the state after every position (ops that declare
+        `keeps_positions`)."""
+        _no_positions(self, positions)
         return gated_delta_rule_varlen(
             q, k, v, g, beta, state, meta.state_pages, meta.has_initial_state,
             meta.query_start_loc, meta.max_query_len, self.chunk_size, self.rule_decode(),
@@ -79,9 +85,10 @@ class NativeGDNOps(NativeMamba2Ops, TorchGDNOps):
     route is fixed per layer by its dtypes and width, never a fallback after a kernel
     declined."""
 
-    keeps_positions = False  # (the conv kernel would; the recurrence kernels do not yet)
-
     name = "native"
+    # a speculating request's rule runs token by token in the general kernel (the decode and
+    # AMX chunk kernels keep no positions); its conv keeps them natively or in PyTorch
+    keeps_positions = True
 
     def conv1d(
         self,
@@ -92,12 +99,14 @@ class NativeGDNOps(NativeMamba2Ops, TorchGDNOps):
         meta: StateMetadata,
         activation: str | None,
         out_dtype: torch.dtype | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As NativeMamba2Ops.conv1d; `layers.gated_delta_net` asks for float32 results (of
         bfloat16 values for bfloat16 x), which the rule kernels read as they are."""
+        args = (x, weight, bias, conv_state, meta, activation, out_dtype, positions)
         if native_conv_applies(x, weight, conv_state):
-            return super().conv1d(x, weight, bias, conv_state, meta, activation, out_dtype)
-        return TorchMamba2Ops.conv1d(self, x, weight, bias, conv_state, meta, activation, out_dtype)
+            return super().conv1d(*args)
+        return TorchMamba2Ops.conv1d(self, *args)
 
     def rule(
         self,
@@ -108,8 +117,16 @@ class NativeGDNOps(NativeMamba2Ops, TorchGDNOps):
         beta: torch.Tensor,
         state: torch.Tensor,
         meta: StateMetadata,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         spans = (meta.state_pages, meta.has_initial_state, meta.query_start_loc)
+        if positions is not None:  # a verify step: token by token, every position kept
+            o = native_gdn.gated_delta_rule(
+                q, k, v, g, beta, state, *spans, positions=_kept(positions, meta)
+            )
+            if o is None:
+                raise RuntimeError(_declined("gated delta rule", v, state))
+            return o
         if meta.max_query_len == 1:  # one token per request: the one-pass decode kernel
             o = native_gdn_decode.gdn_decode(q, k, v, g, beta, state, *spans)
             if o is not None:

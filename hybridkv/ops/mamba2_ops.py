@@ -97,12 +97,15 @@ class TorchMamba2Ops:
         """x: [T, C]; weight: [C, K]; conv_state: [num_pages, C, K-1] -> [T, C] in `out_dtype`
         (default x.dtype; the Mamba2 mixer asks for float32, what its scan computes in).
         `positions` ([rows, positions, C, K-1]): keep the state after every position where
-        `meta.scratch_rows` says (only ops that declare `keeps_positions`)."""
-        _no_positions(self, positions)
+        `meta.scratch_rows` says (in PyTorch: gathered from the inputs after the conv)."""
+        histories = None if positions is None else conv_histories(conv_state, meta)
         y = causal_conv1d_varlen(
             x, weight, bias, conv_state, meta.state_pages, meta.has_initial_state,
             meta.query_start_loc, meta.max_query_len, activation,
         )  # fmt: skip
+        if positions is not None:
+            assert histories is not None
+            keep_conv_positions(x, histories, positions)
         return y if out_dtype is None else y.to(out_dtype)
 
     def scan(
@@ -219,6 +222,39 @@ class NativeMamba2Ops(TorchMamba2Ops):
         if y is None:
             raise RuntimeError(_declined("mamba2 scan", x, ssm_state))
         return y.to(out_dtype)
+
+
+def conv_histories(
+    conv_state: torch.Tensor, meta: StateMetadata
+) -> list[tuple[int, int, int, torch.Tensor]]:
+    """(scratch row, first token, tokens, its conv state before the step [C, K-1]) of every
+    request with a scratch row (read before the conv overwrites its page; zeros without an
+    initial state)."""
+    assert meta.scratch_rows is not None
+    bounds = meta.query_start_loc.tolist()
+    pages, has = meta.state_pages.tolist(), meta.has_initial_state.tolist()
+    out = []
+    for s, row in enumerate(meta.scratch_rows.tolist()):
+        if row >= 0:
+            page = conv_state[pages[s]]
+            history = page.clone() if has[s] else torch.zeros_like(page)
+            out.append((row, bounds[s], bounds[s + 1] - bounds[s], history))
+    return out
+
+
+def keep_conv_positions(
+    x: torch.Tensor, histories: list[tuple[int, int, int, torch.Tensor]], kept: torch.Tensor
+) -> None:
+    """The conv state after each of those requests' tokens but its last into `kept` ([rows,
+    positions, C, K-1]): its last K - 1 inputs.
+
+        seen = [ history (K-1 columns) | x_0 .. x_{n-1} ]      state after token i: the
+                                                               K-1 columns ending at x_i
+    """
+    for row, first, n, history in histories:
+        seen = torch.cat([history, x[first : first + n].t().to(history.dtype)], dim=1)
+        windows = seen.unfold(1, history.shape[1], 1)  # [C, n + 1, K-1]: window j starts at j
+        kept[row, : n - 1] = windows[:, 1:n].transpose(0, 1)
 
 
 def _no_positions(ops: TorchMamba2Ops, positions: torch.Tensor | None) -> None:

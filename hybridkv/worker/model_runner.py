@@ -573,10 +573,11 @@ class MtpDrafter:
 def _pairs(
     chunk: ScheduledChunk, start: int, next_ids: tuple[int, ...], samples: bool
 ) -> ScheduledChunk:
-    """A chunk of MTP pairs for build_batch: positions start .. start + len(next_ids) - 1."""
+    """A chunk of MTP pairs for build_batch: positions start .. start + len(next_ids) - 1
+    (the MTP layers hold no state: no scratch row)."""
     return dataclasses.replace(
         chunk, token_ids=next_ids, start=start, num_drafts=0, prompt_targets=(),
-        sampling=chunk.sampling if samples else None,
+        sampling=chunk.sampling if samples else None, scratch_row=-1,
     )  # fmt: skip
 
 

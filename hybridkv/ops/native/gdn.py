@@ -15,12 +15,13 @@ import torch
 from hybridkv.ops import native
 from hybridkv.ops.native.common import is_bf16
 from hybridkv.ops.native.spans import spans_inside, step_spans
+from hybridkv.ops.native.ssm import Positions, position_args
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 native.declare({
     "hkv_gated_delta_rule": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
                              _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr,
-                             _ptr],
+                             _ptr, _ptr, _ptr, _i64, _i64],
 })  # fmt: skip
 
 GDN_DTYPES = (torch.float32, torch.bfloat16)  # of q, k, v and of the state
@@ -136,10 +137,12 @@ def gated_delta_rule(
     state_pages: torch.Tensor,
     has_initial_state: torch.Tensor,
     query_start_loc: torch.Tensor,
+    positions: Positions = None,
 ) -> torch.Tensor | None:
     """The gated delta rule of packed requests natively (prefill chunks and decode steps, token
     by token, each state read and written once in its page; `ops.gated_delta` is the reference);
-    None when the kernels or these tensors are not supported.
+    None when the kernels or these tensors are not supported. `positions`: also keep the state
+    after every position (`ops.native.ssm.Positions`; such a request runs one token at a time).
 
     q, k: [T, Hk, K] raw (normalised in the kernel); v: [T, Hv, V]; q, k, v all float32 or all
     bfloat16 (token rows may be strided); g, beta: [T, Hv] (float32); state:
@@ -161,7 +164,9 @@ def gated_delta_rule(
     if tokens == 0 or args.spans[0].numel() == 0:
         return o
     failed = torch.zeros(1, dtype=torch.int32)
-    lib.hkv_gated_delta_rule(*args.leading(), o.data_ptr(), failed.data_ptr())
+    lib.hkv_gated_delta_rule(
+        *args.leading(), o.data_ptr(), failed.data_ptr(), *position_args(positions, state)
+    )
     if int(failed):
         raise MemoryError("the native gated delta rule could not allocate its work space")
     return o

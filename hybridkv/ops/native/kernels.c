@@ -889,6 +889,12 @@ static void gdn_head(void *page_head, int state_bf16, int init, int64_t tok0, in
  * the page untouched. One task per (request, value head); each thread allocates its work space
  * once (4 * K floats, and a K x Vp float32 copy of the state where it cannot work in the page).
  * *failed is set when that allocation fails (o and the states are then incomplete).
+ *
+ * Speculative decoding keeps the state after every position (pos_state non-NULL): a request
+ * with pos_rows[r] >= 0 runs one token at a time (its state back in its page after each, as
+ * decode steps leave it) and after each of its tokens i = 0 .. lens[r] - 2 its head's state is
+ * copied, in the state's dtype, to
+ *     pos_state + pos_rows[r] * pos_row_stride + i * pos_stride + h * K * V      (elements)
  */
 void hkv_gated_delta_rule(void *state, int64_t page_stride, int state_bf16,
                           const int64_t *pages, const uint8_t *has_initial,
@@ -896,7 +902,8 @@ void hkv_gated_delta_rule(void *state, int64_t page_stride, int state_bf16,
                           int64_t Hv, int64_t K, int64_t V, const void *q, int64_t q_stride,
                           const void *k, int64_t k_stride, const void *v, int64_t v_stride,
                           int in_bf16, const float *g, const float *beta, float *o,
-                          int *failed) {
+                          int *failed, void *pos_state, const int64_t *pos_rows,
+                          int64_t pos_row_stride, int64_t pos_stride) {
     const struct gdn_inputs in = {q, k, v, q_stride, k_stride, v_stride, in_bf16, g, beta, o,
                                   Hk, Hv, K, V};
     const int64_t Vp = (V + HKV_LANES - 1) / HKV_LANES * HKV_LANES;
@@ -915,7 +922,18 @@ void hkv_gated_delta_rule(void *state, int64_t page_stride, int state_bf16,
             for (int64_t h = 0; h < Hv; h++) {
                 if (lens[r] == 0 || work == NULL) continue;
                 char *head = (char *)state + (pages[r] * page_stride + h * K * V) * elem;
-                gdn_head(head, state_bf16, has_initial[r], starts[r], lens[r], h, &in, work);
+                const int64_t row = pos_state != NULL ? pos_rows[r] : -1;
+                if (row < 0) {
+                    gdn_head(head, state_bf16, has_initial[r], starts[r], lens[r], h, &in, work);
+                    continue;
+                }
+                char *kept = (char *)pos_state + (row * pos_row_stride + h * K * V) * elem;
+                for (int64_t i = 0; i < lens[r]; i++) {
+                    gdn_head(head, state_bf16, i > 0 || has_initial[r], starts[r] + i, 1, h, &in,
+                             work);
+                    if (i + 1 < lens[r])
+                        memcpy(kept + i * pos_stride * elem, head, (size_t)(K * V) * elem);
+                }
             }
         }
         free(work);

@@ -54,7 +54,7 @@ native.returns_status("hkv_mamba2_mix", "hkv_conv1d", "hkv_mamba1_scan")
 Positions = tuple[torch.Tensor, torch.Tensor] | None
 
 
-def _position_args(positions: Positions, state: torch.Tensor) -> tuple:
+def position_args(positions: Positions, state: torch.Tensor) -> tuple:
     """(scratch pointer, rows pointer, row stride, position stride) for a kernel, all in
     elements of `state`; nothing (None, None, 0, 0) without positions."""
     if positions is None:
@@ -114,7 +114,7 @@ def mamba2_scan(
         has.data_ptr(), starts.data_ptr(), lens.data_ptr(), pages.shape[0], heads, head_dim,
         d_state, B.shape[1], x.data_ptr(), heads * head_dim, dt.data_ptr(), A.data_ptr(),
         B.data_ptr(), C.data_ptr(), B.shape[1] * d_state, D.data_ptr(), y.data_ptr(),
-        *_position_args(positions, ssm_state),
+        *position_args(positions, ssm_state),
     )  # fmt: skip
     return y
 
@@ -244,7 +244,7 @@ def conv1d(
         has.data_ptr(), starts.data_ptr(), lens.data_ptr(), pages.shape[0], channels, width,
         x.data_ptr(), x.stride(0), is_bf16(x), wt.data_ptr(),
         None if bias is None else bias.data_ptr(), int(silu), int(round_bf16), y.data_ptr(),
-        *_position_args(positions, conv_state),
+        *position_args(positions, conv_state),
     )  # fmt: skip
     if failed:
         raise MemoryError("the native conv1d could not allocate its work space")
@@ -308,12 +308,12 @@ def mamba2_mix(
         starts.data_ptr(), lens.data_ptr(), pages.shape[0], tokens, heads, head_dim, d_state,
         n_groups, f32[0].data_ptr(), f32[1].data_ptr(), f32[2].data_ptr(), dt_min, dt_max,
         f32[3].data_ptr(), group_size, eps, int(norm_before_gate), int(weight_in_fp32),
-        out.data_ptr(), is_bf16(out), *_mix_position_args(positions, conv_state, ssm_state),
+        out.data_ptr(), is_bf16(out), *_mixposition_args(positions, conv_state, ssm_state),
     )  # fmt: skip
     return None if failed else out
 
 
-def _mix_position_args(
+def _mixposition_args(
     positions: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     conv_state: torch.Tensor,
     ssm_state: torch.Tensor,
@@ -322,6 +322,6 @@ def _mix_position_args(
     if positions is None:
         return None, 0, 0, None, 0, 0, None
     conv, ssm, rows = positions
-    conv_ptr, rows_ptr, conv_row, conv_pos = _position_args((conv, rows), conv_state)
-    ssm_ptr, _, ssm_row, ssm_pos = _position_args((ssm, rows), ssm_state)
+    conv_ptr, rows_ptr, conv_row, conv_pos = position_args((conv, rows), conv_state)
+    ssm_ptr, _, ssm_row, ssm_pos = position_args((ssm, rows), ssm_state)
     return conv_ptr, conv_row, conv_pos, ssm_ptr, ssm_row, ssm_pos, rows_ptr
