@@ -157,7 +157,10 @@ class KimiDeltaAttention(CacheOwner):
         assert isinstance(cache, StateCache)
         meta: StateMetadata = self.step_metadata(batch)
         convs = tuple(cache.tensors[name] for name in CONVS)
-        out = self.mix(hidden_states, convs, cache.tensors[RECURRENT], meta, cache.ops)
+        kept = None
+        if meta.scratch_rows is not None:  # speculative decoding: keep every position's state
+            kept = tuple(cache.positions[name] for name in (*CONVS, RECURRENT))
+        out = self.mix(hidden_states, convs, cache.tensors[RECURRENT], meta, cache.ops, kept)
         return self.tp.all_reduce(out)  # o_proj is row-parallel
 
     def mix(
@@ -167,23 +170,29 @@ class KimiDeltaAttention(CacheOwner):
         recurrent_state: torch.Tensor,
         meta: StateMetadata,
         ops: TorchKdaOps = TORCH_OPS,
+        positions: tuple[torch.Tensor, ...] | None = None,
     ) -> torch.Tensor:
         """hidden_states: [T, hidden]; conv_states: 3 x [num_pages, H * D, conv_kernel - 1];
-        recurrent_state: [num_pages, H, D, D] (all updated in place) -> [T, hidden]."""
+        recurrent_state: [num_pages, H, D, D] (all updated in place) -> [T, hidden].
+        positions: the q, k, v conv and recurrent scratch [rows, positions, *state shape] for
+        the states after every position (`StateMetadata.scratch_rows`)."""
+        kept = (None,) * 4 if positions is None else positions
         x = hidden_states
         t, heads, dim = x.shape[0], self.num_heads, self.head_dim
         qkv = []
-        for proj, conv, state in zip(
+        for proj, conv, state, conv_kept in zip(
             (self.q_proj, self.k_proj, self.v_proj),
             (self.q_conv1d, self.k_conv1d, self.v_conv1d),
             conv_states,
+            kept[:3],
             strict=True,
         ):
-            y = ops.conv1d(proj(x), conv.weight[:, 0, :], None, state, meta, "silu")
+            w = conv.weight[:, 0, :]
+            y = ops.conv1d(proj(x), w, None, state, meta, "silu", None, conv_kept)
             qkv.append(y.reshape(t, heads, dim))  # [T, H, D]
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias)  # [T, H, D]
         beta = torch.sigmoid(self.b_proj(x)).float()  # [T, H]
-        o = ops.rule(*qkv, g, beta, recurrent_state, meta)  # [T, H, D] float32
+        o = ops.rule(*qkv, g, beta, recurrent_state, meta, kept[3])  # [T, H, D] float32
         # transformers rounds the rule's output to the model dtype before the norm
         o = o.to(x.dtype).reshape(t * heads, dim)
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(t * heads, dim)

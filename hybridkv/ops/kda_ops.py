@@ -24,6 +24,8 @@ from hybridkv.ops.mamba2_ops import (
     TorchMamba2Ops,
     TritonMamba2Ops,
     _declined,
+    _kept,
+    _no_positions,
 )
 
 
@@ -42,9 +44,13 @@ class TorchKdaOps(TorchMamba2Ops):
         beta: torch.Tensor,
         state: torch.Tensor,
         meta: StateMetadata,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q, k: [T, H, K] (raw); v: [T, H, V]; g: [T, H, K], beta: [T, H] float32; state:
-        [num_pages, H, K, V] -> o [T, H, V] float32 (see `ops.kda`)."""
+        [num_pages, H, K, V] -> o [T, H, V] float32 (see `ops.kda`). `positions` ([rows,
+        positions, H, K, V]): keep the state after every position (ops that declare
+        `keeps_positions`)."""
+        _no_positions(self, positions)
         return kda_varlen(
             q, k, v, g, beta, state, meta.state_pages, meta.has_initial_state,
             meta.query_start_loc, meta.max_query_len, self.chunk_size, self.rule_decode(),
@@ -61,9 +67,8 @@ class NativeKdaOps(NativeMamba2Ops, TorchKdaOps):
     short enough history), else in PyTorch: a route fixed per layer by its dtypes, never a
     fallback after a kernel declined."""
 
-    keeps_positions = False  # (the conv kernel would; the recurrence kernels do not yet)
-
     name = "native"
+    keeps_positions = True  # the rule runs token by token; the convs natively or in PyTorch
 
     def conv1d(
         self,
@@ -73,10 +78,13 @@ class NativeKdaOps(NativeMamba2Ops, TorchKdaOps):
         conv_state: torch.Tensor,
         meta: StateMetadata,
         activation: str | None,
+        out_dtype: torch.dtype | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        args = (x, weight, bias, conv_state, meta, activation, out_dtype, positions)
         if native_conv_applies(x, weight, conv_state):
-            return super().conv1d(x, weight, bias, conv_state, meta, activation)
-        return TorchMamba2Ops.conv1d(self, x, weight, bias, conv_state, meta, activation)
+            return super().conv1d(*args)
+        return TorchMamba2Ops.conv1d(self, *args)
 
     def rule(
         self,
@@ -87,12 +95,13 @@ class NativeKdaOps(NativeMamba2Ops, TorchKdaOps):
         beta: torch.Tensor,
         state: torch.Tensor,
         meta: StateMetadata,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         from hybridkv.ops.native import kda as native_kda
 
         o = native_kda.kda_rule(
             q, k, v, g, beta, state, meta.state_pages, meta.has_initial_state,
-            meta.query_start_loc,
+            meta.query_start_loc, _kept(positions, meta),
         )  # fmt: skip
         if o is None:
             raise RuntimeError(_declined("KDA rule", v, state))

@@ -104,3 +104,54 @@ def test_the_spec_is_the_plan_only_kda_state():
 def test_conv_kernel_below_two_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"short_conv_kernel_size must be at least 2, got 1"):
         KimiDeltaAttention(HIDDEN, HEADS, DIM, 1)
+
+
+@pytest.mark.parametrize("kernel", [4, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_native_kda_keeps_the_state_after_every_position(kernel, dtype):
+    """Speculative decoding's per-position states (`NativeKdaOps.keeps_positions`): with
+    scratch rows, the three convs and the rule keep, after each of a request's tokens but its
+    last, the states that running its tokens up to there leaves in its pages (the projections
+    replayed from the full step, so only the state ops differ); rows -1 write nothing."""
+    if native.library() is None:
+        pytest.skip("native kernels unavailable here (no C compiler)")
+    assert NativeKdaOps.keeps_positions and not TorchKdaOps.keeps_positions
+    ours, _ = pair(kernel, seed=5)
+    ours = ours.to(dtype)
+    ops, g = NativeKdaOps(), torch.Generator().manual_seed(6)
+    width = HEADS * DIM
+    convs0 = [torch.randn(4, width, kernel - 1, generator=g).to(dtype) for _ in CONVS]
+    rec0 = (0.3 * torch.randn(4, HEADS, DIM, DIM, generator=g)).to(dtype)
+    lens, pages, rows = [5, 1, 3], [2, 0, 3], [0, -1, 1]
+    x = torch.randn(sum(lens), HIDDEN, generator=g).to(dtype)
+    linears = [m for m in ours.modules() if isinstance(m, torch.nn.Linear)]
+
+    def run(first, lens, pages, rows=None, kept=None):
+        convs, rec = tuple(c.clone() for c in convs0), rec0.clone()
+        step = meta(pages, [True] * len(lens), lens)
+        if rows is not None:
+            step = StateMetadata(**{**step.__dict__, "scratch_rows": torch.tensor(rows)})
+        out = ours.mix(x[first : first + sum(lens)], convs, rec, step, ops, kept)
+        return out, convs, rec
+
+    full: dict[torch.nn.Module, torch.Tensor] = {}
+    hooks = [m.register_forward_hook(lambda m, _, out: full.__setitem__(m, out)) for m in linears]
+    plain_out, plain_convs, _ = run(0, lens, pages)
+    for hook in hooks:
+        hook.remove()
+    kept = tuple(torch.full((2, 4, *t.shape[1:]), float("nan"), dtype=dtype)
+                 for t in (*convs0, rec0))  # fmt: skip
+    out, convs, _ = run(0, lens, pages, rows, kept)
+    assert torch.equal(out, plain_out)  # (token by token either way)
+    assert all(torch.equal(a, b) for a, b in zip(convs, plain_convs, strict=True))
+    for req, first, row in ((0, 0, 0), (2, 6, 1)):
+        for i in range(lens[req] - 1):
+            for m in linears:  # the prefix's projections: the full step's rows
+                m.forward = lambda _, m=m, a=first, b=first + i + 1: full[m][a:b]
+            _, ref_convs, ref_rec = run(first, [i + 1], [pages[req]])
+            for m in linears:
+                del m.forward
+            for t, ref in zip(kept, (*ref_convs, ref_rec), strict=True):
+                assert torch.equal(t[row, i], ref[pages[req]]), (req, i)
+        assert all(t[row, lens[req] - 1 :].isnan().all() for t in kept)

@@ -11,7 +11,11 @@
  *     d = beta * (v - pred)
  *     S[c, :] += kn[c] * d         o = S^T qn           (a second pass)
  * A float32 state is updated in its page; a bfloat16 one is widened into a work copy, run,
- * and rounded back once at the end of the request. Inputs q, k, v are float32 or bfloat16
+ * and rounded back once at the end of the request. Speculative decoding keeps the state after
+ * every position (pos_state non-NULL): a request with pos_rows[r] >= 0 also writes its head's
+ * state, in the state's dtype, after each of its tokens i = 0 .. lens[r] - 2, to
+ *     pos_state + pos_rows[r] * pos_row_stride + i * pos_stride + h * K * V      (elements)
+ * Inputs q, k, v are float32 or bfloat16
  * rows at a token stride (each token's [H, D] contiguous); g [T, H, K] and beta [T, H] are
  * float32 and contiguous; o [T, H, V] float32. */
 
@@ -85,10 +89,22 @@ static void kda_token(float *S, const struct kda_inputs *in, int64_t t, int64_t 
     }
 }
 
-/* One request's head: its state in the page (float32) or widened into `copy` (bfloat16). */
+/* n floats into a float32 or (bf16) bfloat16 array at dst. */
+static void kda_store(char *dst, int bf16, const float *S, int64_t n) {
+    if (!bf16) {
+        memcpy(dst, S, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *d = (uint16_t *)dst;
+    for (int64_t i = 0; i < n; i++) d[i] = hkv_f32_to_bf16(S[i]);
+}
+
+/* One request's head: its state in the page (float32) or widened into `copy` (bfloat16);
+ * kept (NULL: none): where the state after each token but the last goes, kept_stride bytes
+ * apart. */
 static void kda_head(char *page_head, int state_bf16, int has_initial, int64_t start,
                      int64_t len, int64_t h, const struct kda_inputs *in, float *copy,
-                     float *work) {
+                     float *work, char *kept, int64_t kept_stride) {
     const int64_t n = in->K * in->V;
     float *S = state_bf16 ? copy : (float *)page_head;
     if (!has_initial) {
@@ -96,11 +112,11 @@ static void kda_head(char *page_head, int state_bf16, int has_initial, int64_t s
     } else if (state_bf16) {
         kda_load(page_head, 1, 0, n, S);
     }
-    for (int64_t t = start; t < start + len; t++) kda_token(S, in, t, h, work);
-    if (state_bf16) {
-        uint16_t *dst = (uint16_t *)page_head;
-        for (int64_t i = 0; i < n; i++) dst[i] = hkv_f32_to_bf16(S[i]);
+    for (int64_t i = 0; i < len; i++) {
+        kda_token(S, in, start + i, h, work);
+        if (kept != NULL && i + 1 < len) kda_store(kept + i * kept_stride, state_bf16, S, n);
     }
+    if (state_bf16) kda_store(page_head, 1, S, n);
 }
 
 /* state: [pages][H][K][V] at page_stride elements between pages; pages, has_initial, starts,
@@ -109,7 +125,8 @@ void hkv_kda_rule(void *state, int64_t page_stride, int state_bf16, const int64_
                   const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
                   int64_t R, int64_t H, int64_t K, int64_t V, const void *q, int64_t q_stride,
                   const void *k, int64_t k_stride, const void *v, int64_t v_stride, int in_bf16,
-                  const float *g, const float *beta, float *o, int *failed) {
+                  const float *g, const float *beta, float *o, int *failed, void *pos_state,
+                  const int64_t *pos_rows, int64_t pos_row_stride, int64_t pos_stride) {
     const struct kda_inputs in = {q, k, v, q_stride, k_stride, v_stride, in_bf16, g, beta, o,
                                   H, K, V};
     const size_t elem = state_bf16 ? 2 : 4;
@@ -127,8 +144,12 @@ void hkv_kda_rule(void *state, int64_t page_stride, int state_bf16, const int64_
             for (int64_t h = 0; h < H; h++) {
                 if (lens[r] == 0 || copy == NULL) continue;
                 char *head = (char *)state + (pages[r] * page_stride + h * K * V) * elem;
+                const int64_t row = pos_state != NULL ? pos_rows[r] : -1;
+                char *kept = row < 0 ? NULL
+                                     : (char *)pos_state
+                                           + (row * pos_row_stride + h * K * V) * (int64_t)elem;
                 kda_head(head, state_bf16, has_initial[r], starts[r], lens[r], h, &in, copy,
-                         copy + K * V);
+                         copy + K * V, kept, pos_stride * (int64_t)elem);
             }
         }
         free(copy);

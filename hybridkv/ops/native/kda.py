@@ -9,11 +9,13 @@ import torch
 
 from hybridkv.ops import native
 from hybridkv.ops.native.spans import spans_inside, step_spans
+from hybridkv.ops.native.ssm import Positions, position_args
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 native.declare({
     "hkv_kda_rule": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr,
-                     _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr],
+                     _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
+                     _i64, _i64],
 })  # fmt: skip
 
 DTYPES = (torch.float32, torch.bfloat16)  # of q, k, v and of the state
@@ -55,10 +57,12 @@ def kda_rule(
     state_pages: torch.Tensor,
     has_initial_state: torch.Tensor,
     query_start_loc: torch.Tensor,
+    positions: Positions = None,
 ) -> torch.Tensor | None:
     """KDA of packed requests natively (prefill chunks and decode steps alike, token by token,
     each state read and written once in its page); None when the kernels or these tensors are
-    not supported.
+    not supported. `positions`: also keep the state after every position
+    (`ops.native.ssm.Positions`).
 
     q, k: [T, H, K] raw (normalised in the kernel); v: [T, H, V]; q, k, v all float32 or all
     bfloat16; g: [T, H, K] log decay; beta: [T, H]; state: [num_pages, H, K, V] float32 or
@@ -84,7 +88,7 @@ def kda_rule(
         has.data_ptr(), starts.data_ptr(), lens.data_ptr(), pages.shape[0], heads, dim_k, dim_v,
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         int(q.dtype == torch.bfloat16), g.data_ptr(), beta.data_ptr(), o.data_ptr(),
-        failed.data_ptr(),
+        failed.data_ptr(), *position_args(positions, state),
     )  # fmt: skip
     if int(failed):
         raise MemoryError("the native KDA rule could not allocate its work space")
