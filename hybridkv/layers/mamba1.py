@@ -196,7 +196,12 @@ class Mamba1Mixer(CacheOwner):
         cache = self.cache
         assert isinstance(cache, StateCache)
         meta: StateMetadata = self.step_metadata(batch)
-        out = self.mix(hidden_states, cache.tensors[CONV], cache.tensors[SSM], meta, cache.ops)
+        positions = None
+        if meta.scratch_rows is not None:  # speculative decoding: keep every position's state
+            positions = (cache.positions[CONV], cache.positions[SSM])
+        out = self.mix(
+            hidden_states, cache.tensors[CONV], cache.tensors[SSM], meta, cache.ops, positions
+        )
         return self.tp.all_reduce(out)
 
     def mix(
@@ -206,17 +211,22 @@ class Mamba1Mixer(CacheOwner):
         ssm_state: torch.Tensor,
         meta: StateMetadata,
         ops: TorchMamba1Ops = TORCH_OPS,
+        positions: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """hidden_states: [T, hidden]; conv_state: [num_pages, Di, d_conv - 1];
-        ssm_state: [num_pages, Di, N] (both updated in place) -> [T, hidden]."""
+        ssm_state: [num_pages, Di, N] (both updated in place) -> [T, hidden]. positions: (conv,
+        ssm) scratch [rows, positions, *state shape] for the states after every position
+        (`StateMetadata.scratch_rows`; ops that declare `keeps_positions`)."""
+        conv_kept, ssm_kept = (None, None) if positions is None else positions
         xz = self.in_proj(hidden_states)  # [T, 2 Di]
         x, z = xz.split([self.d_inner, self.d_inner], dim=-1)
         # x: [T, Di] after the causal conv and activation
         x = ops.conv1d(
-            x, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_state, meta, self.activation
-        )
+            x, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv_state, meta, self.activation,
+            conv_kept,
+        )  # fmt: skip
         dt, B, C = self._ssm_inputs(x)
         A = derived(self.A_log, "neg_exp_f32", lambda a: -torch.exp(a.float()))  # [Di, N]
         params = Mamba1Params(A, self.D, self.dt_proj.bias)
-        y = ops.scan(x, dt, B, C, z, ssm_state, meta, params, hidden_states.dtype)
+        y = ops.scan(x, dt, B, C, z, ssm_state, meta, params, hidden_states.dtype, ssm_kept)
         return self.out_proj(y)

@@ -26,7 +26,13 @@ import torch
 from hybridkv.forward_batch import StateMetadata
 from hybridkv.ops.elementwise import to_dtype
 from hybridkv.ops.mamba1 import DecodeRows, mamba1_scan_varlen
-from hybridkv.ops.mamba2_ops import NativeMamba2Ops, TorchMamba2Ops, TritonMamba2Ops
+from hybridkv.ops.mamba2_ops import (
+    NativeMamba2Ops,
+    TorchMamba2Ops,
+    TritonMamba2Ops,
+    _kept,
+    _no_positions,
+)
 from hybridkv.ops.native import ssm as native_ssm
 
 
@@ -42,7 +48,9 @@ class TorchMamba1Ops:
     """The PyTorch reference ops (any platform, any dtype)."""
 
     name = "torch"
-    keeps_positions = False  # (speculative decoding rewinds requests: TorchMamba2Ops's note)
+    # whether the state after every position of a speculating request is kept
+    # (`TorchMamba2Ops.keeps_positions`): the PyTorch scan does not
+    keeps_positions = False
     _conv = TorchMamba2Ops()
 
     def conv1d(
@@ -53,10 +61,12 @@ class TorchMamba1Ops:
         conv_state: torch.Tensor,
         meta: StateMetadata,
         activation: str | None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x: [T, Di]; weight: [Di, d_conv]; conv_state: [num_pages, Di, d_conv - 1]
-        -> [T, Di] in x.dtype (see `ops.conv1d.causal_conv1d_varlen`)."""
-        return self._conv.conv1d(x, weight, bias, conv_state, meta, activation)
+        -> [T, Di] in x.dtype (see `ops.conv1d.causal_conv1d_varlen`). `positions`: as
+        `TorchMamba2Ops.conv1d`'s."""
+        return self._conv.conv1d(x, weight, bias, conv_state, meta, activation, None, positions)
 
     def scan(
         self,
@@ -69,9 +79,12 @@ class TorchMamba1Ops:
         meta: StateMetadata,
         p: Mamba1Params,
         out_dtype: torch.dtype,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x, dt (raw), z: [T, Di]; B, C: [T, N]; ssm_state: [num_pages, Di, N] -> y [T, Di]
-        in out_dtype (see `ops.mamba1.mamba1_scan_varlen`)."""
+        in out_dtype (see `ops.mamba1.mamba1_scan_varlen`). `positions` ([rows, positions, Di,
+        N]): keep the state after every position (ops that declare `keeps_positions`)."""
+        _no_positions(self, positions)
         return mamba1_scan_varlen(
             x, dt, p.A, B, C, p.D, z, p.dt_bias, ssm_state, meta.state_pages,
             meta.has_initial_state, meta.query_start_loc, meta.max_query_len, out_dtype,
@@ -92,6 +105,7 @@ class NativeMamba1Ops(TorchMamba1Ops):
     never a fallback after a kernel declined."""
 
     name = "native"
+    keeps_positions = True  # the scan kernel writes them; the conv natively or in PyTorch
     _native_conv = NativeMamba2Ops()
 
     def conv1d(
@@ -102,12 +116,15 @@ class NativeMamba1Ops(TorchMamba1Ops):
         conv_state: torch.Tensor,
         meta: StateMetadata,
         activation: str | None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         dtypes = {t.dtype for t in (x, weight, conv_state)}
         same = len(dtypes) == 1 and dtypes <= {torch.float32, torch.bfloat16}
         if same and weight.shape[-1] - 1 <= native_ssm.CONV_MAX_HISTORY:
-            return self._native_conv.conv1d(x, weight, bias, conv_state, meta, activation)
-        return super().conv1d(x, weight, bias, conv_state, meta, activation)
+            return self._native_conv.conv1d(
+                x, weight, bias, conv_state, meta, activation, None, positions
+            )
+        return super().conv1d(x, weight, bias, conv_state, meta, activation, positions)
 
     def scan(
         self,
@@ -120,10 +137,11 @@ class NativeMamba1Ops(TorchMamba1Ops):
         meta: StateMetadata,
         p: Mamba1Params,
         out_dtype: torch.dtype,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         y = native_ssm.mamba1_scan(
             x, dt, p.A, B, C, p.D, z, p.dt_bias, ssm_state, meta.state_pages,
-            meta.has_initial_state, meta.query_start_loc,
+            meta.has_initial_state, meta.query_start_loc, _kept(positions, meta),
         )  # fmt: skip
         if y is None:
             raise RuntimeError(
@@ -150,8 +168,11 @@ class TritonMamba1Ops(TorchMamba1Ops):
         conv_state: torch.Tensor,
         meta: StateMetadata,
         activation: str | None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self._triton_conv.conv1d(x, weight, bias, conv_state, meta, activation)
+        return self._triton_conv.conv1d(
+            x, weight, bias, conv_state, meta, activation, None, positions
+        )
 
     def decode_rows(self) -> DecodeRows:
         from hybridkv.ops import triton_mamba1

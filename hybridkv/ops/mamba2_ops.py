@@ -257,11 +257,12 @@ def keep_conv_positions(
         kept[row, : n - 1] = windows[:, 1:n].transpose(0, 1)
 
 
-def _no_positions(ops: TorchMamba2Ops, positions: torch.Tensor | None) -> None:
+def _no_positions(ops: object, positions: torch.Tensor | None) -> None:
+    """Refuse per-position states on ops that declare none (the engine never asks them)."""
     if positions is not None:
         raise ValueError(
-            f"the {ops.name} Mamba2 ops do not keep per-position states (keeps_positions is "
-            "False): speculative decoding rewinds requests on this backend"
+            f"{type(ops).__name__} does not keep per-position states (keeps_positions is "
+            "False): speculative decoding rewinds requests on these ops"
         )
 
 

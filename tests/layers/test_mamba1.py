@@ -235,3 +235,59 @@ def test_bad_arguments():
         Mamba1Mixer(16, 32, 8, 1, 2)
     with pytest.raises(ValueError, match="activation"):
         Mamba1Mixer(16, 32, 8, 4, 2, activation="gelu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["jamba", "falcon_mamba"])
+@torch.inference_mode()
+def test_native_scan_keeps_the_state_after_every_position(family, dtype):
+    """Speculative decoding's per-position states (`NativeMamba1Ops.keeps_positions`): with
+    scratch rows the conv and the scan keep, after each of a request's tokens but its last, the
+    states that running its tokens up to there leaves in its pages (the projections replayed
+    from the full step); outputs and pages unchanged; rows -1 write nothing."""
+    if native.library() is None:
+        pytest.skip("native kernels unavailable here (no C compiler)")
+    assert NativeMamba1Ops.keeps_positions and not TorchMamba1Ops.keeps_positions
+    _, ours = build(family, seed=4)
+    ours = ours.to(dtype)
+    ops, g = NativeMamba1Ops(), torch.Generator().manual_seed(8)
+    di, n, k = ours.d_inner, ours.d_state, ours.d_conv
+    conv0 = torch.randn(4, di, k - 1, generator=g).to(dtype)
+    ssm0 = (0.3 * torch.randn(4, di, n, generator=g)).to(dtype)
+    lens, pages, rows = [4, 1, 5], [1, 0, 3], [1, -1, 0]
+    x = torch.randn(sum(lens), HIDDEN, generator=g).to(dtype)
+    linears = [m for m in ours.modules() if isinstance(m, torch.nn.Linear)]
+
+    def run(first, lens, pages, rows=None, kept=None):
+        conv, ssm = conv0.clone(), ssm0.clone()
+        step = meta_for(lens, pages, [True] * len(lens))
+        if rows is not None:
+            step = StateMetadata(**{**step.__dict__, "scratch_rows": torch.tensor(rows)})
+        out = ours.mix(x[first : first + sum(lens)], conv, ssm, step, ops, kept)
+        return out, conv, ssm
+
+    full: dict[torch.nn.Module, torch.Tensor] = {}
+    hooks = [m.register_forward_hook(lambda m, _, out: full.__setitem__(m, out)) for m in linears]
+    plain_out, plain_conv, plain_ssm = run(0, lens, pages)
+    for hook in hooks:
+        hook.remove()
+    kept = tuple(torch.full((2, 4, *t.shape[1:]), float("nan"), dtype=dtype) for t in (conv0, ssm0))
+    out, conv, ssm = run(0, lens, pages, rows, kept)
+    assert torch.equal(out, plain_out) and torch.equal(conv, plain_conv)
+    assert torch.equal(ssm, plain_ssm)  # (token by token either way)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for req, first, row in ((0, 0, 1), (2, 5, 0)):
+        refs = []
+        for i in range(lens[req] - 1):
+            for m in linears:  # the prefix's projections: the full step's rows
+                m.forward = lambda _, m=m, a=first, b=first + i + 1: full[m][a:b]
+            _, ref_conv, ref_ssm = run(first, [i + 1], [pages[req]])
+            for m in linears:
+                del m.forward
+            refs.append(ref_ssm[pages[req]])
+            assert torch.equal(kept[0][row, i], ref_conv[pages[req]]), (req, i)
+            torch.testing.assert_close(kept[1][row, i], ref_ssm[pages[req]], **tol)
+        for i in range(len(refs)):  # each kept state is its own position's
+            gaps = [(kept[1][row, i].float() - r.float()).abs().max() for r in refs]
+            assert min(range(len(refs)), key=lambda j: gaps[j]) == i
+        assert all(t[row, lens[req] - 1 :].isnan().all() for t in kept)

@@ -116,3 +116,24 @@ def test_matches_torch_conv_without_state(mamba2_ops):
     )
     ref = F.conv1d(x.t()[None], weight[:, None], bias, padding=k - 1, groups=channels)
     torch.testing.assert_close(y, F.silu(ref[0, :, :n].t()), rtol=1e-6, atol=1e-6)
+
+
+def test_native_conv_declines_what_it_would_read_out_of_bounds():
+    """The native conv takes only a state of the weight's width and pages and tokens inside
+    its tensors (a narrower state once corrupted the heap); the PyTorch path raises."""
+    from hybridkv.ops import native
+    from hybridkv.ops.native import ssm as native_ssm
+
+    if native.library() is None:
+        pytest.skip("native kernels unavailable here (no C compiler)")
+    x = torch.randn(5, 12)
+    weight, state = torch.randn(12, 4), torch.zeros(3, 12, 3)
+    pages, has = torch.tensor([0, 2]), torch.tensor([True, False])
+    qsl = torch.tensor([0, 3, 5], dtype=torch.int32)
+    assert native_ssm.conv1d(x, weight, None, state, pages, has, qsl) is not None
+    narrow = torch.zeros(3, 8, 3)  # 8 channels where the weight has 12
+    assert native_ssm.conv1d(x, weight, None, narrow, pages, has, qsl) is None
+    outside = torch.tensor([0, 3])  # page 3 of 3
+    assert native_ssm.conv1d(x, weight, None, state, outside, has, qsl) is None
+    past = torch.tensor([0, 3, 6], dtype=torch.int32)  # token 5 of 5
+    assert native_ssm.conv1d(x, weight, None, state, pages, has, past) is None

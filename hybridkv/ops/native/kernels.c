@@ -1504,10 +1504,11 @@ static inline const float *m1_row(const void *x, int bf16, int64_t i, int64_t nc
 
 /* Channels c0 .. c0 + nc - 1 of one request through tokens tok0 .. tok0 + len - 1. At: the
  * block's A, transposed; work: N * HKV_M1_CHANNELS + 2 * N floats (the transposed state, a
- * token's B and C). */
+ * token's B and C). kept (NULL: none): a [Di][N] state like the page, kept_stride bytes apart,
+ * for the state after each token but the last. */
 static void m1_block(void *page, int state_bf16, int init, int64_t tok0, int64_t len,
                      int64_t c0, int64_t nc, const struct m1_inputs *in, const float *At,
-                     float *work) {
+                     float *work, char *kept, int64_t kept_stride) {
     const int64_t N = in->N, Di = in->Di;
     const int whole = nc == HKV_M1_CHANNELS;
     float *st = work, *bbuf = st + N * HKV_M1_CHANNELS;
@@ -1564,6 +1565,8 @@ static void m1_block(void *page, int state_bf16, int init, int64_t tok0, int64_t
             for (int64_t l = 0; l < HKV_M1_CHANNELS; l++) acc[l] += D[l] * xs[l];
         }
         if (!whole) memcpy(in->y + t * Di + c0, acc, sizeof(float) * (size_t)nc);
+        if (kept != NULL && t + 1 < tok0 + len)
+            m1_state_out(kept + (t - tok0) * kept_stride, state_bf16, c0, nc, N, st);
     }
     m1_state_out(page, state_bf16, c0, nc, N, st);
 }
@@ -1578,13 +1581,19 @@ static void m1_block(void *page, int state_bf16, int init, int64_t tok0, int64_t
  * zeros: its page is overwritten, never read (it may hold NaN bit patterns). lens[r] == 0 leaves
  * the page untouched. One task per (request, channel block); each thread allocates its work
  * space once; the result is non-zero when that fails (y and the states are then incomplete).
+ * Speculative decoding keeps the state after every position (pos_state non-NULL): a request
+ * with pos_rows[r] >= 0 also writes its state, in the state's dtype, after each of its tokens
+ * i = 0 .. lens[r] - 2, to pos_state + pos_rows[r] * pos_row_stride + i * pos_stride
+ * (elements; [Di][N] as a page).
  */
 int hkv_mamba1_scan(void *state, int64_t page_stride, int state_bf16, const int64_t *pages,
                      const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
                      int64_t R, int64_t Di, int64_t N, const void *x, int64_t x_stride,
                      const void *dt, int64_t dt_stride, const void *z, int64_t z_stride,
                      const void *B, int64_t b_stride, const void *C, int64_t c_stride,
-                     int in_bf16, const float *A, const float *D, const float *dt_bias, float *y) {
+                     int in_bf16, const float *A, const float *D, const float *dt_bias, float *y,
+                     void *pos_state, const int64_t *pos_rows, int64_t pos_row_stride,
+                     int64_t pos_stride) {
     int failed = 0;
     const struct m1_inputs in = {x, dt, z, B, C, x_stride, dt_stride, z_stride, b_stride,
                                  c_stride, in_bf16, D, dt_bias, y, Di, N};
@@ -1610,8 +1619,12 @@ int hkv_mamba1_scan(void *state, int64_t page_stride, int state_bf16, const int6
                 const int64_t c0 = blk * HKV_M1_CHANNELS;
                 const int64_t nc = Di - c0 < HKV_M1_CHANNELS ? Di - c0 : HKV_M1_CHANNELS;
                 char *page = (char *)state + pages[r] * page_stride * elem;
+                const int64_t row = pos_state != NULL ? pos_rows[r] : -1;
+                char *kept = row < 0 ? NULL
+                                     : (char *)pos_state + row * pos_row_stride * (int64_t)elem;
                 m1_block(page, state_bf16, has_initial[r], starts[r], lens[r], c0, nc, &in,
-                         At + blk * N * HKV_M1_CHANNELS, work);
+                         At + blk * N * HKV_M1_CHANNELS, work, kept,
+                         pos_stride * (int64_t)elem);
             }
         }
         free(work);

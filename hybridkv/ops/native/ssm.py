@@ -43,7 +43,7 @@ native.declare({
                        _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr],
     "hkv_mamba1_scan": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64,
                         _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr,
-                        _ptr],
+                        _ptr, _ptr, _ptr, _i64, _i64],
 })  # fmt: skip
 native.returns_status("hkv_mamba2_mix", "hkv_conv1d", "hkv_mamba1_scan")
 
@@ -145,11 +145,12 @@ def mamba1_scan(
     state_pages: torch.Tensor,
     has_initial_state: torch.Tensor,
     query_start_loc: torch.Tensor,
+    positions: Positions = None,
 ) -> torch.Tensor | None:
     """The Mamba1 scan of packed requests natively (prefill chunks and decode steps, token by
     token, each state read and written once in its page; `ops.mamba1.mamba1_scan_varlen` is the
     reference, with the same arguments); None when the kernels or these tensors are not
-    supported.
+    supported. `positions`: also keep the state after every position (`Positions`).
 
     x, dt (raw), z: [T, Di] and B, C: [T, N], float32 or bfloat16 (all as x; rows may be
     strided); A: [Di, N]; D, dt_bias: [Di] or None; ssm_state: [num_pages, Di, N] float32 or
@@ -193,7 +194,7 @@ def mamba1_scan(
         None if z is None else z.data_ptr(), 0 if z is None else z.stride(0), B.data_ptr(),
         B.stride(0), C.data_ptr(), C.stride(0), int(dtype == torch.bfloat16), A.data_ptr(),
         None if D is None else D.data_ptr(), None if dt_bias is None else dt_bias.data_ptr(),
-        y.data_ptr(),
+        y.data_ptr(), *position_args(positions, ssm_state),
     )  # fmt: skip
     if failed:
         raise MemoryError("the native Mamba1 scan could not allocate its work space")
@@ -232,6 +233,12 @@ def conv1d(
     channels, width = weight.shape
     if width - 1 > CONV_MAX_HISTORY or conv_state.stride()[1:] != (width - 1, 1):
         return None
+    if conv_state.shape[1:] != (channels, width - 1) or x.shape[1] != channels:
+        return None  # (a state or rows of another width would be read out of bounds)
+    if not spans_inside(
+        state_pages, has_initial_state, query_start_loc, conv_state.shape[0], x.shape[0]
+    ):
+        return None  # (pages and tokens must lie inside the state, x and y)
     if x.stride(-1) != 1:
         x = x.contiguous()  # rows may be strided; float32 or bfloat16 rows are read in place
     # [K, C]: a tap's weights contiguous across channels (kept with the weight)
@@ -290,6 +297,13 @@ def mamba2_mix(
         return None
     if width - 1 > CONV_MAX_HISTORY or conv_state.stride()[1:] != (width - 1, 1):
         return None
+    if conv_state.shape[1:] != (conv_dim, width - 1):
+        return None  # (a state of another width would be read out of bounds)
+    if not spans_inside(
+        state_pages, has_initial_state, query_start_loc,
+        min(conv_state.shape[0], ssm_state.shape[0]), zxbcdt.shape[0],
+    ):  # fmt: skip
+        return None  # (pages and tokens must lie inside the states and zxbcdt)
     if ssm_state.stride()[1:] != (head_dim * d_state, d_state, 1) or inner % group_size:
         return None
     if weight.numel() != inner or any(t.numel() != heads for t in (A, D, dt_bias)):
