@@ -60,7 +60,7 @@ from hybridkv.distributed.runtime import (
 )
 from hybridkv.distributed.runtime import start as start_group
 from hybridkv.dtypes import canonical_dtype, torch_dtype
-from hybridkv.kv.plan import MemoryPlan, PlanTarget, make_plan
+from hybridkv.kv.plan import MemoryPlan, PlanTarget, keeps_positions, make_speculative_plan
 from hybridkv.kv.presets import load_model_config
 from hybridkv.kv.specs import CacheDtypes
 from hybridkv.layers.attention.registry import BACKENDS, get_backend
@@ -80,7 +80,7 @@ from hybridkv.spec_decode.verify import Verified, verify_step
 from hybridkv.tokenizer import load_tokenizer
 from hybridkv.worker.cpu_threads import CpuShare
 from hybridkv.worker.host_memory import keep_freed_memory
-from hybridkv.worker.model_runner import ModelRunner, StepLogits, keeps_positions
+from hybridkv.worker.model_runner import ModelRunner, StepLogits
 from hybridkv.worker.sampler import Sample, Sampler, SamplingRow, fill_bitmasks
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "default_model"
@@ -322,7 +322,8 @@ class Engine:
             keeps_positions=self._num_scratch_positions() > 0,
         )
         if spec is not None:
-            scratch = getattr(self.runner, "scratch_bytes", 0)
+            scratch = self.plan.reserved_bytes
+            where = "on top of num_pages" if self.cache_config.num_pages else "from the budget"
             how = "the checkpoint's MTP layer" if mtp else (
                 f"prompt lookup {spec.prompt_lookup_min}..{spec.prompt_lookup_max}"
             )  # fmt: skip
@@ -338,9 +339,8 @@ class Engine:
                 else "states saved per row (rejections rewind)"
             )  # fmt: skip
             logger.info(
-                "speculative decoding: %s, %s, %s; %d state scratch rows, %s (%.1f MiB, "
-                "outside the cache budget)", spec.method, k, how, self._num_scratch_rows(),
-                rollback, scratch / 2**20,
+                "speculative decoding: %s, %s, %s; %d state scratch rows, %s (%.1f MiB %s)",
+                spec.method, k, how, self._num_scratch_rows(), rollback, scratch / 2**20, where,
             )  # fmt: skip
         self.eos_token_ids = eos_token_ids(text_config(hf_config), generation_config(folder))
         self.vocab_size = family.vocab_size
@@ -379,7 +379,12 @@ class Engine:
             if spec is not None and spec.method == "mtp":
                 meta_model.build_mtp()  # its attention layers join the plan like any other
         layers = meta_model.cache_layers(rt.cache_dtypes)
-        plan = make_plan(layers, self.cache_config, self.architecture, rt.plan_target())
+        # speculative decoding's state scratch comes out of the same budget as the pages
+        k = 0 if spec is None else spec.num_speculative_tokens or 0
+        plan = make_speculative_plan(
+            layers, self.cache_config, self.architecture, rt.plan_target(),
+            self._drafting_rows(), k,
+        )  # fmt: skip
         plan = dataclasses.replace(plan, tensor_parallel_size=self.tp.size)
         self.plan = agree_on_plan(plan, self.tp)  # before any cache memory is allocated
         _check_runnable(self.plan)
@@ -411,22 +416,24 @@ class Engine:
         mtp_layers = int(getattr(family, "num_mtp_layers", 0) or 0)
         return spec.for_target(model, tp_size, mtp_layers, max_model_len=self.max_model_len)
 
+    def _drafting_rows(self) -> int:
+        """Speculative decoding: requests that may carry drafts in one step."""
+        spec = self.speculative_config
+        return 0 if spec is None else spec.max_drafting_batch(self.scheduler_config.max_num_seqs)
+
     def _num_scratch_rows(self) -> int:
         """Speculative decoding on a model with state groups: requests that may carry drafts
-        in one step (each saves its states into a scratch row first)."""
-        spec = self.speculative_config
-        if spec is None or not self.plan.state_groups:
-            return 0
-        return spec.max_drafting_batch(self.scheduler_config.max_num_seqs)
+        in one step (each has a scratch row for its states)."""
+        return self._drafting_rows() if self.plan.state_groups else 0
 
     def _num_scratch_positions(self) -> int:
         """States kept per scratch row when every state group's ops keep per-position states
         (k: a verify chunk has at most k + 1 tokens, the last one's state is in the page);
         0: rejections rewind instead."""
         spec = self.speculative_config
-        if not self._num_scratch_rows() or not keeps_positions(self.plan):
+        if spec is None or not self._num_scratch_rows() or not keeps_positions(self.plan):
             return 0
-        assert spec is not None and spec.num_speculative_tokens is not None
+        assert spec.num_speculative_tokens is not None
         return spec.num_speculative_tokens
 
     def _mtp_placeholders(self, req: Request, max_drafts: int) -> tuple[int, ...] | None:

@@ -61,6 +61,11 @@ def format_plan(plan, model: str) -> str:  # plan: MemoryPlan
             f"  state bytes         {plan.state_bytes:,} per layer; padding "
             f"{plan.state_padding_bytes:,} B ({plan.state_padding_pct:.2f}%)"
         )
+    if plan.reserved_bytes:
+        lines.append(
+            f"  spec. scratch       {plan.reserved_bytes:,} B ({plan.reserved_bytes / 2**30:.2f} "
+            "GiB of the budget: speculative decoding's state scratch)"
+        )
     cap = plan.attention_token_capacity
     lines.append(
         f"  attention capacity  {cap:,} tokens"
@@ -202,10 +207,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from hybridkv.models.registry import family_config
 
         layers = int(getattr(family_config(load_model_config(model)), "num_mtp_layers", 0) or 0)
-        spec.for_target(model, args.tensor_parallel_size, layers)  # one-line errors
+        spec = spec.for_target(model, args.tensor_parallel_size, layers)  # one-line errors
+    speculation = (0, 0)
+    if spec is not None:  # its state scratch: at the engine's default max_num_seqs
+        from hybridkv.config import SchedulerConfig
+
+        rows = spec.max_drafting_batch(SchedulerConfig().max_num_seqs)
+        speculation = (rows, spec.num_speculative_tokens or 1)
     plan = plan_for_config(
         load_model_config(model), cache, args.max_model_len, dtype, args.tensor_parallel_size,
-        mtp,
+        mtp, speculation,
     )  # fmt: skip
     config = load_model_config(model)
     compute = dtype or model_dtype(config)

@@ -26,6 +26,8 @@ in whole units.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -147,6 +149,8 @@ class MemoryPlan:
     context: PlanContext = DEFAULT_CONTEXT
     allocation: str = "block"
     tensor_parallel_size: int = 1  # the plan is one rank's: its specs are per-rank shards
+    # budget bytes outside the pages: speculative decoding's state scratch (`speculation_scratch`)
+    reserved_bytes: int = 0
 
     @property
     def is_hybrid(self) -> bool:
@@ -250,6 +254,7 @@ class MemoryPlan:
             "max_model_len": self.max_model_len,
             "allocation": self.allocation,
             "tensor_parallel_size": self.tensor_parallel_size,
+            "reserved_bytes": self.reserved_bytes,
             "hash_block_tokens": self.hash_block_tokens,
             "hit_tokens": self.hit_tokens,
             "groups": [
@@ -537,14 +542,19 @@ def _state_group(
 
 
 def _auto_num_pages(
-    groups: Sequence[GroupPlan], per_page: int, max_model_len: int, max_num_seqs: int
+    groups: Sequence[GroupPlan],
+    per_page: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    reserved_bytes: int = 0,
 ) -> int:
     """Pages for `max_num_seqs` requests of `max_model_len` tokens (a running and a snapshot
-    page per state group, whole pages per attention group), capped at AUTO_BUDGET_BYTES."""
+    page per state group, whole pages per attention group), capped at AUTO_BUDGET_BYTES less
+    `reserved_bytes`."""
     per_request = sum(
         2 if g.page_tokens is None else math.ceil(max_model_len / g.page_tokens) for g in groups
     )
-    cap = AUTO_BUDGET_BYTES // per_page
+    cap = max(0, AUTO_BUDGET_BYTES - reserved_bytes) // per_page
     if cap < per_request + NULL_PAGES:
         raise PlanError(
             f"max_model_len={max_model_len} needs {per_request + NULL_PAGES} pages but "
@@ -565,15 +575,26 @@ def _num_pages(
                 f"{needed} (one page per group plus the null page)"
             )
         return cache.num_pages
+    reserved = target.reserved_bytes
     if cache.memory_bytes is None and target.max_num_seqs is not None:
-        return _auto_num_pages(groups, per_page, target.max_model_len, target.max_num_seqs)
-    num_pages = cache.budget_bytes // per_page
+        return _auto_num_pages(
+            groups, per_page, target.max_model_len, target.max_num_seqs, reserved
+        )
+    num_pages = (cache.budget_bytes - reserved) // per_page
     if num_pages < needed:
+        scratch = f" after {reserved:,} bytes of speculative-decoding state scratch"
         raise PlanError(
-            f"memory budget {cache.budget_bytes} bytes is too small: one page per "
-            f"group plus the null page needs {needed * per_page} bytes"
+            f"memory budget {cache.budget_bytes} bytes is too small{scratch if reserved else ''}: "
+            f"one page per group plus the null page needs {needed * per_page} bytes"
+            + (_SCRATCH_HINT if reserved else "")
         )
     return num_pages
+
+
+_SCRATCH_HINT = (
+    "; lower num_speculative_tokens, max_num_seqs, or the batch sizes that draft "
+    "(disable_by_batch_size, num_speculative_tokens_per_batch_size)"
+)
 
 
 @dataclass(frozen=True)
@@ -583,13 +604,16 @@ class PlanTarget:
     - `max_model_len`: sizes the block tables (and the automatic budget);
     - `max_num_seqs`: with no `memory_bytes` / `num_pages`, size the pool for this many requests
       of max_model_len tokens (at most AUTO_BUDGET_BYTES); None: `CacheConfig.budget_bytes`;
-    - `compute_dtype`, `capabilities`: choose each state group's ops from its declaration.
+    - `compute_dtype`, `capabilities`: choose each state group's ops from its declaration;
+    - `reserved_bytes`: budget taken outside the pages (speculative decoding's state scratch:
+      `speculation_scratch`), before the pages are counted.
     """
 
     max_model_len: int = 4096
     max_num_seqs: int | None = None
     compute_dtype: str = "float32"
     capabilities: frozenset[str] = DEFAULT_CAPABILITIES
+    reserved_bytes: int = 0
 
 
 def make_plan(
@@ -642,4 +666,61 @@ def make_plan(
         max_model_len=target.max_model_len,
         context=ctx,
         allocation=cache.allocation,
+        reserved_bytes=target.reserved_bytes,
     )
+
+
+def state_ops_class(group: GroupPlan) -> Any:
+    """The ops class the plan chose for a state group (declared by its layer kind as a
+    "module:Class" string, imported here)."""
+    assert isinstance(group.spec, StateSpec)
+    for ops in group.spec.ops:
+        if ops.name == group.backend:
+            module, _, name = ops.impl.partition(":")
+            return getattr(importlib.import_module(module), name)
+    declared = ", ".join(o.name for o in group.spec.ops) or "none"
+    raise ValueError(
+        f"group {group.group_id} ({group.kind}) has no runnable ops {group.backend!r}; "
+        f"declared: {declared}"
+    )
+
+
+def keeps_positions(plan: MemoryPlan) -> bool:
+    """Whether the ops of every state group keep the state after every position of a chunk
+    (`keeps_positions`): speculative decoding then commits each request's accepted position
+    instead of rewinding it (docs/speculative-decoding.md, "State layers")."""
+    groups = plan.state_groups
+    return bool(groups) and all(
+        getattr(state_ops_class(g), "keeps_positions", False) for g in groups
+    )
+
+
+def speculation_scratch(plan: MemoryPlan, rows: int, k: int) -> tuple[int, int]:
+    """(states kept per scratch row, scratch bytes) of speculative decoding on this plan:
+    `rows` requests drafting at once, k drafts at most. A row holds every state layer's state
+    once (saved before a verify step, rejections rewind) or k times (the state ops keep the
+    state after each position). No state groups: no scratch."""
+    if not rows or not plan.state_groups:
+        return 0, 0
+    depth = k if keeps_positions(plan) else 1
+    per_request = sum(len(g.layer_names) * g.spec.state_bytes for g in plan.state_groups)
+    return depth, rows * depth * per_request
+
+
+def make_speculative_plan(
+    layers: Sequence[CacheLayer],
+    cache: CacheConfig,
+    architecture: str,
+    target: PlanTarget,
+    rows: int,
+    k: int,
+) -> MemoryPlan:
+    """make_plan with speculative decoding's state scratch (`speculation_scratch`) taken out of
+    the budget before the pages are counted (an explicit num_pages keeps its pages; the scratch
+    comes on top, reported as reserved_bytes)."""
+    plan = make_plan(layers, cache, architecture, target)
+    _, scratch = speculation_scratch(plan, rows, k)
+    if not scratch:
+        return plan
+    target = dataclasses.replace(target, reserved_bytes=scratch)
+    return make_plan(layers, cache, architecture, target)

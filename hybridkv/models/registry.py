@@ -8,7 +8,7 @@ import dataclasses
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.kv.plan import MemoryPlan, PlanTarget, make_plan
+from hybridkv.kv.plan import MemoryPlan, PlanTarget, make_speculative_plan
 from hybridkv.kv.specs import ConfigError
 from hybridkv.models.config_helpers import model_dtype, resolve_cache_dtypes, text_config
 
@@ -150,10 +150,12 @@ def plan_for_config(
     compute_dtype: str | None = None,
     tensor_parallel_size: int = 1,
     mtp: bool = False,
+    speculation: tuple[int, int] = (0, 0),
 ) -> MemoryPlan:
     """Plan the cache of a Hugging Face config dict (`hybridkv plan`, benchmarks): one rank's
     plan at `tensor_parallel_size` (every rank's is the same); `mtp`: with the cache layers of
-    its multi-token-prediction layers."""
+    its multi-token-prediction layers; `speculation`: (requests drafting at once, k), whose
+    state scratch the budget pays first (`kv.plan.make_speculative_plan`)."""
     dtypes = resolve_cache_dtypes(
         config, cache.kv_cache_dtype, cache.state_dtype, cache.ssm_state_dtype
     )
@@ -161,5 +163,5 @@ def plan_for_config(
     if max_model_len is None:
         max_model_len = int(text_config(config).get("max_position_embeddings") or 4096)
     target = PlanTarget(max_model_len, compute_dtype=compute_dtype or model_dtype(config))
-    plan = make_plan(layers, cache, architecture_of(config), target)
+    plan = make_speculative_plan(layers, cache, architecture_of(config), target, *speculation)
     return dataclasses.replace(plan, tensor_parallel_size=tensor_parallel_size)

@@ -26,7 +26,6 @@ logits (`StepLogits`); the engine, which owns each request's sampling state, sam
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,8 +41,7 @@ from hybridkv.forward_batch import (
     ForwardBatch,
     StateMetadata,
 )
-from hybridkv.kv.plan import GroupPlan, MemoryPlan
-from hybridkv.kv.specs import StateSpec
+from hybridkv.kv.plan import GroupPlan, MemoryPlan, state_ops_class
 from hybridkv.layers.attention.base import AttentionImpl
 from hybridkv.layers.attention.registry import get_backend
 from hybridkv.layers.cache import AttentionCache, LayerCache, StateCache
@@ -86,29 +84,6 @@ class StepLogits:
 def load_state_ops(group: GroupPlan) -> Any:
     """The ops implementation the plan chose for a state group (declared by its layer kind)."""
     return state_ops_class(group)()
-
-
-def keeps_positions(plan: MemoryPlan) -> bool:
-    """Whether the ops of every state group keep the state after every position of a chunk
-    (`keeps_positions`): speculative decoding then commits each request's accepted position
-    instead of rewinding it (docs/speculative-decoding.md, "State layers")."""
-    groups = plan.state_groups
-    return bool(groups) and all(
-        getattr(state_ops_class(g), "keeps_positions", False) for g in groups
-    )
-
-
-def state_ops_class(group: GroupPlan) -> Any:
-    assert isinstance(group.spec, StateSpec)
-    for ops in group.spec.ops:
-        if ops.name == group.backend:
-            module, _, name = ops.impl.partition(":")
-            return getattr(importlib.import_module(module), name)
-    declared = ", ".join(o.name for o in group.spec.ops) or "none"
-    raise ValueError(
-        f"group {group.group_id} ({group.kind}) has no runnable ops {group.backend!r}; "
-        f"declared: {declared}"
-    )
 
 
 class ModelRunner:

@@ -182,3 +182,30 @@ def test_plan_with_mtp_layers(capsys):
                        "--speculative-config", spec)  # fmt: skip
     assert code == 2
     assert "needs a checkpoint with multi-token-prediction layers" in err
+
+
+def test_plan_takes_the_speculation_scratch_from_the_budget(capsys):
+    """With --speculative-config, speculative decoding's state scratch comes out of the cache
+    budget before the pages are counted: the engine's default 64 drafting requests x the state
+    bytes of every state layer, k times where the state ops keep per-position states (native
+    CPU ops), once where requests rewind (CUDA's Triton ops); none without state layers."""
+    spec = ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}')
+    model = "ibm-granite/granite-4.0-h-small"
+    for platform, depth in (("cpu", 4), ("cuda", 1)):
+        plans = []
+        for extra in ((), spec):
+            code, out, _ = run(capsys, "plan", "--model", model, "--platform", platform,
+                               "--json", *extra)  # fmt: skip
+            assert code == 0
+            plans.append(json.loads(out))
+        plain, with_spec = plans
+        per_request = 36 * plain["state_bytes"]  # 36 Mamba2 layers, padding excluded
+        assert plain["reserved_bytes"] == 0
+        assert with_spec["reserved_bytes"] == 64 * depth * per_request
+        per_page, budget = plain["page_bytes"] * plain["layers_per_group"], 40 * 2**30
+        assert plain["num_pages"] == budget // per_page  # (the CLI's default budget)
+        assert with_spec["num_pages"] == (budget - with_spec["reserved_bytes"]) // per_page
+    code, out, _ = run(capsys, "plan", "--model", model, "--platform", "cpu", *spec)
+    assert "spec. scratch" in out and "of the budget" in out
+    code, out, _ = run(capsys, "plan", "--model", "meta-llama/Llama-3.1-8B", "--json", *spec)
+    assert json.loads(out)["reserved_bytes"] == 0  # attention only: nothing to roll back

@@ -424,3 +424,28 @@ def test_batch_size_schedule_drafts_by_batch_size(granite_family) -> None:
     assert [o.token_ids for o in got] == fam.plain_ref[2:3]
     assert engine.spec_stats.num_draft_tokens > together
     assert together <= 2 * 3  # at most the steps where one of the two ran alone
+
+
+@pytest.mark.parametrize("keeps", [True, False])
+def test_state_scratch_comes_out_of_the_cache_budget(granite_family, monkeypatch, keeps) -> None:
+    """The runner's state scratch is the plan's reserved bytes (k states per drafting request
+    with per-position states, one when requests rewind), and the pages are what the budget
+    holds after it."""
+    from hybridkv.ops import native
+    from hybridkv.ops.mamba2_ops import NativeMamba2Ops
+
+    monkeypatch.setattr(NativeMamba2Ops, "keeps_positions", keeps)
+    budget = 8 * 2**20
+    plain = Engine(str(granite_family.folder), dtype="float32", memory_bytes=budget)
+    engine = Engine(str(granite_family.folder), dtype="float32", memory_bytes=budget,
+                    max_num_seqs=6, speculative_config=SPEC)  # fmt: skip
+    plan = engine.plan
+    per_page = plan.page_bytes * plan.layers_per_group
+    scratch = engine.runner.scratch_bytes
+    state_layers = sum(len(g.layer_names) for g in plan.state_groups)
+    depth = SPEC["num_speculative_tokens"] if engine.runner.keeps_positions else 1
+    # (without a C compiler the plan takes the PyTorch ops, which keep none)
+    assert engine.runner.keeps_positions == (keeps and native.library() is not None)
+    assert scratch == plan.reserved_bytes == 6 * depth * state_layers * plan.state_bytes
+    assert plain.plan.num_pages == budget // per_page
+    assert plan.num_pages == (budget - scratch) // per_page < plain.plan.num_pages
