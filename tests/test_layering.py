@@ -141,7 +141,7 @@ def test_layers_import_no_native_at_module_level():
 def test_the_rules_see_the_imports():
     """The parser finds what a module imports (lazy and relative ones too)."""
     assert "hybridkv.forward_batch.ForwardBatch" in imported(ROOT / "layers" / "cache.py")
-    assert "hybridkv.kv.plan.make_plan" in imported(ROOT / "models" / "registry.py")
+    assert "hybridkv.kv.plan.make_speculative_plan" in imported(ROOT / "models" / "registry.py")
     mlp = ROOT / "layers" / "mlp.py"  # lazy imports: seen, but not at module level
     assert "hybridkv.ops.native.moe" in imported(mlp)
     assert "hybridkv.ops.native.moe" not in imported(mlp, module_level=True)
