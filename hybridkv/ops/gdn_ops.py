@@ -32,13 +32,13 @@ from hybridkv.ops.mamba2_ops import (
     TritonMamba2Ops,
     _declined,
     _kept,
-    _no_positions,
 )
 from hybridkv.ops.native import gdn as native_gdn
 from hybridkv.ops.native import gdn_chunk as native_gdn_chunk
 from hybridkv.ops.native import gdn_decode as native_gdn_decode
 from hybridkv.ops.native import ssm as native_ssm
 from hybridkv.ops.native.common import FLOAT_DTYPES
+from hybridkv.ops.positions import run_keeping_positions
 
 
 class TorchGDNOps(TorchMamba2Ops):
@@ -60,9 +60,12 @@ class TorchGDNOps(TorchMamba2Ops):
     ) -> torch.Tensor:
         """q, k: [T, Hk, K] (raw); v: [T, Hv, V]; g, beta: [T, Hv] float32; state:
         [num_pages, Hv, K, V] -> o [T, Hv, V] float32 (see `ops.gated_delta`). `positions`
-        ([rows, positions, Hv, K, V]): keep the state after every position (ops that declare
-        `keeps_positions`)."""
-        _no_positions(self, positions)
+        ([rows, positions, Hv, K, V]): keep the state after every position (`ops.positions`)."""
+        if positions is not None:
+            return run_keeping_positions(
+                (q, k, v, g, beta), meta, state, positions,
+                lambda t, m: self.rule(*t, state, m),
+            )  # fmt: skip
         return gated_delta_rule_varlen(
             q, k, v, g, beta, state, meta.state_pages, meta.has_initial_state,
             meta.query_start_loc, meta.max_query_len, self.chunk_size, self.rule_decode(),
@@ -83,12 +86,10 @@ class NativeGDNOps(NativeMamba2Ops, TorchGDNOps):
     conv1d runs natively where its kernel applies (float32 or bfloat16 activations, weight and
     conv state, at most `native_ssm.CONV_MAX_HISTORY` history columns), else in PyTorch: the
     route is fixed per layer by its dtypes and width, never a fallback after a kernel
-    declined."""
+    declined. A verify step's speculating requests (per-position states) run token by token in
+    the general kernel, which copies each state."""
 
     name = "native"
-    # a speculating request's rule runs token by token in the general kernel (the decode and
-    # AMX chunk kernels keep no positions); its conv keeps them natively or in PyTorch
-    keeps_positions = True
 
     def conv1d(
         self,

@@ -25,8 +25,8 @@ from hybridkv.ops.mamba2_ops import (
     TritonMamba2Ops,
     _declined,
     _kept,
-    _no_positions,
 )
+from hybridkv.ops.positions import run_keeping_positions
 
 
 class TorchKdaOps(TorchMamba2Ops):
@@ -48,9 +48,12 @@ class TorchKdaOps(TorchMamba2Ops):
     ) -> torch.Tensor:
         """q, k: [T, H, K] (raw); v: [T, H, V]; g: [T, H, K], beta: [T, H] float32; state:
         [num_pages, H, K, V] -> o [T, H, V] float32 (see `ops.kda`). `positions` ([rows,
-        positions, H, K, V]): keep the state after every position (ops that declare
-        `keeps_positions`)."""
-        _no_positions(self, positions)
+        positions, H, K, V]): keep the state after every position (`ops.positions`)."""
+        if positions is not None:
+            return run_keeping_positions(
+                (q, k, v, g, beta), meta, state, positions,
+                lambda t, m: self.rule(*t, state, m),
+            )  # fmt: skip
         return kda_varlen(
             q, k, v, g, beta, state, meta.state_pages, meta.has_initial_state,
             meta.query_start_loc, meta.max_query_len, self.chunk_size, self.rule_decode(),
@@ -68,7 +71,6 @@ class NativeKdaOps(NativeMamba2Ops, TorchKdaOps):
     fallback after a kernel declined."""
 
     name = "native"
-    keeps_positions = True  # the rule runs token by token; the convs natively or in PyTorch
 
     def conv1d(
         self,

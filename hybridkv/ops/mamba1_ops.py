@@ -31,9 +31,9 @@ from hybridkv.ops.mamba2_ops import (
     TorchMamba2Ops,
     TritonMamba2Ops,
     _kept,
-    _no_positions,
 )
 from hybridkv.ops.native import ssm as native_ssm
+from hybridkv.ops.positions import run_keeping_positions
 
 
 class Mamba1Params(NamedTuple):
@@ -48,9 +48,9 @@ class TorchMamba1Ops:
     """The PyTorch reference ops (any platform, any dtype)."""
 
     name = "torch"
-    # whether the state after every position of a speculating request is kept
-    # (`TorchMamba2Ops.keeps_positions`): the PyTorch scan does not
-    keeps_positions = False
+    # the state after every position of a speculating request is kept
+    # (`TorchMamba2Ops.keeps_positions`; here one token at a time: `ops.positions`)
+    keeps_positions = True
     _conv = TorchMamba2Ops()
 
     def conv1d(
@@ -83,8 +83,12 @@ class TorchMamba1Ops:
     ) -> torch.Tensor:
         """x, dt (raw), z: [T, Di]; B, C: [T, N]; ssm_state: [num_pages, Di, N] -> y [T, Di]
         in out_dtype (see `ops.mamba1.mamba1_scan_varlen`). `positions` ([rows, positions, Di,
-        N]): keep the state after every position (ops that declare `keeps_positions`)."""
-        _no_positions(self, positions)
+        N]): keep the state after every position (`ops.positions`)."""
+        if positions is not None:
+            return run_keeping_positions(
+                (x, dt, B, C, z), meta, ssm_state, positions,
+                lambda t, m: self.scan(*t[:4], t[4], ssm_state, m, p, out_dtype),
+            )  # fmt: skip
         return mamba1_scan_varlen(
             x, dt, p.A, B, C, p.D, z, p.dt_bias, ssm_state, meta.state_pages,
             meta.has_initial_state, meta.query_start_loc, meta.max_query_len, out_dtype,
@@ -105,7 +109,6 @@ class NativeMamba1Ops(TorchMamba1Ops):
     never a fallback after a kernel declined."""
 
     name = "native"
-    keeps_positions = True  # the scan kernel writes them; the conv natively or in PyTorch
     _native_conv = NativeMamba2Ops()
 
     def conv1d(

@@ -29,6 +29,7 @@ from hybridkv.ops.conv1d import activate, causal_conv1d_varlen, is_decode
 from hybridkv.ops.elementwise import to_dtype
 from hybridkv.ops.mamba2 import decode_in_place, mamba2_scan_varlen, scan_inputs
 from hybridkv.ops.native import ssm as native_ssm
+from hybridkv.ops.positions import run_keeping_positions
 
 
 class ScanParams(NamedTuple):
@@ -62,8 +63,9 @@ class TorchMamba2Ops:
     name = "torch"
     # whether these ops keep the state after every position of a request's chunk where the step
     # asks (`StateMetadata.scratch_rows`): speculative decoding then commits the accepted
-    # position's state instead of rewinding the request (docs/speculative-decoding.md)
-    keeps_positions = False
+    # position's state instead of rewinding the request (docs/speculative-decoding.md). Here:
+    # such requests run one token at a time through the op (`ops.positions`)
+    keeps_positions = True
 
     def fused_mix(
         self,
@@ -123,7 +125,11 @@ class TorchMamba2Ops:
         """x: [T, H, P]; dt: [T, H] raw; B, C: [T, G, N]; ssm_state: [num_pages, H, P, N]
         -> y: [T, H, P] in out_dtype (see `ops.mamba2.mamba2_scan_varlen`). `positions`
         ([rows, positions, H, P, N]): as in `conv1d`."""
-        _no_positions(self, positions)
+        if positions is not None:
+            return run_keeping_positions(
+                (x, dt, B, C), meta, ssm_state, positions,
+                lambda t, m: self.scan(*t, ssm_state, m, p, out_dtype),
+            )  # fmt: skip
         return mamba2_scan_varlen(
             x, dt, p.A, B, C, p.D, p.dt_bias, ssm_state, meta.state_pages,
             meta.has_initial_state, meta.query_start_loc, meta.max_query_len, p.chunk_size,
@@ -140,7 +146,6 @@ class NativeMamba2Ops(TorchMamba2Ops):
     history up to `native_ssm.CONV_MAX_HISTORY` columns, which the layer's declaration checks)."""
 
     name = "native"
-    keeps_positions = True  # the kernels run such a request token by token (decode numbers)
 
     def conv1d(
         self,
@@ -257,15 +262,6 @@ def keep_conv_positions(
         kept[row, : n - 1] = windows[:, 1:n].transpose(0, 1)
 
 
-def _no_positions(ops: object, positions: torch.Tensor | None) -> None:
-    """Refuse per-position states on ops that declare none (the engine never asks them)."""
-    if positions is not None:
-        raise ValueError(
-            f"{type(ops).__name__} does not keep per-position states (keeps_positions is "
-            "False): speculative decoding rewinds requests on these ops"
-        )
-
-
 def _kept(
     scratch: torch.Tensor | None, meta: StateMetadata
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -302,15 +298,14 @@ class TritonMamba2Ops(TorchMamba2Ops):
         out_dtype: torch.dtype | None = None,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        _no_positions(self, positions)
-        if is_decode(meta.max_query_len, x.shape[0], meta.state_pages):
+        if is_decode(meta.max_query_len, x.shape[0], meta.state_pages):  # (no position to keep)
             from hybridkv.ops import triton_mamba
 
             y = triton_mamba.conv1d_decode(
                 x, weight, bias, conv_state, meta.state_pages, meta.has_initial_state, activation
             )
             return y if out_dtype is None else y.to(out_dtype)
-        return super().conv1d(x, weight, bias, conv_state, meta, activation, out_dtype)
+        return super().conv1d(x, weight, bias, conv_state, meta, activation, out_dtype, positions)
 
     def decode_rows(self) -> Callable[..., torch.Tensor]:
         from hybridkv.ops import triton_mamba
@@ -344,9 +339,8 @@ class CompiledMamba2Ops(TorchMamba2Ops):
         out_dtype: torch.dtype,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        _no_positions(self, positions)
         decoding = is_decode(meta.max_query_len, x.shape[0], meta.state_pages)
-        if decoding and x.shape[0] > 0 and bool(meta.has_initial_state.all()):
+        if positions is None and decoding and x.shape[0] > 0 and bool(meta.has_initial_state.all()):
             f = scan_inputs(x, dt, p.A, B, C, p.D, p.dt_bias, p.dt_limit)
             return self._compiled()(ssm_state, meta.state_pages, *f).to(out_dtype)
-        return super().scan(x, dt, B, C, ssm_state, meta, p, out_dtype)
+        return super().scan(x, dt, B, C, ssm_state, meta, p, out_dtype, positions)

@@ -187,11 +187,11 @@ def test_plan_with_mtp_layers(capsys):
 def test_plan_takes_the_speculation_scratch_from_the_budget(capsys):
     """With --speculative-config, speculative decoding's state scratch comes out of the cache
     budget before the pages are counted: the engine's default 64 drafting requests x the state
-    bytes of every state layer, k times where the state ops keep per-position states (native
-    CPU ops), once where requests rewind (CUDA's Triton ops); none without state layers."""
+    bytes of every state layer x k (the state after each draft position: native CPU ops and
+    CUDA's Triton ops alike); none without state layers."""
     spec = ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}')
     model = "ibm-granite/granite-4.0-h-small"
-    for platform, depth in (("cpu", 4), ("cuda", 1)):
+    for platform, depth in (("cpu", 4), ("cuda", 4)):
         plans = []
         for extra in ((), spec):
             code, out, _ = run(capsys, "plan", "--model", model, "--platform", platform,

@@ -33,7 +33,7 @@ def meta(lens: list[int], pages: list[int], rows: list[int] | None = None) -> St
 def test_native_rule_keeps_the_state_after_every_position(hk, hv, kd, vd, dtype, conv_kernel):
     if native.library() is None:
         pytest.skip("native kernels unavailable here (no C compiler)")
-    assert NativeGDNOps.keeps_positions and not TorchGDNOps.keeps_positions
+    assert NativeGDNOps.keeps_positions and TorchGDNOps.keeps_positions
     torch.manual_seed(kd + vd)
     layer = GatedDeltaNet(HIDDEN, hk, hv, kd, vd, conv_kernel, 1e-6, "qwen3_next")
     for p in layer.parameters():

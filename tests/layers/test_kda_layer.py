@@ -116,7 +116,7 @@ def test_native_kda_keeps_the_state_after_every_position(kernel, dtype):
     replayed from the full step, so only the state ops differ); rows -1 write nothing."""
     if native.library() is None:
         pytest.skip("native kernels unavailable here (no C compiler)")
-    assert NativeKdaOps.keeps_positions and not TorchKdaOps.keeps_positions
+    assert NativeKdaOps.keeps_positions and TorchKdaOps.keeps_positions
     ours, _ = pair(kernel, seed=5)
     ours = ours.to(dtype)
     ops, g = NativeKdaOps(), torch.Generator().manual_seed(6)

@@ -73,8 +73,9 @@ class Oracle:
         return drafts
 
 
-def check_with_oracle(family, setting: str, monkeypatch) -> tuple[Engine, int, int]:
-    """check_case with `Oracle` drafts -> (the last engine, state restores, state commits)."""
+def check_with_oracle(family, setting: str, monkeypatch, **kwargs) -> tuple[Engine, int, int]:
+    """check_case with `Oracle` drafts (`kwargs` to the engine) -> (the last engine, state
+    restores, state commits)."""
     engines: list[Engine] = []
     counts = [0, 0]
     init = Engine.__init__
@@ -94,7 +95,7 @@ def check_with_oracle(family, setting: str, monkeypatch) -> tuple[Engine, int, i
         self.scheduler.schedule = counting
 
     monkeypatch.setattr(Engine, "__init__", with_oracle)
-    check_case(family, SETTINGS[setting], speculative_config=SPEC)
+    check_case(family, SETTINGS[setting], speculative_config=SPEC, **kwargs)
     stats = engines[-1].spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert stats.accepted_tokens_per_pos[0] > 0 and stats.accepted_tokens_per_pos[-1] > 0
@@ -114,6 +115,18 @@ def test_greedy_with_drafts_matches_transformers(family, setting, monkeypatch) -
         assert commits > 0 and restores == 0, "no state was ever committed"
     else:
         assert restores > 0 and commits == 0, "no state was ever rolled back"
+
+
+@pytest.mark.parametrize("name", ["granite", "qwen3_next", "jamba", "kimi_linear"])
+def test_pytorch_state_ops_commit_kept_positions_too(name, tmp_path_factory, monkeypatch):
+    """The PyTorch state ops (`state_backend="torch"`: what CUDA's Triton ops run verify steps
+    through) keep per-position states too (`ops.positions`): every verify outcome gives
+    transformers' tokens, rejections commit."""
+    folder, hf = FAMILIES[name](tmp_path_factory)
+    fam = make_family(folder, hf, hf.config.vocab_size)
+    engine, restores, commits = check_with_oracle(fam, "page", monkeypatch, state_backend="torch")
+    assert all(g.backend == "torch" for g in engine.plan.state_groups)
+    assert engine.runner.keeps_positions and commits > 0 and restores == 0
 
 
 @pytest.mark.parametrize("name", ["granite", "mamba2"])
