@@ -339,8 +339,9 @@ class Engine:
                 else "states saved per row (rejections rewind)"
             )  # fmt: skip
             logger.info(
-                "speculative decoding: %s, %s, %s; %d state scratch rows, %s (%.1f MiB %s)",
-                spec.method, k, how, self._num_scratch_rows(), rollback, scratch / 2**20, where,
+                "speculative decoding: %s, %s, %s; %d state scratch rows (of %d requests that may "
+                "draft), %s (%.1f MiB %s)", spec.method, k, how, self._num_scratch_rows(),
+                self._drafting_rows(), rollback, scratch / 2**20, where,
             )  # fmt: skip
         self.eos_token_ids = eos_token_ids(text_config(hf_config), generation_config(folder))
         self.vocab_size = family.vocab_size
@@ -423,8 +424,9 @@ class Engine:
 
     def _num_scratch_rows(self) -> int:
         """Speculative decoding on a model with state groups: requests that may carry drafts
-        in one step (each has a scratch row for its states)."""
-        return self._drafting_rows() if self.plan.state_groups else 0
+        in one step (each has a scratch row for its states; the plan may have given fewer than
+        `_drafting_rows` to keep the scratch within its share of the budget)."""
+        return self.plan.scratch_rows if self.plan.state_groups else 0
 
     def _num_scratch_positions(self) -> int:
         """States kept per scratch row when every state group's ops keep per-position states

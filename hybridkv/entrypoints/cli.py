@@ -64,7 +64,8 @@ def format_plan(plan, model: str) -> str:  # plan: MemoryPlan
     if plan.reserved_bytes:
         lines.append(
             f"  spec. scratch       {plan.reserved_bytes:,} B ({plan.reserved_bytes / 2**30:.2f} "
-            "GiB of the budget: speculative decoding's state scratch)"
+            f"GiB of the budget: speculative decoding's state scratch, {plan.scratch_rows} "
+            "drafting requests)"
         )
     cap = plan.attention_token_capacity
     lines.append(

@@ -57,6 +57,8 @@ NULL_PAGES = 1  # page 0 is reserved as the null page (design.md 5: skipped posi
 # (`hybridkv plan`): the engine passes what its machine really has.
 DEFAULT_CAPABILITIES = frozenset({"native", "triton"})
 AUTO_BUDGET_BYTES = 4 * 2**30  # the cap of an automatically sized pool
+# the most of a budget speculative decoding's state scratch takes (`make_speculative_plan`)
+SCRATCH_SHARE = 0.5
 PAGE_BYTES_ALIGN = 64  # pure state models: pages start on cache lines
 T = TypeVar("T")
 
@@ -150,7 +152,9 @@ class MemoryPlan:
     allocation: str = "block"
     tensor_parallel_size: int = 1  # the plan is one rank's: its specs are per-rank shards
     # budget bytes outside the pages: speculative decoding's state scratch (`speculation_scratch`)
+    # for `scratch_rows` requests drafting at once (`make_speculative_plan`)
     reserved_bytes: int = 0
+    scratch_rows: int = 0
 
     @property
     def is_hybrid(self) -> bool:
@@ -255,6 +259,7 @@ class MemoryPlan:
             "allocation": self.allocation,
             "tensor_parallel_size": self.tensor_parallel_size,
             "reserved_bytes": self.reserved_bytes,
+            "scratch_rows": self.scratch_rows,
             "hash_block_tokens": self.hash_block_tokens,
             "hit_tokens": self.hit_tokens,
             "groups": [
@@ -556,10 +561,14 @@ def _auto_num_pages(
     )
     cap = max(0, AUTO_BUDGET_BYTES - reserved_bytes) // per_page
     if cap < per_request + NULL_PAGES:
+        scratch = (
+            f" after {reserved_bytes:,} bytes of speculative-decoding state scratch"
+            if reserved_bytes else ""
+        )  # fmt: skip
         raise PlanError(
             f"max_model_len={max_model_len} needs {per_request + NULL_PAGES} pages but "
-            f"{AUTO_BUDGET_BYTES // 2**30} GiB hold {cap}; lower max_model_len or give "
-            "memory_bytes"
+            f"{AUTO_BUDGET_BYTES // 2**30} GiB hold {cap}{scratch}; lower max_model_len or give "
+            "memory_bytes" + (_SCRATCH_HINT if reserved_bytes else "")
         )
     return min(per_request * max_num_seqs + NULL_PAGES, cap)
 
@@ -715,12 +724,20 @@ def make_speculative_plan(
     rows: int,
     k: int,
 ) -> MemoryPlan:
-    """make_plan with speculative decoding's state scratch (`speculation_scratch`) taken out of
-    the budget before the pages are counted (an explicit num_pages keeps its pages; the scratch
-    comes on top, reported as reserved_bytes)."""
+    """make_plan with speculative decoding's state scratch (`speculation_scratch`) for `rows`
+    drafting requests taken out of the budget before the pages are counted, at most
+    SCRATCH_SHARE of it: fewer rows when it would take more (`MemoryPlan.scratch_rows`; requests
+    beyond them decode without drafts in that step). An explicit num_pages keeps its pages and
+    all the rows; the scratch comes on top (reported as reserved_bytes)."""
     plan = make_plan(layers, cache, architecture, target)
     _, scratch = speculation_scratch(plan, rows, k)
     if not scratch:
         return plan
-    target = dataclasses.replace(target, reserved_bytes=scratch)
-    return make_plan(layers, cache, architecture, target)
+    per_row = scratch // rows
+    if cache.num_pages is None:
+        auto = cache.memory_bytes is None and target.max_num_seqs is not None
+        budget = AUTO_BUDGET_BYTES if auto else cache.budget_bytes
+        rows = min(rows, max(1, int(budget * SCRATCH_SHARE) // per_row))
+    target = dataclasses.replace(target, reserved_bytes=rows * per_row)
+    plan = make_plan(layers, cache, architecture, target)
+    return dataclasses.replace(plan, scratch_rows=rows)

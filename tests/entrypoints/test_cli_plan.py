@@ -206,6 +206,13 @@ def test_plan_takes_the_speculation_scratch_from_the_budget(capsys):
         assert plain["num_pages"] == budget // per_page  # (the CLI's default budget)
         assert with_spec["num_pages"] == (budget - with_spec["reserved_bytes"]) // per_page
     code, out, _ = run(capsys, "plan", "--model", model, "--platform", "cpu", *spec)
-    assert "spec. scratch" in out and "of the budget" in out
+    assert "spec. scratch" in out and "of the budget" in out and "64 drafting requests" in out
+    # a budget it would take more than half of: fewer drafting requests get scratch rows
+    code, out, _ = run(capsys, "plan", "--model", model, "--platform", "cpu", "--memory", "8GiB",
+                       "--json", *spec)  # fmt: skip
+    small = json.loads(out)
+    per_row = 4 * 36 * small["state_bytes"]
+    assert small["scratch_rows"] == 8 * 2**30 // 2 // per_row < 64
+    assert small["reserved_bytes"] == small["scratch_rows"] * per_row <= 4 * 2**30
     code, out, _ = run(capsys, "plan", "--model", "meta-llama/Llama-3.1-8B", "--json", *spec)
     assert json.loads(out)["reserved_bytes"] == 0  # attention only: nothing to roll back

@@ -462,3 +462,23 @@ def test_state_scratch_comes_out_of_the_cache_budget(granite_family, monkeypatch
     assert scratch == plan.reserved_bytes == 6 * depth * state_layers * plan.state_bytes
     assert plain.plan.num_pages == budget // per_page
     assert plan.num_pages == (budget - scratch) // per_page < plain.plan.num_pages
+
+
+def test_scratch_rows_shrink_to_half_the_budget(granite_family) -> None:
+    """Where the scratch of every request that may draft would take more than half the budget,
+    fewer requests get scratch rows (the rest decode without drafts in that step): the runner,
+    the scheduler and the plan agree, and the tokens are still transformers'."""
+    plain = Engine(str(granite_family.folder), dtype="float32", memory_bytes=8 * 2**20)
+    plan = plain.plan
+    per_row = SPEC["num_speculative_tokens"] * plan.state_bytes * sum(
+        len(g.layer_names) for g in plan.state_groups
+    )
+    budget = int(7.9 * per_row)  # half of it holds 3 rows; the rest is the pages (a small pool)
+    engine = Engine(str(granite_family.folder), dtype="float32", memory_bytes=budget,
+                    max_num_seqs=8, speculative_config=SPEC)  # fmt: skip
+    assert engine.plan.scratch_rows == engine.scheduler.num_scratch_rows == 3
+    assert engine.runner.scratch_bytes == engine.plan.reserved_bytes == 3 * per_row
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    got = [o.token_ids for o in _run_all(engine, [(p, params) for p in granite_family.plain])]
+    assert got == granite_family.plain_ref
+    assert engine.spec_stats.num_draft_tokens > 0
