@@ -320,6 +320,7 @@ class Engine:
             self._num_scratch_rows(),
             mtp=mtp,
             keeps_positions=self._num_scratch_positions() > 0,
+            capturable=self._capturable,
         )
         if spec is not None:
             scratch = self.plan.reserved_bytes
@@ -416,6 +417,12 @@ class Engine:
             )
         mtp_layers = int(getattr(family, "num_mtp_layers", 0) or 0)
         return spec.for_target(model, tp_size, mtp_layers, max_model_len=self.max_model_len)
+
+    def _capturable(self, size: int, tokens_each: int) -> bool:
+        """Whether a step of `size` chunks of `tokens_each` tokens runs captured (the
+        scheduler pads verify steps to one shape only then)."""
+        graphs = getattr(self.runner, "graphs", None)  # (none under tensor parallelism)
+        return graphs is not None and graphs.may_capture(size, tokens_each)
 
     def _drafting_rows(self) -> int:
         """Speculative decoding: requests that may carry drafts in one step."""

@@ -148,18 +148,23 @@ class Scheduler:
         num_scratch_rows: int = 0,
         mtp: bool = False,
         keeps_positions: bool = False,
+        capturable: Callable[[int, int], bool] | None = None,
     ) -> None:
         """`drafter`: speculative decoding's proposer (None: off). `num_scratch_rows`: how many
         requests of a step may carry drafts when the model has state groups (the runner's
         scratch rows); ignored without state groups. `mtp`: the runner's MTP layers draft
         (every chunk tells them its request's confirmed pairs: `ScheduledChunk.mtp_next_ids`).
         `keeps_positions`: the state ops keep every position's state (the runner's scratch rows
-        hold them): a rejection commits the accepted position instead of rewinding."""
+        hold them): a rejection commits the accepted position instead of rewinding.
+        `capturable(n, q)`: whether a step of n chunks of q tokens each would run as a captured
+        program (the runner's `DecodeGraphs.may_capture`); requests without drafts get filler
+        drafts to make a step that shape only then (None: always)."""
         self.cache = cache
         self.config = config
         self.drafter = drafter
         self.num_scratch_rows = num_scratch_rows
         self.mtp = mtp
+        self.capturable = capturable
         # a rejection rewinds the request (state restored, accepted tokens recomputed)
         self.rewinds = cache.has_state and not keeps_positions
         spec = config.speculative_config
@@ -308,7 +313,9 @@ class Scheduler:
         per step: when any request has drafts, the others that may carry some get filler drafts
         (their last token repeated) up to their cap, so that every decode chunk has k + 1
         tokens and the step is captured and replayed (hybridkv.worker.graphs); a rejected
-        filler costs a row of a step that runs anyway. Without any match nobody drafts: the
+        filler costs a row of a step that runs anyway. Only where that shape runs captured
+        (`_pads`): in an eager step (more rows than the native kernels take, tensor
+        parallelism, GPUs) fillers would only add rows. Without any match nobody drafts: the
         step stays a plain decode."""
         assert self.drafter is not None
         caps: dict[str, tuple[Request, int]] = {}
@@ -334,12 +341,24 @@ class Scheduler:
         self._real_drafts = {rid: len(d) for rid, d in drafts.items()}
         if self.adaptive is not None and any(drafts.values()):
             self._adapt(caps, drafts)
-        if any(drafts.values()):
+        if any(drafts.values()) and self._pads(caps):
             for rid, (req, cap) in caps.items():
                 d = drafts[rid]
                 last = d[-1] if d else req.all_token_ids[-1]
                 drafts[rid] = d + (last,) * (cap - len(d))
         return drafts
+
+    def _pads(self, caps: dict[str, tuple[Request, int]]) -> bool:
+        """Whether filler drafts up to every cap make a step of one shape that runs captured:
+        every running request in it with the same known + cap tokens, a shape `capturable`
+        accepts. Else they would only add rows to an eager step."""
+        if self.capturable is None:
+            return True
+        running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        if len(caps) != len(running):
+            return False
+        shapes = {r.num_tokens - r.num_computed_tokens + cap for r, cap in caps.values()}
+        return len(shapes) == 1 and self.capturable(len(caps), shapes.pop())
 
     def _adapt(
         self, caps: dict[str, tuple[Request, int]], drafts: dict[str, tuple[int, ...]]

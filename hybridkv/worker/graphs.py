@@ -120,6 +120,16 @@ class DecodeGraphs:
         # what the captured steps allocate: one step runs at a time, so all sizes share it
         self.arena = Arena()
 
+    def may_capture(self, size: int, q: int) -> bool:
+        """Whether a step of `size` chunks of q tokens each runs (or may yet run) as a captured
+        program: not refused so far (a shape is tried at its second step)."""
+        return (
+            self.disabled is None
+            and 0 < size <= self.max_size
+            and 0 < q <= DECODE_ROWS_MAX_QUERY
+            and (size, q) not in self.refused
+        )
+
     def logits(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
         """The logits of a decode or uniform verify step ([S*q, vocab] float32, q rows per
         chunk), from its captured program (capturing it first at the second step of this

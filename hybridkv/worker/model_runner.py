@@ -259,6 +259,16 @@ class ModelRunner:
         commits = [(self.rows[rid], srow, pos) for rid, srow, pos in commits if rid in self.rows]
         if not commits or not self.keeps_positions:
             return
+        if len(commits) == 1:  # (small batches) plain views: no index tensors, one copy each
+            row, srow, pos = commits[0]
+            for group in self.plan.state_groups:
+                page = int(self.state_pages[group.group_id][row])
+                for name in group.layer_names:
+                    view, kept = self.buffers.views[name], self.scratch[name]
+                    assert isinstance(view, dict)
+                    for key, tensor in view.items():
+                        tensor[page].copy_(kept[key][srow, pos])
+            return
         rows = torch.tensor([r for r, _, _ in commits])
         srows = torch.tensor([s for _, s, _ in commits], device=self.device)
         positions = torch.tensor([p for _, _, p in commits], device=self.device)
