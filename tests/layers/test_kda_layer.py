@@ -18,6 +18,7 @@ from hybridkv.kv.specs import CacheDtypes, kda_state  # noqa: E402
 from hybridkv.layers.kda import CONVS, KimiDeltaAttention  # noqa: E402
 from hybridkv.ops import native  # noqa: E402
 from hybridkv.ops.kda_ops import NativeKdaOps, TorchKdaOps, TritonKdaOps  # noqa: E402
+from tests.layers.replay import recording_linears, replaying, with_scratch_rows  # noqa: E402
 
 HIDDEN, HEADS, DIM = 24, 2, 8
 FP32 = CacheDtypes("float32", "float32", "float32")
@@ -125,21 +126,16 @@ def test_native_kda_keeps_the_state_after_every_position(kernel, dtype):
     rec0 = (0.3 * torch.randn(4, HEADS, DIM, DIM, generator=g)).to(dtype)
     lens, pages, rows = [5, 1, 3], [2, 0, 3], [0, -1, 1]
     x = torch.randn(sum(lens), HIDDEN, generator=g).to(dtype)
-    linears = [m for m in ours.modules() if isinstance(m, torch.nn.Linear)]
 
     def run(first, lens, pages, rows=None, kept=None):
         convs, rec = tuple(c.clone() for c in convs0), rec0.clone()
         step = meta(pages, [True] * len(lens), lens)
         if rows is not None:
-            step = StateMetadata(**{**step.__dict__, "scratch_rows": torch.tensor(rows)})
+            step = with_scratch_rows(step, rows)
         out = ours.mix(x[first : first + sum(lens)], convs, rec, step, ops, kept)
         return out, convs, rec
 
-    full: dict[torch.nn.Module, torch.Tensor] = {}
-    hooks = [m.register_forward_hook(lambda m, _, out: full.__setitem__(m, out)) for m in linears]
-    plain_out, plain_convs, _ = run(0, lens, pages)
-    for hook in hooks:
-        hook.remove()
+    (plain_out, plain_convs, _), full = recording_linears(ours, lambda: run(0, lens, pages))
     kept = tuple(torch.full((2, 4, *t.shape[1:]), float("nan"), dtype=dtype)
                  for t in (*convs0, rec0))  # fmt: skip
     out, convs, _ = run(0, lens, pages, rows, kept)
@@ -149,11 +145,8 @@ def test_native_kda_keeps_the_state_after_every_position(kernel, dtype):
     for req, first, row in ((0, 0, 0), (2, 6, 1)):
         refs = []
         for i in range(lens[req] - 1):
-            for m in linears:  # the prefix's projections: the full step's rows
-                m.forward = lambda _, m=m, a=first, b=first + i + 1: full[m][a:b]
-            _, ref_convs, ref_rec = run(first, [i + 1], [pages[req]])
-            for m in linears:
-                del m.forward
+            with replaying(full, first, first + i + 1):  # the prefix's projections: the step's
+                _, ref_convs, ref_rec = run(first, [i + 1], [pages[req]])
             for t, ref in zip(kept[:3], ref_convs, strict=True):  # the inputs, exactly
                 assert torch.equal(t[row, i], ref[pages[req]]), (req, i)
             # (the gates are PyTorch element-wise ops, whose rounding may depend on the size)

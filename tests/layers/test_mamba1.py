@@ -15,6 +15,7 @@ from hybridkv.kv.specs import CacheDtypes, mamba1_state
 from hybridkv.layers.mamba1 import MAMBA1_OPS, Mamba1Mixer
 from hybridkv.ops import native, registry
 from hybridkv.ops.mamba1_ops import NativeMamba1Ops, TorchMamba1Ops
+from tests.layers.replay import recording_linears, replaying, with_scratch_rows
 
 HIDDEN, DI, STATE, CONV, RANK = 16, 40, 8, 4, 3
 
@@ -256,21 +257,16 @@ def test_native_scan_keeps_the_state_after_every_position(family, dtype):
     ssm0 = (0.3 * torch.randn(4, di, n, generator=g)).to(dtype)
     lens, pages, rows = [4, 1, 5], [1, 0, 3], [1, -1, 0]
     x = torch.randn(sum(lens), HIDDEN, generator=g).to(dtype)
-    linears = [m for m in ours.modules() if isinstance(m, torch.nn.Linear)]
 
     def run(first, lens, pages, rows=None, kept=None):
         conv, ssm = conv0.clone(), ssm0.clone()
         step = meta_for(lens, pages, [True] * len(lens))
         if rows is not None:
-            step = StateMetadata(**{**step.__dict__, "scratch_rows": torch.tensor(rows)})
+            step = with_scratch_rows(step, rows)
         out = ours.mix(x[first : first + sum(lens)], conv, ssm, step, ops, kept)
         return out, conv, ssm
 
-    full: dict[torch.nn.Module, torch.Tensor] = {}
-    hooks = [m.register_forward_hook(lambda m, _, out: full.__setitem__(m, out)) for m in linears]
-    plain_out, plain_conv, plain_ssm = run(0, lens, pages)
-    for hook in hooks:
-        hook.remove()
+    (plain_out, plain_conv, plain_ssm), full = recording_linears(ours, lambda: run(0, lens, pages))
     kept = tuple(torch.full((2, 4, *t.shape[1:]), float("nan"), dtype=dtype) for t in (conv0, ssm0))
     out, conv, ssm = run(0, lens, pages, rows, kept)
     assert torch.equal(out, plain_out) and torch.equal(conv, plain_conv)
@@ -279,11 +275,8 @@ def test_native_scan_keeps_the_state_after_every_position(family, dtype):
     for req, first, row in ((0, 0, 1), (2, 5, 0)):
         refs = []
         for i in range(lens[req] - 1):
-            for m in linears:  # the prefix's projections: the full step's rows
-                m.forward = lambda _, m=m, a=first, b=first + i + 1: full[m][a:b]
-            _, ref_conv, ref_ssm = run(first, [i + 1], [pages[req]])
-            for m in linears:
-                del m.forward
+            with replaying(full, first, first + i + 1):  # the prefix's projections: the step's
+                _, ref_conv, ref_ssm = run(first, [i + 1], [pages[req]])
             refs.append(ref_ssm[pages[req]])
             assert torch.equal(kept[0][row, i], ref_conv[pages[req]]), (req, i)
             torch.testing.assert_close(kept[1][row, i], ref_ssm[pages[req]], **tol)
