@@ -791,8 +791,11 @@ class Engine:
             samples = {result.request_ids[i]: s for i, s in zip(plain, picked, strict=True)}
         drafting = {rid: (i, rows[i]) for i, rid in enumerate(result.request_ids) if rid in drafts}
         verified = verify_step(result.logits, first, drafting, drafts, self.sampler)
+        proposed = {c.request_id: self.scheduler.proposed_drafts(c) for c in out.chunks}
         for rid, tokens in verified.tokens.items():
-            self.spec_stats.observe(len(drafts[rid]), len(tokens) - 1)
+            # the proposer's drafts only (fillers, its last token repeated, are not drafts)
+            real = proposed.get(rid, len(drafts[rid]))
+            self.spec_stats.observe(real, min(len(tokens) - 1, real))
         return samples, verified
 
     def _start_masks(self, out: SchedulerOutput) -> Future | None:

@@ -395,6 +395,11 @@ class Scheduler:
                 return  # a prefill chunk (or a rewound request's recomputation alone)
         self.adaptive.observe_step(len(output.chunks), tokens_each, seconds)
 
+    def proposed_drafts(self, chunk: ScheduledChunk) -> int:
+        """How many of a verify chunk's drafts the proposer made (the rest are fillers: its
+        last token repeated to give the step one shape); metrics count these."""
+        return min(chunk.num_drafts, self._real_drafts.get(chunk.request_id, chunk.num_drafts))
+
     def _draft_cap(self, req: Request, n: int, budget: int) -> int:
         """The most drafts a running request whose chunk of `n` tokens ends its known tokens
         (it samples) past its prompt may carry: the config's (k, disable_by_batch_size),
@@ -535,7 +540,7 @@ class Scheduler:
         Returns whether the request finished."""
         num_accepted = len(tokens) - 1
         if self.adaptive is not None:
-            real = self._real_drafts.get(req.request_id, chunk.num_drafts)
+            real = self.proposed_drafts(chunk)
             self.adaptive.observe_verify(req.request_id, real, num_accepted)
         rejected = self.cache.has_state and num_accepted < chunk.num_drafts
         rewind = rejected and self.rewinds

@@ -482,3 +482,40 @@ def test_scratch_rows_shrink_to_half_the_budget(granite_family) -> None:
     got = [o.token_ids for o in _run_all(engine, [(p, params) for p in granite_family.plain])]
     assert got == granite_family.plain_ref
     assert engine.spec_stats.num_draft_tokens > 0
+
+
+def test_metrics_count_the_proposers_drafts_not_fillers(granite_family, monkeypatch) -> None:
+    """When one request has drafts, the others of a step that runs captured carry fillers
+    (their last token repeated) to give it one shape; the metrics count the proposer's drafts
+    only: every draft proposed, none of the fillers, and at most as many accepted."""
+    proposed = []
+    engine = Engine(str(granite_family.folder), dtype="float32", speculative_config=SPEC)
+    first_id = []
+
+    def drafter(req, cap):
+        if not first_id:
+            first_id.append(req.request_id)
+        if req.request_id != first_id[0]:
+            return []  # the other request: fillers only
+        drafts = [req.all_token_ids[-1]] * cap
+        proposed.append(len(drafts))
+        return drafts
+
+    engine.scheduler.drafter = drafter
+    fillers = [0]
+    schedule = engine.scheduler.schedule
+
+    def counting():
+        out = schedule()
+        others = [c for c in out.chunks if first_id and c.request_id != first_id[0]]
+        fillers[0] += sum(c.num_drafts for c in others)
+        return out
+
+    engine.scheduler.schedule = counting
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    got = [o.token_ids for o in _run_all(engine, [(p, params) for p in granite_family.plain[:2]])]
+    assert got == granite_family.plain_ref[:2]
+    stats = engine.spec_stats
+    assert fillers[0] > 0, "no step carried fillers"
+    assert stats.num_draft_tokens == sum(proposed) > 0
+    assert stats.num_accepted_tokens <= stats.num_draft_tokens
