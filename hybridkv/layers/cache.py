@@ -49,6 +49,13 @@ class StateCache:
     # (`StateMetadata.scratch_rows`); empty otherwise
     positions: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
+    def kept(self, meta: Any, *names: str) -> tuple[torch.Tensor, ...] | None:
+        """The scratch of the named tensors where the step keeps per-position states
+        (`meta.scratch_rows`, a `StateMetadata`), else None."""
+        if meta.scratch_rows is None:
+            return None
+        return tuple(self.positions[name] for name in names)
+
 
 LayerCache = AttentionCache | StateCache
 

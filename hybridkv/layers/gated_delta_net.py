@@ -237,9 +237,7 @@ class GatedDeltaNet(CacheOwner):
         cache = self.cache
         assert isinstance(cache, StateCache)
         meta: StateMetadata = self.step_metadata(batch)
-        positions = None
-        if meta.scratch_rows is not None:  # speculative decoding: keep every position's state
-            positions = (cache.positions[CONV], cache.positions[RECURRENT])
+        positions = cache.kept(meta, CONV, RECURRENT)  # speculative decoding's per-position states
         out = self.mix(
             hidden_states, cache.tensors[CONV], cache.tensors[RECURRENT], meta, cache.ops,
             positions,

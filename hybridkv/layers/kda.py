@@ -157,9 +157,7 @@ class KimiDeltaAttention(CacheOwner):
         assert isinstance(cache, StateCache)
         meta: StateMetadata = self.step_metadata(batch)
         convs = tuple(cache.tensors[name] for name in CONVS)
-        kept = None
-        if meta.scratch_rows is not None:  # speculative decoding: keep every position's state
-            kept = tuple(cache.positions[name] for name in (*CONVS, RECURRENT))
+        kept = cache.kept(meta, *CONVS, RECURRENT)  # speculative decoding's per-position states
         out = self.mix(hidden_states, convs, cache.tensors[RECURRENT], meta, cache.ops, kept)
         return self.tp.all_reduce(out)  # o_proj is row-parallel
 

@@ -284,9 +284,7 @@ class Mamba2Mixer(CacheOwner):
         cache = self.cache
         assert isinstance(cache, StateCache)
         meta: StateMetadata = self.step_metadata(batch)
-        positions = None
-        if meta.scratch_rows is not None:  # speculative decoding: keep every position's state
-            positions = (cache.positions[CONV], cache.positions[SSM])
+        positions = cache.kept(meta, CONV, SSM)  # speculative decoding's per-position states
         out = self.mix(
             hidden_states, cache.tensors[CONV], cache.tensors[SSM], meta, cache.ops, positions
         )

@@ -104,9 +104,10 @@ class ShortConv(CacheOwner):
         cache = self.cache
         assert isinstance(cache, StateCache)
         meta: StateMetadata = self.step_metadata(batch)
-        # speculative decoding: the state after every position (ops that keep them)
-        kept = cache.positions[CONV] if meta.scratch_rows is not None else None
-        out = self.mix(hidden_states, cache.tensors[CONV], meta, cache.ops, kept)
+        kept = cache.kept(meta, CONV)  # speculative decoding's per-position states
+        out = self.mix(
+            hidden_states, cache.tensors[CONV], meta, cache.ops, None if kept is None else kept[0]
+        )
         return self.tp.all_reduce(out)
 
     def mix(

@@ -31,7 +31,7 @@ from hybridkv.ops.mamba2_ops import (
     TorchMamba2Ops,
     TritonMamba2Ops,
     _declined,
-    _kept,
+    kept_rows,
 )
 from hybridkv.ops.native import gdn as native_gdn
 from hybridkv.ops.native import gdn_chunk as native_gdn_chunk
@@ -123,7 +123,7 @@ class NativeGDNOps(NativeMamba2Ops, TorchGDNOps):
         spans = (meta.state_pages, meta.has_initial_state, meta.query_start_loc)
         if positions is not None:  # a verify step: token by token, every position kept
             o = native_gdn.gated_delta_rule(
-                q, k, v, g, beta, state, *spans, positions=_kept(positions, meta)
+                q, k, v, g, beta, state, *spans, positions=kept_rows(positions, meta)
             )
             if o is None:
                 raise RuntimeError(_declined("gated delta rule", v, state))

@@ -24,7 +24,7 @@ from hybridkv.ops.mamba2_ops import (
     TorchMamba2Ops,
     TritonMamba2Ops,
     _declined,
-    _kept,
+    kept_rows,
 )
 from hybridkv.ops.positions import run_keeping_positions
 
@@ -103,7 +103,7 @@ class NativeKdaOps(NativeMamba2Ops, TorchKdaOps):
 
         o = native_kda.kda_rule(
             q, k, v, g, beta, state, meta.state_pages, meta.has_initial_state,
-            meta.query_start_loc, _kept(positions, meta),
+            meta.query_start_loc, kept_rows(positions, meta),
         )  # fmt: skip
         if o is None:
             raise RuntimeError(_declined("KDA rule", v, state))

@@ -30,7 +30,7 @@ from hybridkv.ops.mamba2_ops import (
     NativeMamba2Ops,
     TorchMamba2Ops,
     TritonMamba2Ops,
-    _kept,
+    kept_rows,
 )
 from hybridkv.ops.native import ssm as native_ssm
 from hybridkv.ops.positions import run_keeping_positions
@@ -87,7 +87,7 @@ class TorchMamba1Ops:
         if positions is not None:
             return run_keeping_positions(
                 (x, dt, B, C, z), meta, ssm_state, positions,
-                lambda t, m: self.scan(*t[:4], t[4], ssm_state, m, p, out_dtype),
+                lambda t, m: self.scan(*t, ssm_state, m, p, out_dtype),
             )  # fmt: skip
         return mamba1_scan_varlen(
             x, dt, p.A, B, C, p.D, z, p.dt_bias, ssm_state, meta.state_pages,
@@ -144,7 +144,7 @@ class NativeMamba1Ops(TorchMamba1Ops):
     ) -> torch.Tensor:
         y = native_ssm.mamba1_scan(
             x, dt, p.A, B, C, p.D, z, p.dt_bias, ssm_state, meta.state_pages,
-            meta.has_initial_state, meta.query_start_loc, _kept(positions, meta),
+            meta.has_initial_state, meta.query_start_loc, kept_rows(positions, meta),
         )  # fmt: skip
         if y is None:
             raise RuntimeError(

@@ -169,7 +169,7 @@ class NativeMamba2Ops(TorchMamba2Ops):
         y = native_ssm.conv1d(
             x, weight, bias, conv_state, meta.state_pages, meta.has_initial_state,
             meta.query_start_loc, fused, x.dtype == torch.bfloat16,
-            _kept(positions, meta),
+            kept_rows(positions, meta),
         )  # fmt: skip
         if y is None:
             raise RuntimeError(_declined("conv1d", x, conv_state))
@@ -192,10 +192,8 @@ class NativeMamba2Ops(TorchMamba2Ops):
         numbers, without the small tensor ops and checks between them."""
         kept = None
         if positions is not None:
-            conv, ssm = positions
-            rows = _kept(ssm, meta)
-            assert rows is not None
-            kept = (conv, ssm, rows[1])
+            assert meta.scratch_rows is not None
+            kept = (*positions, meta.scratch_rows)
         y = native_ssm.mamba2_mix(
             zxbcdt, conv_weight, conv_bias, conv_state, ssm_state, meta.state_pages,
             meta.has_initial_state, meta.query_start_loc, (p.A, p.D, p.dt_bias, p.dt_limit),
@@ -222,7 +220,7 @@ class NativeMamba2Ops(TorchMamba2Ops):
         f = scan_inputs(x, dt, p.A, B, C, p.D, p.dt_bias, p.dt_limit)
         y = native_ssm.mamba2_scan(
             ssm_state, meta.state_pages, meta.has_initial_state, meta.query_start_loc, *f,
-            positions=_kept(positions, meta),
+            positions=kept_rows(positions, meta),
         )
         if y is None:
             raise RuntimeError(_declined("mamba2 scan", x, ssm_state))
@@ -262,7 +260,7 @@ def keep_conv_positions(
         kept[row, : n - 1] = windows[:, 1:n].transpose(0, 1)
 
 
-def _kept(
+def kept_rows(
     scratch: torch.Tensor | None, meta: StateMetadata
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(scratch, rows) for a native kernel. The caller (the model runner) makes sure a request

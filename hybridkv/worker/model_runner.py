@@ -237,13 +237,21 @@ class ModelRunner:
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """(running pages of `rows` in the group, state tensor [num_pages, ...], its scratch)
         for every state tensor of every state layer."""
+        pages: dict[int, torch.Tensor] = {}
+        for gid, tensor, scratch in self._state_views():
+            if gid not in pages:
+                pages[gid] = self.state_pages[gid][rows].to(self.device)
+            yield pages[gid], tensor, scratch
+
+    def _state_views(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(state group, state tensor [num_pages, ...], its scratch) for every state tensor of
+        every state layer."""
         for group in self.plan.state_groups:
-            pages = self.state_pages[group.group_id][rows].to(self.device)
             for name in group.layer_names:
                 view = self.buffers.views[name]
                 assert isinstance(view, dict)
                 for key, tensor in view.items():
-                    yield pages, tensor, self.scratch[name][key]
+                    yield group.group_id, tensor, self.scratch[name][key]
 
     def _commit_positions(self, commits: Sequence[tuple[str, int, int]]) -> None:
         """(request id, scratch row, position): the request's drafts were rejected after the
@@ -261,13 +269,9 @@ class ModelRunner:
             return
         if len(commits) == 1:  # (small batches) plain views: no index tensors, one copy each
             row, srow, pos = commits[0]
-            for group in self.plan.state_groups:
-                page = int(self.state_pages[group.group_id][row])
-                for name in group.layer_names:
-                    view, kept = self.buffers.views[name], self.scratch[name]
-                    assert isinstance(view, dict)
-                    for key, tensor in view.items():
-                        tensor[page].copy_(kept[key][srow, pos])
+            pages = {gid: int(table[row]) for gid, table in self.state_pages.items()}
+            for gid, tensor, scratch in self._state_views():
+                tensor[pages[gid]].copy_(scratch[srow, pos])
             return
         rows = torch.tensor([r for r, _, _ in commits])
         srows = torch.tensor([s for _, s, _ in commits], device=self.device)

@@ -136,3 +136,20 @@ def test_kept_states_are_one_token_at_a_time(kind, ops_class):
         torch.testing.assert_close(state[page], ref[page], **tol)
         assert kept[row, n - 1 :].isnan().all()
     assert not kept[[2, 0, 1]][:, 0].isnan().any()  # every speculating request wrote position 0
+
+
+def test_the_schedule_is_worked_out_once_per_step():
+    """Every state layer of a group gets the same metadata in a step: its sub-steps are worked
+    out once and shared; another step's metadata gets its own (all requests, every token)."""
+    from hybridkv.ops.positions import schedule
+
+    step = meta(LENS, PAGES, HAS, ROWS)
+    subs = schedule(step)
+    assert schedule(step) is subs
+    other = meta(LENS, PAGES, HAS, ROWS)
+    assert schedule(other) is not subs and schedule(other) is schedule(other)
+    tokens = sorted(t for sub in subs for t in sub.tokens.tolist())
+    assert tokens == list(range(sum(LENS)))  # each token in exactly one sub-step
+    # positions 0 .. 3 of the speculating requests (lengths 4, 3, 2), then the others at once
+    assert [sub.position for sub in subs] == [-1, 0, 1, 2, 3]
+    assert subs[4].keep is None  # the longest request's last token: its page holds it
