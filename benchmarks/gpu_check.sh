@@ -1,28 +1,33 @@
 #!/usr/bin/env bash
 # Every GPU check of hybridkv in one command, sized for a short loan of one GPU machine
-# (expected 3 to 6 minutes on an H200, nothing to install). Each step has its own time limit;
-# together they stay under 10 minutes, the device tool's limit for one command.
+# (expected 4 to 7 minutes on an H200, nothing to install). Each step has its own time limit;
+# steps run in order of importance (the tests first), so a run cut short keeps the most.
 #
 #   benchmarks/gpu_check.sh [OUT_DIR]      # default: $OUT, else ./gpu-check-out
+#   JSON_DIR=/tmp/json benchmarks/gpu_check.sh   # the benchmarks' JSON elsewhere
 #
 # Runs from the repository root without installing anything: PYTHONPATH points at the checkout,
 # and the machine's python3 must already hold torch (CUDA build), triton, transformers,
-# safetensors, tokenizers, numpy, pytest and pytest-xdist.
-# Writes to OUT_DIR (eight files, the most the device tool returns):
+# safetensors, tokenizers, numpy, pytest and pytest-xdist. flash-linear-attention (fla-core,
+# carried as a wheel onto PYTHONPATH) adds the gpu_fla step.
+# Writes to OUT_DIR (eight files with JSON_DIR elsewhere, the most the device tool returns):
 #   summary.txt           GPU, driver, Python, torch and Triton versions, then one line per step
 #                         with its exit status and time
 #   pytest.log            tests marked gpu or triton: the Triton kernels compiled on the GPU
-#                         against the PyTorch reference, and the engine on CUDA against
-#                         transformers
-#   compile_report.txt    sm_90a registers, spills and shared memory per kernel (this Triton's)
-#   gpu_attention.txt     benchmarks/gpu_attention.py's table (and .json beside it)
+#                         against the PyTorch reference (per-position states included), and the
+#                         engine on CUDA against transformers
+#   spec_decode.log       speculative decoding on CUDA, every cache kind, against transformers
+#   gpu_mamba.txt         benchmarks/gpu_mamba.py: Mamba2 / GDN decode kernels against PyTorch
+#   gpu_fla.txt           benchmarks/gpu_fla.py: the GDN ops against flash-linear-attention
+#   gpu_attention.txt     benchmarks/gpu_attention.py's table (and .json in JSON_DIR)
 #   gpu_sweep.txt         its launch sweep (tile sizes, warps, stages) at kbs 16 and 128 (.json)
-#   gpu_mamba.txt         benchmarks/gpu_mamba.py: Mamba2 decode kernels against PyTorch
+#   compile_report.txt    sm_90a registers, spills and shared memory per kernel (this Triton's)
 # Exits 0 only if every step passed.
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-gpu-check-out}}
-mkdir -p "$out"
+json=${JSON_DIR:-$out}  # the device tool returns 8 files: JSON_DIR elsewhere drops the .json
+mkdir -p "$out" "$json"
 py=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export TRITON_DEFAULT_FP_FUSION=1
@@ -48,16 +53,25 @@ step() {  # step NAME LIMIT_S LOG COMMAND...: run with a time limit, log, record
         triton.__version__)'
 } >>"$out/summary.txt" 2>&1 || status=1
 step tests 180 pytest.log "$py" -m pytest -q -p no:cacheprovider -n 8 -m "gpu or triton" \
-    tests/ops/test_triton_attention.py tests/ops/test_triton_mamba.py \
+    tests/ops/test_triton_attention.py tests/ops/test_triton_mamba.py tests/ops/test_positions.py \
     tests/worker/test_model_runner.py tests/test_engine.py \
     tests/benchmarks/test_gpu_attention_smoke.py tests/benchmarks/test_gpu_mamba_smoke.py
+step spec_decode 150 spec_decode.log "$py" -m pytest -q -p no:cacheprovider -n 8 -m gpu \
+    tests/spec_decode/test_engine_speculation.py
+step gpu_mamba 60 gpu_mamba.txt "$py" benchmarks/gpu_mamba.py
+if "$py" -c 'import fla' 2>/dev/null; then
+    step gpu_fla 90 gpu_fla.txt "$py" benchmarks/gpu_fla.py
+else
+    echo "gpu_fla: skipped (flash-linear-attention not importable: carry fla-core)" \
+        | tee -a "$out/summary.txt"
+fi
+step gpu_attention 150 gpu_attention.txt "$py" benchmarks/gpu_attention.py \
+    --json-out "$json/gpu_attention.json"
+step gpu_sweep 120 gpu_sweep.txt "$py" benchmarks/gpu_attention.py --sweep \
+    --kernel-block-sizes 16 128 --blocks-per-page 1 --json-out "$json/gpu_sweep.json"
 step compile_report 40 compile_report.txt "$py" benchmarks/triton_compile_report.py \
     --target sm_90a --check
-step gpu_attention 150 gpu_attention.txt "$py" benchmarks/gpu_attention.py \
-    --json-out "$out/gpu_attention.json"
-step gpu_sweep 120 gpu_sweep.txt "$py" benchmarks/gpu_attention.py --sweep \
-    --kernel-block-sizes 16 128 --blocks-per-page 1 --json-out "$out/gpu_sweep.json"
-step gpu_mamba 60 gpu_mamba.txt "$py" benchmarks/gpu_mamba.py
 tail -n 3 "$out/pytest.log"
-cat "$out/gpu_attention.txt" "$out/gpu_sweep.txt" "$out/gpu_mamba.txt"
+tail -n 3 "$out/spec_decode.log"
+cat "$out"/gpu_*.txt
 exit $status

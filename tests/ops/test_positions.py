@@ -18,8 +18,13 @@ if not torch.cuda.is_available():
 from hybridkv.forward_batch import StateMetadata  # noqa: E402
 from hybridkv.ops import native  # noqa: E402
 from hybridkv.ops.gdn_ops import NativeGDNOps, TorchGDNOps, TritonGDNOps  # noqa: E402
-from hybridkv.ops.kda_ops import NativeKdaOps, TorchKdaOps  # noqa: E402
-from hybridkv.ops.mamba1_ops import Mamba1Params, NativeMamba1Ops, TorchMamba1Ops  # noqa: E402
+from hybridkv.ops.kda_ops import NativeKdaOps, TorchKdaOps, TritonKdaOps  # noqa: E402
+from hybridkv.ops.mamba1_ops import (  # noqa: E402
+    Mamba1Params,
+    NativeMamba1Ops,
+    TorchMamba1Ops,
+    TritonMamba1Ops,
+)
 from hybridkv.ops.mamba2_ops import (  # noqa: E402
     CompiledMamba2Ops,
     NativeMamba2Ops,
@@ -33,11 +38,11 @@ LENS, PAGES, HAS, ROWS = [6, 4, 1, 3, 2], [4, 1, 0, 3, 2], [0, 1, 1, 1, 1], [-1,
 DEPTH, NUM_PAGES = 4, 5
 
 
-def meta(lens, pages, has, rows=None) -> StateMetadata:
+def meta(lens, pages, has, rows=None, device="cpu") -> StateMetadata:
     qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     return StateMetadata(
-        torch.tensor(pages), torch.tensor(has, dtype=torch.bool), qsl, max(lens),
-        None if rows is None else torch.tensor(rows),
+        torch.tensor(pages, device=device), torch.tensor(has, dtype=torch.bool, device=device),
+        qsl.to(device), max(lens), None if rows is None else torch.tensor(rows, device=device),
     )  # fmt: skip
 
 
@@ -50,7 +55,8 @@ def mamba2_case(g):
     state = torch.randn(NUM_PAGES, H, P, N, generator=g)
 
     def call(ops, tokens, st, m, kept=None):
-        return ops.scan(*tokens, st, m, p, torch.float32, kept)
+        on = p._replace(A=p.A.to(st.device), D=p.D.to(st.device), dt_bias=p.dt_bias.to(st.device))
+        return ops.scan(*tokens, st, m, on, torch.float32, kept)
 
     return (x, dt, B, C), state, call
 
@@ -65,7 +71,8 @@ def mamba1_case(g):
 
     def call(ops, tokens, st, m, kept=None):
         x, dt, B, C, z = tokens
-        return ops.scan(x, dt, B, C, z, st, m, p, torch.float32, kept)
+        on = Mamba1Params(*(t if t is None else t.to(st.device) for t in p))
+        return ops.scan(x, dt, B, C, z, st, m, on, torch.float32, kept)
 
     return (x, dt, B, C, z), state, call
 
@@ -87,30 +94,38 @@ def rule_case(g, per_channel: bool):
 
 CASES = {
     "mamba2": (mamba2_case, [TorchMamba2Ops, TritonMamba2Ops, CompiledMamba2Ops, NativeMamba2Ops]),
-    "mamba1": (mamba1_case, [TorchMamba1Ops, NativeMamba1Ops]),
+    "mamba1": (mamba1_case, [TorchMamba1Ops, TritonMamba1Ops, NativeMamba1Ops]),
     "gdn": (lambda g: rule_case(g, False), [TorchGDNOps, TritonGDNOps, NativeGDNOps]),
-    "kda": (lambda g: rule_case(g, True), [TorchKdaOps, NativeKdaOps]),
+    "kda": (lambda g: rule_case(g, True), [TorchKdaOps, TritonKdaOps, NativeKdaOps]),
 }
 
 
-@pytest.mark.parametrize(
-    "kind, ops_class",
-    [(kind, cls) for kind, (_, classes) in CASES.items() for cls in classes],
-    ids=lambda v: v if isinstance(v, str) else v.__name__,
-)
+def _param(kind: str, cls: type) -> object:
+    # the Triton ops run compiled on a GPU when there is one (marked: conftest leaves it seen)
+    marks = [pytest.mark.triton] if cls.__name__.startswith("Triton") else []
+    return pytest.param(kind, cls, marks=marks, id=f"{kind}-{cls.__name__}")
+
+
+PARAMS = [_param(kind, cls) for kind, (_, classes) in CASES.items() for cls in classes]
+
+
+@pytest.mark.parametrize("kind, ops_class", PARAMS)
 @torch.inference_mode()
 def test_kept_states_are_one_token_at_a_time(kind, ops_class):
     if ops_class.__name__.startswith("Native") and native.library() is None:
         pytest.skip("native kernels unavailable here (no C compiler)")
     assert ops_class.keeps_positions
+    dev = "cuda" if ops_class.__name__.startswith("Triton") and torch.cuda.is_available() else "cpu"
     make, _ = CASES[kind]
     tokens, state0, call = make(torch.Generator().manual_seed(3))
+    tokens = [t if t is None else t.to(dev) for t in tokens]
+    state0 = state0.to(dev)
     ops = ops_class()
     state = state0.clone()
-    kept = torch.full((3, DEPTH, *state0.shape[1:]), float("nan"))
-    out = call(ops, tokens, state, meta(LENS, PAGES, HAS, ROWS), kept)
+    kept = torch.full((3, DEPTH, *state0.shape[1:]), float("nan"), device=dev)
+    out = call(ops, tokens, state, meta(LENS, PAGES, HAS, ROWS, dev), kept)
     plain_state = state0.clone()
-    plain = call(ops, tokens, plain_state, meta(LENS, PAGES, HAS))
+    plain = call(ops, tokens, plain_state, meta(LENS, PAGES, HAS, device=dev))
     # the same PyTorch ops on the same rows give the same bits (Mamba1's step contracts over
     # the batch: its rounding may depend on how many requests share the sub-batch)
     exact = ops_class in (TorchMamba2Ops, TorchGDNOps, TorchKdaOps)
@@ -125,7 +140,7 @@ def test_kept_states_are_one_token_at_a_time(kind, ops_class):
         ref = state0.clone()
         for i in range(n):  # its tokens one at a time, from its page
             token = [t if t is None else t[first[s] + i : first[s] + i + 1] for t in tokens]
-            y = call(ops, token, ref, meta([1], [page], [HAS[s] or i > 0]))
+            y = call(ops, token, ref, meta([1], [page], [HAS[s] or i > 0], device=dev))
             if exact:
                 assert torch.equal(out[first[s] + i], y[0]), (s, i)
             torch.testing.assert_close(out[first[s] + i], y[0], **tol)

@@ -117,6 +117,21 @@ def test_greedy_with_drafts_matches_transformers(family, setting, monkeypatch) -
         assert restores > 0 and commits == 0, "no state was ever rolled back"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("setting", ["page", "multi-turn"])
+def test_greedy_with_drafts_on_cuda(family, setting, monkeypatch) -> None:
+    """The same on a CUDA GPU: attention and state kernels in Triton, the verify chunks'
+    per-position states kept through `ops.positions` (one-token sub-batches through the Triton
+    decode kernels), rejections committed. float32 means float32 (no TF32 convolutions), so the
+    tokens are the CPU reference's."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    engine, restores, commits = check_with_oracle(family, setting, monkeypatch)
+    assert engine.device.type == "cuda"
+    if engine.plan.state_groups:
+        assert {g.backend for g in engine.plan.state_groups} == {"triton"}
+        assert engine.runner.keeps_positions and commits > 0 and restores == 0
+
+
 @pytest.mark.parametrize("name", ["granite", "qwen3_next", "jamba", "kimi_linear"])
 def test_pytorch_state_ops_commit_kept_positions_too(name, tmp_path_factory, monkeypatch):
     """The PyTorch state ops (`state_backend="torch"`: what CUDA's Triton ops run verify steps
