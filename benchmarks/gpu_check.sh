@@ -9,8 +9,10 @@
 # Runs from the repository root without installing anything: PYTHONPATH points at the checkout,
 # and the machine's python3 must already hold torch (CUDA build), triton, transformers,
 # safetensors, tokenizers, numpy, pytest and pytest-xdist. flash-linear-attention (fla-core,
-# carried as a wheel onto PYTHONPATH) adds the gpu_fla step.
-# Writes to OUT_DIR (eight files with JSON_DIR elsewhere, the most the device tool returns):
+# carried as a wheel and unpacked at FLA_PATH) adds the fla steps.
+#   GPU_CHECK_STEPS="tests spec_decode fla"   run only these steps (default: all)
+# Writes to OUT_DIR (nine files with JSON_DIR elsewhere; the device tool returns eight: choose
+# steps):
 #   summary.txt           GPU, driver, Python, torch and Triton versions, then one line per step
 #                         with its exit status and time
 #   pytest.log            tests marked gpu or triton: the Triton kernels compiled on the GPU
@@ -18,6 +20,7 @@
 #                         engine on CUDA against transformers
 #   spec_decode.log       speculative decoding on CUDA, every cache kind, against transformers
 #   gpu_mamba.txt         benchmarks/gpu_mamba.py: Mamba2 / GDN decode kernels against PyTorch
+#   fla_tests.log         the fla GDN ops (tests/ops/test_gdn_ops_fla.py) with fla importable
 #   gpu_fla.txt           benchmarks/gpu_fla.py: the GDN ops against flash-linear-attention
 #   gpu_attention.txt     benchmarks/gpu_attention.py's table (and .json in JSON_DIR)
 #   gpu_sweep.txt         its launch sweep (tile sizes, warps, stages) at kbs 16 and 128 (.json)
@@ -38,6 +41,7 @@ status=0
 step() {  # step NAME LIMIT_S LOG COMMAND...: run with a time limit, log, record the exit status
     local name=$1 limit=$2 log=$3
     shift 3
+    case " ${GPU_CHECK_STEPS:-$name} " in *" $name "*) ;; *) return 0 ;; esac
     local start=$SECONDS
     timeout "$limit" "$@" >"$out/$log" 2>&1
     local rc=$?
@@ -59,11 +63,16 @@ step tests 180 pytest.log "$py" -m pytest -q -p no:cacheprovider -n 8 -m "gpu or
 step spec_decode 150 spec_decode.log "$py" -m pytest -q -p no:cacheprovider -n 8 -m gpu \
     tests/spec_decode/test_engine_speculation.py
 step gpu_mamba 60 gpu_mamba.txt "$py" benchmarks/gpu_mamba.py
-if "$py" -c 'import fla' 2>/dev/null; then
-    step gpu_fla 90 gpu_fla.txt "$py" benchmarks/gpu_fla.py
+# flash-linear-attention only where asked for (FLA_PATH: where fla-core is unpacked): with it
+# importable, transformers' Qwen3-Next and Kimi-Linear run fla's kernels on the CPU tensors of
+# the tests' references, which fails
+if [ -n "${FLA_PATH:-}" ]; then
+    with_fla=(env PYTHONPATH="$PYTHONPATH:$FLA_PATH")
+    step fla_tests 150 fla_tests.log "${with_fla[@]}" "$py" -m pytest -q -p no:cacheprovider \
+        -n 4 -m "gpu or triton" tests/ops/test_gdn_ops_fla.py
+    step gpu_fla 90 gpu_fla.txt "${with_fla[@]}" "$py" benchmarks/gpu_fla.py
 else
-    echo "gpu_fla: skipped (flash-linear-attention not importable: carry fla-core)" \
-        | tee -a "$out/summary.txt"
+    echo "gpu_fla: skipped (set FLA_PATH to where fla-core is unpacked)" | tee -a "$out/summary.txt"
 fi
 step gpu_attention 150 gpu_attention.txt "$py" benchmarks/gpu_attention.py \
     --json-out "$json/gpu_attention.json"
@@ -71,7 +80,6 @@ step gpu_sweep 120 gpu_sweep.txt "$py" benchmarks/gpu_attention.py --sweep \
     --kernel-block-sizes 16 128 --blocks-per-page 1 --json-out "$json/gpu_sweep.json"
 step compile_report 40 compile_report.txt "$py" benchmarks/triton_compile_report.py \
     --target sm_90a --check
-tail -n 3 "$out/pytest.log"
-tail -n 3 "$out/spec_decode.log"
-cat "$out"/gpu_*.txt
+tail -n 3 "$out"/*.log 2>/dev/null
+cat "$out"/gpu_*.txt 2>/dev/null
 exit $status

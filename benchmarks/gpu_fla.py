@@ -8,9 +8,10 @@ heads, 128 x 128 states), float32 state pages scattered in a pool twice the batc
 bfloat16, g and beta in float32:
 
 - prefill (ragged chunks from an initial state): hybridkv's `triton` GDN ops (the chunked rule
-  in PyTorch, `ops.gated_delta`) against fla's `chunk_gated_delta_rule` (Triton, the kernel
-  vLLM and SGLang run), fla timed with the gather of the initial states from their pages and
-  the scatter of the final ones back (hybridkv reads and writes the pages itself);
+  in PyTorch, `ops.gated_delta`) and its `fla` ops (`FlaGDNOps`: fla's kernel behind hybridkv's
+  paging) against fla's `chunk_gated_delta_rule` (Triton, the kernel vLLM and SGLang run)
+  called directly, timed with the gather of the initial states from their pages and the
+  scatter of the final ones back, and alone ("kern");
 - decode (one token per request): hybridkv's Triton decode kernel (`triton_gdn.gdn_decode`,
   in the pages) against fla's `fused_recurrent_gated_delta_rule`, with and without that
   gather/scatter.
@@ -48,6 +49,7 @@ class Row:
     requests: int
     tokens_each: int
     hybridkv_us: float
+    fla_ops_us: float  # hybridkv's `fla` ops (FlaGDNOps): fla's prefill, our decode, in pages
     fla_us: float
     fla_kernel_us: float  # fla without the gather/scatter of states (contiguous states)
     fla_over_hybridkv: float  # > 1: hybridkv faster
@@ -76,7 +78,7 @@ def bench(requests: int, tokens_each: int, args) -> Row:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
     from hybridkv.forward_batch import StateMetadata
-    from hybridkv.ops.gdn_ops import TritonGDNOps
+    from hybridkv.ops.gdn_ops import FlaGDNOps, TritonGDNOps
 
     gen = torch.Generator().manual_seed(requests * 7919 + tokens_each)
     shape = QWEN3_NEXT if args.device == "cuda" else TINY
@@ -108,12 +110,14 @@ def bench(requests: int, tokens_each: int, args) -> Row:
     diff = (ours - o[0].float()).abs().max().item()
     dev, iters = args.device, args.iters
     t_ours = median_ms(lambda: ops.rule(q, k, v, g, beta, state, meta), 3, iters, dev)
+    fla_ops = FlaGDNOps()
+    t_ops = median_ms(lambda: fla_ops.rule(q, k, v, g, beta, state, meta), 3, iters, dev)
     t_fla = median_ms(fla_paged, 3, iters, dev)
     t_kernel = median_ms(fla_kernel, 3, iters, dev)
     empty_cache()
     case = "prefill" if tokens_each > 1 else "decode"
-    return Row(case, requests, tokens_each, t_ours * 1e3, t_fla * 1e3, t_kernel * 1e3,
-               t_fla / t_ours, diff)  # fmt: skip
+    return Row(case, requests, tokens_each, t_ours * 1e3, t_ops * 1e3, t_fla * 1e3,
+               t_kernel * 1e3, t_fla / t_ours, diff)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,12 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=1))
         return 0
-    print(f"{'case':8} {'reqs':>5} {'tok/req':>7} {'hybridkv us':>12} {'fla us':>10} "
-          f"{'fla kern us':>11} {'fla/hkv':>8} {'max diff':>9}")  # fmt: skip
+    print(f"{'case':8} {'reqs':>5} {'tok/req':>7} {'triton ops us':>13} {'fla ops us':>10} "
+          f"{'fla us':>10} {'fla kern us':>11} {'fla/triton':>10} {'max diff':>9}")  # fmt: skip
     for r in rows:
-        print(f"{r.case:8} {r.requests:5d} {r.tokens_each:7d} {r.hybridkv_us:12.1f} "
-              f"{r.fla_us:10.1f} {r.fla_kernel_us:11.1f} {r.fla_over_hybridkv:8.2f} "
-              f"{r.max_diff:9.2e}")  # fmt: skip
+        print(f"{r.case:8} {r.requests:5d} {r.tokens_each:7d} {r.hybridkv_us:13.1f} "
+              f"{r.fla_ops_us:10.1f} {r.fla_us:10.1f} {r.fla_kernel_us:11.1f} "
+              f"{r.fla_over_hybridkv:10.2f} {r.max_diff:9.2e}")  # fmt: skip
     return 0
 
 

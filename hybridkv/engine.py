@@ -27,6 +27,7 @@ the other ranks run the steps it broadcasts and never return from `Engine(...)`.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
 import logging
 import os
@@ -240,6 +241,9 @@ def _capabilities(device: torch.device, model_config: ModelConfig) -> frozenset[
             pass
         else:
             found.add("triton")
+            # flash-linear-attention (fla-core): its kernels for the linear-attention kinds
+            if device.type == "cuda" and importlib.util.find_spec("fla") is not None:
+                found.add("fla")
     if model_config.compile:
         found.add("compile")
     return frozenset(found)

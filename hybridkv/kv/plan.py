@@ -439,7 +439,7 @@ def select_state_ops(
                 f"state_backend={requested!r} is not declared for {spec.kind} layers; "
                 f"declared: {declared}"
             )
-        reason = chosen[0].why_not(platform, dtypes, capabilities)
+        reason = chosen[0].why_not(platform, dtypes, capabilities, compute_dtype)
         if reason is not None:
             raise PlanError(
                 f"state_backend={requested!r} cannot run the {spec.kind} layers here: it {reason}"
@@ -447,7 +447,7 @@ def select_state_ops(
         return requested
     reasons = []
     for ops in spec.ops:
-        reason = ops.why_not(platform, dtypes, capabilities)
+        reason = ops.why_not(platform, dtypes, capabilities, compute_dtype)
         if reason is None:
             return ops.name
         reasons.append(f"{ops.name} {reason}")

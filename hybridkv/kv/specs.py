@@ -125,14 +125,25 @@ class StateOps:
     dtypes: frozenset[str] = frozenset({"float32", "bfloat16", "float16"})  # state and compute
     needs: str | None = None  # a capability the machine must have ("native", "triton", ...)
     description: str = ""
+    # the model's compute dtypes they take, where fewer than `dtypes` (None: `dtypes`)
+    compute_dtypes: frozenset[str] | None = None
 
-    def why_not(self, platform: str, dtypes: Sequence[str], capabilities: frozenset[str]):
-        """Why these ops cannot run here (None: they can)."""
+    def why_not(
+        self,
+        platform: str,
+        dtypes: Sequence[str],
+        capabilities: frozenset[str],
+        compute_dtype: str | None = None,
+    ) -> str | None:
+        """Why these ops cannot run here with state and compute `dtypes` (None: they can)."""
         if platform not in self.platforms:
             return f"runs on {', '.join(sorted(self.platforms))}, not {platform}"
         bad = sorted({d for d in dtypes if d not in self.dtypes})
         if bad:
             return f"runs dtypes {', '.join(sorted(self.dtypes))}, not {', '.join(bad)}"
+        compute = self.compute_dtypes
+        if compute is not None and compute_dtype is not None and compute_dtype not in compute:
+            return f"computes in {', '.join(sorted(compute))}, not {compute_dtype}"
         if self.needs is not None and self.needs not in capabilities:
             return f"needs {self.needs}, which this machine does not have"
         return None

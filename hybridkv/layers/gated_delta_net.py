@@ -38,6 +38,16 @@ _OPS = "hybridkv.ops.gdn_ops:"
 # Where the ops can run, in order of preference (the plan takes the first that runs here).
 GDN_OPS = (
     StateOps(
+        "fla",
+        _OPS + "FlaGDNOps",
+        frozenset({"cuda"}),
+        frozenset({"float32", "float16", "bfloat16"}),
+        needs="fla",
+        description="flash-linear-attention's chunked kernel for prefill chunks (fla-core, "
+        "when installed), hybridkv's Triton decode steps",
+        compute_dtypes=frozenset({"float16", "bfloat16"}),
+    ),
+    StateOps(
         "native",
         _OPS + "NativeGDNOps",
         frozenset({"cpu"}),

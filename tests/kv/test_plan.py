@@ -354,6 +354,26 @@ def test_requested_state_ops_are_validated():
     assert select_state_ops(_state(ops=()), "cpu", "float32") is None  # plan-only kinds
 
 
+@pytest.mark.parametrize(
+    ("compute", "caps", "chosen"),
+    [
+        ("bfloat16", {"triton", "fla"}, "fla"),  # flash-linear-attention installed
+        ("float16", {"triton", "fla"}, "fla"),
+        ("float32", {"triton", "fla"}, "triton"),  # its matrix products would round to TF32
+        ("bfloat16", {"triton"}, "triton"),  # not installed
+    ],
+)
+def test_gdn_ops_take_fla_where_installed_for_half_precision(compute, caps, chosen):
+    from hybridkv.layers.gated_delta_net import GDN_OPS
+
+    spec = StateSpec("gdn", (StateTensor("recurrent", (2, 8, 8), "float32"),), GDN_OPS)
+    assert select_state_ops(spec, "cuda", compute, frozenset(caps)) == chosen
+    assert select_state_ops(spec, "cpu", compute, frozenset({"fla", "native"})) != "fla"
+    with pytest.raises(PlanError, match="'fla' cannot run .* computes in bfloat16, float16, "
+                       "not float32"):  # fmt: skip
+        select_state_ops(spec, "cuda", "float32", frozenset(caps), "fla")
+
+
 def test_plan_shows_units_and_prefix_granularity():
     layers = [CacheLayer("a", 0, ATTN_SPEC), CacheLayer("s", 1, _state())]
     block = make_plan(layers, CacheConfig(num_pages=8, kernel_block_size=16, page_tokens=64))

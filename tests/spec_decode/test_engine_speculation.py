@@ -95,7 +95,8 @@ def check_with_oracle(family, setting: str, monkeypatch, **kwargs) -> tuple[Engi
         self.scheduler.schedule = counting
 
     monkeypatch.setattr(Engine, "__init__", with_oracle)
-    check_case(family, SETTINGS[setting], speculative_config=SPEC, **kwargs)
+    case = {c.name: c for c in CASES}[setting]
+    check_case(family, case, speculative_config=SPEC, **kwargs)
     stats = engines[-1].spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert stats.accepted_tokens_per_pos[0] > 0 and stats.accepted_tokens_per_pos[-1] > 0
@@ -117,15 +118,25 @@ def test_greedy_with_drafts_matches_transformers(family, setting, monkeypatch) -
         assert restores > 0 and commits == 0, "no state was ever rolled back"
 
 
+# On a GPU the Triton attention backend takes kernel blocks of multiples of 16 only
+GPU_SETTINGS = {
+    "page": {},
+    "multi-turn": {"kernel_block_size": 16},
+    "chunked": {"kernel_block_size": 16},
+}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("setting", ["page", "multi-turn"])
+@pytest.mark.parametrize("setting", list(GPU_SETTINGS))
 def test_greedy_with_drafts_on_cuda(family, setting, monkeypatch) -> None:
     """The same on a CUDA GPU: attention and state kernels in Triton, the verify chunks'
     per-position states kept through `ops.positions` (one-token sub-batches through the Triton
     decode kernels), rejections committed. float32 means float32 (no TF32 convolutions), so the
     tokens are the CPU reference's."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    engine, restores, commits = check_with_oracle(family, setting, monkeypatch)
+    engine, restores, commits = check_with_oracle(
+        family, setting, monkeypatch, **GPU_SETTINGS[setting]
+    )
     assert engine.device.type == "cuda"
     if engine.plan.state_groups:
         assert {g.backend for g in engine.plan.state_groups} == {"triton"}
