@@ -39,14 +39,14 @@ def _meta(lens, pages, has, device) -> StateMetadata:
                          max(lens))  # fmt: skip
 
 
-def _inputs(dtype: torch.dtype, device: str):
+def _inputs(dtype: torch.dtype, device: str, v_dim: int = V):
     g = torch.Generator().manual_seed(5)
     t = sum(LENS)
     q, k = (torch.randn(t, HK, K, generator=g).to(dtype) for _ in range(2))
-    v = torch.randn(t, HV, V, generator=g).to(dtype)
+    v = torch.randn(t, HV, v_dim, generator=g).to(dtype)
     gate = torch.nn.functional.logsigmoid(torch.randn(t, HV, generator=g) + 2)
     beta = torch.rand(t, HV, generator=g)
-    state = 0.3 * torch.randn(NUM_PAGES, HV, K, V, generator=g)
+    state = 0.3 * torch.randn(NUM_PAGES, HV, K, v_dim, generator=g)
     state[[5, 7]] = float("nan")  # pages of requests without a state: never read
     return [x.to(device) for x in (q, k, v, gate, beta)], state.to(device)
 
@@ -75,8 +75,8 @@ def stand_in_fla(monkeypatch):
     monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", module)
 
 
-def _check_against_torch(dtype: torch.dtype, device: str, tol: dict) -> None:
-    tokens, state0 = _inputs(dtype, device)
+def _check_against_torch(dtype: torch.dtype, device: str, tol: dict, v_dim: int = V) -> None:
+    tokens, state0 = _inputs(dtype, device, v_dim)
     meta = _meta(LENS, PAGES, HAS, device)
     state, want_state = state0.clone(), state0.clone()
     got = FlaGDNOps().rule(*tokens, state, meta)
@@ -118,10 +118,11 @@ def test_prefill_only_and_decode_only_steps(stand_in_fla):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_FLA, reason="flash-linear-attention (fla-core) is not installed")
+@pytest.mark.parametrize("v_dim", [16, 8, 128])
 @torch.inference_mode()
-def test_fla_kernel_against_pytorch_reference():
+def test_fla_kernel_against_pytorch_reference(v_dim):
     # bfloat16 q/k/v as a model feeds them; fla's matrix products take bf16 operands
-    _check_against_torch(torch.bfloat16, "cuda", dict(rtol=2e-2, atol=2e-2))
+    _check_against_torch(torch.bfloat16, "cuda", dict(rtol=2e-2, atol=2e-2), v_dim)
 
 
 @pytest.mark.gpu
