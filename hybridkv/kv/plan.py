@@ -387,7 +387,12 @@ def _group_backends(
     capabilities: frozenset[str] = DEFAULT_CAPABILITIES,
 ) -> list[AttentionBackendInfo]:
     platform = get_platform(cache.platform)
-    name = cache.attention_backend or platform.default_backend(spec.kind)
+    if cache.attention_backend is None:  # the platform's first default that serves the layers
+        names = platform.default_backends(spec.kind)
+        serving = [n for n in names if _serves(get_backend(n), spec)]
+        name = serving[0] if serving else names[-1]  # (none: the last one says why)
+    else:
+        name = cache.attention_backend
     backend = get_backend(name)
     reason = backend.why_not(spec.kind, spec.dtype, spec.head_dim, spec.softcap is not None)
     if reason is not None:
@@ -399,6 +404,10 @@ def _group_backends(
             f"have; it can run: {', '.join(others)}"
         )
     return [backend]
+
+
+def _serves(backend: AttentionBackendInfo, spec: AttentionSpec | MLASpec) -> bool:
+    return backend.why_not(spec.kind, spec.dtype, spec.head_dim, spec.softcap is not None) is None
 
 
 def _check_state_fits(spec: StateSpec, page_bytes: int, page_tokens: int, a: int) -> None:

@@ -57,6 +57,21 @@ def test_cuda_defaults_to_flashmla_sizes():
     assert mla_group(cpu).runner == "torch"
 
 
+def test_float32_mla_on_cuda_takes_the_next_default_that_serves_it():
+    """FlashMLA's declaration takes half precision and fp8 only: a float32 MLA model on CUDA
+    (a test model on a GPU) gets the triton backend, the platform's next default, instead of
+    an error; asked for by name, flashmla still refuses it in one line."""
+    layers = [CacheLayer("model.layers.0.self_attn.attn", 0, MLASpec(32, 8, "float32"))]
+    target = PlanTarget(compute_dtype="float32")
+    plan = make_plan(layers, CacheConfig(platform="cuda", num_pages=8), "M", target)
+    group = mla_group(plan)
+    assert (group.backend, group.runner) == ("triton", "triton")
+    assert group.kernel_block_size % 16 == 0
+    cache = CacheConfig(platform="cuda", attention_backend="flashmla", num_pages=8)
+    with pytest.raises(PlanError, match="'flashmla' cannot serve mla layers: it runs dtypes"):
+        make_plan(layers, cache, "M", target)
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

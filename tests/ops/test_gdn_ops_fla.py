@@ -138,11 +138,17 @@ def test_engine_takes_fla_for_bfloat16_and_agrees_with_triton(tmp_path_factory):
     assert {g.backend for g in fla.plan.state_groups} == {"fla"}
     triton = Engine(str(folder), dtype="bfloat16", max_num_batched_tokens=64,
                     state_backend="triton")  # fmt: skip
-    assert Engine(str(folder), dtype="float32").plan.state_groups[0].backend == "triton"
     ids = prompts(vocab, [150], seed=6)[0]  # three chunks of 64: the state carries over
-    got = engine_prefill_logits(fla, ids).float()
-    want = engine_prefill_logits(triton, ids).float()
-    assert max_rel_error(got, want) < 0.05
+    exact = Engine(str(folder), dtype="float32", max_num_batched_tokens=64)
+    assert {g.backend for g in exact.plan.state_groups} == {"triton"}  # fla: half precision
+    want = engine_prefill_logits(exact, ids).float()
+    del exact
+    err_fla = max_rel_error(engine_prefill_logits(fla, ids).float(), want)
+    err_triton = max_rel_error(engine_prefill_logits(triton, ids).float(), want)
+    # bfloat16 both: fla rounds the normalised q, k to bf16 for its matrix products, the
+    # PyTorch chunked form computes in float32 (an H200 measured 0.165 between the two bf16
+    # engines); a wrong head map or state would be off by the logits' own size
+    assert err_fla < 2 * err_triton + 0.05, (err_fla, err_triton)
     batch = prompts(vocab, [40, 7, 90, 1], seed=7)
     out = engine_greedy(fla, batch, 6)  # prefill chunks beside decodes
     assert [len(o) for o in out] == [6] * 4

@@ -219,19 +219,22 @@ def get_backend(name: str) -> AttentionBackendInfo:
 
 @dataclass(frozen=True)
 class Platform:
-    """A platform names its default backend per attention-like layer kind."""
+    """A platform names its default backends per attention-like layer kind, in order of
+    preference: a group takes the first whose declaration serves its layers (kind, dtype, head
+    dim, softcap) and whose needs the machine has."""
 
     name: str
-    defaults: dict[str, str] = field(default_factory=dict)
+    defaults: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
-    def default_backend(self, kind: str) -> str:
+    def default_backends(self, kind: str) -> tuple[str, ...]:
         return self.defaults["mla" if kind == "mla" else "attention"]
 
 
 PLATFORMS: dict[str, Platform] = {
-    "cpu": Platform("cpu", {"attention": "torch", "mla": "torch"}),
-    "cuda": Platform("cuda", {"attention": "triton", "mla": "flashmla"}),
-    "rocm": Platform("rocm", {"attention": "triton", "mla": "triton"}),
+    "cpu": Platform("cpu", {"attention": ("torch",), "mla": ("torch",)}),
+    # FlashMLA's layout (kernel blocks of 64) for half precision; float32 MLA on Triton's
+    "cuda": Platform("cuda", {"attention": ("triton",), "mla": ("flashmla", "triton")}),
+    "rocm": Platform("rocm", {"attention": ("triton",), "mla": ("triton",)}),
 }
 
 
