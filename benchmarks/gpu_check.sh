@@ -68,7 +68,7 @@ step gpu_mamba 60 gpu_mamba.txt "$py" benchmarks/gpu_mamba.py
 # the tests' references, which fails
 if [ -n "${FLA_PATH:-}" ]; then
     with_fla=(env PYTHONPATH="$PYTHONPATH:$FLA_PATH")
-    step fla_tests 150 fla_tests.log "${with_fla[@]}" "$py" -m pytest -q -p no:cacheprovider \
+    step fla_tests 150 fla_tests.log "${with_fla[@]}" "$py" -m pytest -q -rP -p no:cacheprovider \
         -n 4 -m "gpu or triton" tests/ops/test_gdn_ops_fla.py
     step gpu_fla 90 gpu_fla.txt "${with_fla[@]}" "$py" benchmarks/gpu_fla.py
 else
