@@ -288,9 +288,11 @@ def _spec(dtype: str):
 
 
 def test_declaration_prefers_native_on_the_cpu():
-    """Native first, for float32 and bfloat16 (float16 and machines without the kernels get
-    another entry); PyTorch last, for everything."""
-    assert GDN_OPS[0].name == "native" and GDN_OPS[-1].name == "torch"
+    """Native first on the CPU (fla, first in the list, runs on CUDA only), for float32 and
+    bfloat16 (float16 and machines without the kernels get another entry); PyTorch last, for
+    everything."""
+    assert [o.name for o in GDN_OPS] == ["fla", "native", "triton", "torch"]
+    assert GDN_OPS[0].platforms == frozenset({"cuda"})
     caps = DEFAULT_CAPABILITIES
     assert select_state_ops(_spec("float32"), "cpu", "float32", caps) == "native"
     assert select_state_ops(_spec("bfloat16"), "cpu", "bfloat16", caps) == "native"
