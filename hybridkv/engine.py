@@ -109,9 +109,10 @@ class ModelConfig:
       or a bf16 state.
     - `keep_freed_memory`: CPU on glibc: reuse large freed blocks instead of returning them to
       the OS after every step (`hybridkv.worker.host_memory`; process-wide).
-    - `quantization`: None, or "int8": weight-only int8 linears with per-output-row scales,
-      computed from the loaded weights (`hybridkv.layers.quantization`; CPU only). The cache
-      (KV and states) keeps its dtypes.
+    - `quantization`: None, "int8": weight-only int8 linears with per-output-row scales,
+      computed from the loaded weights, or "w8a8": the same weights with the activations
+      rounded to int8 per token at each linear (AMX-INT8 tiles; `hybridkv.layers.quantization`;
+      CPU only). The cache (KV and states) keeps its dtypes.
     - `max_capture_size`: CPU, one process: decode steps of up to this many requests are
       captured as native programs and replayed without Python (`hybridkv.worker.graphs`);
       0 runs every step eagerly. `enforce_eager=True` (vLLM's name) does the same.
@@ -524,8 +525,9 @@ class Engine:
         model.load_weights(iter_weights(folder, lazy=lazy))
         # int8: each rank quantizes its own shard, before the float linears left are packed
         self.quantization: QuantizationReport | None = None
-        if self.model_config.quantization == "int8":
-            self.quantization = quantize_model(model, self.tp)
+        method = self.model_config.quantization
+        if method is not None:
+            self.quantization = quantize_model(model, self.tp, method=method)
         if self.device.type == "cpu" and self.model_config.prepack:
             prepack_linears(model)
         return model.eval()

@@ -318,8 +318,9 @@ def _add_quantization_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization",
         default=None,
-        help="int8: weight-only int8 linears, per-output-row scales computed at load time "
-        "(CPU; the cache keeps its dtypes); default: none",
+        help="int8: weight-only int8 linears, per-output-row scales computed at load time; "
+        "w8a8: the same int8 weights and activations rounded to int8 per token (AMX-INT8 "
+        "tiles; faster, less exact) (CPU; the cache keeps its dtypes); default: none",
     )
 
 

@@ -89,6 +89,7 @@ from hybridkv.distributed.layers import VocabParallelHead
 from hybridkv.distributed.parallel import SINGLE, TensorParallel
 from hybridkv.layers.linear import PackedLinear
 from hybridkv.ops.native import int8_linear as native_int8
+from hybridkv.ops.native import w8a8_linear as native_w8a8
 from hybridkv.ops.native.small_linear import loaded_record
 from hybridkv.ops.registry import OpImpl, declare
 
@@ -299,6 +300,133 @@ class Int8VocabParallelHead(Int8Linear):
         return self.tp.gather_last_dim(super().forward(x), self.full_vocab)
 
 
+# --- w8a8: int8 weights and 8-bit activations --------------------------------------------------
+#
+# quantization="w8a8": the weights as above (the same q and scale), stored packed for AMX's B
+# operand (`pack_w8a8`: no other copy is kept), and each row of x rounded to 8 bits at every
+# call, symmetric per row (per token, as vLLM's and SGLang's CPU w8a8): a = max |x[m, :]|,
+# xq = round-half-even(x * (127 / a)), sx = a / 127. The int8 products are summed exactly and
+# y = (sum * sx[m]) * scale[n], rounded once to x's dtype. Faster than the weight-only layer at
+# every M on AMX-INT8 (benchmarks/int8_activations.py), at the cost of the activations' 8-bit
+# rounding (docs/quantization.md has the accuracy); llama.cpp's Q8_0 rounds activations too.
+#   float32 / bfloat16   native-amx-int8 (w8a8_linear.c), else the PyTorch reference below
+
+
+def pack_w8a8(q: torch.Tensor) -> torch.Tensor:
+    """q int8 [N, K] -> the packed weight [N/16, K/64, 16, 16, 4] (zero-padded):
+
+        packed[nb, kb, r, n, j] = q[16 nb + n, 64 kb + 4 r + j]
+
+    one AMX B tile (16 rows r of 16 columns n x 4 consecutive k) per (nb, kb)."""
+    n, k = q.shape
+    nb, kb, *_ = native_w8a8.packed_shape(n, k)
+    padded = torch.zeros(nb * 16, kb * 64, dtype=torch.int8)
+    padded[:n, :k] = q
+    return padded.view(nb, 16, kb, 16, 4).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def unpack_w8a8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """`pack_w8a8`'s inverse: int8 [n, k]."""
+    nb, kb = packed.shape[:2]
+    return packed.permute(0, 3, 1, 2, 4).reshape(nb * 16, kb * 64)[:n, :k].contiguous()
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float -> (xq float32 [M, K] of integers in [-127, 127], sx float32 [M, 1]): the
+    kernel's rounding (127 / a divided, not a reciprocal times 127; half to even)."""
+    xf = x.float()
+    a = xf.abs().amax(1, keepdim=True)
+    inv = torch.where(a > 0, torch.full_like(a, 127.0) / a, torch.zeros_like(a))
+    return torch.round(xf * inv).clamp_(-127, 127), a / 127
+
+
+def w8a8_reference(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int, k: int
+) -> torch.Tensor:
+    """x [M, k] float -> [M, n] in x's dtype: `native-amx-int8`'s result bit for bit (the sums
+    in float64, exact: |sum| <= 127^2 k), for CPUs without AMX-INT8 (slow: use int8 there)."""
+    xq, sx = quantize_activations(x)
+    q = unpack_w8a8(packed, n, k)
+    sums = (xq.double() @ q.double().T).float()
+    return ((sums * sx) * scale.float()[None, :]).to(x.dtype)
+
+
+def _w8a8_native(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int, k: int
+) -> torch.Tensor:
+    return native_w8a8.run(x, packed, scale, n, k)
+
+
+_FLOATS = _F32 | _BF16
+W8A8_LINEAR = declare(
+    "w8a8_linear",
+    (
+        OpImpl("native-amx-int8", _HERE + "_w8a8_native", _CPU, _FLOATS, ("native", "amx_int8"),
+               description="w8a8_linear.c: x rounded to int8 per row, AMX-INT8 tiles"),
+        OpImpl("torch", _HERE + "w8a8_reference", _CPU, _FLOATS,
+               description="the reference: float64 sums of the int8 products"),
+    ),
+)  # fmt: skip
+
+
+class W8A8Linear(nn.Module):
+    """A linear layer of quantization="w8a8": the int8 weight packed (`pack_w8a8`) with its
+    per-row scales; activations rounded to int8 per row at each call (the block above). The
+    bias (if any) stays in the model's dtype; buffers, not persistent."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+
+    def __init__(
+        self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.nn.Parameter | None
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("packed", pack_w8a8(qweight), persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.bias = bias
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, absmax: torch.Tensor | None = None) -> W8A8Linear:
+        q, scale = quantize_rows(linear.weight, absmax)
+        return cls(q, scale, linear.bias)
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The int8 weight [out, in] (unpacked: a copy)."""
+        return unpack_w8a8(self.packed, self.out_features, self.in_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return dequantize_rows(self.qweight, self.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] -> [..., out]; the engine's activations are [T, in] already
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        chain = W8A8_LINEAR.chain(flat.device, flat.dtype)
+        out = chain.for_rows(flat.shape[0])(
+            flat, self.packed, self.scale, self.out_features, self.in_features
+        )
+        if self.bias is not None:
+            out += self.bias
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8"
+
+
+class W8A8VocabParallelHead(W8A8Linear):
+    """`VocabParallelHead` with a w8a8 weight: this rank's vocabulary rows, logits gathered."""
+
+    def __init__(self, head: VocabParallelHead) -> None:
+        q, scale = quantize_rows(head.weight)
+        super().__init__(q, scale, head.bias)
+        self.tp, self.full_vocab = head.tp, head.full_vocab
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [n, hidden] -> rank 0: [n, vocab]; other ranks: their [n, rows]
+        return self.tp.gather_last_dim(super().forward(x), self.full_vocab)
+
+
 @dataclass(frozen=True)
 class QuantizationReport:
     """What `quantize_model` did: layers made int8, what they weighed before and after, what
@@ -351,12 +479,19 @@ def _storage_key(t: torch.Tensor) -> int:
 
 
 def quantize_model(
-    model: nn.Module, tp: TensorParallel = SINGLE, lm_head: bool | None = None
+    model: nn.Module,
+    tp: TensorParallel = SINGLE,
+    lm_head: bool | None = None,
+    method: str = "int8",
 ) -> QuantizationReport:
-    """Replace the linears of a loaded `model` by `Int8Linear`s in place (see the module
-    docstring for which); `lm_head=False` keeps the output projection float (None:
-    QUANTIZE_LM_HEAD, read at the call). Every
+    """Replace the linears of a loaded `model` by `Int8Linear`s (method "int8") or
+    `W8A8Linear`s ("w8a8") in place (see the module docstring for which); `lm_head=False`
+    keeps the output projection float (None: QUANTIZE_LM_HEAD, read at the call). Every
     tensor-parallel rank calls this in the same order (the row maxima are all-reduced)."""
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization method must be one of {QUANTIZATIONS}, got {method!r}")
+    layer, head = (W8A8Linear, W8A8VocabParallelHead) if method == "w8a8" else (
+        Int8Linear, Int8VocabParallelHead)  # fmt: skip
     if lm_head is None:
         lm_head = QUANTIZE_LM_HEAD
     linears: dict[str, nn.Linear] = {}
@@ -376,18 +511,19 @@ def quantize_model(
     int8_bytes = 0
     for name, linear in linears.items():
         if isinstance(linear, VocabParallelHead):
-            new: Int8Linear = Int8VocabParallelHead(linear)
+            new: Int8Linear | W8A8Linear = head(linear)
         else:
-            new = Int8Linear.from_linear(linear, absmax.get(name))
+            new = layer.from_linear(linear, absmax.get(name))
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, new)
-        int8_bytes += new.qweight.numel() + new.scale.numel() * new.scale.element_size()
+        weight = new.packed if isinstance(new, W8A8Linear) else new.qweight
+        int8_bytes += weight.numel() + new.scale.numel() * new.scale.element_size()
     still = {_storage_key(t) for t in list(model.parameters()) + list(model.buffers())}
     freed = sum(
         m.weight.numel() * m.weight.element_size()
         for m in linears.values()
         if _storage_key(m.weight) in before - still
     )
-    report = QuantizationReport("int8", tuple(linears), tuple(kept), float_bytes, int8_bytes, freed)
+    report = QuantizationReport(method, tuple(linears), tuple(kept), float_bytes, int8_bytes, freed)
     logger.info("%s", report.summary())
     return report

@@ -1,0 +1,188 @@
+/* int8 x int8 linear on AMX-INT8 tiles (quantization="w8a8"): y = (xq @ wq^T) * sx * sw.
+ * hybridkv/layers/quantization.py is the reference (`w8a8_reference`: the same rounding, bit
+ * for bit); hybridkv/ops/native/w8a8_linear.py declares and wraps this file's kernels.
+ *
+ *     x      [M, K] float32 or bfloat16 rows at a row stride (unit column stride)
+ *     wp     the int8 weight [N, K] packed for AMX's B operand (below), K and N zero-padded
+ *     sw     [N] bfloat16, the weight rows' scales
+ *     y      [M, N] float32 or bfloat16 rows at a row stride
+ *
+ * Each row of x is quantized on the fly, symmetric per row (per token, as vLLM's and SGLang's
+ * CPU w8a8 do): a = max |x[m, :]|, inv = 127 / a, xq = round-half-even(x * inv) (|xq| <= 127),
+ * sx = a / 127 (a zero row: xq = 0, sx = 0). The tiles then multiply 64 int8 pairs per step
+ * into int32 sums (exact), and y = ((float) sum * sx[m]) * sw[n], rounded once to y's dtype.
+ *
+ * Tiles (all 16 rows of 64 bytes: hkv_tiles_16x64):
+ *
+ *     A (tiles 4, 5)   16 rows m of xq, 64 consecutive k each: the quantized rows as they lie
+ *     B (tiles 6, 7)   16 rows r (k = 4r .. 4r + 3 of the 64), each 16 columns n x 4 bytes:
+ *                      byte (r, n, j) = w[n0 + n, k0 + 4r + j]
+ *     C (tiles 0..3)   16 x 16 int32 sums: (A 4 or 5) x (B 6 or 7)
+ *
+ *     wp[nb][kb][r][n][j] = w[16 nb + n, 64 kb + 4 r + j]   (one 1 KiB B tile per (nb, kb))
+ *
+ * so a B tile is one contiguous KiB of the packed weight (quantization.pack_w8a8 makes it
+ * once, at load: the layer keeps no other copy). Work: threads take pairs of 16-column blocks
+ * (two B tiles reused across every row block of x), each walking x in blocks of 32 rows (two
+ * A tiles): 4 tdpbssd per 4 tile loads, 64 k a step.
+ *
+ * Without AMX-INT8 (the build or the OS's tile permission) hkv_w8a8_ready() is 0 and the layer
+ * takes the PyTorch reference instead (the plan says so). */
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "hkv_common.h"
+
+#if HKV_AMX_INT8
+#include <immintrin.h>
+
+#define W8_PARALLEL_MIN (1 << 18) /* weights (N * K) from which the threads split the work */
+
+int hkv_w8a8_ready(void) { return hkv_amx_ready(); }
+
+/* One row of x -> Kp int8 values (zero past K) and its scale. */
+static void w8_quantize_row(const void *x, int bf16, int64_t K, int64_t Kp, int8_t *q,
+                            float *scale) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+        __m512 v;
+        if (bf16) {
+            const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)x + k);
+            v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        } else {
+            v = _mm512_maskz_loadu_ps(m, (const float *)x + k);
+        }
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+    }
+    const float a = _mm512_reduce_max_ps(amax);
+    memset(q, 0, (size_t)Kp);
+    if (!(a > 0.0f)) { /* a zero row (or NaN: the product is NaN either way) */
+        *scale = a > 0.0f ? a / 127.0f : (a == 0.0f ? 0.0f : NAN);
+        return;
+    }
+    const float inv = 127.0f / a;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+        __m512 v;
+        if (bf16) {
+            const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)x + k);
+            v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        } else {
+            v = _mm512_maskz_loadu_ps(m, (const float *)x + k);
+        }
+        /* round half to even (the default MXCSR mode), as torch.round */
+        const __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(v, vinv));
+        _mm_mask_storeu_epi8(q + k, m, _mm512_cvtsepi32_epi8(i));
+    }
+    *scale = a / 127.0f;
+}
+
+/* Sums of one (32-row, 32-column) block -> y, scaled: rows m0 .. m0 + mr - 1, columns
+ * n0 .. n0 + nc - 1 (mr, nc <= 32). */
+static void w8_store(const int32_t (*c)[16][16], const float *sx, const uint16_t *sw, int64_t m0,
+                     int64_t mr, int64_t n0, int64_t nc, void *y, int64_t ldy, int y_bf16) {
+    for (int t = 0; t < 2; t++) { /* column half t: tiles t (rows 0..15) and 2 + t (16..31) */
+        const int64_t cols = nc - 16 * t;
+        if (cols <= 0) break;
+        const __mmask16 mask = cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
+        const __m256i h = _mm256_maskz_loadu_epi16(mask, sw + n0 + 16 * t);
+        const __m512 ws = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        for (int64_t i = 0; i < mr; i++) {
+            const int32_t *row = c[(i >= 16 ? 2 : 0) + t][i & 15];
+            const __m512 s = _mm512_cvtepi32_ps(_mm512_loadu_si512(row));
+            const __m512 v = _mm512_mul_ps(_mm512_mul_ps(s, _mm512_set1_ps(sx[m0 + i])), ws);
+            const int64_t at = (m0 + i) * ldy + n0 + 16 * t;
+            if (y_bf16)
+                _mm256_mask_storeu_epi16((uint16_t *)y + at, mask,
+                                         (__m256i)_mm512_cvtneps_pbh(v));
+            else
+                _mm512_mask_storeu_ps((float *)y + at, mask, v);
+        }
+    }
+}
+
+/* Columns 32 p .. 32 p + 31 of y for every row: B tiles of blocks 2p (and 2p + 1) against A
+ * tiles of 32 rows of xq at a time. */
+static void w8_columns(const int8_t *xq, const float *sx, int64_t M, int64_t Kp, const int8_t *wp,
+                       const uint16_t *sw, int64_t N, int64_t p, void *y, int64_t ldy,
+                       int y_bf16) {
+    const int64_t KB = Kp / 64, n0 = 32 * p, nc = N - n0 < 32 ? N - n0 : 32;
+    const int two_cols = nc > 16;
+    const int8_t *B0 = wp + (2 * p) * KB * 1024, *B1 = B0 + KB * 1024;
+    int32_t c[4][16][16];
+    for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        const int64_t mr = M - m0 < 32 ? M - m0 : 32;
+        const int two_rows = mr > 16;
+        const int8_t *A0 = xq + m0 * Kp, *A1 = A0 + 16 * Kp;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < KB; kb++) {
+            _tile_loadd(4, A0 + 64 * kb, Kp);
+            _tile_loadd(6, B0 + 1024 * kb, 64);
+            _tile_dpbssd(0, 4, 6);
+            if (two_cols) {
+                _tile_loadd(7, B1 + 1024 * kb, 64);
+                _tile_dpbssd(1, 4, 7);
+            }
+            if (two_rows) {
+                _tile_loadd(5, A1 + 64 * kb, Kp);
+                _tile_dpbssd(2, 5, 6);
+                if (two_cols) _tile_dpbssd(3, 5, 7);
+            }
+        }
+        _tile_stored(0, c[0], 64);
+        if (two_cols) _tile_stored(1, c[1], 64);
+        if (two_rows) _tile_stored(2, c[2], 64);
+        if (two_rows && two_cols) _tile_stored(3, c[3], 64);
+        w8_store((const int32_t(*)[16][16])c, sx, sw, m0, mr, n0, nc, y, ldy, y_bf16);
+    }
+}
+
+/* y = w8a8(x) (the top of this file). Returns 0, or -1: no tiles here / no memory. */
+int hkv_w8a8_linear(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const int8_t *wp,
+                    const uint16_t *sw, int64_t N, void *y, int64_t ldy, int y_bf16) {
+    if (!hkv_amx_ready()) return -1;
+    const int64_t Kp = (K + 63) / 64 * 64, Mp = (M + 31) / 32 * 32; /* A tiles read 32 rows */
+    int8_t *xq = aligned_alloc(64, (size_t)(Mp * Kp + 64));
+    float *sx = malloc(sizeof(float) * (size_t)(M > 0 ? M : 1));
+    if (xq == NULL || sx == NULL) {
+        free(xq), free(sx);
+        return -1;
+    }
+    memset(xq + M * Kp, 0, (size_t)((Mp - M) * Kp)); /* rows past M: zero sums, not stored */
+    const int64_t pairs = (N + 31) / 32, esz = x_bf16 ? 2 : 4;
+    const int parallel = N * K >= W8_PARALLEL_MIN;
+#pragma omp parallel if (parallel)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            w8_quantize_row((const char *)x + m * ldx * esz, x_bf16, K, Kp, xq + m * Kp, sx + m);
+        hkv_tiles_16x64();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t p = 0; p < pairs; p++)
+            w8_columns(xq, sx, M, Kp, wp, sw, N, p, y, ldy, y_bf16);
+        _tile_release();
+    }
+    free(xq), free(sx);
+    return 0;
+}
+
+#else /* no AMX-INT8 in this build: no kernel */
+
+int hkv_w8a8_ready(void) { return 0; }
+
+int hkv_w8a8_linear(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const int8_t *wp,
+                    const uint16_t *sw, int64_t N, void *y, int64_t ldy, int y_bf16) {
+    (void)x, (void)ldx, (void)x_bf16, (void)M, (void)K, (void)wp, (void)sw, (void)N, (void)y;
+    (void)ldy, (void)y_bf16;
+    return -1;
+}
+
+#endif

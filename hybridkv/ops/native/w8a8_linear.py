@@ -1,0 +1,60 @@
+"""The native int8 x int8 linear on AMX-INT8 tiles (`w8a8_linear.c`, compiled into the one
+native library): ctypes signature, readiness and the checks that keep it inside its tensors.
+`hybridkv.layers.quantization` (quantization="w8a8") is the caller and holds the reference,
+`w8a8_reference`, which this kernel equals bit for bit."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from hybridkv.ops import native
+
+_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+native.declare({
+    "hkv_w8a8_linear": [_ptr, _i64, _int, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int],
+})  # fmt: skip
+native.returns_status("hkv_w8a8_linear")
+
+DTYPES = (torch.float32, torch.bfloat16)  # of x and y
+TILE_N, TILE_K = 16, 64  # the packed weight's blocks: 16 output rows x 64 inputs
+
+
+def ready() -> bool:
+    """The library loads, was built with AMX-INT8, and the OS lets this process use tiles."""
+    lib = native.library()
+    if lib is None:
+        return False
+    fn = lib.hkv_w8a8_ready
+    fn.argtypes, fn.restype = [], ctypes.c_int
+    return bool(fn())
+
+
+def packed_shape(n: int, k: int) -> tuple[int, int, int, int, int]:
+    """The packed weight of an [n, k] int8 weight: [n/16, k/64, 16, 16, 4] (both padded)."""
+    return (-(-n // TILE_N), -(-k // TILE_K), 16, TILE_N, 4)
+
+
+def run(x: torch.Tensor, wp: torch.Tensor, scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """x [M, k] float32 / bfloat16 on the CPU, wp the packed weight (`packed_shape(n, k)`,
+    contiguous int8), scale bfloat16 [n] -> [M, n] in x's dtype."""
+    if x.dim() != 2 or x.shape[1] != k or x.dtype not in DTYPES or x.device.type != "cpu":
+        raise RuntimeError(f"x {list(x.shape)} {x.dtype} does not fit the weight [{n}, {k}]")
+    if wp.shape != packed_shape(n, k) or wp.dtype != torch.int8 or not wp.is_contiguous():
+        raise RuntimeError(f"the packed weight {list(wp.shape)} is not [{n}, {k}]'s")
+    if scale.shape != (n,) or scale.dtype != torch.bfloat16 or not scale.is_contiguous():
+        raise RuntimeError(f"the scale {list(scale.shape)} {scale.dtype} is not bfloat16 [{n}]")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype)
+    if m == 0:
+        return y
+    bf16 = int(x.dtype == torch.bfloat16)
+    lib = native.library()
+    status = lib.hkv_w8a8_linear(x.data_ptr(), x.stride(0), bf16, m, k, wp.data_ptr(),
+                                 scale.data_ptr(), n, y.data_ptr(), n, bf16)  # fmt: skip
+    if status:
+        raise MemoryError("the native w8a8 linear could not run (no AMX tiles or no memory)")
+    return y
