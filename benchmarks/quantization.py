@@ -6,8 +6,9 @@ vocabulary 8192) and the "100m" GraniteMoeHybrid of benchmarks/throughput.py (ra
 hidden 768, vocabulary 32000, tied embeddings), saved to a temporary folder.
 
 Accuracy (`--skip-accuracy` to leave out), per model and dtype, int8 (lm_head int8, the
-engine's default) and int8 with a float lm_head, each against the unquantized engine of the
-same dtype (and, for context, bfloat16 against float32 without int8):
+engine's default), int8 with a float lm_head and w8a8 (the same weights, activations rounded
+to int8 per token), each against the unquantized engine of the same dtype (and, for context,
+bfloat16 against float32 without int8):
 - greedy: 16 prompts of 48 tokens (default model: Python source of torch.nn.modules, which the
   model never saw; 100m: seeded random tokens), 32 new tokens each: the fraction of
   identical tokens position by position, how many prompts agree on all 32, and the position
@@ -192,6 +193,10 @@ def accuracy(name: str, folder: Path | None) -> tuple[list[dict], list[dict]]:
         rows.append({"model": name, "dtype": dtype, "variant": "int8", **compare(
             outputs(int8, ids), ref)})  # fmt: skip
         del int8
+        w8a8 = make_engine(folder, dtype, "w8a8")  # the same weights, 8-bit activations too
+        rows.append({"model": name, "dtype": dtype, "variant": "w8a8", **compare(
+            outputs(w8a8, ids), ref)})  # fmt: skip
+        del w8a8
         head = make_engine(folder, dtype)  # int8 with the lm_head left float
         quantize_model(head.model, lm_head=False)
         rows.append({"model": name, "dtype": dtype, "variant": "int8, float lm_head",

@@ -8,6 +8,7 @@ import torch
 from hybridkv import LLM, SamplingParams
 from hybridkv.layers.linear import native_small_linear
 from hybridkv.ops.native import int8_linear as native_int8
+from hybridkv.ops.native import w8a8_linear as native_w8a8
 from tests.models.utils import prompts, save_model, seeded
 from tests.ops.test_native import needs_compiler
 
@@ -64,6 +65,8 @@ def expect_capture(graphs, dtype: str = "float32", quantization: str | None = No
     the weights (AVX-512); without them the capture is refused and every step runs eagerly."""
     if quantization == "int8":
         native = native_int8.available()
+    elif quantization == "w8a8":
+        native = native_w8a8.ready()
     else:
         native = native_small_linear(getattr(torch, dtype))
     if native:
@@ -104,6 +107,17 @@ def test_int8_weights_capture_too(dense):
     captured, graphs = run(dense, ids, params, quantization="int8")
     assert captured == eager
     expect_capture(graphs, quantization="int8")
+
+
+def test_w8a8_weights_capture_too(dense):
+    """The AMX-INT8 kernel (activations rounded to int8 inside it) is recorded and replayed:
+    replays equal eager steps bit for bit; without AMX-INT8 the reference stays eager."""
+    ids = prompts(VOCAB, [8, 21, 3])
+    params = uneven_params(len(ids))
+    eager, _ = run(dense, ids, params, quantization="w8a8", enforce_eager=True)
+    captured, graphs = run(dense, ids, params, quantization="w8a8")
+    assert captured == eager
+    expect_capture(graphs, quantization="w8a8")
 
 
 def test_seeded_sampling_is_unchanged(dense):

@@ -22,9 +22,9 @@
  *     wp[nb][kb][r][n][j] = w[16 nb + n, 64 kb + 4 r + j]   (one 1 KiB B tile per (nb, kb))
  *
  * so a B tile is one contiguous KiB of the packed weight (quantization.pack_w8a8 makes it
- * once, at load: the layer keeps no other copy). Work: threads take pairs of 16-column blocks
- * (two B tiles reused across every row block of x), each walking x in blocks of 32 rows (two
- * A tiles): 4 tdpbssd per 4 tile loads, 64 k a step.
+ * once, at load: the layer keeps no other copy). Work: threads take W8_PAIRS pairs of
+ * 16-column blocks at a time and walk x in blocks of 32 rows (two A tiles) against each pair
+ * (two B tiles): 4 tdpbssd per 4 tile loads, 64 k a step.
  *
  * Without AMX-INT8 (the build or the OS's tile permission) hkv_w8a8_ready() is 0 and the layer
  * takes the PyTorch reference instead (the plan says so). */
@@ -40,6 +40,7 @@
 #include <immintrin.h>
 
 #define W8_PARALLEL_MIN (1 << 18) /* weights (N * K) from which the threads split the work */
+#define W8_PAIRS 8                /* 32-column blocks per task (256 columns of y) */
 
 int hkv_w8a8_ready(void) { return hkv_amx_ready(); }
 
@@ -106,43 +107,39 @@ static void w8_store(const int32_t (*c)[16][16], const float *sx, const uint16_t
     }
 }
 
-/* Columns 32 p .. 32 p + 31 of y for every row: B tiles of blocks 2p (and 2p + 1) against A
- * tiles of 32 rows of xq at a time. */
-static void w8_columns(const int8_t *xq, const float *sx, int64_t M, int64_t Kp, const int8_t *wp,
-                       const uint16_t *sw, int64_t N, int64_t p, void *y, int64_t ldy,
-                       int y_bf16) {
+/* The sums of rows m0 .. m0 + mr - 1 (mr <= 32) and columns 32 p .. 32 p + 31 -> y: two A
+ * tiles of xq (rows) against the B tiles of column blocks 2p and 2p + 1, 64 k a step. */
+static void w8_block(const int8_t *xq, const float *sx, int64_t m0, int64_t mr, int64_t Kp,
+                     const int8_t *wp, const uint16_t *sw, int64_t N, int64_t p, void *y,
+                     int64_t ldy, int y_bf16) {
     const int64_t KB = Kp / 64, n0 = 32 * p, nc = N - n0 < 32 ? N - n0 : 32;
-    const int two_cols = nc > 16;
+    const int two_cols = nc > 16, two_rows = mr > 16;
     const int8_t *B0 = wp + (2 * p) * KB * 1024, *B1 = B0 + KB * 1024;
+    const int8_t *A0 = xq + m0 * Kp, *A1 = A0 + 16 * Kp;
     int32_t c[4][16][16];
-    for (int64_t m0 = 0; m0 < M; m0 += 32) {
-        const int64_t mr = M - m0 < 32 ? M - m0 : 32;
-        const int two_rows = mr > 16;
-        const int8_t *A0 = xq + m0 * Kp, *A1 = A0 + 16 * Kp;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t kb = 0; kb < KB; kb++) {
-            _tile_loadd(4, A0 + 64 * kb, Kp);
-            _tile_loadd(6, B0 + 1024 * kb, 64);
-            _tile_dpbssd(0, 4, 6);
-            if (two_cols) {
-                _tile_loadd(7, B1 + 1024 * kb, 64);
-                _tile_dpbssd(1, 4, 7);
-            }
-            if (two_rows) {
-                _tile_loadd(5, A1 + 64 * kb, Kp);
-                _tile_dpbssd(2, 5, 6);
-                if (two_cols) _tile_dpbssd(3, 5, 7);
-            }
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < KB; kb++) {
+        _tile_loadd(4, A0 + 64 * kb, Kp);
+        _tile_loadd(6, B0 + 1024 * kb, 64);
+        _tile_dpbssd(0, 4, 6);
+        if (two_cols) {
+            _tile_loadd(7, B1 + 1024 * kb, 64);
+            _tile_dpbssd(1, 4, 7);
         }
-        _tile_stored(0, c[0], 64);
-        if (two_cols) _tile_stored(1, c[1], 64);
-        if (two_rows) _tile_stored(2, c[2], 64);
-        if (two_rows && two_cols) _tile_stored(3, c[3], 64);
-        w8_store((const int32_t(*)[16][16])c, sx, sw, m0, mr, n0, nc, y, ldy, y_bf16);
+        if (two_rows) {
+            _tile_loadd(5, A1 + 64 * kb, Kp);
+            _tile_dpbssd(2, 5, 6);
+            if (two_cols) _tile_dpbssd(3, 5, 7);
+        }
     }
+    _tile_stored(0, c[0], 64);
+    if (two_cols) _tile_stored(1, c[1], 64);
+    if (two_rows) _tile_stored(2, c[2], 64);
+    if (two_rows && two_cols) _tile_stored(3, c[3], 64);
+    w8_store((const int32_t(*)[16][16])c, sx, sw, m0, mr, n0, nc, y, ldy, y_bf16);
 }
 
 /* y = w8a8(x) (the top of this file). Returns 0, or -1: no tiles here / no memory. */
@@ -157,7 +154,11 @@ int hkv_w8a8_linear(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K
         return -1;
     }
     memset(xq + M * Kp, 0, (size_t)((Mp - M) * Kp)); /* rows past M: zero sums, not stored */
+    /* Tasks: W8_PAIRS column-block pairs (their B tiles, 2 KiB per 64 k, stay in L2) by
+     * every 32-row block of x in turn (its two A tiles in L1 for the task's pairs): y is
+     * written a row's W8_PAIRS * 32 columns at a time. */
     const int64_t pairs = (N + 31) / 32, esz = x_bf16 ? 2 : 4;
+    const int64_t tasks = (pairs + W8_PAIRS - 1) / W8_PAIRS;
     const int parallel = N * K >= W8_PARALLEL_MIN;
 #pragma omp parallel if (parallel)
     {
@@ -166,8 +167,13 @@ int hkv_w8a8_linear(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K
             w8_quantize_row((const char *)x + m * ldx * esz, x_bf16, K, Kp, xq + m * Kp, sx + m);
         hkv_tiles_16x64();
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t p = 0; p < pairs; p++)
-            w8_columns(xq, sx, M, Kp, wp, sw, N, p, y, ldy, y_bf16);
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t p1 = (t + 1) * W8_PAIRS < pairs ? (t + 1) * W8_PAIRS : pairs;
+            for (int64_t m0 = 0; m0 < M; m0 += 32)
+                for (int64_t p = t * W8_PAIRS; p < p1; p++)
+                    w8_block(xq, sx, m0, M - m0 < 32 ? M - m0 : 32, Kp, wp, sw, N, p, y, ldy,
+                             y_bf16);
+        }
         _tile_release();
     }
     free(xq), free(sx);

@@ -1,0 +1,117 @@
+"""quantization="w8a8"'s linear: the packed weight layout, the PyTorch reference against exact
+arithmetic, and the AMX-INT8 kernel (`w8a8_linear.c`) against the reference bit for bit
+(skipped where this CPU or build has no AMX-INT8: the reference then runs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv.layers.quantization import (
+    W8A8_LINEAR,
+    dequantize_rows,
+    pack_w8a8,
+    quantize_activations,
+    quantize_rows,
+    unpack_w8a8,
+    w8a8_reference,
+)
+from hybridkv.ops.native import w8a8_linear as native_w8a8
+
+needs_amx_int8 = pytest.mark.skipif(
+    not native_w8a8.ready(), reason="no AMX-INT8 here (build, CPU or OS tile permission)"
+)
+# (M, N, K): tails of every tile dimension, one or two A / B tiles, K past one 64-block
+SHAPES = [(1, 16, 64), (1, 1, 1), (5, 40, 100), (15, 17, 64), (16, 32, 128), (17, 31, 130),
+          (33, 70, 768), (64, 300, 200), (100, 48, 1536)]  # fmt: skip
+
+
+def _case(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed + 7919 * m + 31 * n + k)
+    q, scale = quantize_rows(torch.randn(n, k, generator=g))
+    x = (torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4).to(dtype)
+    if m > 3:
+        x[3] = 0  # a zero row: zero outputs, no division by zero
+    return x, q, scale
+
+
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (16, 64), (17, 65), (40, 100), (3, 200)])
+def test_pack_is_the_tile_layout_and_unpacks(n, k):
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    packed = pack_w8a8(q)
+    assert packed.shape == native_w8a8.packed_shape(n, k) and packed.is_contiguous()
+    for nn_, kk in [(0, 0), (n - 1, k - 1), (n // 2, k // 3)]:
+        nb, r, j = nn_ // 16, (kk % 64) // 4, kk % 4
+        assert packed[nb, kk // 64, r, nn_ % 16, j] == q[nn_, kk]
+    assert torch.equal(unpack_w8a8(packed, n, k), q)
+    assert int(packed.abs().sum()) == int(q.abs().sum())  # the padding is zeros
+
+
+def test_activations_round_per_row_half_to_even():
+    x = torch.tensor([[1.0, -0.5, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0], [254.0, 1.0, 3.0, -127.0]])
+    xq, sx = quantize_activations(x)
+    assert xq[0].tolist() == [127.0, -64.0, 32.0, 0.0]  # -63.5 -> -64, 31.75 -> 32
+    assert xq[1].tolist() == [0.0] * 4 and sx[1].item() == 0.0
+    assert xq[2].tolist() == [127.0, 0.0, 2.0, -64.0]  # 0.5 -> 0, 1.5 -> 2, -63.5 -> -64
+    torch.testing.assert_close(sx[:, 0], torch.tensor([1 / 127, 0.0, 2.0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_reference_is_the_exact_product_of_the_rounded_operands(m, n, k, dtype):
+    x, q, scale = _case(m, n, k, dtype)
+    got = w8a8_reference(x, pack_w8a8(q), scale, n, k)
+    assert got.dtype == dtype and got.shape == (m, n)
+    xq, sx = quantize_activations(x)
+    exact = (xq.double() * sx.double()) @ (q.double() * scale.double()[:, None]).T
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.double(), exact, rtol=tol, atol=tol * float(exact.abs().max()))
+    # and within the activations' 8-bit rounding of the weight-only product
+    full = x.double() @ dequantize_rows(q, scale).double().T
+    assert float((got.double() - full).abs().max()) <= 0.03 * float(full.abs().max()) + 1e-6
+
+
+@needs_amx_int8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_kernel_equals_the_reference_bit_for_bit(m, n, k, dtype):
+    x, q, scale = _case(m, n, k, dtype)
+    packed = pack_w8a8(q)
+    assert torch.equal(native_w8a8.run(x, packed, scale, n, k),
+                       w8a8_reference(x, packed, scale, n, k))  # fmt: skip
+
+
+@needs_amx_int8
+@pytest.mark.parametrize("threads", [1, 2])
+def test_strided_rows_and_threads(threads):
+    m, n, k = 40, 200, 320
+    wide, q, scale = _case(m, n, k + 24, torch.float32)
+    x = wide[:, 8 : 8 + k]  # a row stride past its width
+    q = q[:, :k].contiguous()
+    packed = pack_w8a8(q)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native_w8a8.run(x, packed, scale, n, k)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, w8a8_reference(x.contiguous(), packed, scale, n, k))
+
+
+@needs_amx_int8
+def test_empty_rows_and_wrong_shapes_are_refused():
+    x, q, scale = _case(4, 20, 64, torch.float32)
+    packed = pack_w8a8(q)
+    assert native_w8a8.run(x[:0], packed, scale, 20, 64).shape == (0, 20)
+    with pytest.raises(RuntimeError, match=r"x \[4, 64\] torch.float32 does not fit the weight"):
+        native_w8a8.run(x, packed, scale, 20, 65)
+    with pytest.raises(RuntimeError, match="packed weight"):
+        native_w8a8.run(x, packed[:1], scale, 20, 64)
+    with pytest.raises(RuntimeError, match="scale"):
+        native_w8a8.run(x, packed, scale.float(), 20, 64)
+
+
+def test_declaration_takes_the_kernel_where_the_cpu_has_amx_int8():
+    chain = W8A8_LINEAR.chain(torch.device("cpu"), torch.float32)
+    assert chain.describe() == ("native-amx-int8" if native_w8a8.ready() else "torch")
+    assert [i.name for i in W8A8_LINEAR.impls] == ["native-amx-int8", "torch"]
