@@ -1,4 +1,4 @@
-"""Would 8-bit activations make hybridkv's int8 linears faster than bfloat16 ones? One layer.
+"""8-bit activations against hybridkv's int8 and bfloat16 linears, one layer.
 
     python benchmarks/int8_activations.py [--shape 768 3224] [--rows 1 4 16 32 64 512]
 
@@ -15,6 +15,8 @@ times, per rows of x (float32), medians of repeated calls on the machine's threa
   prepacked once) on x already quantized: the floor of that route;
 - `w8a8 all`: the same plus per-row dynamic quantization of x and per-row rescaling of the
   output in PyTorch ops (what a Python implementation would pay; a native pass would cut it);
+- `hkv w8a8`: hybridkv's quantization="w8a8" linear (`w8a8_linear.c` on AMX-INT8: the
+  rounding of x, the tiles and the scaling in one native call; the reference elsewhere);
 - `rel err`: w8a8's largest error relative to the exact product with the int8 weight.
 
 Needs a PyTorch whose oneDNN has the quantized linear (x86-64; it reports where not).
@@ -33,7 +35,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from hybridkv.layers.quantization import dequantize_rows, int8_matmul, quantize_rows  # noqa: E402
+from hybridkv.layers.quantization import (  # noqa: E402
+    W8A8_LINEAR,
+    dequantize_rows,
+    int8_matmul,
+    pack_w8a8,
+    quantize_rows,
+)
 
 
 def median_us(fn: Callable[[], object], reps: int) -> float:
@@ -68,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     w_bf16 = dequantize_rows(q, scale).to(torch.bfloat16)
     packed = torch.ops.onednn.qlinear_prepack(q, [max(args.rows), k])
     w_scale, w_zero = scale.float(), torch.zeros(n, dtype=torch.long)
+    wp = pack_w8a8(q)
 
     def gemm(xq: torch.Tensor) -> torch.Tensor:
         return qlinear(xq, 1.0, 0, packed, w_scale, w_zero, None, 1.0, 0, torch.float32,
@@ -78,8 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         return gemm(xq).mul_(xs)
 
     print(f"{k} -> {n}, {torch.get_num_threads()} threads, microseconds (medians of {args.reps})")
+    hkv = W8A8_LINEAR.chain(torch.device("cpu"), torch.float32)
+    print(f"hkv w8a8: {hkv.describe()}")
     print(f"{'rows':>5} {'bf16':>8} {'int8 now':>9} {'w8a8 gemm':>10} {'w8a8 all':>9} "
-          f"{'now/bf16':>9} {'all/bf16':>9} {'rel err':>8}")  # fmt: skip
+          f"{'hkv w8a8':>9} {'now/bf16':>9} {'all/bf16':>9} {'hkv/bf16':>9} "
+          f"{'rel err':>8}")  # fmt: skip
     for m in args.rows:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         xq, _ = quantize_activations(x)
@@ -89,8 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         t_now = median_us(lambda x=x: int8_matmul(x, q, scale), args.reps)
         t_gemm = median_us(lambda xq=xq: gemm(xq), args.reps)
         t_all = median_us(lambda x=x: w8a8(x), args.reps)
-        print(f"{m:5d} {t_bf16:8.0f} {t_now:9.0f} {t_gemm:10.0f} {t_all:9.0f} "
-              f"{t_now / t_bf16:9.2f} {t_all / t_bf16:9.2f} {err:8.4f}")  # fmt: skip
+        run = hkv.for_rows(m)
+        t_hkv = median_us(lambda x=x, run=run: run(x, wp, scale, n, k), args.reps)
+        print(f"{m:5d} {t_bf16:8.0f} {t_now:9.0f} {t_gemm:10.0f} {t_all:9.0f} {t_hkv:9.0f} "
+              f"{t_now / t_bf16:9.2f} {t_all / t_bf16:9.2f} {t_hkv / t_bf16:9.2f} "
+              f"{err:8.4f}")  # fmt: skip
     return 0
 
 
