@@ -333,11 +333,14 @@ def unpack_w8a8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] float -> (xq float32 [M, K] of integers in [-127, 127], sx float32 [M, 1]): the
-    kernel's rounding (127 / a divided, not a reciprocal times 127; half to even)."""
+    kernel's rounding (127 / a divided, not a reciprocal times 127; half to even). A row with
+    an infinity or NaN: xq 0, sx NaN (its outputs NaN, the other rows' untouched)."""
     xf = x.float()
-    a = xf.abs().amax(1, keepdim=True)
+    finite = xf.isfinite().all(1, keepdim=True)
+    a = torch.where(finite, xf.abs().amax(1, keepdim=True), torch.zeros(()))
     inv = torch.where(a > 0, torch.full_like(a, 127.0) / a, torch.zeros_like(a))
-    return torch.round(xf * inv).clamp_(-127, 127), a / 127
+    sx = torch.where(finite, a / 127, torch.full_like(a, float("nan")))
+    return torch.round(xf * inv).nan_to_num_(0.0).clamp_(-127, 127), sx
 
 
 def w8a8_reference(

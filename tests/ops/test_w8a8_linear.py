@@ -98,6 +98,19 @@ def test_strided_rows_and_threads(threads):
     assert torch.equal(got, w8a8_reference(x.contiguous(), packed, scale, n, k))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_input_spoils_its_row_only(bad):
+    x, q, scale = _case(6, 40, 96, torch.float32)
+    x[2, 5] = bad
+    packed = pack_w8a8(q)
+    ref = w8a8_reference(x, packed, scale, 40, 96)
+    assert ref[2].isnan().all() and ref[[0, 1, 3, 4, 5]].isfinite().all()
+    if native_w8a8.ready():
+        got = native_w8a8.run(x, packed, scale, 40, 96)
+        assert got[2].isnan().all()
+        assert torch.equal(got[[0, 1, 3, 4, 5]], ref[[0, 1, 3, 4, 5]])
+
+
 @needs_amx_int8
 def test_empty_rows_and_wrong_shapes_are_refused():
     x, q, scale = _case(4, 20, 64, torch.float32)

@@ -9,7 +9,8 @@
  *
  * Each row of x is quantized on the fly, symmetric per row (per token, as vLLM's and SGLang's
  * CPU w8a8 do): a = max |x[m, :]|, inv = 127 / a, xq = round-half-even(x * inv) (|xq| <= 127),
- * sx = a / 127 (a zero row: xq = 0, sx = 0). The tiles then multiply 64 int8 pairs per step
+ * sx = a / 127 (a zero row: xq = 0, sx = 0; a row with an infinity or NaN: sx = NaN, so its
+ * outputs are NaN and no other row's are touched). The tiles then multiply 64 int8 pairs per step
  * into int32 sums (exact), and y = ((float) sum * sx[m]) * sw[n], rounded once to y's dtype.
  *
  * Tiles (all 16 rows of 64 bytes: hkv_tiles_16x64):
@@ -48,6 +49,7 @@ int hkv_w8a8_ready(void) { return hkv_amx_ready(); }
 static void w8_quantize_row(const void *x, int bf16, int64_t K, int64_t Kp, int8_t *q,
                             float *scale) {
     __m512 amax = _mm512_setzero_ps();
+    __mmask16 nan = 0;
     for (int64_t k = 0; k < K; k += 16) {
         const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
         __m512 v;
@@ -57,12 +59,13 @@ static void w8_quantize_row(const void *x, int bf16, int64_t K, int64_t Kp, int8
         } else {
             v = _mm512_maskz_loadu_ps(m, (const float *)x + k);
         }
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
     }
     const float a = _mm512_reduce_max_ps(amax);
     memset(q, 0, (size_t)Kp);
-    if (!(a > 0.0f)) { /* a zero row (or NaN: the product is NaN either way) */
-        *scale = a > 0.0f ? a / 127.0f : (a == 0.0f ? 0.0f : NAN);
+    if (nan || isinf(a) || a == 0.0f) { /* a non-finite row: NaN outputs; a zero row: zeros */
+        *scale = a == 0.0f && !nan ? 0.0f : NAN;
         return;
     }
     const float inv = 127.0f / a;
