@@ -309,7 +309,8 @@ class Int8VocabParallelHead(Int8Linear):
 # y = (sum * sx[m]) * scale[n], rounded once to x's dtype. Faster than the weight-only layer at
 # every M on AMX-INT8 (benchmarks/int8_activations.py), at the cost of the activations' 8-bit
 # rounding (docs/quantization.md has the accuracy); llama.cpp's Q8_0 rounds activations too.
-#   float32 / bfloat16   native-amx-int8 (w8a8_linear.c), else the PyTorch reference below
+#   float32 / bfloat16   native-amx-int8 (w8a8_linear.c), native-avx2 (the same file: 8-bit
+#                        products on 256-bit vectors), else the PyTorch reference below
 
 
 def pack_w8a8(q: torch.Tensor) -> torch.Tensor:
@@ -360,12 +361,20 @@ def _w8a8_native(
     return native_w8a8.run(x, packed, scale, n, k)
 
 
+def _w8a8_avx2(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int, k: int
+) -> torch.Tensor:
+    return native_w8a8.run(x, packed, scale, n, k, kernel="avx2")
+
+
 _FLOATS = _F32 | _BF16
 W8A8_LINEAR = declare(
     "w8a8_linear",
     (
         OpImpl("native-amx-int8", _HERE + "_w8a8_native", _CPU, _FLOATS, ("native", "amx_int8"),
                description="w8a8_linear.c: x rounded to int8 per row, AMX-INT8 tiles"),
+        OpImpl("native-avx2", _HERE + "_w8a8_avx2", _CPU, _FLOATS, ("native", "avx2"),
+               description="w8a8_linear.c: 8-bit products with vpmaddubsw / AVX-VNNI"),
         OpImpl("torch", _HERE + "w8a8_reference", _CPU, _FLOATS,
                description="the reference: float64 sums of the int8 products"),
     ),

@@ -16,11 +16,15 @@ from hybridkv.layers.quantization import (
     unpack_w8a8,
     w8a8_reference,
 )
+from hybridkv.ops.native import cpu
 from hybridkv.ops.native import w8a8_linear as native_w8a8
 
 needs_amx_int8 = pytest.mark.skipif(
     not native_w8a8.ready(), reason="no AMX-INT8 here (build, CPU or OS tile permission)"
 )
+HAS_AVX2 = cpu.record().supports("avx2")
+KERNELS = [pytest.param("amx", marks=needs_amx_int8),
+           pytest.param("avx2", marks=pytest.mark.skipif(not HAS_AVX2, reason="no AVX2 build"))]
 # (M, N, K): tails of every tile dimension, one or two A / B tiles, K past one 64-block
 SHAPES = [(1, 16, 64), (1, 1, 1), (5, 40, 100), (15, 17, 64), (16, 32, 128), (17, 31, 130),
           (33, 70, 768), (64, 300, 200), (100, 48, 1536)]  # fmt: skip
@@ -71,19 +75,19 @@ def test_reference_is_the_exact_product_of_the_rounded_operands(m, n, k, dtype):
     assert float((got.double() - full).abs().max()) <= 0.03 * float(full.abs().max()) + 1e-6
 
 
-@needs_amx_int8
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
-def test_kernel_equals_the_reference_bit_for_bit(m, n, k, dtype):
+def test_kernel_equals_the_reference_bit_for_bit(m, n, k, dtype, kernel):
     x, q, scale = _case(m, n, k, dtype)
     packed = pack_w8a8(q)
-    assert torch.equal(native_w8a8.run(x, packed, scale, n, k),
+    assert torch.equal(native_w8a8.run(x, packed, scale, n, k, kernel),
                        w8a8_reference(x, packed, scale, n, k))  # fmt: skip
 
 
-@needs_amx_int8
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_strided_rows_and_threads(threads):
+def test_strided_rows_and_threads(threads, kernel):
     m, n, k = 40, 200, 320
     wide, q, scale = _case(m, n, k + 24, torch.float32)
     x = wide[:, 8 : 8 + k]  # a row stride past its width
@@ -92,7 +96,7 @@ def test_strided_rows_and_threads(threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = native_w8a8.run(x, packed, scale, n, k)
+        got = native_w8a8.run(x, packed, scale, n, k, kernel)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(got, w8a8_reference(x.contiguous(), packed, scale, n, k))
@@ -105,8 +109,9 @@ def test_a_non_finite_input_spoils_its_row_only(bad):
     packed = pack_w8a8(q)
     ref = w8a8_reference(x, packed, scale, 40, 96)
     assert ref[2].isnan().all() and ref[[0, 1, 3, 4, 5]].isfinite().all()
-    if native_w8a8.ready():
-        got = native_w8a8.run(x, packed, scale, 40, 96)
+    kernels = (["amx"] if native_w8a8.ready() else []) + (["avx2"] if HAS_AVX2 else [])
+    for kernel in kernels:
+        got = native_w8a8.run(x, packed, scale, 40, 96, kernel)
         assert got[2].isnan().all()
         assert torch.equal(got[[0, 1, 3, 4, 5]], ref[[0, 1, 3, 4, 5]])
 
@@ -126,5 +131,7 @@ def test_empty_rows_and_wrong_shapes_are_refused():
 
 def test_declaration_takes_the_kernel_where_the_cpu_has_amx_int8():
     chain = W8A8_LINEAR.chain(torch.device("cpu"), torch.float32)
-    assert chain.describe() == ("native-amx-int8" if native_w8a8.ready() else "torch")
-    assert [i.name for i in W8A8_LINEAR.impls] == ["native-amx-int8", "torch"]
+    usable = cpu.record().usable
+    want = "native-amx-int8" if "amx_int8" in usable else "native-avx2" if HAS_AVX2 else "torch"
+    assert chain.describe() == want
+    assert [i.name for i in W8A8_LINEAR.impls] == ["native-amx-int8", "native-avx2", "torch"]

@@ -7,8 +7,8 @@ import torch
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.layers.linear import native_small_linear
+from hybridkv.layers.quantization import W8A8_LINEAR
 from hybridkv.ops.native import int8_linear as native_int8
-from hybridkv.ops.native import w8a8_linear as native_w8a8
 from tests.models.utils import prompts, save_model, seeded
 from tests.ops.test_native import needs_compiler
 
@@ -65,8 +65,8 @@ def expect_capture(graphs, dtype: str = "float32", quantization: str | None = No
     the weights (AVX-512); without them the capture is refused and every step runs eagerly."""
     if quantization == "int8":
         native = native_int8.available()
-    elif quantization == "w8a8":
-        native = native_w8a8.ready()
+    elif quantization == "w8a8":  # a native kernel (AMX-INT8 or AVX2), not the reference
+        native = W8A8_LINEAR.chain(torch.device("cpu"), torch.float32).describe() != "torch"
     else:
         native = native_small_linear(getattr(torch, dtype))
     if native:
@@ -110,8 +110,8 @@ def test_int8_weights_capture_too(dense):
 
 
 def test_w8a8_weights_capture_too(dense):
-    """The AMX-INT8 kernel (activations rounded to int8 inside it) is recorded and replayed:
-    replays equal eager steps bit for bit; without AMX-INT8 the reference stays eager."""
+    """The native w8a8 kernel (activations rounded to int8 inside it) is recorded and replayed:
+    replays equal eager steps bit for bit; without one the reference stays eager."""
     ids = prompts(VOCAB, [8, 21, 3])
     params = uneven_params(len(ids))
     eager, _ = run(dense, ids, params, quantization="w8a8", enforce_eager=True)

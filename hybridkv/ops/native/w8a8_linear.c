@@ -27,8 +27,9 @@
  * 16-column blocks at a time and walk x in blocks of 32 rows (two A tiles) against each pair
  * (two B tiles): 4 tdpbssd per 4 tile loads, 64 k a step.
  *
- * Without AMX-INT8 (the build or the OS's tile permission) hkv_w8a8_ready() is 0 and the layer
- * takes the PyTorch reference instead (the plan says so). */
+ * Without AMX-INT8 (the build or the OS's tile permission) hkv_w8a8_ready() is 0; the AVX2
+ * kernel below (hkv_w8a8_linear_avx2, the same arguments) runs where the build has AVX2, else
+ * the PyTorch reference (the plan says which). */
 
 #include <math.h>
 #include <omp.h>
@@ -102,8 +103,7 @@ static void w8_store(const int32_t (*c)[16][16], const float *sx, const uint16_t
             const __m512 v = _mm512_mul_ps(_mm512_mul_ps(s, _mm512_set1_ps(sx[m0 + i])), ws);
             const int64_t at = (m0 + i) * ldy + n0 + 16 * t;
             if (y_bf16)
-                _mm256_mask_storeu_epi16((uint16_t *)y + at, mask,
-                                         (__m256i)_mm512_cvtneps_pbh(v));
+                _mm256_mask_storeu_epi16((uint16_t *)y + at, mask, hkv_f32x16_to_bf16(v));
             else
                 _mm512_mask_storeu_ps((float *)y + at, mask, v);
         }
@@ -183,12 +183,170 @@ int hkv_w8a8_linear(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K
     return 0;
 }
 
-#else /* no AMX-INT8 in this build: no kernel */
+#else /* no AMX-INT8 in this build */
 
 int hkv_w8a8_ready(void) { return 0; }
 
 int hkv_w8a8_linear(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const int8_t *wp,
                     const uint16_t *sw, int64_t N, void *y, int64_t ldy, int y_bf16) {
+    (void)x, (void)ldx, (void)x_bf16, (void)M, (void)K, (void)wp, (void)sw, (void)N, (void)y;
+    (void)ldy, (void)y_bf16;
+    return -1;
+}
+
+#endif
+
+/* ---- AVX2: the same packed weight, 8-bit products on 256-bit vectors ------------------------
+ *
+ * A row r of a B tile holds, for 16 columns n, the 4 weights of k = 4r .. 4r + 3: the layout
+ * of a 4-wide dot product per 32-bit lane. So x's 4 values of those k are broadcast to every
+ * lane and multiplied with the row, 8 columns per vector. vpmaddubsw multiplies unsigned by
+ * signed bytes into pairs of 16-bit sums: x's magnitudes as the unsigned side and its signs
+ * moved onto the weights (vpsignb: negated where x < 0, zero where x = 0), so no pair leaves
+ * 16 bits (2 x 127 x 127 < 2^15; no weight is -128); vpmaddwd with ones sums the pairs into
+ * the lane's int32 (with AVX-VNNI, vpdpbusd does both and adds). Exact, as the tiles: the same
+ * sums, the same scaling, the same result bit for bit. Register tiles of W8_AVX2_ROWS rows of x
+ * by 16 columns; threads split the 16-column blocks, each block's weights (K bytes per
+ * column) read once per W8_AVX2_ROWS rows of x. */
+
+#if HKV_AVX2
+#include <immintrin.h>
+
+#define W8_AVX2_ROWS 4
+#define W8_AVX2_PARALLEL_MIN (1 << 18)
+
+/* One row of x -> Kp int8 values (zero past K) and its scale (the top of this file). */
+static void w8_quantize_row_avx2(const void *x, int bf16, int64_t K, int64_t Kp, int8_t *q,
+                                 float *scale) {
+    float a = 0.0f;
+    int bad = 0;
+    for (int64_t k = 0; k < K; k++) {
+        const float v = bf16 ? hkv_bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+        bad |= !isfinite(v);
+        a = fabsf(v) > a ? fabsf(v) : a;
+    }
+    memset(q, 0, (size_t)Kp);
+    if (bad || a == 0.0f) {
+        *scale = bad ? NAN : 0.0f;
+        return;
+    }
+    const float inv = 127.0f / a;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        const __m256 v = bf16 ? hkv_bf16x8_load((const uint16_t *)x + k)
+                              : _mm256_loadu_ps((const float *)x + k);
+        const __m256i i = _mm256_cvtps_epi32(_mm256_mul_ps(v, vinv)); /* nearest even */
+        const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+        _mm_storel_epi64((__m128i *)(q + k), _mm_packs_epi16(h, h));
+    }
+    for (; k < K; k++) { /* the same rounding, one at a time */
+        const float v = bf16 ? hkv_bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+        const __m128i i = _mm_cvtps_epi32(_mm_set_ss(v * inv));
+        q[k] = (int8_t)_mm_cvtsi128_si32(i);
+    }
+    *scale = a / 127.0f;
+}
+
+static inline __m256i w8_dot4(__m256i acc, __m256i w, __m256i xb) {
+#if HKV_AVX_VNNI
+    return _mm256_dpbusd_avx_epi32(acc, _mm256_abs_epi8(xb), _mm256_sign_epi8(w, xb));
+#else
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8(w, xb));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+/* Columns 16 nb .. 16 nb + 15 for rows m0 .. m0 + mr - 1 (mr <= W8_AVX2_ROWS). */
+static void w8_avx2_tile(const int8_t *xq, const float *sx, int64_t m0, int64_t mr, int64_t Kp,
+                         const int8_t *wp, const uint16_t *sw, int64_t N, int64_t nb, void *y,
+                         int64_t ldy, int y_bf16) {
+    const int64_t KB = Kp / 64;
+    const int8_t *W = wp + nb * KB * 1024;
+    __m256i acc[W8_AVX2_ROWS][2];
+    for (int i = 0; i < W8_AVX2_ROWS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+    for (int64_t kr = 0; kr < KB * 16; kr++) { /* rows r of the tiles, 4 k each */
+        const int8_t *row = W + (kr >> 4) * 1024 + (kr & 15) * 64;
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)row);
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(row + 32));
+        const int64_t at = (kr >> 4) * 64 + (kr & 15) * 4;
+        for (int64_t i = 0; i < mr; i++) {
+            int32_t four;
+            memcpy(&four, xq + (m0 + i) * Kp + at, 4);
+            const __m256i xb = _mm256_set1_epi32(four);
+            acc[i][0] = w8_dot4(acc[i][0], w0, xb);
+            acc[i][1] = w8_dot4(acc[i][1], w1, xb);
+        }
+    }
+    const int64_t n0 = 16 * nb;
+    for (int h = 0; h < 2; h++) {
+        const int64_t cols = N - n0 - 8 * h < 8 ? N - n0 - 8 * h : 8;
+        if (cols <= 0) break;
+        __m256 ws;
+        if (cols == 8) {
+            ws = hkv_bf16x8_load(sw + n0 + 8 * h);
+        } else {
+            uint16_t part[8] = {0};
+            memcpy(part, sw + n0 + 8 * h, 2 * (size_t)cols);
+            ws = hkv_bf16x8_load(part);
+        }
+        for (int64_t i = 0; i < mr; i++) {
+            const __m256 v = _mm256_mul_ps(
+                _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i][h]), _mm256_set1_ps(sx[m0 + i])), ws);
+            const int64_t at = (m0 + i) * ldy + n0 + 8 * h;
+            if (y_bf16) {
+                const __m128i b = hkv_f32x8_to_bf16(v);
+                if (cols == 8) _mm_storeu_si128((__m128i *)((uint16_t *)y + at), b);
+                else {
+                    uint16_t part[8];
+                    _mm_storeu_si128((__m128i *)part, b);
+                    memcpy((uint16_t *)y + at, part, 2 * (size_t)cols);
+                }
+            } else if (cols == 8) {
+                _mm256_storeu_ps((float *)y + at, v);
+            } else {
+                float part[8];
+                _mm256_storeu_ps(part, v);
+                memcpy((float *)y + at, part, 4 * (size_t)cols);
+            }
+        }
+    }
+}
+
+/* y = w8a8(x) with AVX2 (the same arguments and result as hkv_w8a8_linear). 0, or -1: no
+ * memory. */
+int hkv_w8a8_linear_avx2(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K,
+                         const int8_t *wp, const uint16_t *sw, int64_t N, void *y, int64_t ldy,
+                         int y_bf16) {
+    const int64_t Kp = (K + 63) / 64 * 64, NB = (N + 15) / 16, esz = x_bf16 ? 2 : 4;
+    int8_t *xq = malloc((size_t)(M * Kp + 64));
+    float *sx = malloc(sizeof(float) * (size_t)(M > 0 ? M : 1));
+    if (xq == NULL || sx == NULL) {
+        free(xq), free(sx);
+        return -1;
+    }
+    const int parallel = N * K >= W8_AVX2_PARALLEL_MIN;
+#pragma omp parallel if (parallel)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            w8_quantize_row_avx2((const char *)x + m * ldx * esz, x_bf16, K, Kp, xq + m * Kp,
+                                 sx + m);
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t nb = 0; nb < NB; nb++)
+            for (int64_t m0 = 0; m0 < M; m0 += W8_AVX2_ROWS)
+                w8_avx2_tile(xq, sx, m0, M - m0 < W8_AVX2_ROWS ? M - m0 : W8_AVX2_ROWS, Kp, wp,
+                             sw, N, nb, y, ldy, y_bf16);
+    }
+    free(xq), free(sx);
+    return 0;
+}
+
+#else /* no AVX2: no kernel (the PyTorch reference runs) */
+
+int hkv_w8a8_linear_avx2(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K,
+                         const int8_t *wp, const uint16_t *sw, int64_t N, void *y, int64_t ldy,
+                         int y_bf16) {
     (void)x, (void)ldx, (void)x_bf16, (void)M, (void)K, (void)wp, (void)sw, (void)N, (void)y;
     (void)ldy, (void)y_bf16;
     return -1;

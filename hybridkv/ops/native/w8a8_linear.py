@@ -1,5 +1,6 @@
-"""The native int8 x int8 linear on AMX-INT8 tiles (`w8a8_linear.c`, compiled into the one
-native library): ctypes signature, readiness and the checks that keep it inside its tensors.
+"""The native int8 x int8 linear (`w8a8_linear.c`, compiled into the one native library): on
+AMX-INT8 tiles, or with AVX2 (vpmaddubsw, or AVX-VNNI's vpdpbusd); ctypes signatures, readiness
+and the checks that keep them inside their tensors.
 `hybridkv.layers.quantization` (quantization="w8a8") is the caller and holds the reference,
 `w8a8_reference`, which this kernel equals bit for bit."""
 
@@ -12,10 +13,10 @@ import torch
 from hybridkv.ops import native
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-native.declare({
-    "hkv_w8a8_linear": [_ptr, _i64, _int, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int],
-})  # fmt: skip
-native.returns_status("hkv_w8a8_linear")
+_ARGS = [_ptr, _i64, _int, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int]
+native.declare({"hkv_w8a8_linear": _ARGS, "hkv_w8a8_linear_avx2": _ARGS})
+native.returns_status("hkv_w8a8_linear", "hkv_w8a8_linear_avx2")
+KERNELS = {"amx": "hkv_w8a8_linear", "avx2": "hkv_w8a8_linear_avx2"}
 
 DTYPES = (torch.float32, torch.bfloat16)  # of x and y
 TILE_N, TILE_K = 16, 64  # the packed weight's blocks: 16 output rows x 64 inputs
@@ -36,9 +37,17 @@ def packed_shape(n: int, k: int) -> tuple[int, int, int, int, int]:
     return (-(-n // TILE_N), -(-k // TILE_K), 16, TILE_N, 4)
 
 
-def run(x: torch.Tensor, wp: torch.Tensor, scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
+def run(
+    x: torch.Tensor,
+    wp: torch.Tensor,
+    scale: torch.Tensor,
+    n: int,
+    k: int,
+    kernel: str = "amx",
+) -> torch.Tensor:
     """x [M, k] float32 / bfloat16 on the CPU, wp the packed weight (`packed_shape(n, k)`,
-    contiguous int8), scale bfloat16 [n] -> [M, n] in x's dtype."""
+    contiguous int8), scale bfloat16 [n] -> [M, n] in x's dtype, through `kernel` ("amx":
+    AMX-INT8 tiles; "avx2": 8-bit products on 256-bit vectors; the same result)."""
     if x.dim() != 2 or x.shape[1] != k or x.dtype not in DTYPES or x.device.type != "cpu":
         raise RuntimeError(f"x {list(x.shape)} {x.dtype} does not fit the weight [{n}, {k}]")
     if wp.shape != packed_shape(n, k) or wp.dtype != torch.int8 or not wp.is_contiguous():
@@ -52,9 +61,9 @@ def run(x: torch.Tensor, wp: torch.Tensor, scale: torch.Tensor, n: int, k: int) 
     if m == 0:
         return y
     bf16 = int(x.dtype == torch.bfloat16)
-    lib = native.library()
-    status = lib.hkv_w8a8_linear(x.data_ptr(), x.stride(0), bf16, m, k, wp.data_ptr(),
-                                 scale.data_ptr(), n, y.data_ptr(), n, bf16)  # fmt: skip
+    fn = getattr(native.library(), KERNELS[kernel])
+    status = fn(x.data_ptr(), x.stride(0), bf16, m, k, wp.data_ptr(), scale.data_ptr(), n,
+                y.data_ptr(), n, bf16)  # fmt: skip
     if status:
-        raise MemoryError("the native w8a8 linear could not run (no AMX tiles or no memory)")
+        raise MemoryError(f"the native w8a8 linear ({kernel}) could not run (no tiles / memory)")
     return y
