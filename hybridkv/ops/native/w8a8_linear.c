@@ -261,12 +261,17 @@ static inline __m256i w8_dot4(__m256i acc, __m256i w, __m256i xb) {
 static void w8_avx2_tile(const int8_t *xq, const float *sx, int64_t m0, int64_t mr, int64_t Kp,
                          const int8_t *wp, const uint16_t *sw, int64_t N, int64_t nb, void *y,
                          int64_t ldy, int y_bf16) {
-    const int64_t KB = Kp / 64;
+    const int64_t KB = Kp / 64, NB = (N + 15) / 16;
     const int8_t *W = wp + nb * KB * 1024;
     __m256i acc[W8_AVX2_ROWS][2];
     for (int i = 0; i < W8_AVX2_ROWS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+    /* The next block's weights, a line per step (one line per row r): decode steps stream the
+     * weights from memory, and the hardware prefetcher alone kept this loop at about two
+     * thirds of the int8 kernel's pace there (the 100m model at batch 1, AVX2 build). */
+    const int8_t *ahead = nb + 1 < NB ? W + KB * 1024 : W;
     for (int64_t kr = 0; kr < KB * 16; kr++) { /* rows r of the tiles, 4 k each */
         const int8_t *row = W + (kr >> 4) * 1024 + (kr & 15) * 64;
+        _mm_prefetch((const char *)(ahead + (row - W)), _MM_HINT_T1);
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)row);
         const __m256i w1 = _mm256_loadu_si256((const __m256i *)(row + 32));
         const int64_t at = (kr >> 4) * 64 + (kr & 15) * 4;
