@@ -79,6 +79,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 import torch.nn.functional as F
@@ -248,7 +249,46 @@ def bf16_int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> t
     return out.to(x.dtype).mul_(scale.to(x.dtype))
 
 
-class Int8Linear(nn.Module):
+class RowQuantizedLinear(nn.Module):
+    """What the int8 and w8a8 layers share: [..., in] -> [..., out] through the subclass's
+    `matmul` of [T, in] rows, then the float bias; and how each is made from a float linear."""
+
+    in_features: int
+    out_features: int
+    bias: torch.nn.Parameter | None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, absmax: torch.Tensor | None = None) -> Self:
+        q, scale = quantize_rows(linear.weight, absmax)
+        return cls(q, scale, linear.bias)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out] in x's dtype, without the bias."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] -> [..., out]; the engine's activations are [T, in] already
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        out = self.matmul(flat)
+        if self.bias is not None:
+            out += self.bias
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+
+
+class QuantizedVocabHead:
+    """Mixed into a quantized layer: `VocabParallelHead`'s rank rows, logits gathered."""
+
+    def __init__(self, head: VocabParallelHead) -> None:
+        q, scale = quantize_rows(head.weight)
+        super().__init__(q, scale, head.bias)  # the quantized layer's
+        self.tp, self.full_vocab = head.tp, head.full_vocab
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [n, hidden] -> rank 0: [n, vocab]; other ranks: their [n, rows]
+        return self.tp.gather_last_dim(super().forward(x), self.full_vocab)
+
+
+class Int8Linear(RowQuantizedLinear):
     """A linear layer with an int8 weight [out, in] and per-output-row scales; the bias (if
     any) stays in the model's dtype. Buffers, so `.to(device)` moves them; not persistent:
     no checkpoint holds them."""
@@ -266,38 +306,19 @@ class Int8Linear(nn.Module):
         self.bias = bias
         self.native_fits = native_int8.weights_fit(qweight, scale)  # checked once
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, absmax: torch.Tensor | None = None) -> Int8Linear:
-        q, scale = quantize_rows(linear.weight, absmax)
-        return cls(q, scale, linear.bias)
-
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight this layer multiplies by: q * scale [out, in]."""
         return dequantize_rows(self.qweight, self.scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in] -> [..., out]; the engine's activations are [T, in] already
-        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        out = int8_matmul(flat, self.qweight, self.scale, self.native_fits)
-        if self.bias is not None:
-            out += self.bias
-        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_matmul(x, self.qweight, self.scale, self.native_fits)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-class Int8VocabParallelHead(Int8Linear):
+class Int8VocabParallelHead(QuantizedVocabHead, Int8Linear):
     """`VocabParallelHead` with an int8 weight: this rank's vocabulary rows, logits gathered."""
-
-    def __init__(self, head: VocabParallelHead) -> None:
-        q, scale = quantize_rows(head.weight)
-        super().__init__(q, scale, head.bias)
-        self.tp, self.full_vocab = head.tp, head.full_vocab
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [n, hidden] -> rank 0: [n, vocab]; other ranks: their [n, rows]
-        return self.tp.gather_last_dim(super().forward(x), self.full_vocab)
 
 
 # --- w8a8: int8 weights and 8-bit activations --------------------------------------------------
@@ -381,7 +402,7 @@ W8A8_LINEAR = declare(
 )  # fmt: skip
 
 
-class W8A8Linear(nn.Module):
+class W8A8Linear(RowQuantizedLinear):
     """A linear layer of quantization="w8a8": the int8 weight packed (`pack_w8a8`) with its
     per-row scales; activations rounded to int8 per row at each call (the block above). The
     bias (if any) stays in the model's dtype; buffers, not persistent."""
@@ -398,11 +419,6 @@ class W8A8Linear(nn.Module):
         self.register_buffer("scale", scale, persistent=False)
         self.bias = bias
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, absmax: torch.Tensor | None = None) -> W8A8Linear:
-        q, scale = quantize_rows(linear.weight, absmax)
-        return cls(q, scale, linear.bias)
-
     @property
     def qweight(self) -> torch.Tensor:
         """The int8 weight [out, in] (unpacked: a copy)."""
@@ -411,32 +427,16 @@ class W8A8Linear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize_rows(self.qweight, self.scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in] -> [..., out]; the engine's activations are [T, in] already
-        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        chain = W8A8_LINEAR.chain(flat.device, flat.dtype)
-        out = chain.for_rows(flat.shape[0])(
-            flat, self.packed, self.scale, self.out_features, self.in_features
-        )
-        if self.bias is not None:
-            out += self.bias
-        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        run = W8A8_LINEAR.chain(x.device, x.dtype).for_rows(x.shape[0])
+        return run(x, self.packed, self.scale, self.out_features, self.in_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, w8a8"
 
 
-class W8A8VocabParallelHead(W8A8Linear):
+class W8A8VocabParallelHead(QuantizedVocabHead, W8A8Linear):
     """`VocabParallelHead` with a w8a8 weight: this rank's vocabulary rows, logits gathered."""
-
-    def __init__(self, head: VocabParallelHead) -> None:
-        q, scale = quantize_rows(head.weight)
-        super().__init__(q, scale, head.bias)
-        self.tp, self.full_vocab = head.tp, head.full_vocab
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [n, hidden] -> rank 0: [n, vocab]; other ranks: their [n, rows]
-        return self.tp.gather_last_dim(super().forward(x), self.full_vocab)
 
 
 @dataclass(frozen=True)
@@ -523,7 +523,7 @@ def quantize_model(
     int8_bytes = 0
     for name, linear in linears.items():
         if isinstance(linear, VocabParallelHead):
-            new: Int8Linear | W8A8Linear = head(linear)
+            new: RowQuantizedLinear = head(linear)
         else:
             new = layer.from_linear(linear, absmax.get(name))
         parent_name, _, attr = name.rpartition(".")

@@ -46,6 +46,13 @@
 
 int hkv_w8a8_ready(void) { return hkv_amx_ready(); }
 
+/* 16 values of x from k (the lanes of m; zero elsewhere) as float32 (bfloat16: exactly). */
+static inline __m512 w8_load16(const void *x, int bf16, int64_t k, __mmask16 m) {
+    if (!bf16) return _mm512_maskz_loadu_ps(m, (const float *)x + k);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)x + k);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 /* One row of x -> Kp int8 values (zero past K) and its scale. */
 static void w8_quantize_row(const void *x, int bf16, int64_t K, int64_t Kp, int8_t *q,
                             float *scale) {
@@ -53,13 +60,7 @@ static void w8_quantize_row(const void *x, int bf16, int64_t K, int64_t Kp, int8
     __mmask16 nan = 0;
     for (int64_t k = 0; k < K; k += 16) {
         const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
-        __m512 v;
-        if (bf16) {
-            const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)x + k);
-            v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        } else {
-            v = _mm512_maskz_loadu_ps(m, (const float *)x + k);
-        }
+        const __m512 v = w8_load16(x, bf16, k, m);
         nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
     }
@@ -73,13 +74,7 @@ static void w8_quantize_row(const void *x, int bf16, int64_t K, int64_t Kp, int8
     const __m512 vinv = _mm512_set1_ps(inv);
     for (int64_t k = 0; k < K; k += 16) {
         const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
-        __m512 v;
-        if (bf16) {
-            const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)x + k);
-            v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        } else {
-            v = _mm512_maskz_loadu_ps(m, (const float *)x + k);
-        }
+        const __m512 v = w8_load16(x, bf16, k, m);
         /* round half to even (the default MXCSR mode), as torch.round */
         const __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(v, vinv));
         _mm_mask_storeu_epi8(q + k, m, _mm512_cvtsepi32_epi8(i));
