@@ -59,6 +59,26 @@ static int cpu_os_saves(uint64_t mask) {
 }
 #endif
 
+#if defined(__linux__) && defined(__x86_64__)
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Whether Linux lets this process use AMX tiles: it grants the tile data state on request,
+ * once per process. Asked here only: `hkv_cpu_has` names AMX only where it is granted, so the
+ * CPU record (and every op choice made from it) never picks a tile kernel that would fail. */
+static int cpu_amx_permitted(void) {
+    static int permitted = -1;
+    if (permitted < 0)
+        permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return permitted;
+}
+#else
+static int cpu_amx_permitted(void) { return 0; }
+#endif
+
+/* Whether this build's AMX kernels may run: built for AMX and granted the tiles. */
+int hkv_amx_ready(void) { return HKV_AMX_BF16 && cpu_amx_permitted(); }
+
 /* the instruction sets this CPU (and OS) has, among those named above */
 const char *hkv_cpu_has(void) {
     static char out[256];
@@ -78,8 +98,9 @@ const char *hkv_cpu_has(void) {
     cpu_add(out, sizeof out, avx512, "avx512");
     cpu_add(out, sizeof out, avx512 && (a71 & (1u << 5)), "avx512_bf16");
     cpu_add(out, sizeof out, avx512 && (c7 & (1u << 11)), "avx512_vnni");
-    cpu_add(out, sizeof out, avx512 && (d7 & (1u << 24)) && (d7 & (1u << 22)), "amx_bf16");
-    cpu_add(out, sizeof out, avx512 && (d7 & (1u << 24)) && (d7 & (1u << 25)), "amx_int8");
+    const int tiles = avx512 && (d7 & (1u << 24)) && cpu_amx_permitted(); /* AMX-TILE, granted */
+    cpu_add(out, sizeof out, tiles && (d7 & (1u << 22)), "amx_bf16");
+    cpu_add(out, sizeof out, tiles && (d7 & (1u << 25)), "amx_int8");
 #elif defined(__aarch64__) && defined(__linux__)
     const unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
     cpu_add(out, sizeof out, (hw & (1ul << 1)) != 0, "neon");        /* HWCAP_ASIMD */
@@ -89,17 +110,3 @@ const char *hkv_cpu_has(void) {
     return out;
 }
 
-#if HKV_AMX_BF16
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* Whether this process may use AMX tiles: Linux grants the tile data state on request, once
- * per process (every AMX kernel of this folder asks here first). */
-int hkv_amx_ready(void) {
-    static int ready = -1;
-    if (ready < 0) ready = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return ready;
-}
-#else
-int hkv_amx_ready(void) { return 0; }
-#endif
