@@ -266,6 +266,10 @@ class RowQuantizedLinear(nn.Module):
         """x [T, in] -> [T, out] in x's dtype, without the bias."""
         raise NotImplementedError
 
+    def stored_bytes(self) -> int:
+        """Bytes of the int8 weight as stored (padding included) and of its scales."""
+        raise NotImplementedError
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]; the engine's activations are [T, in] already
         flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
@@ -312,6 +316,9 @@ class Int8Linear(RowQuantizedLinear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return int8_matmul(x, self.qweight, self.scale, self.native_fits)
+
+    def stored_bytes(self) -> int:
+        return self.qweight.numel() + self.scale.numel() * self.scale.element_size()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
@@ -418,6 +425,7 @@ class W8A8Linear(RowQuantizedLinear):
         self.register_buffer("packed", pack_w8a8(qweight), persistent=False)
         self.register_buffer("scale", scale, persistent=False)
         self.bias = bias
+        native_w8a8.check_weights(self.packed, scale, *qweight.shape)  # once, not per call
 
     @property
     def qweight(self) -> torch.Tensor:
@@ -430,6 +438,9 @@ class W8A8Linear(RowQuantizedLinear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         run = W8A8_LINEAR.chain(x.device, x.dtype).for_rows(x.shape[0])
         return run(x, self.packed, self.scale, self.out_features, self.in_features)
+
+    def stored_bytes(self) -> int:
+        return self.packed.numel() + self.scale.numel() * self.scale.element_size()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, w8a8"
@@ -528,8 +539,7 @@ def quantize_model(
             new = layer.from_linear(linear, absmax.get(name))
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, new)
-        weight = new.packed if isinstance(new, W8A8Linear) else new.qweight
-        int8_bytes += weight.numel() + new.scale.numel() * new.scale.element_size()
+        int8_bytes += new.stored_bytes()
     still = {_storage_key(t) for t in list(model.parameters()) + list(model.buffers())}
     freed = sum(
         m.weight.numel() * m.weight.element_size()

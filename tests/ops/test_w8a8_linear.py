@@ -19,10 +19,10 @@ from hybridkv.layers.quantization import (
 from hybridkv.ops.native import cpu
 from hybridkv.ops.native import w8a8_linear as native_w8a8
 
+HAS_AMX_INT8, HAS_AVX2 = cpu.record().supports("amx_int8"), cpu.record().supports("avx2")
 needs_amx_int8 = pytest.mark.skipif(
-    not native_w8a8.ready(), reason="no AMX-INT8 here (build, CPU or OS tile permission)"
+    not HAS_AMX_INT8, reason="no AMX-INT8 here (build, CPU or OS tile permission)"
 )
-HAS_AVX2 = cpu.record().supports("avx2")
 KERNELS = [pytest.param("amx", marks=needs_amx_int8),
            pytest.param("avx2", marks=pytest.mark.skipif(not HAS_AVX2, reason="no AVX2 build"))]
 # (M, N, K): tails of every tile dimension, one or two A / B tiles, K past one 64-block
@@ -109,24 +109,25 @@ def test_a_non_finite_input_spoils_its_row_only(bad):
     packed = pack_w8a8(q)
     ref = w8a8_reference(x, packed, scale, 40, 96)
     assert ref[2].isnan().all() and ref[[0, 1, 3, 4, 5]].isfinite().all()
-    kernels = (["amx"] if native_w8a8.ready() else []) + (["avx2"] if HAS_AVX2 else [])
+    kernels = (["amx"] if HAS_AMX_INT8 else []) + (["avx2"] if HAS_AVX2 else [])
     for kernel in kernels:
         got = native_w8a8.run(x, packed, scale, 40, 96, kernel)
         assert got[2].isnan().all()
         assert torch.equal(got[[0, 1, 3, 4, 5]], ref[[0, 1, 3, 4, 5]])
 
 
-@needs_amx_int8
-def test_empty_rows_and_wrong_shapes_are_refused():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_empty_rows_and_wrong_shapes_are_refused(kernel):
     x, q, scale = _case(4, 20, 64, torch.float32)
     packed = pack_w8a8(q)
-    assert native_w8a8.run(x[:0], packed, scale, 20, 64).shape == (0, 20)
+    assert native_w8a8.run(x[:0], packed, scale, 20, 64, kernel).shape == (0, 20)
     with pytest.raises(RuntimeError, match=r"x \[4, 64\] torch.float32 does not fit the weight"):
-        native_w8a8.run(x, packed, scale, 20, 65)
-    with pytest.raises(RuntimeError, match="packed weight"):
-        native_w8a8.run(x, packed[:1], scale, 20, 64)
-    with pytest.raises(RuntimeError, match="scale"):
-        native_w8a8.run(x, packed, scale.float(), 20, 64)
+        native_w8a8.run(x, packed, scale, 20, 65, kernel)
+    native_w8a8.check_weights(packed, scale, 20, 64)
+    with pytest.raises(ValueError, match="packed weight"):
+        native_w8a8.check_weights(packed[:1], scale, 20, 64)
+    with pytest.raises(ValueError, match="scale"):
+        native_w8a8.check_weights(packed, scale.float(), 20, 64)
 
 
 def test_declaration_takes_the_kernel_where_the_cpu_has_amx_int8():

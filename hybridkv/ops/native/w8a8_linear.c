@@ -27,9 +27,9 @@
  * 16-column blocks at a time and walk x in blocks of 32 rows (two A tiles) against each pair
  * (two B tiles): 4 tdpbssd per 4 tile loads, 64 k a step.
  *
- * Without AMX-INT8 (the build or the OS's tile permission) hkv_w8a8_ready() is 0; the AVX2
- * kernel below (hkv_w8a8_linear_avx2, the same arguments) runs where the build has AVX2, else
- * the PyTorch reference (the plan says which). */
+ * Without AMX-INT8 (the build, or the OS's tile permission: the CPU record then lacks
+ * amx_int8) the AVX2 kernel below (hkv_w8a8_linear_avx2, the same arguments) runs where the
+ * build has AVX2, else the PyTorch reference (the plan says which). */
 
 #include <math.h>
 #include <omp.h>
@@ -43,8 +43,6 @@
 
 #define W8_PARALLEL_MIN (1 << 18) /* weights (N * K) from which the threads split the work */
 #define W8_PAIRS 8                /* 32-column blocks per task (256 columns of y) */
-
-int hkv_w8a8_ready(void) { return hkv_amx_ready(); }
 
 /* 16 values of x from k (the lanes of m; zero elsewhere) as float32 (bfloat16: exactly). */
 static inline __m512 w8_load16(const void *x, int bf16, int64_t k, __mmask16 m) {
@@ -180,8 +178,6 @@ int hkv_w8a8_linear(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K
 
 #else /* no AMX-INT8 in this build */
 
-int hkv_w8a8_ready(void) { return 0; }
-
 int hkv_w8a8_linear(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, const int8_t *wp,
                     const uint16_t *sw, int64_t N, void *y, int64_t ldy, int y_bf16) {
     (void)x, (void)ldx, (void)x_bf16, (void)M, (void)K, (void)wp, (void)sw, (void)N, (void)y;
@@ -213,13 +209,27 @@ int hkv_w8a8_linear(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K
 /* One row of x -> Kp int8 values (zero past K) and its scale (the top of this file). */
 static void w8_quantize_row_avx2(const void *x, int bf16, int64_t K, int64_t Kp, int8_t *q,
                                  float *scale) {
+    /* max |x| and whether any value is not finite (an infinity makes the max infinite) */
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        const __m256 v = bf16 ? hkv_bf16x8_load((const uint16_t *)x + k)
+                              : _mm256_loadu_ps((const float *)x + k);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        amax = _mm256_max_ps(amax, _mm256_and_ps(v, magnitude));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, amax);
     float a = 0.0f;
-    int bad = 0;
-    for (int64_t k = 0; k < K; k++) {
+    for (int i = 0; i < 8; i++) a = lanes[i] > a ? lanes[i] : a;
+    int bad = _mm256_movemask_ps(nan) != 0;
+    for (; k < K; k++) {
         const float v = bf16 ? hkv_bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
-        bad |= !isfinite(v);
+        bad |= isnan(v);
         a = fabsf(v) > a ? fabsf(v) : a;
     }
+    bad |= isinf(a);
     memset(q, 0, (size_t)Kp);
     if (bad || a == 0.0f) {
         *scale = bad ? NAN : 0.0f;
@@ -227,8 +237,7 @@ static void w8_quantize_row_avx2(const void *x, int bf16, int64_t K, int64_t Kp,
     }
     const float inv = 127.0f / a;
     const __m256 vinv = _mm256_set1_ps(inv);
-    int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
+    for (k = 0; k + 8 <= K; k += 8) {
         const __m256 v = bf16 ? hkv_bf16x8_load((const uint16_t *)x + k)
                               : _mm256_loadu_ps((const float *)x + k);
         const __m256i i = _mm256_cvtps_epi32(_mm256_mul_ps(v, vinv)); /* nearest even */

@@ -22,19 +22,20 @@ DTYPES = (torch.float32, torch.bfloat16)  # of x and y
 TILE_N, TILE_K = 16, 64  # the packed weight's blocks: 16 output rows x 64 inputs
 
 
-def ready() -> bool:
-    """The library loads, was built with AMX-INT8, and the OS lets this process use tiles."""
-    lib = native.library()
-    if lib is None:
-        return False
-    fn = lib.hkv_w8a8_ready
-    fn.argtypes, fn.restype = [], ctypes.c_int
-    return bool(fn())
-
-
 def packed_shape(n: int, k: int) -> tuple[int, int, int, int, int]:
     """The packed weight of an [n, k] int8 weight: [n/16, k/64, 16, 16, 4] (both padded)."""
     return (-(-n // TILE_N), -(-k // TILE_K), 16, TILE_N, 4)
+
+
+def check_weights(wp: torch.Tensor, scale: torch.Tensor, n: int, k: int) -> None:
+    """The kernels take this weight: packed (`packed_shape(n, k)`, contiguous int8) with its
+    bfloat16 [n] scales, on the CPU. Checked once per layer (`W8A8Linear`), not per call."""
+    if wp.shape != packed_shape(n, k) or wp.dtype != torch.int8 or not wp.is_contiguous():
+        raise ValueError(f"the packed weight {list(wp.shape)} {wp.dtype} is not [{n}, {k}]'s")
+    if scale.shape != (n,) or scale.dtype != torch.bfloat16 or not scale.is_contiguous():
+        raise ValueError(f"the scale {list(scale.shape)} {scale.dtype} is not bfloat16 [{n}]")
+    if wp.device.type != "cpu" or scale.device.type != "cpu":
+        raise ValueError("the packed weight and its scales must be on the CPU")
 
 
 def run(
@@ -45,15 +46,12 @@ def run(
     k: int,
     kernel: str = "amx",
 ) -> torch.Tensor:
-    """x [M, k] float32 / bfloat16 on the CPU, wp the packed weight (`packed_shape(n, k)`,
-    contiguous int8), scale bfloat16 [n] -> [M, n] in x's dtype, through `kernel` ("amx":
-    AMX-INT8 tiles; "avx2": 8-bit products on 256-bit vectors; the same result)."""
+    """x [M, k] float32 / bfloat16 on the CPU, a weight `check_weights` passed -> [M, n] in
+    x's dtype, through `kernel` ("amx": AMX-INT8 tiles; "avx2": 8-bit products on 256-bit
+    vectors; the same result). The per-call path: x is checked (a wrong K raises, as
+    F.linear does), the weight is not."""
     if x.dim() != 2 or x.shape[1] != k or x.dtype not in DTYPES or x.device.type != "cpu":
         raise RuntimeError(f"x {list(x.shape)} {x.dtype} does not fit the weight [{n}, {k}]")
-    if wp.shape != packed_shape(n, k) or wp.dtype != torch.int8 or not wp.is_contiguous():
-        raise RuntimeError(f"the packed weight {list(wp.shape)} is not [{n}, {k}]'s")
-    if scale.shape != (n,) or scale.dtype != torch.bfloat16 or not scale.is_contiguous():
-        raise RuntimeError(f"the scale {list(scale.shape)} {scale.dtype} is not bfloat16 [{n}]")
     if x.stride(1) != 1:
         x = x.contiguous()
     m = x.shape[0]
