@@ -30,6 +30,7 @@ import torch
 from hybridkv.forward_batch import StateMetadata
 from hybridkv.ops.derived import derived
 from hybridkv.ops.gated_delta import DecodeRows, _initial_state, gated_delta_rule_varlen
+from hybridkv.ops.mamba2 import _split_by_length, packed_tokens
 from hybridkv.ops.mamba2_ops import (
     NativeMamba2Ops,
     TorchMamba2Ops,
@@ -211,64 +212,46 @@ class FlaGDNOps(TritonGDNOps):
         """As `TorchGDNOps.rule`; requests longer than one token go through fla."""
         if positions is not None or meta.max_query_len == 1:
             return super().rule(q, k, v, g, beta, state, meta, positions)
-        # Host sync: which requests prefill sizes fla's varlen grid (cu_seqlens).
         starts = meta.query_start_loc[:-1].long()
         lens = meta.query_start_loc[1:].long() - starts
-        dec, pre = torch.nonzero(lens == 1).squeeze(1), torch.nonzero(lens > 1).squeeze(1)
-        out = torch.zeros(q.shape[0], v.shape[1], v.shape[2], dtype=torch.float32, device=v.device)
-        if dec.numel() > 0:
+        dec, pre = _split_by_length(lens)  # (host sync: their counts size fla's grid)
+        out = torch.empty(q.shape[0], v.shape[1], v.shape[2], dtype=torch.float32, device=v.device)
+        if dec.numel() > 0:  # one token each, in the Triton decode kernel
             tok = starts[dec]
             one = torch.arange(dec.numel() + 1, dtype=torch.int32, device=v.device)
             sub = StateMetadata(meta.state_pages[dec], meta.has_initial_state[dec], one, 1)
             out[tok] = super().rule(q[tok], k[tok], v[tok], g[tok], beta[tok], state, sub)
         if pre.numel() > 0:
-            out = self._prefill(q, k, v, g, beta, state, meta, (starts, lens, pre), out)
+            self._prefill((q, k, v, g, beta), state, meta, starts[pre], lens[pre], pre, out)
         return out
 
     @staticmethod
     def _prefill(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
+        inputs: tuple[torch.Tensor, ...],
         state: torch.Tensor,
         meta: StateMetadata,
-        split: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        starts: torch.Tensor,
+        lens: torch.Tensor,
+        pre: torch.Tensor,
         out: torch.Tensor,
-    ) -> torch.Tensor:
-        """The requests `pre` (longer than one token) through fla's varlen chunked kernel:
-        initial states gathered from their pages (zeros where none), final ones written back.
-
-            tokens   | r0 r0 r0 | r1 | r2 r2 | r3 (empty) |      requests r0, r2 prefill
-            tok      [0  1  2        4  5]                       their tokens, packed
-            cu       [0, 3, 5]                                   fla's cu_seqlens
-        """
+    ) -> None:
+        """The requests `pre` (starts, lens: theirs) through fla's varlen chunked kernel, their
+        rows of `out` written: initial states gathered from their pages (zeros where none),
+        final ones written back. `inputs`: q, k, v, g, beta of the whole step."""
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-        starts, lens, pre = split
-        pre_lens = lens[pre]
-        if pre.numel() == lens.numel() and int(pre_lens.sum()) == q.shape[0]:
-            tok = None  # every token prefills: no gather
-        else:
-            within = torch.arange(int(pre_lens.sum()), device=q.device)
-            first = torch.cumsum(pre_lens, 0) - pre_lens  # each request's first packed index
-            owner = torch.repeat_interleave(torch.arange(pre.numel(), device=q.device), pre_lens)
-            tok = starts[pre][owner] + within - first[owner]
-        cu = torch.zeros(pre.numel() + 1, dtype=torch.long, device=q.device)
-        torch.cumsum(pre_lens, 0, out=cu[1:])
-        pick = (lambda t: t) if tok is None else (lambda t: t.index_select(0, tok))
+        n_tok = int(lens.sum())
+        _, _, tok = packed_tokens(starts, lens, n_tok)  # [n] their tokens in the batch
+        q, k, v, g, beta = (t.index_select(0, tok)[None] for t in inputs)  # [1, n, ...]
+        cu = torch.zeros(lens.numel() + 1, dtype=torch.long, device=tok.device)
+        torch.cumsum(lens, 0, out=cu[1:])  # fla's cu_seqlens
         h0 = _initial_state(state, meta.state_pages[pre], meta.has_initial_state[pre])
         o, ht = chunk_gated_delta_rule(
-            pick(q)[None], pick(k)[None], pick(v)[None], g=pick(g)[None], beta=pick(beta)[None],
-            initial_state=h0, output_final_state=True, cu_seqlens=cu,
+            q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
             use_qk_l2norm_in_kernel=True,
         )  # fmt: skip
         state.index_copy_(0, meta.state_pages[pre], ht.to(state.dtype))
-        if tok is None:
-            return o[0].float()
         out[tok] = o[0].float()
-        return out
 
 
 def native_conv_applies(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> bool:

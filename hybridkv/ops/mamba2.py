@@ -91,6 +91,23 @@ def ssd_step(
     return y, h.view(num, heads, head_dim, d_state)
 
 
+def packed_tokens(
+    starts: torch.Tensor, lens: torch.Tensor, n_tok: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tokens of some requests of a step, one request after another: starts, lens [R]
+    int64 (n_tok == lens.sum()) -> (request of each token [n], its position in the request
+    [n], its index in the step's batch [n]).
+
+        batch    | r0 r0 r0 | r1 | r2 r2 |        requests r0, r2 chosen
+        tok      [0  1  2        4  5]            their tokens, packed: index in the batch
+        pos      [0  1  2        0  1]
+    """
+    reqs = torch.arange(lens.shape[0], device=starts.device)
+    req_of_tok = torch.repeat_interleave(reqs, lens, output_size=n_tok)  # [n]
+    pos = torch.arange(n_tok, device=starts.device) - (torch.cumsum(lens, 0) - lens)[req_of_tok]
+    return req_of_tok, pos, starts[req_of_tok] + pos
+
+
 class _ChunkLayout:
     """Where each token of the chunked requests sits in the packed `[num_chunks, L]` grid."""
 
@@ -98,17 +115,13 @@ class _ChunkLayout:
         self, starts: torch.Tensor, lens: torch.Tensor, chunk_len: int, n_tok: int, max_len: int
     ):
         # starts, lens: [R] int64 (every lens >= 1); n_tok == lens.sum(); max_len >= lens.max()
-        device = starts.device
         self.chunk_len = chunk_len
         self.max_chunks = -(-max_len // chunk_len)  # chunks of the longest request
         self.n_chunks = (lens + chunk_len - 1) // chunk_len  # [R]
         self.first_chunk = torch.cumsum(self.n_chunks, 0) - self.n_chunks  # [R]
         # One host sync: the chunk count sizes the packed buffers.
         self.num_chunks = int(self.n_chunks.sum())
-        reqs = torch.arange(lens.shape[0], device=device)
-        req_of_tok = torch.repeat_interleave(reqs, lens, output_size=n_tok)  # [n]
-        i = torch.arange(n_tok, device=device) - (torch.cumsum(lens, 0) - lens)[req_of_tok]
-        self.tok = starts[req_of_tok] + i  # [n] index into the packed batch
+        req_of_tok, i, self.tok = packed_tokens(starts, lens, n_tok)  # [n] each
         self.chunk_of_tok = self.first_chunk[req_of_tok] + torch.div(
             i, chunk_len, rounding_mode="floor"
         )
