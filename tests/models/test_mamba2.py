@@ -66,6 +66,15 @@ BUILDERS = {"defaults": _defaults, "odd_heads": _odd_heads}
 SEEDS: dict[str, int] = {}  # seeds whose greedy tokens keep a top-2 margin above MIN_MARGIN
 
 
+def transformers_norms_groups() -> bool:
+    """transformers' Mamba2 normalises the gated norm per group of n_groups, as mamba_ssm and
+    hybridkv do. Older releases (5.17, the GPU image's) normalise the whole intermediate vector
+    at once: with n_groups > 1 their logits are another model's, no reference."""
+    from transformers.models.mamba2 import modeling_mamba2
+
+    return hasattr(modeling_mamba2, "Mamba2RMSNormGated")
+
+
 def build(tmp_path_factory, name: str, seed: int = 0):
     from transformers import Mamba2ForCausalLM
 
