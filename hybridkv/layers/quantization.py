@@ -338,7 +338,8 @@ class Int8VocabParallelHead(QuantizedVocabHead, Int8Linear):
 # every M on AMX-INT8 (benchmarks/int8_activations.py), at the cost of the activations' 8-bit
 # rounding (docs/quantization.md has the accuracy); llama.cpp's Q8_0 rounds activations too.
 #   float32 / bfloat16   native-amx-int8 (w8a8_linear.c), native-avx2 (the same file: 8-bit
-#                        products on 256-bit vectors), else the PyTorch reference below
+#                        products on 256-bit vectors), native-neon-dot / native-neon (aarch64:
+#                        sdot, or 16-bit products), else the PyTorch reference below
 
 
 def pack_w8a8(q: torch.Tensor) -> torch.Tensor:
@@ -375,8 +376,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def w8a8_reference(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int, k: int
 ) -> torch.Tensor:
-    """x [M, k] float -> [M, n] in x's dtype: `native-amx-int8`'s result bit for bit (the sums
-    in float64, exact: |sum| <= 127^2 k), for CPUs without AMX-INT8 (slow: use int8 there)."""
+    """x [M, k] float -> [M, n] in x's dtype: the native kernels' result bit for bit (the sums
+    in float64, exact: |sum| <= 127^2 k), for CPUs where none runs (slow: use int8 there)."""
     xq, sx = quantize_activations(x)
     q = unpack_w8a8(packed, n, k)
     sums = (xq.double() @ q.double().T).float()
@@ -395,6 +396,18 @@ def _w8a8_avx2(
     return native_w8a8.run(x, packed, scale, n, k, kernel="avx2")
 
 
+def _w8a8_neon_dot(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int, k: int
+) -> torch.Tensor:
+    return native_w8a8.run(x, packed, scale, n, k, kernel="neon_dot")
+
+
+def _w8a8_neon(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int, k: int
+) -> torch.Tensor:
+    return native_w8a8.run(x, packed, scale, n, k, kernel="neon")
+
+
 _FLOATS = _F32 | _BF16
 W8A8_LINEAR = declare(
     "w8a8_linear",
@@ -403,6 +416,11 @@ W8A8_LINEAR = declare(
                description="w8a8_linear.c: x rounded to int8 per row, AMX-INT8 tiles"),
         OpImpl("native-avx2", _HERE + "_w8a8_avx2", _CPU, _FLOATS, ("native", "avx2"),
                description="w8a8_linear.c: 8-bit products with vpmaddubsw / AVX-VNNI"),
+        OpImpl("native-neon-dot", _HERE + "_w8a8_neon_dot", _CPU, _FLOATS,
+               ("native", "neon_dot"),
+               description="w8a8_linear.c: aarch64, 4-wide int8 dot products (sdot)"),
+        OpImpl("native-neon", _HERE + "_w8a8_neon", _CPU, _FLOATS, ("native", "neon"),
+               description="w8a8_linear.c: aarch64 without sdot, 16-bit products (smull)"),
         OpImpl("torch", _HERE + "w8a8_reference", _CPU, _FLOATS,
                description="the reference: float64 sums of the int8 products"),
     ),

@@ -8,8 +8,10 @@ against a NumPy reference written from the kernel's own comment in the C file.
 
 Covered: the CPU record (built for NEON), RMSNorm, silu-and-mul, argmax, the causal conv1d, the
 Mamba2 scan and the gated delta rule (both with speculative decoding's per-position states),
-and paged decode attention over a block table. They run ARM's code paths (the portable loops
-and GCC's generic vectors as NEON), where char is unsigned and OpenMP is another build.
+paged decode attention over a block table, and the w8a8 linear's kernels that this build and
+CPU run (NEON with and without sdot here; AMX-INT8 and AVX2 on x86-64), bit for bit. They run
+ARM's code paths (the portable loops and GCC's generic vectors as NEON), where char is unsigned
+and OpenMP is another build.
 """
 
 from __future__ import annotations
@@ -216,9 +218,137 @@ def paged_decode(lib: ctypes.CDLL) -> None:
             check(f"paged decode request {s} head {h}", out[s, h], want.astype(F32), rtol=1e-4)
 
 
+# --- w8a8: NumPy transcriptions of hybridkv/layers/quantization.py (pack_w8a8, w8a8_reference)
+
+
+def to_bf16(a: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), nearest even, NaN -> 0x7fc0 (as torch rounds)."""
+    bits = np.ascontiguousarray(a, dtype=F32).view(np.uint32).astype(np.uint64)
+    out = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    out[np.isnan(a)] = 0x7FC0
+    return out
+
+
+def from_bf16(h: np.ndarray) -> np.ndarray:
+    return (h.astype(np.uint32) << 16).view(F32)
+
+
+def pack_w8a8(q: np.ndarray) -> np.ndarray:
+    """q int8 [n, k] -> [n/16, k/64, 16, 16, 4]: packed[nb, kb, r, c, j] = q[16 nb + c,
+    64 kb + 4 r + j], zero-padded (quantization.pack_w8a8)."""
+    n, k = q.shape
+    nb, kb = -(-n // 16), -(-k // 64)
+    padded = np.zeros((nb * 16, kb * 64), dtype=np.int8)
+    padded[:n, :k] = q
+    return np.ascontiguousarray(padded.reshape(nb, 16, kb, 16, 4).transpose(0, 2, 3, 1, 4))
+
+
+def w8a8_reference(x: np.ndarray, q: np.ndarray, sw: np.ndarray) -> np.ndarray:
+    """x float32 [M, K], q int8 [N, K], sw bfloat16 bits [N] -> float32 [M, N]: per-row
+    xq = round-half-even(x * (127 / a)) (a = max |x|; a row with an infinity or NaN: sx NaN),
+    float64 sums (exact) rounded to float32, then (sums * sx) * sw in float32."""
+    finite = np.isfinite(x).all(1, keepdims=True)
+    with np.errstate(all="ignore"):
+        a = np.where(finite, np.abs(x).max(1, keepdims=True), F32(0))
+        inv = np.where(a > 0, F32(127) / a, F32(0))
+        sx = np.where(finite, a / F32(127), F32(np.nan))
+        xq = np.clip(np.nan_to_num(np.round(x * inv), nan=0.0), -127, 127)
+        sums = (xq.astype(np.float64) @ q.astype(np.float64).T).astype(F32)
+        return (sums * sx) * from_bf16(sw)[None, :]
+
+
+def w8a8_case(m: int, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x float32 [m, k] with the kernels' corners in rows 1.., q int8 [n, k], sw bf16 bits [n]."""
+    x = rng.standard_normal((m, k), dtype=F32) * rng.uniform(0.1, 4.0, (m, 1)).astype(F32)
+
+    def spiked(value: float) -> np.ndarray:
+        row = rng.standard_normal(k, dtype=F32)
+        row[k // 2] = value
+        return row
+
+    corners = [
+        np.zeros(k, F32),  # sx = 0: zero outputs
+        np.concatenate([[254.0], rng.integers(-254, 255, k - 1)]).astype(F32),  # ties to even
+        spiked(np.inf), spiked(np.nan),  # a non-finite value: NaN outputs in its row only
+        rng.choice(F32([-3e38, 3e38, 0.0, 1.0]), k),  # near FLT_MAX: outputs overflow
+        rng.choice(F32([-1e-38, 2e-39, 0.0, -0.0]), k),  # 127 / a overflows: +-127 and 0
+        rng.standard_normal(k, dtype=F32) * F32(1e-30),  # tiny, 127 / a finite
+    ]  # fmt: skip
+    for i, row in enumerate(corners[: m - 1]):
+        x[1 + i] = row
+    q = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    q[0], q[n // 2] = 127, -127  # the extreme products everywhere
+    if n > 2:
+        q[n - 1] = 0
+    sw = to_bf16(rng.uniform(1e-3, 0.1, n).astype(F32))
+    return x, q, sw
+
+
+W8A8_KERNELS = [  # (symbol, what the build and the CPU need for it to run)
+    ("hkv_w8a8_linear", "amx_int8"),
+    ("hkv_w8a8_linear_avx2", "avx2"),
+    ("hkv_w8a8_linear_neon_dot", "neon_dot"),
+    ("hkv_w8a8_linear_neon", "neon"),
+]
+W8A8_SHAPES = [(1, 37, 71), (3, 5, 3), (3, 300, 900), (17, 37, 201), (17, 1, 130), (17, 19, 64)]
+
+
+def same_bits(got: np.ndarray, want: np.ndarray) -> bool:
+    """Equal bit for bit (float32: any NaN matches a NaN, as NaN payloads may differ)."""
+    if got.dtype == np.uint16:
+        return bool(np.array_equal(got, want))
+    both_nan = np.isnan(got) & np.isnan(want)
+    return bool(np.all(both_nan | (got.view(np.uint32) == want.view(np.uint32))))
+
+
+def w8a8_run(fn, x: np.ndarray, wp: np.ndarray, sw: np.ndarray, n: int, bf16: bool):
+    """The kernel on x (rows at a stride 3 past their width) -> (status, y [M, n]); y's rows
+    are 2 past their width too, and those columns must stay untouched."""
+    m, k = x.shape
+    xs = np.zeros((m, k + 3), dtype=np.uint16 if bf16 else F32)
+    xs[:, :k] = to_bf16(x) if bf16 else x
+    ys = np.full((m, n + 2), 0xABCD if bf16 else 7.0, dtype=np.uint16 if bf16 else F32)
+    status = fn(ptr(xs), k + 3, int(bf16), m, k, ptr(wp), ptr(sw), n, ptr(ys), n + 2, int(bf16))
+    pad = ys[:, n:]
+    if not np.all(pad == (0xABCD if bf16 else 7.0)):
+        failures.append("w8a8 wrote past its columns")
+    return status, ys[:, :n]
+
+
+def w8a8_linear(lib: ctypes.CDLL) -> None:
+    lib.hkv_cpu_built.restype = lib.hkv_cpu_has.restype = ctypes.c_char_p
+    usable = set(lib.hkv_cpu_built().decode().split(",")) & set(
+        lib.hkv_cpu_has().decode().split(",")
+    )
+    i64_, int_, p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    for name, feature in W8A8_KERNELS:
+        fn = getattr(lib, name)
+        fn.argtypes = [p, i64_, int_, i64_, i64_, p, p, i64_, p, i64_, int_]
+        fn.restype = ctypes.c_int
+        if feature not in usable:
+            one = np.ones((1, 1), F32)
+            status, _ = w8a8_run(fn, one, pack_w8a8(one.astype(np.int8)), to_bf16(one[0]), 1, False)
+            ok = status != 0  # a kernel this build or CPU lacks refuses (the reference runs)
+            print(f"{'ok  ' if ok else 'FAIL'} w8a8 {name}: not run here ({feature} missing)")
+            failures.extend([] if ok else [f"{name} ran without {feature}"])
+            continue
+        for (m, n, k), bf16 in ((s, b) for s in W8A8_SHAPES for b in (False, True)):
+            x, q, sw = w8a8_case(m, n, k)
+            xr = from_bf16(to_bf16(x)) if bf16 else x  # what the kernel reads
+            want = w8a8_reference(xr, q, sw)
+            want = to_bf16(want) if bf16 else want
+            status, got = w8a8_run(fn, x, pack_w8a8(q), sw, n, bf16)
+            ok = status == 0 and same_bits(got, want)
+            label = f"w8a8 {name} [{m}, {k}] x [{n}, {k}] {'bf16' if bf16 else 'f32'}"
+            print(f"{'ok  ' if ok else 'FAIL'} {label}: bit for bit")
+            if not ok:
+                failures.append(label)
+
+
 def main() -> int:
     lib = ctypes.CDLL(sys.argv[1])
-    for run in (cpu_record, elementwise, conv1d, mamba2_scan, gated_delta_rule, paged_decode):
+    for run in (cpu_record, elementwise, conv1d, mamba2_scan, gated_delta_rule, paged_decode,
+                w8a8_linear):  # fmt: skip
         run(lib)
     print(f"{len(failures)} failed" if failures else "all checks passed")
     return 1 if failures else 0

@@ -1,7 +1,8 @@
 """The native library on aarch64: cross-compiled with the sources and generated replay adapters
-this machine builds, then checked by an aarch64 Python under qemu-user against NumPy references
-(tests/ops/aarch64_checks.py: the CPU record, norms, activations, the conv, the Mamba2 scan, the
-gated delta rule with per-position states, paged decode attention).
+this machine builds (for ARMv8.2 with the dot product, and for ARMv8.0), then checked by an
+aarch64 Python under qemu-user against NumPy references (tests/ops/aarch64_checks.py: the CPU
+record, norms, activations, the conv, the Mamba2 scan, the gated delta rule with per-position
+states, paged decode attention, the w8a8 linear's NEON kernels bit for bit).
 
 It needs a cross compiler, qemu-user and an arm64 tree with python3 and NumPy
 (HYBRIDKV_ARM64_ROOT, default /opt/arm64), which CI machines do not have; set-up on Debian:
@@ -32,8 +33,10 @@ from tests.ops.test_native import needs_compiler
 CHECKS = Path(__file__).with_name("aarch64_checks.py")
 ARM64_ROOT = Path(os.environ.get("HYBRIDKV_ARM64_ROOT", "/opt/arm64"))
 CROSS_CC = "aarch64-linux-gnu-gcc"
-# a common server target (Graviton 2, Ampere Altra, Neoverse N1): dot product, no SVE
-ARM_MARCH = "armv8.2-a+dotprod"
+# -march -> what the CPU record must say the build has: a common server target (Graviton 2,
+# Ampere Altra, Neoverse N1: dot product, no SVE), and ARMv8.0 (Cortex-A72, Graviton 1: no dot
+# product, so the w8a8 linear's plain NEON kernel runs alone there)
+ARM_MARCHES = {"armv8.2-a+dotprod": ("neon", "neon_dot"), "armv8-a": ("neon",)}
 
 
 def _adapters() -> str:
@@ -54,7 +57,8 @@ def test_checks_pass_on_this_machines_build():
     assert "all checks passed" in done.stdout
 
 
-def test_the_library_builds_and_runs_on_aarch64(tmp_path):
+@pytest.mark.parametrize("march", list(ARM_MARCHES))
+def test_the_library_builds_and_runs_on_aarch64(tmp_path, march):
     python = ARM64_ROOT / "usr/bin/python3"
     if shutil.which(CROSS_CC) is None or shutil.which("qemu-aarch64") is None:
         pytest.skip(f"needs {CROSS_CC} and qemu-aarch64 (module docstring)")
@@ -63,7 +67,7 @@ def test_the_library_builds_and_runs_on_aarch64(tmp_path):
     adapters = tmp_path / "adapters.c"
     adapters.write_text(_adapters())
     library = tmp_path / "libhkv-aarch64.so"
-    flags = [f if not f.startswith("-march=") else f"-march={ARM_MARCH}" for f in native.CFLAGS]
+    flags = [f if not f.startswith("-march=") else f"-march={march}" for f in native.CFLAGS]
     sources = [str(s) for s in native.sources()]
     build = subprocess.run(
         [CROSS_CC, *flags, *sources, str(adapters), "-o", str(library), "-lm"],
@@ -72,8 +76,8 @@ def test_the_library_builds_and_runs_on_aarch64(tmp_path):
     assert build.returncode == 0, build.stderr[-4000:]
     assert "warning" not in build.stderr, build.stderr[-4000:]
     done = subprocess.run(
-        ["qemu-aarch64", "-L", str(ARM64_ROOT), str(python), str(CHECKS), str(library), "neon",
-         "neon_dot"],
+        ["qemu-aarch64", "-L", str(ARM64_ROOT), str(python), str(CHECKS), str(library),
+         *ARM_MARCHES[march]],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr

@@ -20,11 +20,25 @@ from hybridkv.ops.native import cpu
 from hybridkv.ops.native import w8a8_linear as native_w8a8
 
 HAS_AMX_INT8, HAS_AVX2 = cpu.record().supports("amx_int8"), cpu.record().supports("avx2")
+HAS_NEON_DOT, HAS_NEON = cpu.record().supports("neon_dot"), cpu.record().supports("neon")
 needs_amx_int8 = pytest.mark.skipif(
     not HAS_AMX_INT8, reason="no AMX-INT8 here (build, CPU or OS tile permission)"
 )
-KERNELS = [pytest.param("amx", marks=needs_amx_int8),
-           pytest.param("avx2", marks=pytest.mark.skipif(not HAS_AVX2, reason="no AVX2 build"))]
+
+
+def _kernel(name: str, runs: bool, reason: str):
+    return pytest.param(name, marks=pytest.mark.skipif(not runs, reason=reason))
+
+
+# (the NEON kernels run on aarch64 only: tests/ops/test_native_aarch64.py checks them under qemu)
+KERNELS = [
+    pytest.param("amx", marks=needs_amx_int8),
+    _kernel("avx2", HAS_AVX2, "no AVX2 build"),
+    _kernel("neon_dot", HAS_NEON_DOT, "no aarch64 dot product build"),
+    _kernel("neon", HAS_NEON, "no aarch64 NEON build"),
+]
+RUNS = {"amx": HAS_AMX_INT8, "avx2": HAS_AVX2, "neon_dot": HAS_NEON_DOT, "neon": HAS_NEON}
+RUNNABLE = [kernel for kernel, runs in RUNS.items() if runs]  # in the declaration's order
 # (M, N, K): tails of every tile dimension, one or two A / B tiles, K past one 64-block
 SHAPES = [(1, 16, 64), (1, 1, 1), (5, 40, 100), (15, 17, 64), (16, 32, 128), (17, 31, 130),
           (33, 70, 768), (64, 300, 200), (100, 48, 1536)]  # fmt: skip
@@ -109,8 +123,7 @@ def test_a_non_finite_input_spoils_its_row_only(bad):
     packed = pack_w8a8(q)
     ref = w8a8_reference(x, packed, scale, 40, 96)
     assert ref[2].isnan().all() and ref[[0, 1, 3, 4, 5]].isfinite().all()
-    kernels = (["amx"] if HAS_AMX_INT8 else []) + (["avx2"] if HAS_AVX2 else [])
-    for kernel in kernels:
+    for kernel in RUNNABLE:
         got = native_w8a8.run(x, packed, scale, 40, 96, kernel)
         assert got[2].isnan().all()
         assert torch.equal(got[[0, 1, 3, 4, 5]], ref[[0, 1, 3, 4, 5]])
@@ -130,9 +143,28 @@ def test_empty_rows_and_wrong_shapes_are_refused(kernel):
         native_w8a8.check_weights(packed, scale.float(), 20, 64)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_too_small_for_127_over_their_max(dtype):
+    """max |x| < 127 / FLT_MAX: 127 / a is infinite, so the reference rounds every nonzero
+    value to +-127 and zeros to 0 (0 * inf = NaN, made 0); the kernels do the same (the vector
+    conversions alone would turn those NaNs into -128 on x86)."""
+    x, q, scale = _case(3, 21, 70, torch.float32)
+    x[0] = 0.0
+    x[0, [3, 5, 69]] = torch.tensor([1e-38, -2e-38, 3e-39])
+    x[1] = torch.randn(70) * 1e-30  # tiny but 127 / a finite: the ordinary path
+    x = x.to(dtype)
+    packed = pack_w8a8(q)
+    ref = w8a8_reference(x, packed, scale, 21, 70)
+    xq, _ = quantize_activations(x[:1])
+    assert sorted(set(xq[0].tolist())) == [-127.0, 0.0, 127.0]
+    for kernel in RUNNABLE:
+        assert torch.equal(native_w8a8.run(x, packed, scale, 21, 70, kernel), ref), kernel
+
+
 def test_declaration_takes_the_kernel_where_the_cpu_has_amx_int8():
     chain = W8A8_LINEAR.chain(torch.device("cpu"), torch.float32)
-    usable = cpu.record().usable
-    want = "native-amx-int8" if "amx_int8" in usable else "native-avx2" if HAS_AVX2 else "torch"
-    assert chain.describe() == want
-    assert [i.name for i in W8A8_LINEAR.impls] == ["native-amx-int8", "native-avx2", "torch"]
+    want = {"amx": "native-amx-int8", "avx2": "native-avx2", "neon_dot": "native-neon-dot",
+            "neon": "native-neon"}  # fmt: skip
+    assert chain.describe() == (want[RUNNABLE[0]] if RUNNABLE else "torch")
+    names = ["native-amx-int8", "native-avx2", "native-neon-dot", "native-neon", "torch"]
+    assert [i.name for i in W8A8_LINEAR.impls] == names

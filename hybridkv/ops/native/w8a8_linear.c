@@ -29,7 +29,9 @@
  *
  * Without AMX-INT8 (the build, or the OS's tile permission: the CPU record then lacks
  * amx_int8) the AVX2 kernel below (hkv_w8a8_linear_avx2, the same arguments) runs where the
- * build has AVX2, else the PyTorch reference (the plan says which). */
+ * build has AVX2; on aarch64 the NEON kernels at the end (hkv_w8a8_linear_neon_dot with the
+ * dot product, hkv_w8a8_linear_neon without it); elsewhere the PyTorch reference (the plan
+ * says which). */
 
 #include <math.h>
 #include <omp.h>
@@ -37,6 +39,17 @@
 #include <stdlib.h>
 #include <string.h>
 #include "hkv_common.h"
+
+/* The quantized row where 127 / a overflows (a = max |x| < 127 / FLT_MAX, about 3.7e-37: a row
+ * of denormals or near them): the reference's round(x * inf) is +-127 for every nonzero value
+ * and 0 for zeros (0 * inf = NaN, made 0), which the vector conversions would not give (x86
+ * turns NaN into INT_MIN, so -128). q holds K values; the row's scale stays a / 127. */
+static inline void w8_quantize_tiny(const void *x, int bf16, int64_t K, int8_t *q) {
+    for (int64_t k = 0; k < K; k++) {
+        const float v = bf16 ? hkv_bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+        q[k] = (int8_t)(v > 0.0f ? 127 : v < 0.0f ? -127 : 0);
+    }
+}
 
 #if HKV_AMX_INT8
 #include <immintrin.h>
@@ -69,6 +82,11 @@ static void w8_quantize_row(const void *x, int bf16, int64_t K, int64_t Kp, int8
         return;
     }
     const float inv = 127.0f / a;
+    *scale = a / 127.0f;
+    if (isinf(inv)) {
+        w8_quantize_tiny(x, bf16, K, q);
+        return;
+    }
     const __m512 vinv = _mm512_set1_ps(inv);
     for (int64_t k = 0; k < K; k += 16) {
         const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
@@ -77,7 +95,6 @@ static void w8_quantize_row(const void *x, int bf16, int64_t K, int64_t Kp, int8
         const __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(v, vinv));
         _mm_mask_storeu_epi8(q + k, m, _mm512_cvtsepi32_epi8(i));
     }
-    *scale = a / 127.0f;
 }
 
 /* Sums of one (32-row, 32-column) block -> y, scaled: rows m0 .. m0 + mr - 1, columns
@@ -236,6 +253,11 @@ static void w8_quantize_row_avx2(const void *x, int bf16, int64_t K, int64_t Kp,
         return;
     }
     const float inv = 127.0f / a;
+    *scale = a / 127.0f;
+    if (isinf(inv)) {
+        w8_quantize_tiny(x, bf16, K, q);
+        return;
+    }
     const __m256 vinv = _mm256_set1_ps(inv);
     for (k = 0; k + 8 <= K; k += 8) {
         const __m256 v = bf16 ? hkv_bf16x8_load((const uint16_t *)x + k)
@@ -249,7 +271,6 @@ static void w8_quantize_row_avx2(const void *x, int bf16, int64_t K, int64_t Kp,
         const __m128i i = _mm_cvtps_epi32(_mm_set_ss(v * inv));
         q[k] = (int8_t)_mm_cvtsi128_si32(i);
     }
-    *scale = a / 127.0f;
 }
 
 static inline __m256i w8_dot4(__m256i acc, __m256i w, __m256i xb) {
@@ -361,4 +382,242 @@ int hkv_w8a8_linear_avx2(const void *x, int64_t ldx, int x_bf16, int64_t M, int6
     return -1;
 }
 
+#endif
+
+/* ---- aarch64 NEON: the same packed weight, 4-wide dot products -----------------------------
+ *
+ * A row r of a B tile (64 bytes: 16 columns n x the 4 weights of k = 4r .. 4r + 3) is four
+ * 128-bit vectors of 4 columns each, the layout of sdot (vdotq_s32: each 32-bit lane adds the
+ * dot product of its 4 bytes with the same lane's 4 bytes of the other operand). x's 4 values
+ * of those k are replicated to every lane, so one sdot adds 4 columns' 4 products. Without the
+ * dot product (ARMv8.0 cores: Cortex-A72, Graviton 1) vmull_s8 makes the 16 products of a
+ * vector in 16 bits (|p| <= 128 x 127: xq is never -128), vpaddq_s16 adds neighbours (2 x 128
+ * x 127 < 2^15: still exact) and vpadalq_s16 adds each column's two pairs into its 32-bit
+ * lane: the same lanes as sdot. Both sums exact, the quantizer and the scaling as the tiles': the same result
+ * bit for bit. Register tiles of up to W8_NEON_ROWS rows of x by 16 columns (16 accumulators,
+ * 4 weight vectors); threads split the 16-column blocks, as the AVX2 kernel does. */
+
+#if HKV_NEON
+#include <arm_neon.h>
+
+#define W8_NEON_ROWS 4
+#define W8_NEON_PARALLEL_MIN (1 << 18)
+
+/* 4 values of x from k as float32 (bfloat16: exactly, each shifted into the top half). */
+static inline float32x4_t w8_neon_load4(const void *x, int bf16, int64_t k) {
+    if (!bf16) return vld1q_f32((const float *)x + k);
+    return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16((const uint16_t *)x + k), 16));
+}
+
+static inline float w8_neon_at(const void *x, int bf16, int64_t k) {
+    return bf16 ? hkv_bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+}
+
+/* max |x[0 .. K - 1]|: NaN where any value is NaN (fmax keeps NaN), infinite with an infinity */
+static float w8_neon_absmax(const void *x, int bf16, int64_t K) {
+    float32x4_t amax = vdupq_n_f32(0.0f);
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4) amax = vmaxq_f32(amax, vabsq_f32(w8_neon_load4(x, bf16, k)));
+    float a = vmaxvq_f32(amax);
+    for (; k < K; k++) {
+        const float v = fabsf(w8_neon_at(x, bf16, k));
+        a = isnan(v) || v > a ? v : a;
+    }
+    return a;
+}
+
+/* One row of x -> Kp int8 values (zero past K) and its scale (the top of this file). */
+static void w8_quantize_row_neon(const void *x, int bf16, int64_t K, int64_t Kp, int8_t *q,
+                                 float *scale) {
+    const float a = w8_neon_absmax(x, bf16, K);
+    memset(q, 0, (size_t)Kp);
+    if (!isfinite(a) || a == 0.0f) { /* a non-finite row: NaN outputs; a zero row: zeros */
+        *scale = a == 0.0f ? 0.0f : NAN;
+        return;
+    }
+    const float inv = 127.0f / a;
+    *scale = a / 127.0f;
+    if (isinf(inv)) {
+        w8_quantize_tiny(x, bf16, K, q);
+        return;
+    }
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) { /* fcvtns: round to nearest, ties to even (torch.round) */
+        const int32x4_t lo = vcvtnq_s32_f32(vmulq_n_f32(w8_neon_load4(x, bf16, k), inv));
+        const int32x4_t hi = vcvtnq_s32_f32(vmulq_n_f32(w8_neon_load4(x, bf16, k + 4), inv));
+        vst1_s8(q + k, vqmovn_s16(vcombine_s16(vqmovn_s32(lo), vqmovn_s32(hi))));
+    }
+    for (; k < K; k++) q[k] = (int8_t)vcvtns_s32_f32(w8_neon_at(x, bf16, k) * inv);
+}
+
+/* acc lane c += the dot product of w's 4 bytes of lane c with xb's (the same 4 in each lane). */
+static inline __attribute__((always_inline)) int32x4_t w8_neon_dot4(int32x4_t acc, int8x16_t w,
+                                                                    int8x16_t xb, int sdot) {
+#if HKV_NEON_DOT
+    if (sdot) return vdotq_s32(acc, w, xb);
+#endif
+    (void)sdot;
+    const int16x8_t lo = vmull_s8(vget_low_s8(w), vget_low_s8(xb)); /* columns 0, 1: 4 each */
+    const int16x8_t hi = vmull_high_s8(w, xb);                      /* columns 2, 3 */
+    return vpadalq_s16(acc, vpaddq_s16(lo, hi)); /* pairs of pairs: one sum per column */
+}
+
+/* acc[i][c] = the sums of row i of xq (i < rows) with columns 4c .. 4c + 3 of the block whose
+ * tiles start at W (KB tiles of 1 KiB: tile row kr = kb * 16 + r at W + 64 kr, k = 4 kr). */
+static inline __attribute__((always_inline)) void w8_neon_sums(const int8_t *xq, int64_t Kp,
+                                                               const int8_t *W, int64_t KB,
+                                                               int rows, int sdot,
+                                                               int32x4_t acc[][4]) {
+    /* local sums, their loops unrolled early (before GCC's scalar replacement): so they stay
+     * in registers (acc, which the int8 loads may alias, would be stored at every step) */
+    int32x4_t a[W8_NEON_ROWS][4];
+    _Pragma("GCC unroll 4") for (int i = 0; i < rows; i++)
+        _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) a[i][c] = vdupq_n_s32(0);
+    for (int64_t kr = 0; kr < KB * 16; kr++) {
+        const int8x16x4_t w = vld1q_s8_x4(W + 64 * kr);
+        _Pragma("GCC unroll 4") for (int i = 0; i < rows; i++) {
+            int32_t four; /* xq[i, 4 kr .. 4 kr + 3] */
+            memcpy(&four, xq + i * Kp + 4 * kr, 4);
+            const int8x16_t xb = vreinterpretq_s8_s32(vdupq_n_s32(four));
+            _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++)
+                a[i][c] = w8_neon_dot4(a[i][c], w.val[c], xb, sdot);
+        }
+    }
+    memcpy(acc, a, sizeof(int32x4_t) * 4 * (size_t)rows);
+}
+
+/* hkv_f32_to_bf16 of 4 values (nearest even, NaN -> 0x7fc0). */
+static inline uint16x4_t w8_neon_to_bf16(float32x4_t v) {
+    const uint32x4_t bits = vreinterpretq_u32_f32(v);
+    const uint32x4_t odd = vandq_u32(vshrq_n_u32(bits, 16), vdupq_n_u32(1));
+    const uint32x4_t r = vshrq_n_u32(vaddq_u32(bits, vaddq_u32(odd, vdupq_n_u32(0x7fff))), 16);
+    const uint32x4_t nan = vmvnq_u32(vceqq_f32(v, v));
+    return vmovn_u32(vbslq_u32(nan, vdupq_n_u32(0x7fc0), r));
+}
+
+/* y[m0 + i, n0 .. n0 + 15] (i < mr, columns < N) = (sum * sx[m0 + i]) * sw[n], rounded once. */
+static void w8_neon_store(int32x4_t acc[][4], const float *sx, int64_t m0, int64_t mr,
+                          const uint16_t *sw, int64_t N, int64_t n0, void *y, int64_t ldy,
+                          int y_bf16) {
+    for (int c = 0; c < 4; c++) {
+        const int64_t n = n0 + 4 * c, cols = N - n < 4 ? N - n : 4;
+        if (cols <= 0) break;
+        uint16_t s[4] = {0};
+        memcpy(s, sw + n, 2 * (size_t)cols);
+        const float32x4_t ws = vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(s), 16));
+        for (int64_t i = 0; i < mr; i++) {
+            const float32x4_t v = vmulq_f32(vmulq_n_f32(vcvtq_f32_s32(acc[i][c]), sx[m0 + i]), ws);
+            const int64_t at = (m0 + i) * ldy + n;
+            if (y_bf16) {
+                uint16_t b[4];
+                vst1_u16(b, w8_neon_to_bf16(v));
+                memcpy((uint16_t *)y + at, b, 2 * (size_t)cols);
+            } else if (cols == 4) {
+                vst1q_f32((float *)y + at, v);
+            } else {
+                float f[4];
+                vst1q_f32(f, v);
+                memcpy((float *)y + at, f, 4 * (size_t)cols);
+            }
+        }
+    }
+}
+
+/* Columns 16 nb .. 16 nb + 15 of rows m0 .. m0 + mr - 1 (mr <= W8_NEON_ROWS): the sums with
+ * a constant row count (the accumulators stay in registers), then y. */
+static inline __attribute__((always_inline)) void w8_neon_block(
+    const int8_t *xq, const float *sx, int64_t m0, int64_t mr, int64_t Kp, const int8_t *wp,
+    const uint16_t *sw, int64_t N, int64_t nb, void *y, int64_t ldy, int y_bf16, int sdot) {
+    const int64_t KB = Kp / 64;
+    const int8_t *W = wp + nb * KB * 1024, *X = xq + m0 * Kp;
+    int32x4_t acc[W8_NEON_ROWS][4];
+    switch (mr) {
+    case 1: w8_neon_sums(X, Kp, W, KB, 1, sdot, acc); break;
+    case 2: w8_neon_sums(X, Kp, W, KB, 2, sdot, acc); break;
+    case 3: w8_neon_sums(X, Kp, W, KB, 3, sdot, acc); break;
+    default: w8_neon_sums(X, Kp, W, KB, W8_NEON_ROWS, sdot, acc); break;
+    }
+    w8_neon_store(acc, sx, m0, mr, sw, N, 16 * nb, y, ldy, y_bf16);
+}
+
+static void w8_neon_block_plain(const int8_t *xq, const float *sx, int64_t m0, int64_t mr,
+                                int64_t Kp, const int8_t *wp, const uint16_t *sw, int64_t N,
+                                int64_t nb, void *y, int64_t ldy, int y_bf16) {
+    w8_neon_block(xq, sx, m0, mr, Kp, wp, sw, N, nb, y, ldy, y_bf16, 0);
+}
+
+#if HKV_NEON_DOT
+static void w8_neon_block_sdot(const int8_t *xq, const float *sx, int64_t m0, int64_t mr,
+                               int64_t Kp, const int8_t *wp, const uint16_t *sw, int64_t N,
+                               int64_t nb, void *y, int64_t ldy, int y_bf16) {
+    w8_neon_block(xq, sx, m0, mr, Kp, wp, sw, N, nb, y, ldy, y_bf16, 1);
+}
+#endif
+
+typedef void (*w8_neon_block_fn)(const int8_t *, const float *, int64_t, int64_t, int64_t,
+                                 const int8_t *, const uint16_t *, int64_t, int64_t, void *,
+                                 int64_t, int);
+
+/* y = w8a8(x) on NEON with `block` (the arguments and result of hkv_w8a8_linear). 0, or -1:
+ * no memory. */
+static int w8_neon_run(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K,
+                       const int8_t *wp, const uint16_t *sw, int64_t N, void *y, int64_t ldy,
+                       int y_bf16, w8_neon_block_fn block) {
+    const int64_t Kp = (K + 63) / 64 * 64, NB = (N + 15) / 16, esz = x_bf16 ? 2 : 4;
+    int8_t *xq = malloc((size_t)(M * Kp + 64));
+    float *sx = malloc(sizeof(float) * (size_t)(M > 0 ? M : 1));
+    if (xq == NULL || sx == NULL) {
+        free(xq), free(sx);
+        return -1;
+    }
+    const int parallel = N * K >= W8_NEON_PARALLEL_MIN;
+#pragma omp parallel if (parallel)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            w8_quantize_row_neon((const char *)x + m * ldx * esz, x_bf16, K, Kp, xq + m * Kp,
+                                 sx + m);
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t nb = 0; nb < NB; nb++)
+            for (int64_t m0 = 0; m0 < M; m0 += W8_NEON_ROWS)
+                block(xq, sx, m0, M - m0 < W8_NEON_ROWS ? M - m0 : W8_NEON_ROWS, Kp, wp, sw, N, nb,
+                      y, ldy, y_bf16);
+    }
+    free(xq), free(sx);
+    return 0;
+}
+
+/* y = w8a8(x) with NEON's 16-bit products (any aarch64 CPU). */
+int hkv_w8a8_linear_neon(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K,
+                         const int8_t *wp, const uint16_t *sw, int64_t N, void *y, int64_t ldy,
+                         int y_bf16) {
+    return w8_neon_run(x, ldx, x_bf16, M, K, wp, sw, N, y, ldy, y_bf16, w8_neon_block_plain);
+}
+#endif /* HKV_NEON */
+
+#if HKV_NEON_DOT
+/* y = w8a8(x) with sdot (ARMv8.2's dot product: Neoverse N1 / V1 / V2, Graviton 2+, Apple M). */
+int hkv_w8a8_linear_neon_dot(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K,
+                             const int8_t *wp, const uint16_t *sw, int64_t N, void *y,
+                             int64_t ldy, int y_bf16) {
+    return w8_neon_run(x, ldx, x_bf16, M, K, wp, sw, N, y, ldy, y_bf16, w8_neon_block_sdot);
+}
+#else /* no dot product in this build (or no NEON): no kernel */
+int hkv_w8a8_linear_neon_dot(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K,
+                             const int8_t *wp, const uint16_t *sw, int64_t N, void *y,
+                             int64_t ldy, int y_bf16) {
+    (void)x, (void)ldx, (void)x_bf16, (void)M, (void)K, (void)wp, (void)sw, (void)N, (void)y;
+    (void)ldy, (void)y_bf16;
+    return -1;
+}
+#endif
+
+#if !HKV_NEON
+int hkv_w8a8_linear_neon(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K,
+                         const int8_t *wp, const uint16_t *sw, int64_t N, void *y, int64_t ldy,
+                         int y_bf16) {
+    (void)x, (void)ldx, (void)x_bf16, (void)M, (void)K, (void)wp, (void)sw, (void)N, (void)y;
+    (void)ldy, (void)y_bf16;
+    return -1;
+}
 #endif
