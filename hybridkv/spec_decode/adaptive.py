@@ -36,10 +36,21 @@ a step of mixed chunk lengths that runs eagerly. `rewind seconds(n)` is what suc
 beyond a plain step (measured: steps with restores; one plain step's time until then), and
 P(a rewind | q) = 1 - prod_i P(request i has none).
 
-An unmeasured shape is predicted to cost what the largest measured one below it does (more
-tokens per row for free: the optimistic guess, so that each size that could pay is tried once)
-and runs when that prediction wins, one size at a time upwards (the smallest unmeasured size is
-the largest considered, so a steep cost curve stops the exploration early); a shape's first
+An unmeasured shape (n, q) is predicted from the measured ones, and runs when that prediction
+wins, one size at a time upwards (the smallest unmeasured size is the largest considered):
+
+    t(n, q) ~ max( t(n, q') + (q - q') * max(0, t(n, q') - t(n, q' - 1)),   q' the largest
+                                                    measured size below q: its last row's cost
+                                                    goes on (0 when q' - 1 is unmeasured: the
+                                                    first size up is free, the optimistic guess)
+                   t(n, 1) * t(n', q) / t(n', 1) )  n' the nearest batch size where q and 1
+                                                    are measured: the cost of q rows per
+                                                    request relative to one scales across
+                                                    batch sizes
+
+so a size that could pay is tried once, and a cost curve measured as steep (on a CPU each
+verify row costs what a decode token does) stops the exploration, at this batch size and at
+the others (a batch that shrinks as requests finish need not explore again). A shape's first
 two runs (eager, then building its captured program) are not counted, two more make its
 median. Every `probe_every` steps the neighbour of the choice (one draft more or fewer)
 measured longest ago runs instead, so the choice follows the machine's load. Whether drafting
@@ -226,12 +237,31 @@ class GoodputPolicy:
     # -- step times ----------------------------------------------------------------------------
 
     def _step_seconds(self, n: int, q: int) -> float | None:
-        """Measured seconds of shape (n, q); unmeasured, optimistically those of the largest
-        measured shape below it (module docstring); None: nothing measured at or below it."""
-        for size in range(q, 0, -1):
-            if self._trusted(n, size):
-                return self.seconds[(n, size)].value
-        return None
+        """Measured seconds of shape (n, q); unmeasured, predicted from the measured shapes
+        (module docstring); None: nothing measured at or below it at batch size n."""
+        below = next((size for size in range(q, 0, -1) if self._trusted(n, size)), None)
+        if below is None:
+            return None
+        seconds = self.seconds[(n, below)].value
+        if below == q:
+            return seconds
+        last_row = 0.0  # what the largest measured size's last token per request cost
+        if below > 1 and self._trusted(n, below - 1):
+            last_row = max(0.0, seconds - self.seconds[(n, below - 1)].value)
+        return max(seconds + (q - below) * last_row, self._scaled_from_other_sizes(n, q))
+
+    def _scaled_from_other_sizes(self, n: int, q: int) -> float:
+        """t(n, 1) * t(n', q) / t(n', 1) at the nearest batch size n' where both are measured
+        (0.0: none, or t(n, 1) unmeasured)."""
+        if not self._trusted(n, 1):
+            return 0.0
+        others = [m for (m, size) in self.seconds if size == q and m != n]
+        others = [m for m in others if self._trusted(m, q) and self._trusted(m, 1)]
+        if not others:
+            return 0.0
+        m = min(others, key=lambda m: (abs(m - n), m))
+        ratio = self.seconds[(m, q)].value / max(self.seconds[(m, 1)].value, 1e-12)
+        return self.seconds[(n, 1)].value * ratio
 
     def _trusted(self, n: int, q: int) -> bool:
         times = self.seconds.get((n, q))

@@ -147,6 +147,45 @@ def test_unmeasured_shapes_are_tried_and_warmup_runs_not_counted():
     assert p.choose(cands) == 2
 
 
+def sample(policy: GoodputPolicy, n: int, q: int, seconds: float) -> None:
+    for _ in range(WARMUP_RUNS + MIN_SAMPLES):
+        policy.observe_step(n, q, seconds)
+
+
+def test_a_steep_cost_curve_stops_the_exploration():
+    """Measured at q = 1 and 2 as compute-bound (each row a decode token's cost), q = 3 is
+    predicted to cost one row more again, so even drafts that are always right (3 tokens for 3
+    rows) are not worth trying it; flat costs keep the optimistic guess."""
+    p = GoodputPolicy(K, rewinds=False)
+    teach(p, "a", 1.0)
+    sample(p, 1, 1, 1e-3)
+    sample(p, 1, 2, 2e-3)
+    assert p._step_seconds(1, 3) == pytest.approx(3e-3)
+    assert p._step_seconds(1, 5) == pytest.approx(5e-3)
+    assert p.choose(full(["a"])) in (1, 2)  # all three rates equal: never the unmeasured 3
+    q = GoodputPolicy(K, rewinds=False)
+    teach(q, "a", 1.0)
+    sample(q, 1, 1, 1e-3)
+    sample(q, 1, 2, 1.1e-3)
+    assert q.choose(full(["a"])) == 3  # rows nearly free: the next size is tried
+
+
+@pytest.mark.parametrize("cost, explores", [(linear, False), (flat, True)])
+def test_other_batch_sizes_predict_an_unmeasured_one(cost, explores):
+    """Batch 8 measured at every size; at batch 7 (a request finished) only plain steps are:
+    q rows per request relative to one cost what they did at 8, so a compute-bound machine does
+    not explore again, and one where rows are nearly free does."""
+    p = GoodputPolicy(K, rewinds=False)
+    measure(p, 8, cost)
+    sample(p, 7, 1, cost(7, 1))
+    rids = [f"r{i}" for i in range(7)]
+    for rid in rids:
+        teach(p, rid, 0.8)
+    predicted = p._step_seconds(7, 2)
+    assert predicted == pytest.approx(cost(7, 1) * cost(8, 2) / cost(8, 1))
+    assert (p.choose(full(rids)) > 1) is explores
+
+
 def test_step_times_are_medians():
     p = GoodputPolicy(K, rewinds=False)
     for s in [9.0, 9.0, 1e-3, 1e-3, 5.0, 1e-3]:  # two warm-up runs, then one outlier
