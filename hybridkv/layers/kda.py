@@ -46,6 +46,16 @@ _OPS = "hybridkv.ops.kda_ops:"
 # Where the ops can run, in order of preference (the plan takes the first that runs here).
 KDA_OPS = (
     StateOps(
+        "fla",
+        _OPS + "FlaKdaOps",
+        frozenset({"cuda"}),
+        frozenset({"float32", "float16", "bfloat16"}),
+        needs="fla",
+        description="flash-linear-attention's chunked KDA kernel for prefill chunks (fla-core, "
+        "when installed), hybridkv's Triton decode steps",
+        compute_dtypes=frozenset({"float16", "bfloat16"}),
+    ),
+    StateOps(
         "native",
         _OPS + "NativeKdaOps",
         frozenset({"cpu"}),

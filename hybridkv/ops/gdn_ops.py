@@ -29,8 +29,8 @@ import torch
 
 from hybridkv.forward_batch import StateMetadata
 from hybridkv.ops.derived import derived
-from hybridkv.ops.gated_delta import DecodeRows, _initial_state, gated_delta_rule_varlen
-from hybridkv.ops.mamba2 import _split_by_length, packed_tokens
+from hybridkv.ops.fla_varlen import FlaPrefill
+from hybridkv.ops.gated_delta import DecodeRows, gated_delta_rule_varlen
 from hybridkv.ops.mamba2_ops import (
     NativeMamba2Ops,
     TorchMamba2Ops,
@@ -188,70 +188,31 @@ class TritonGDNOps(TritonMamba2Ops, TorchGDNOps):
         return triton_gdn.gdn_decode
 
 
-class FlaGDNOps(TritonGDNOps):
+class FlaGDNOps(FlaPrefill, TritonGDNOps):
     """GPUs with flash-linear-attention installed: prefill chunks through its chunked kernel
     (`chunk_gated_delta_rule`, the one vLLM and SGLang run), which on an H200 at Qwen3-Next's
     sizes took 0.04 to 0.26 of the PyTorch chunked form's time; one-token requests (and the
     verify chunks of speculating requests, one token at a time) through hybridkv's Triton decode
-    kernel, which reads and writes each state in its page. bfloat16 / float16 compute only: the
-    kernel's matrix products round float32 inputs to TF32."""
+    kernel, which reads and writes each state in its page (the routing: `ops.fla_varlen`).
+    bfloat16 / float16 compute only: the kernel's matrix products round float32 inputs to
+    TF32."""
 
     name = "fla"
 
-    def rule(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        state: torch.Tensor,
-        meta: StateMetadata,
-        positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """As `TorchGDNOps.rule`; requests longer than one token go through fla."""
-        if positions is not None or meta.max_query_len == 1:
-            return super().rule(q, k, v, g, beta, state, meta, positions)
-        starts = meta.query_start_loc[:-1].long()
-        lens = meta.query_start_loc[1:].long() - starts
-        dec, pre = _split_by_length(lens)  # (host sync: their counts size fla's grid)
-        out = torch.empty(q.shape[0], v.shape[1], v.shape[2], dtype=torch.float32, device=v.device)
-        if dec.numel() > 0:  # one token each, in the Triton decode kernel
-            tok = starts[dec]
-            one = torch.arange(dec.numel() + 1, dtype=torch.int32, device=v.device)
-            sub = StateMetadata(meta.state_pages[dec], meta.has_initial_state[dec], one, 1)
-            out[tok] = super().rule(q[tok], k[tok], v[tok], g[tok], beta[tok], state, sub)
-        if pre.numel() > 0:
-            self._prefill((q, k, v, g, beta), state, meta, starts[pre], lens[pre], pre, out)
-        return out
-
     @staticmethod
-    def _prefill(
-        inputs: tuple[torch.Tensor, ...],
-        state: torch.Tensor,
-        meta: StateMetadata,
-        starts: torch.Tensor,
-        lens: torch.Tensor,
-        pre: torch.Tensor,
-        out: torch.Tensor,
-    ) -> None:
-        """The requests `pre` (starts, lens: theirs) through fla's varlen chunked kernel, their
-        rows of `out` written: initial states gathered from their pages (zeros where none),
-        final ones written back. `inputs`: q, k, v, g, beta of the whole step."""
+    def fla_chunk(
+        inputs: tuple[torch.Tensor, ...], h0: torch.Tensor, cu_seqlens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fla's `chunk_gated_delta_rule` on the packed q, k [1, n, Hk, K] (L2-normalised in the
+        kernel, q scaled by its default 1/sqrt(K)), v [1, n, Hv, V], g, beta [1, n, Hv]: the
+        rule of `ops.gated_delta`, states [N, Hv, K, V] as hybridkv's pages."""
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-        n_tok = int(lens.sum())
-        _, _, tok = packed_tokens(starts, lens, n_tok)  # [n] their tokens in the batch
-        q, k, v, g, beta = (t.index_select(0, tok)[None] for t in inputs)  # [1, n, ...]
-        cu = torch.zeros(lens.numel() + 1, dtype=torch.long, device=tok.device)
-        torch.cumsum(lens, 0, out=cu[1:])  # fla's cu_seqlens
-        h0 = _initial_state(state, meta.state_pages[pre], meta.has_initial_state[pre])
-        o, ht = chunk_gated_delta_rule(
-            q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-            use_qk_l2norm_in_kernel=True,
+        q, k, v, g, beta = inputs
+        return chunk_gated_delta_rule(
+            q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
         )  # fmt: skip
-        state.index_copy_(0, meta.state_pages[pre], ht.to(state.dtype))
-        out[tok] = o[0].float()
 
 
 def native_conv_applies(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> bool:

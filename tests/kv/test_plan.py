@@ -363,10 +363,15 @@ def test_requested_state_ops_are_validated():
         ("bfloat16", {"triton"}, "triton"),  # not installed
     ],
 )
-def test_gdn_ops_take_fla_where_installed_for_half_precision(compute, caps, chosen):
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_linear_attention_ops_take_fla_where_installed_for_half_precision(
+    kind, compute, caps, chosen
+):
     from hybridkv.layers.gated_delta_net import GDN_OPS
+    from hybridkv.layers.kda import KDA_OPS
 
-    spec = StateSpec("gdn", (StateTensor("recurrent", (2, 8, 8), "float32"),), GDN_OPS)
+    ops = {"gdn": GDN_OPS, "kda": KDA_OPS}[kind]
+    spec = StateSpec(kind, (StateTensor("recurrent", (2, 8, 8), "float32"),), ops)
     assert select_state_ops(spec, "cuda", compute, frozenset(caps)) == chosen
     assert select_state_ops(spec, "cpu", compute, frozenset({"fla", "native"})) != "fla"
     with pytest.raises(PlanError, match="'fla' cannot run .* computes in bfloat16, float16, "
