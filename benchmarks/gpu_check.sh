@@ -20,8 +20,9 @@
 #                         engine on CUDA against transformers
 #   spec_decode.log       speculative decoding on CUDA, every cache kind, against transformers
 #   gpu_mamba.txt         benchmarks/gpu_mamba.py: Mamba2 / GDN decode kernels against PyTorch
-#   fla_tests.log         the fla GDN ops (tests/ops/test_gdn_ops_fla.py) with fla importable
-#   gpu_fla.txt           benchmarks/gpu_fla.py: the GDN ops against flash-linear-attention
+#   fla_tests.log         the fla GDN and KDA ops (tests/ops/test_{gdn,kda}_ops_fla.py) with fla
+#                         importable
+#   gpu_fla.txt           benchmarks/gpu_fla.py: the GDN and KDA ops against flash-linear-attention
 #   gpu_attention.txt     benchmarks/gpu_attention.py's table (and .json in JSON_DIR)
 #   gpu_sweep.txt         its launch sweep (tile sizes, warps, stages) at kbs 16 and 128 (.json)
 #   compile_report.txt    sm_90a registers, spills and shared memory per kernel (this Triton's)
@@ -68,9 +69,9 @@ step gpu_mamba 60 gpu_mamba.txt "$py" benchmarks/gpu_mamba.py
 # the tests' references, which fails
 if [ -n "${FLA_PATH:-}" ]; then
     with_fla=(env PYTHONPATH="$PYTHONPATH:$FLA_PATH")
-    step fla_tests 150 fla_tests.log "${with_fla[@]}" "$py" -m pytest -q -rP -p no:cacheprovider \
-        -n 4 -m "gpu or triton" tests/ops/test_gdn_ops_fla.py
-    step gpu_fla 90 gpu_fla.txt "${with_fla[@]}" "$py" benchmarks/gpu_fla.py
+    step fla_tests 240 fla_tests.log "${with_fla[@]}" "$py" -m pytest -q -rP -p no:cacheprovider \
+        -n 4 -m "gpu or triton" tests/ops/test_gdn_ops_fla.py tests/ops/test_kda_ops_fla.py
+    step gpu_fla 180 gpu_fla.txt "${with_fla[@]}" "$py" benchmarks/gpu_fla.py
 else
     echo "gpu_fla: skipped (set FLA_PATH to where fla-core is unpacked)" | tee -a "$out/summary.txt"
 fi
