@@ -72,6 +72,106 @@
 
 static inline int64_t moe_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
+/* ---- Shared by every build: the routing rules, the sort of the pairs by expert ---- */
+
+static inline float moe_round1(float f) {
+    const uint32_t bits = (uint32_t)hkv_f32_to_bf16(f) << 16;
+    float r;
+    memcpy(&r, &bits, sizeof r);
+    return r;
+}
+
+/* The softmax of a token's E logits, then its k largest probabilities (largest first; the
+ * lower index among equals), renormalised to sum 1 when `normalize` (Qwen3-Next): experts [k],
+ * w [k] float32. prob: the logits, overwritten. */
+static void moe_softmax_topk(float *prob, int64_t E, int64_t k, float top, int normalize,
+                             int64_t *experts, float *w) {
+    float sum = 0.0f;
+    for (int64_t e = 0; e < E; e++) sum += (prob[e] = expf(prob[e] - top));
+    const float inv = 1.0f / sum;
+    for (int64_t e = 0; e < E; e++) prob[e] *= inv;
+    float chosen_sum = 0.0f;
+    for (int64_t j = 0; j < k; j++) { /* k passes: the largest not taken yet */
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)
+            if (prob[e] != -1.0f && (best < 0 || prob[e] > prob[best])) best = e;
+        experts[j] = best;
+        w[j] = prob[best];
+        chosen_sum += prob[best];
+        prob[best] = -1.0f; /* taken (probabilities are >= 0) */
+    }
+    if (normalize)
+        for (int64_t j = 0; j < k; j++) w[j] /= chosen_sum;
+}
+
+/* The k largest of a token's E logits (largest first; the lower index among equals), then the
+ * softmax of those k alone: w[j] = e^(l - top) / sum, top the largest logit. logit:
+ * overwritten. */
+static void moe_topk_softmax(float *logit, int64_t E, int64_t k, float top, int64_t *experts,
+                             float *w) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)
+            if (logit[e] != -INFINITY && (best < 0 || logit[e] > logit[best])) best = e;
+        if (best < 0) /* (only -inf left: the lowest index not taken) */
+            for (int64_t e = 0; e < E && best < 0; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++) taken |= experts[i] == e;
+                if (!taken) best = e;
+            }
+        experts[j] = best;
+        sum += (w[j] = expf(logit[best] - top));
+        logit[best] = -INFINITY; /* taken */
+    }
+    for (int64_t j = 0; j < k; j++) w[j] /= sum;
+}
+
+/* One token's rule on its E float32 logits (overwritten) -> experts [k], w [k] float32. mode
+ * (moe.py): 0 softmax then top-k (Jamba), 1 the same renormalised (Qwen3-Next), 2 top-k then
+ * the softmax of those k (Granite MoE). */
+static void moe_rule(float *logits, int64_t E, int64_t k, int mode, int64_t *experts, float *w) {
+    float top = -INFINITY;
+    for (int64_t e = 0; e < E; e++) top = logits[e] > top ? logits[e] : top;
+    if (mode == 2)
+        moe_topk_softmax(logits, E, k, top, experts, w);
+    else
+        moe_softmax_topk(logits, E, k, top, mode, experts, w);
+}
+
+/* The P = T * k pairs (flat index i = t * k + j) sorted by expert with a counting sort (pair
+ * order within an expert is token order, as PyTorch's stable argsort): offsets [E + 1] (expert
+ * e's sorted positions offsets[e] .. offsets[e + 1] - 1), order [P] (sorted position -> pair),
+ * pos [P] (pair -> sorted position). experts NULL: expert 0 for every pair. Returns 0, or -1
+ * for an id outside 0 .. E - 1. */
+static int moe_sort_pairs(const int64_t *experts, int64_t P, int64_t E, int64_t *offsets,
+                          int64_t *order, int64_t *pos) {
+    memset(offsets, 0, sizeof(int64_t) * (size_t)(E + 1));
+    for (int64_t i = 0; i < P; i++) {
+        const int64_t e = experts == NULL ? 0 : experts[i];
+        if (e < 0 || e >= E) return -1;
+        offsets[e + 1]++;
+    }
+    for (int64_t e = 0; e < E; e++) offsets[e + 1] += offsets[e];
+    for (int64_t i = 0; i < P; i++) { /* offsets[e] walks expert e's positions ... */
+        const int64_t p = offsets[experts == NULL ? 0 : experts[i]]++;
+        order[p] = i, pos[i] = p;
+    }
+    for (int64_t e = E; e > 0; e--) offsets[e] = offsets[e - 1]; /* ... and is put back */
+    offsets[0] = 0;
+    return 0;
+}
+
+/* A token's k sorted positions (ps [k]) in ascending (= expert) order into mine [k]: the
+ * order in which its experts' outputs are added (k is small: an insertion sort). */
+static void moe_token_order(const int64_t *ps, int64_t k, int64_t *mine) {
+    for (int64_t j = 0; j < k; j++) {
+        int64_t v = ps[j], i = j;
+        for (; i > 0 && mine[i - 1] > v; i--) mine[i] = mine[i - 1];
+        mine[i] = v;
+    }
+}
+
 #if MOE_AMX
 
 /* 16 bfloat16 values (the lanes of m; zeros elsewhere) as float32 */
@@ -306,22 +406,10 @@ static int moe_run(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
     int64_t *offsets = ints, *order = offsets + E + 1, *pos = order + P, *tasks = pos + P;
     s.order = order, s.h = (uint16_t *)buf, s.Y = direct ? NULL : (uint16_t *)(buf + h_bytes);
     s.out = out;
-    memset(offsets, 0, sizeof(int64_t) * (size_t)(E + 1));
-    for (int64_t i = 0; i < P; i++) { /* (experts NULL: every pair expert 0) */
-        const int64_t e = experts == NULL ? 0 : experts[i];
-        if (e < 0 || e >= E) {
-            free(ints), free(buf);
-            return -1;
-        }
-        offsets[e + 1]++;
+    if (moe_sort_pairs(experts, P, E, offsets, order, pos) != 0) {
+        free(ints), free(buf);
+        return -1;
     }
-    for (int64_t e = 0; e < E; e++) offsets[e + 1] += offsets[e];
-    for (int64_t i = 0; i < P; i++) { /* offsets[e] walks expert e's positions ... */
-        const int64_t p = offsets[experts == NULL ? 0 : experts[i]]++;
-        order[p] = i, pos[i] = p;
-    }
-    for (int64_t e = E; e > 0; e--) offsets[e] = offsets[e - 1]; /* ... and is put back */
-    offsets[0] = 0;
     memset(s.h + P * s.Kp2, 0, sizeof(uint16_t) * (size_t)(32 * s.Kp2)); /* rows past P */
     if (s.Kp2 > Ip) /* h's columns past Ip meet zero weights, but must not be NaN */
         for (int64_t p = 0; p < P; p++) memset(s.h + p * s.Kp2 + Ip, 0, 2 * (size_t)(s.Kp2 - Ip));
@@ -368,12 +456,7 @@ static int moe_run(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
             failed = 1;
             continue;
         }
-        const int64_t *ps = pos + t * k;
-        for (int64_t j = 0; j < k; j++) { /* insertion sort: k is small */
-            int64_t v = ps[j], i = j;
-            for (; i > 0 && mine[i - 1] > v; i--) mine[i] = mine[i - 1];
-            mine[i] = v;
-        }
+        moe_token_order(pos + t * k, k, mine);
         uint16_t *o = out + t * out_stride;
         const uint16_t *ex = extra ? extra + t * extra_stride : NULL;
         for (int64_t c = 0; c < H; c += 16) { /* 0 + y, then + y rounded after each */
@@ -421,57 +504,6 @@ static inline float moe_dot(const uint16_t *x, const uint16_t *w, int64_t n) {
     return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
-static inline float moe_round1(float f) {
-    const uint32_t bits = (uint32_t)hkv_f32_to_bf16(f) << 16;
-    float r;
-    memcpy(&r, &bits, sizeof r);
-    return r;
-}
-
-/* The softmax of a token's E logits, then its k largest probabilities (largest first; the
- * lower index among equals), renormalised to sum 1 when `normalize` (Qwen3-Next). */
-static void moe_softmax_topk(float *prob, int64_t E, int64_t k, float top, int normalize,
-                             int64_t *experts, uint16_t *weights, float *chosen) {
-    float sum = 0.0f;
-    for (int64_t e = 0; e < E; e++) sum += (prob[e] = expf(prob[e] - top));
-    const float inv = 1.0f / sum;
-    for (int64_t e = 0; e < E; e++) prob[e] *= inv;
-    float chosen_sum = 0.0f;
-    for (int64_t j = 0; j < k; j++) { /* k passes: the largest not taken yet */
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; e++)
-            if (prob[e] != -1.0f && (best < 0 || prob[e] > prob[best])) best = e;
-        experts[j] = best;
-        chosen[j] = prob[best];
-        chosen_sum += prob[best];
-        prob[best] = -1.0f; /* taken (probabilities are >= 0) */
-    }
-    for (int64_t j = 0; j < k; j++)
-        weights[j] = hkv_f32_to_bf16(normalize ? chosen[j] / chosen_sum : chosen[j]);
-}
-
-/* The k largest of a token's E logits (largest first; the lower index among equals), then the
- * softmax of those k alone: e^(l - top) / sum, top the largest logit. */
-static void moe_topk_softmax(float *logit, int64_t E, int64_t k, float top, int64_t *experts,
-                             uint16_t *weights) {
-    float e_k[MOE_MAX_K], sum = 0.0f;
-    for (int64_t j = 0; j < k; j++) {
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; e++)
-            if (logit[e] != -INFINITY && (best < 0 || logit[e] > logit[best])) best = e;
-        if (best < 0) /* (only -inf left: the lowest index not taken) */
-            for (int64_t e = 0; e < E && best < 0; e++) {
-                int taken = 0;
-                for (int64_t i = 0; i < j; i++) taken |= experts[i] == e;
-                if (!taken) best = e;
-            }
-        experts[j] = best;
-        sum += (e_k[j] = expf(logit[best] - top));
-        logit[best] = -INFINITY; /* taken */
-    }
-    for (int64_t j = 0; j < k; j++) weights[j] = hkv_f32_to_bf16(e_k[j] / sum);
-}
-
 void hkv_moe_route_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
                         const uint16_t *router, int64_t E, const uint16_t *shared_gate, int64_t k,
                         int mode, int64_t *experts, uint16_t *weights, uint16_t *scale,
@@ -479,18 +511,10 @@ void hkv_moe_route_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t 
 #pragma omp parallel for schedule(static) if (T * E * H >= (1 << 20))
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *xt = x + t * x_stride;
-        float *prob = work + t * E; /* this token's E probabilities */
-        float top = -INFINITY;
-        for (int64_t e = 0; e < E; e++) {
-            prob[e] = moe_round1(moe_dot(xt, router + e * H, H));
-            top = prob[e] > top ? prob[e] : top;
-        }
-        if (mode == 2) { /* softmax over the top-k logits (Granite MoE) */
-            moe_topk_softmax(prob, E, k, top, experts + t * k, weights + t * k);
-        } else { /* softmax, top-k, renormalised when mode is 1 (Jamba: 0, Qwen3-Next: 1) */
-            moe_softmax_topk(prob, E, k, top, mode, experts + t * k, weights + t * k,
-                             work + T * E + t * k);
-        }
+        float *prob = work + t * E, *w = work + T * E + t * k; /* E logits, k weights */
+        for (int64_t e = 0; e < E; e++) prob[e] = moe_round1(moe_dot(xt, router + e * H, H));
+        moe_rule(prob, E, k, mode, experts + t * k, w);
+        for (int64_t j = 0; j < k; j++) weights[t * k + j] = hkv_f32_to_bf16(w[j]);
         if (shared_gate != NULL) {
             const float g = moe_round1(moe_dot(xt, shared_gate, H));
             scale[t] = hkv_f32_to_bf16(1.0f / (1.0f + expf(-g)));
@@ -527,3 +551,145 @@ int hkv_moe_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
 }
 
 #endif
+
+/* ---- The router and the experts on every build (AVX2 + FMA, AVX-512, plain C) ----
+ *
+ * What an AVX2 CPU, an AVX-512 one without AMX and a float32 model on any CPU run (moe.py's
+ * `vector_route`, `vector_experts`): the same computation as the PyTorch paths, every product
+ * on the small-batch linears of f32_linear.c and bf16_linear.c (their weight streams, tiles
+ * and OpenMP split over output columns, for whichever of AVX-512, AVX2 + FMA or plain C the
+ * library is built), the activation on kernels.c's silu-mul. Both read their inputs and write
+ * their outputs through pointers only, so a captured decode step (program.py) replays them
+ * correctly when the routing changes from step to step. `bf16`: all tensors bfloat16 (each
+ * product's float32 sums rounded once, as PyTorch's bfloat16 linear), else all float32. */
+
+void hkv_f32_linear(const float *x, int64_t ldx, const float *w, const float *bias, int64_t M,
+                    int64_t N, int64_t K, float *y, int64_t ldy);
+void hkv_bf16_linear(const uint16_t *x, int64_t ldx, const uint16_t *w, const uint16_t *bias,
+                     int64_t M, int64_t N, int64_t K, uint16_t *y, int64_t ldy);
+void hkv_silu_mul_f32(const float *gate, int64_t g_stride, const float *up, int64_t u_stride,
+                      float *out, int64_t rows, int64_t I);
+void hkv_silu_mul_bf16(const uint16_t *gate, int64_t g_stride, const uint16_t *up,
+                       int64_t u_stride, uint16_t *out, int64_t rows, int64_t I);
+
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ w [N, K]^T in float32 or bfloat16 */
+static void moe_linear(int bf16, const void *x, int64_t ldx, const void *w, int64_t M,
+                       int64_t N, int64_t K, void *y, int64_t ldy) {
+    if (bf16)
+        hkv_bf16_linear(x, ldx, w, NULL, M, N, K, y, ldy);
+    else
+        hkv_f32_linear(x, ldx, w, NULL, M, N, K, y, ldy);
+}
+
+/* The router of an nn.Linear gate without bias:
+ *     x       [T, H] rows at a row stride, float32 or bfloat16 (bf16)
+ *     gate    [E, H] of x's dtype, contiguous
+ *     experts [T, k] int64 (largest first), weights [T, k] of x's dtype
+ *     work    [T * (2E + k)] float32
+ * logits = x @ gate^T (bfloat16: rounded once, as gate(x)), then per token the rule of `mode`
+ * (moe_rule: the AMX router's code) on the float32 logits, the weights rounded to x's dtype
+ * (what the callers' `weights.to(x.dtype)` would do). k <= E. */
+void hkv_moe_route(const void *x, int64_t x_stride, int64_t T, int64_t H, const void *gate,
+                   int64_t E, int64_t k, int mode, int bf16, int64_t *experts, void *weights,
+                   float *work) {
+    if (T <= 0 || k <= 0) return;
+    float *logits = work, *wk = work + 2 * T * E; /* [T, E]; then [T, k] float32 weights */
+    uint16_t *logits16 = (uint16_t *)(work + T * E); /* bfloat16 logits [T, E] */
+    moe_linear(bf16, x, x_stride, gate, T, E, H, bf16 ? (void *)logits16 : (void *)logits, E);
+#pragma omp parallel for schedule(static) if (T * E >= 4096)
+    for (int64_t t = 0; t < T; t++) {
+        float *l = logits + t * E, *w = wk + t * k;
+        if (bf16)
+            for (int64_t e = 0; e < E; e++) l[e] = hkv_bf16_to_f32(logits16[t * E + e]);
+        moe_rule(l, E, k, mode, experts + t * k, w);
+        for (int64_t j = 0; j < k; j++) {
+            if (bf16)
+                ((uint16_t *)weights)[t * k + j] = hkv_f32_to_bf16(w[j]);
+            else
+                ((float *)weights)[t * k + j] = w[j];
+        }
+    }
+}
+
+/* out[t] (+)= w * y in float32 or bfloat16: bfloat16 rounds y * w, then the sum (as PyTorch's
+ * `h * w` and `index_add_` in bfloat16); `first`: out = 0 + w * y */
+static void moe_add_weighted(int bf16, void *out, const void *y, const void *w, int64_t n,
+                             int first) {
+    if (bf16) {
+        uint16_t *o = out;
+        const uint16_t *v = y;
+        const float wt = hkv_bf16_to_f32(*(const uint16_t *)w);
+        for (int64_t c = 0; c < n; c++) {
+            const float p = moe_round1(hkv_bf16_to_f32(v[c]) * wt);
+            o[c] = hkv_f32_to_bf16(first ? 0.0f + p : hkv_bf16_to_f32(o[c]) + p);
+        }
+    } else {
+        float *o = out;
+        const float *v = y, wt = *(const float *)w;
+        if (first)
+            for (int64_t c = 0; c < n; c++) o[c] = 0.0f + v[c] * wt;
+        else
+            for (int64_t c = 0; c < n; c++) o[c] += v[c] * wt;
+    }
+}
+
+/* SwiGLU experts, every (token, expert) pair of a step in one call:
+ *     x        [T, H] rows at a row stride
+ *     experts  [T, k] int64, weights [T, k] of x's dtype
+ *     gate_up  [E, 2I, H] ([gate | up] rows), down [E, H, I], contiguous
+ *     out      [T, H] rows at a row stride
+ *     out[t] = sum over j, in ascending expert order, of
+ *              w[t, j] * down_e (silu(gate_e x[t]) * up_e x[t]),   e = experts[t, j]
+ * all float32 or all bfloat16 (bf16), rounded in bfloat16 as the AMX kernel above (and the
+ * PyTorch path's per-expert loop): each product's output, silu before the product with up, the
+ * product, y * w and the token's sum after each addition. The pairs are sorted by expert
+ * (moe_sort_pairs) and each expert hit runs once on its rows, gathered: [n, H] -> gate_up ->
+ * [n, 2I] -> silu * up -> [n, I] -> down -> [n, H]; then each token adds its pairs' rows. At
+ * decode sizes (a few rows an expert) each product streams its expert's weight once, split
+ * over the threads by output columns (the linears' OpenMP). Returns 0, -1 for an expert id
+ * outside 0 .. E - 1 (out untouched), -2 without memory for the work space. */
+int hkv_moe_experts(const void *x, int64_t x_stride, int64_t T, int64_t H,
+                    const int64_t *experts, const void *weights, int64_t k, int64_t E,
+                    const void *gate_up, const void *down, int64_t I, int bf16, void *out,
+                    int64_t out_stride) {
+    const int64_t P = T * k, es = bf16 ? 2 : 4;
+    if (T <= 0) return 0;
+    int64_t *ints = malloc(sizeof(int64_t) * (size_t)(E + 1 + 2 * P + k));
+    char *buf = malloc((size_t)(P * (2 * H + 3 * I) * es) + 64);
+    if (ints == NULL || buf == NULL) {
+        free(ints), free(buf);
+        return -2;
+    }
+    int64_t *offsets = ints, *order = offsets + E + 1, *pos = order + P, *mine = pos + P;
+    if (moe_sort_pairs(experts, P, E, offsets, order, pos) != 0) {
+        free(ints), free(buf);
+        return -1;
+    }
+    char *xg = buf, *gu = xg + P * H * es, *h = gu + P * 2 * I * es, *Y = h + P * I * es;
+    const char *X = x;
+    for (int64_t p = 0; p < P; p++) /* x's rows in sorted order */
+        memcpy(xg + p * H * es, X + (order[p] / k) * x_stride * es, (size_t)(H * es));
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t p0 = offsets[e], n = offsets[e + 1] - p0;
+        if (n == 0) continue;
+        const char *wgu = (const char *)gate_up + e * 2 * I * H * es;
+        const char *wd = (const char *)down + e * H * I * es;
+        char *g = gu + p0 * 2 * I * es, *a = h + p0 * I * es;
+        moe_linear(bf16, xg + p0 * H * es, H, wgu, n, 2 * I, H, g, 2 * I);
+        if (bf16)
+            hkv_silu_mul_bf16((uint16_t *)g, 2 * I, (uint16_t *)g + I, 2 * I, (uint16_t *)a, n, I);
+        else
+            hkv_silu_mul_f32((float *)g, 2 * I, (float *)g + I, 2 * I, (float *)a, n, I);
+        moe_linear(bf16, a, I, wd, n, H, I, Y + p0 * H * es, H);
+    }
+    const char *W = weights;
+    for (int64_t t = 0; t < T; t++) { /* each token's rows, in expert order */
+        char *o = (char *)out + t * out_stride * es;
+        if (k == 0) memset(o, 0, (size_t)(H * es));
+        moe_token_order(pos + t * k, k, mine);
+        for (int64_t j = 0; j < k; j++)
+            moe_add_weighted(bf16, o, Y + mine[j] * H * es, W + order[mine[j]] * es, H, j == 0);
+    }
+    free(ints), free(buf);
+    return 0;
+}

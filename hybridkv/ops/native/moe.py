@@ -1,10 +1,17 @@
-"""SwiGLU experts in bfloat16 on AMX tiles (`moe.c`, compiled into the one native library): its
-ctypes signature, the weight packing, the checks that keep it inside its tensors.
+"""The native MoE kernels (`moe.c`, compiled into the one native library): their ctypes
+signatures, the weight packing, the checks that keep them inside their tensors.
 
+On AMX tiles, bfloat16:
 - `routed_experts`: `hybridkv.layers.mlp.gated_experts` for bfloat16 experts (its PyTorch path
   where this returns None);
 - `swiglu_expert`: one SwiGLU MLP (gate, up, down weights) scaled per token, as Qwen3-Next's
-  gated shared expert, `sigmoid(g) * down(silu(gate x) * up x)`.
+  gated shared expert, `sigmoid(g) * down(silu(gate x) * up x)`;
+- `route`: the softmax routers (and Qwen3-Next's shared-expert gate) in one pass per token.
+
+On every build (AVX-512, AVX2 + FMA or plain C: the small-batch linears' kernels), float32 or
+bfloat16:
+- `vector_route`: an nn.Linear gate's product, the rule and top-k in one call;
+- `vector_experts`: every (token, expert) pair of the SwiGLU experts in one call.
 
 Both round as the PyTorch paths they replace (see moe.c); the tests compare them with a float64
 reference and with those paths."""
@@ -26,7 +33,12 @@ native.declare({
     "hkv_moe_route_bf16": [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr,
                            _ptr, _ptr],
 })  # fmt: skip
-native.returns_status("hkv_moe_bf16")
+native.declare({
+    "hkv_moe_route": [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _int, _int, _ptr, _ptr, _ptr],
+    "hkv_moe_experts": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int,
+                        _ptr, _i64],
+})  # fmt: skip
+native.returns_status("hkv_moe_bf16", "hkv_moe_experts")
 
 TILE_N, TILE_K = 16, 32  # a packed tile: 16 output rows x 32 values of k
 
@@ -223,3 +235,88 @@ def route(
         work.data_ptr(),
     )  # fmt: skip
     return experts, weights, scale
+
+
+# -- every build: the router and experts on the small-batch linears ---------------------------
+
+_FLOATS = (torch.float32, torch.bfloat16)
+
+
+def _same_float_cpu(*tensors: torch.Tensor) -> bool:
+    """All float32 or all bfloat16, on the CPU."""
+    dtype = tensors[0].dtype
+    return dtype in _FLOATS and all(t.dtype == dtype and t.device.type == "cpu" for t in tensors)
+
+
+def vector_route(
+    x: torch.Tensor, router: torch.Tensor, k: int, mode: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An nn.Linear gate without bias in one call (moe.c's hkv_moe_route, any build): x [T, H];
+    router [E, H] contiguous, both float32 or both bfloat16 -> experts [T, k] int64 (largest
+    first), weights [T, k] of x's dtype as `mode` says (SOFTMAX_TOPK,
+    SOFTMAX_TOPK_RENORMALISED, TOPK_SOFTMAX), from the logits in float32 (bfloat16: the
+    logits rounded first, as gate(x)); None when the library or these tensors don't fit."""
+    if mode not in (SOFTMAX_TOPK, SOFTMAX_TOPK_RENORMALISED, TOPK_SOFTMAX):
+        raise ValueError(f"routing mode {mode!r}: expected 0, 1 or 2 (moe.SOFTMAX_TOPK, ...)")
+    lib = native.library()
+    if lib is None or torch.is_grad_enabled() or x.dim() != 2 or router.dim() != 2:
+        return None
+    if not _same_float_cpu(x, router) or not router.is_contiguous():
+        return None
+    num_experts, hidden = router.shape
+    if x.shape[1] != hidden or not 0 < k <= num_experts:
+        return None
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    tokens = x.shape[0]
+    experts = torch.empty(tokens, k, dtype=torch.int64)
+    weights = torch.empty(tokens, k, dtype=x.dtype)
+    work = torch.empty(tokens * (2 * num_experts + k), dtype=torch.float32)
+    lib.hkv_moe_route(
+        x.data_ptr(), x.stride(0), tokens, hidden, router.data_ptr(), num_experts, k, mode,
+        int(x.dtype == torch.bfloat16), experts.data_ptr(), weights.data_ptr(), work.data_ptr(),
+    )  # fmt: skip
+    return experts, weights
+
+
+def vector_experts(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor | None:
+    """`layers.mlp.gated_experts` in one call (moe.c's hkv_moe_experts, any build): x [T, H];
+    experts (int64), weights [T, k]; gate_up [E, 2I, H], down [E, H, I] contiguous; all float32
+    or all bfloat16 (rounded as the PyTorch path's per-expert loop) -> [T, H]; None when the
+    library or these tensors don't fit. The kernel reads the expert ids and weights from their
+    tensors: a captured step replays it correctly for any routing."""
+    lib = native.library()
+    if lib is None or torch.is_grad_enabled():
+        return None
+    if x.dim() != 2 or experts.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
+        return None
+    if not _same_float_cpu(x, weights, gate_up, down) or experts.dtype != torch.int64:
+        return None
+    if not (gate_up.is_contiguous() and down.is_contiguous()):
+        return None
+    num_experts, two_inter, hidden = gate_up.shape
+    if x.shape[1] != hidden or two_inter % 2 or down.shape != (num_experts, hidden, two_inter // 2):
+        return None
+    if weights.shape != experts.shape or experts.shape[0] != x.shape[0]:
+        return None
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    experts, weights = experts.contiguous(), weights.contiguous()
+    tokens, k = experts.shape
+    out = torch.empty(tokens, hidden, dtype=x.dtype)
+    code = native.library().hkv_moe_experts(
+        x.data_ptr(), x.stride(0), tokens, hidden, experts.data_ptr(), weights.data_ptr(), k,
+        num_experts, gate_up.data_ptr(), down.data_ptr(), two_inter // 2,
+        int(x.dtype == torch.bfloat16), out.data_ptr(), out.stride(0),
+    )  # fmt: skip
+    if code == -1:
+        raise ValueError(f"expert ids must lie in 0..{num_experts - 1}")
+    if code != 0:
+        raise MemoryError("the native experts could not allocate their work space")
+    return out
