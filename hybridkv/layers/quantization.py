@@ -167,6 +167,8 @@ INT8_LINEAR = declare(
                max_rows=lambda: native_limits()[1] - 1, description="int8_linear.c, 16 lanes"),
         OpImpl("native-avx512-bf16", _HERE + "_native", _CPU, _BF16, ("native", "avx512"),
                max_rows=lambda: SMALL_M, description="int8_linear.c, vdpbf16ps"),
+        OpImpl("native-amx-bf16", _HERE + "_native_amx", _CPU, _F32 | _BF16,
+               ("native", "amx_bf16"), description="int8_amx.c: q widened to bf16 tiles"),
         OpImpl("native-avx2", _HERE + "_native", _CPU, _F32 | _BF16, ("native", "avx2"),
                unless=("avx512",), description="int8_linear.c, 8 lanes: every M"),
         OpImpl("dequant-bf16", _HERE + "bf16_int8_matmul", _CPU, _F32,
@@ -195,6 +197,10 @@ def int8_matmul(
 
 def _native(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return native_int8.run(native_int8.kernel(), x, q, scale)
+
+
+def _native_amx(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return native_int8.run_amx(x, q, scale)
 
 
 def f32_int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

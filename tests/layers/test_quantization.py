@@ -113,13 +113,12 @@ def test_native_kernel_equals_dequantized_weight_times_input(dtype, m, k):
     bound = 1e-6 * magnitude + (BF16_ULP * exact.abs() if dtype == torch.bfloat16 else 0)
     assert bool(((out.double() - exact).abs() <= bound).all())
     check_quantization_error(xd, q, scale, w, out, k)
-    small_m, kernel_until = quant.native_limits()  # (AVX2: every M on the kernel)
-    if m <= small_m or (dtype == torch.float32 and m < kernel_until):  # the int8 layers' path
+    # the int8 layers' path: the chain's link for m rows (the kernel's tiles up to its rows;
+    # past them AMX tiles, oneDNN's bfloat16 GEMM or PyTorch's dequantize + GEMM)
+    run = quant.INT8_LINEAR.chain(x.device, x.dtype).for_rows(m)
+    assert torch.equal(int8_matmul(x, q, scale), run(x, q, scale))
+    if run is quant._native:
         assert torch.equal(int8_matmul(x, q, scale), out)
-    elif dtype == torch.float32:  # oneDNN's bfloat16 GEMM past BF16_GEMM_M rows (AMX, AVX-512)
-        assert torch.equal(int8_matmul(x, q, scale), bf16_gemm_int8_matmul(x, q, scale))
-    else:  # larger bfloat16 batches take PyTorch's dequantize + GEMM path (AVX-512)
-        assert torch.equal(int8_matmul(x, q, scale), bf16_int8_matmul(x, q, scale))
     strided = torch.randn(m, k + 7).to(dtype)[:, 3 : 3 + k]  # rows at a stride
     strided.copy_(x)
     assert torch.equal(native_int8.int8_linear(strided, q, scale), out)
@@ -155,7 +154,8 @@ def test_int8_matmul_at_prefill_sizes(dtype):
     exact = xd @ dequantize_rows(q, scale).double().T
     magnitude = xd.abs() @ dequantize_rows(q, scale).double().abs().T
     chain = quant.INT8_LINEAR.chain(x.device, x.dtype, ())
-    in_bf16 = dtype == torch.bfloat16 or chain.for_rows(x.shape[0]) is bf16_gemm_int8_matmul
+    run = chain.for_rows(x.shape[0])  # x rounded to bfloat16 on these paths
+    in_bf16 = dtype == torch.bfloat16 or run in (bf16_gemm_int8_matmul, quant._native_amx)
     bound = 1e-6 * magnitude + (BF16_ULP * (magnitude + 2 * exact.abs()) if in_bf16 else 0)
     assert out.dtype == dtype
     assert bool(((out.double() - exact).abs() <= bound).all())

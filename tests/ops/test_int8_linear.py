@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hybridkv.layers.quantization import Int8Linear, dequantize_rows, quantize_rows
+from hybridkv.ops.native import cpu
 from hybridkv.ops.native import int8_linear as native_int8
 
 pytestmark = pytest.mark.skipif(
@@ -149,3 +150,76 @@ def test_x_of_another_width_raises_instead_of_reading_past_its_rows(dtype):
             with pytest.raises(RuntimeError):
                 layer(x)
         assert layer(torch.randn(2, 100).to(dtype)).shape == (2, 37)
+
+
+# --- the AMX-BF16 tiles (int8_amx.c): rows of x past the streaming kernel's -------------------
+
+HAS_AMX_BF16 = cpu.record().supports("amx_bf16")
+needs_amx_bf16 = pytest.mark.skipif(
+    not HAS_AMX_BF16, reason="no AMX-BF16 here (the build, the CPU or the OS's tile permission)"
+)
+
+
+def check_amx(y, x, q, scale):
+    """y within the AMX kernel's error of x @ (q * scale).T: float32 x rounded to bfloat16 (at
+    most half a bfloat16 step of each value), then `check`'s float32 accumulation bound on the
+    rounded x, and a bfloat16 y's final rounding."""
+    xb = x.to(torch.bfloat16)
+    check(y, xb.to(x.dtype), q, scale)  # the sums of the rounded x (exact products)
+    wd = dequantize_rows(q, scale).double()
+    err = (y.double() - x.double() @ wd.T).abs()
+    magnitude = x.double().abs() @ wd.abs().T
+    assert (err <= BF16_HALF_STEP * (2 * magnitude + (x.double() @ wd.T).abs()) + 1e-30).all()
+
+
+@needs_amx_bf16
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [5, 53, 100, 771])  # not multiples of 32: zero-padded tiles
+@pytest.mark.parametrize("n", [5, 37, 331])  # a partial last block of 32 weight rows
+def test_amx_matches_the_dequantized_weight(dtype, k, n, threads):
+    for m in (1, 17, 33, 64, 130):  # one tile of rows or two, partial passes
+        x, q, scale = case(m, k, n, dtype, seed=m + k)
+        assert x.stride(0) == k + 5  # strided rows, read in place
+        check_amx(native_int8.run_amx(x, q, scale), x, q, scale)
+
+
+@needs_amx_bf16
+@pytest.mark.parametrize("m", [17, 64])
+def test_amx_on_bfloat16_x_is_its_float32_path_rounded(m):
+    """bfloat16 x is already what the tiles take: its output is the float32 x output of the same
+    values rounded once to bfloat16, bit for bit (same sums, same order)."""
+    x, q, scale = case(m, 200, 37, torch.bfloat16, seed=m)
+    y = native_int8.run_amx(x, q, scale)
+    assert torch.equal(y, native_int8.run_amx(x.float(), q, scale).bfloat16())
+
+
+@needs_amx_bf16
+def test_amx_tiny_shapes_and_non_finite_rows():
+    for m, k, n in [(1, 1, 1), (3, 1, 2), (2, 15, 1), (40, 17, 3), (17, 32, 16), (1, 64, 33)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            x, q, scale = case(m, k, n, dtype, seed=k)
+            check_amx(native_int8.run_amx(x, q, scale), x, q, scale)
+    x, q, scale = case(0, 8, 4, torch.float32)
+    assert native_int8.run_amx(x, q, scale).shape == (0, 4)
+    q, scale = torch.zeros(4, 0, dtype=torch.int8), torch.ones(4, dtype=torch.bfloat16)
+    assert torch.equal(native_int8.run_amx(torch.randn(3, 0), q, scale), torch.zeros(3, 4))
+    x, q, scale = case(40, 100, 37, torch.float32)
+    clean = native_int8.run_amx(x, q, scale)
+    x = x.clone()
+    x[1, 7], x[30, 50] = float("nan"), float("inf")
+    y = native_int8.run_amx(x, q, scale)
+    assert y[1].isnan().all() and not y[30].isfinite().any()
+    rows = [r for r in range(40) if r not in (1, 30)]
+    assert torch.equal(y[rows], clean[rows])
+
+
+def test_int8_chain_takes_amx_where_the_cpu_record_has_it():
+    """Past the streaming kernel's rows the chain runs the AMX tiles where the CPU record has
+    amx_bf16 (built, on the CPU, the tile permission granted), never elsewhere."""
+    from hybridkv.layers.quantization import INT8_LINEAR
+
+    for dtype in (torch.float32, torch.bfloat16):
+        names = [link.impl.name for link in INT8_LINEAR.chain("cpu", dtype).links]
+        assert ("native-amx-bf16" in names) == HAS_AMX_BF16
+        if HAS_AMX_BF16:
+            assert names[-1] == "native-amx-bf16" and len(names) == 2

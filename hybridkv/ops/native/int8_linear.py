@@ -12,9 +12,11 @@ import torch
 from hybridkv.ops import native
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-native.declare({
-    "hkv_int8_linear": [_ptr, _i64, _int, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _int],
-})  # fmt: skip
+_ARGS = [_ptr, _i64, _int, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _int]
+# hkv_int8_linear_amx (int8_amx.c): the same arguments on AMX-BF16 tiles; 0, or -1 (no tiles,
+# no memory)
+native.declare({"hkv_int8_linear": _ARGS, "hkv_int8_linear_amx": _ARGS})
+native.returns_status("hkv_int8_linear_amx")
 
 DTYPES = (torch.float32, torch.bfloat16)  # of x and y
 _kernel: Any = None  # the ctypes function, once looked up
@@ -64,6 +66,24 @@ def run(fn: Any, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
     bf16 = int(x.dtype == torch.bfloat16)
     fn(x.data_ptr(), x.stride(0), bf16, q.data_ptr(), scale.data_ptr(), m, n, q.shape[1],
        y.data_ptr(), n, bf16)  # fmt: skip
+    return y
+
+
+def run_amx(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`run` on AMX-BF16 tiles (`int8_amx.c`: x rounded to bfloat16, float32 sums), for a CPU
+    record with amx_bf16 (the op chain's choice); raises MemoryError where it cannot run."""
+    if x.shape[1] != q.shape[1]:
+        raise RuntimeError(f"x {list(x.shape)} does not fit the weight {list(q.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, n = x.shape[0], q.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype)
+    bf16 = int(x.dtype == torch.bfloat16)
+    fn = native.library().hkv_int8_linear_amx
+    status = fn(x.data_ptr(), x.stride(0), bf16, q.data_ptr(), scale.data_ptr(), m, n,
+                q.shape[1], y.data_ptr(), n, bf16)  # fmt: skip
+    if status:
+        raise MemoryError("the native int8 AMX linear could not run (no tiles / memory)")
     return y
 
 
