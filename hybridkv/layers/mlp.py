@@ -36,28 +36,36 @@ class RMSNorm(nn.Module):
 BATCHED_EXPERT_ROWS = 64
 
 
-def _small_expert_rows() -> int:
-    """Pairs per expert up to which the experts' GEMMs run on the native bf16 small-batch
-    kernel (`bf16_linear.SMALL_M`, read at the call)."""
-    from hybridkv.ops.native import bf16_linear
+# Tokens up to which the native experts of every build run (`native` in MOE_EXPERTS: the
+# small-batch linears, decode-sized); more tokens take it while the busiest expert has at most
+# this many pairs (prefill with many experts), else the PyTorch path.
+NATIVE_EXPERT_ROWS = 64
 
-    return bf16_linear.SMALL_M
+
+def _native_expert_rows() -> int:
+    return NATIVE_EXPERT_ROWS  # (read at the call: a test may change it)
 
 
 # The routed SwiGLU experts (`gated_experts`), keyed by x's dtype; each implementation takes
-# (x, pairs: ExpertPairs, gate_up, down), the rows of a call are its busiest expert's pairs:
-#   bfloat16 on a CPU with AMX    native-amx (every size: `ops.native.moe`, one call)
-#   bfloat16 elsewhere            native-bf16 (busiest <= SMALL_M), torch
-#   float32 / other devices       torch (a padded bmm or a loop of F.linear per expert)
+# (x, pairs: ExpertPairs, gate_up, down); the rows of a call: its tokens when at most the first
+# link's max_rows (no expert has more pairs), else its busiest expert's pairs:
+#   bfloat16 on a CPU with AMX    native-amx (every size: `ops.native.moe.routed_experts`)
+#   float32, and bfloat16         native (`ops.native.moe.vector_experts`: every pair in one
+#     without AMX, on a CPU         call, each expert hit's products on the small-batch
+#     with AVX2                     linears; rows <= NATIVE_EXPERT_ROWS), torch
+#   other devices, no AVX2        torch (a padded bmm or a loop of F.linear per expert)
+# The native links are one kernel call a layer that reads the routing from its tensors, so
+# that a decode step of a MoE model can be captured (hybridkv/worker/graphs.py).
 _CPU, _BF16, _HERE = frozenset({"cpu"}), frozenset({"bfloat16"}), f"{__name__}:"
+_FLOATS = frozenset({"float32", "bfloat16"})
 MOE_EXPERTS = declare(
     "moe_experts",
     (
         OpImpl("native-amx", _HERE + "_native_amx_experts", _CPU, _BF16, ("native", "amx_bf16"),
                strict=True, description="moe.c: every pair on AMX tiles in one call"),
-        OpImpl("native-bf16", _HERE + "_native_small_experts", _CPU, _BF16, ("native", "avx2"),
-               max_rows=_small_expert_rows,
-               description="per expert hit, bf16_linear.c's small-batch kernel"),
+        OpImpl("native", _HERE + "_native_experts", _CPU, _FLOATS, ("native", "avx2"),
+               max_rows=_native_expert_rows, strict=True,
+               description="moe.c: every pair in one call, on the small-batch linears"),
         OpImpl("torch", _HERE + "torch_experts",
                description="one padded bmm (few pairs per expert) or F.linear per expert"),
     ),
@@ -118,13 +126,17 @@ def gated_experts(
     down: [E, H, I] -> [T, H] (tensor parallel: this rank's partial sum).
 
     The `MOE_EXPERTS` chain of x's dtype runs, less the native links whose rules these tensors
-    break (`amx_experts_fit`, `small_experts_fit`), the link for the busiest expert's pairs:
+    break (`amx_experts_fit`, `vector_experts_fit`): its first link when it takes T rows (no
+    expert has more pairs than T: nothing counted, so that a captured decode step stays one
+    kernel call), else the link for the busiest expert's pairs:
 
     - torch: few pairs per expert (decode), one bmm over all experts, each group padded to
       the busiest (rows of a zero token), and the weighted rows go back to their tokens in one
       index_add_; many (prefill): per expert hit, gather its rows, two GEMMs, add them back.
-    - native-bf16 (bfloat16 on the CPU, few pairs per expert): per expert hit, the native
-      small-batch kernel (its weights streamed once).
+    - native (float32, and bfloat16 without AMX; up to NATIVE_EXPERT_ROWS rows): all of it in
+      one native call (`ops.native.moe.vector_experts`: the pairs sorted, per expert hit both
+      products on the small-batch linears, each weight streamed once; the per-expert loop's
+      roundings).
     - native-amx (bfloat16 on a CPU with AMX): all of it in one native call (`ops.native.moe`:
       the pairs sorted, each expert's groups of up to 32 pairs through both GEMMs on AMX tiles,
       the same roundings as the per-expert paths), at every batch size.
@@ -137,8 +149,9 @@ def gated_experts(
     pairs = ExpertPairs(experts, weights, gate_up.shape[0])
     chain = experts_chain(x, experts, weights, gate_up, down)
     first = chain.links[0]
-    run = first.run if first.max_rows is None else chain.for_rows(pairs.busiest)
-    return run(x, pairs, gate_up, down)
+    if first.max_rows is None or x.shape[0] <= first.max_rows:
+        return first.run(x, pairs, gate_up, down)
+    return chain.for_rows(pairs.busiest)(x, pairs, gate_up, down)
 
 
 def experts_chain(
@@ -150,12 +163,14 @@ def experts_chain(
 ) -> Chain:
     """The `MOE_EXPERTS` chain for these tensors: x's, as if without AMX where the AMX kernel
     does not take them and without the native kernels where neither does."""
-    if x.device.type != "cpu" or x.dtype != torch.bfloat16:
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return MOE_EXPERTS.of(x)
-    if "amx_bf16" in capabilities("cpu") and amx_experts_fit(x, experts, weights, gate_up, down):
+    amx = x.dtype == torch.bfloat16 and "amx_bf16" in capabilities("cpu")
+    if amx and amx_experts_fit(x, experts, weights, gate_up, down):
         return MOE_EXPERTS.of(x)
-    without = ("amx_bf16",) if small_experts_fit(x, gate_up, down) else ("native",)
-    return MOE_EXPERTS.chain(x.device, x.dtype, without)
+    if not vector_experts_fit(x, experts, weights, gate_up, down):
+        return MOE_EXPERTS.chain(x.device, x.dtype, ("native",))
+    return MOE_EXPERTS.chain(x.device, x.dtype, ("amx_bf16",)) if amx else MOE_EXPERTS.of(x)
 
 
 def amx_experts_fit(
@@ -188,16 +203,33 @@ def amx_experts_fit(
     return extra is None or extra.shape == x.shape
 
 
-def small_experts_fit(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether the experts' GEMMs of a few rows each take the native bf16 kernel (which streams
-    each expert's weights once, where a bmm of padded groups runs far below that)."""
-    from hybridkv.ops.native import bf16_linear
+def vector_experts_fit(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+) -> bool:
+    """The native experts kernel of every build (`ops.native.moe.vector_experts`): inference,
+    x [T, H], experts (int64) and weights [T, k], gate_up [E, 2I, H] and down [E, H, I]
+    contiguous, all float32 or all bfloat16 on the CPU; the native library loaded."""
+    from hybridkv.ops import native
 
-    return (
-        x.dtype == torch.bfloat16 and gate_up.dtype == down.dtype == torch.bfloat16
-        and gate_up.is_contiguous() and down.is_contiguous() and x.device.type == "cpu"
-        and not torch.is_grad_enabled() and bf16_linear.kernel() is not None
-    )  # fmt: skip
+    if torch.is_grad_enabled() or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if x.dim() != 2 or experts.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
+        return False
+    tensors = (x, weights, gate_up, down)
+    if not all(t.dtype == x.dtype and t.device.type == "cpu" for t in tensors):
+        return False
+    if not (gate_up.is_contiguous() and down.is_contiguous()) or experts.dtype != torch.int64:
+        return False
+    num_experts, two_inter, hidden = gate_up.shape
+    if x.shape[1] != hidden or two_inter % 2 or down.shape != (num_experts, hidden, two_inter // 2):
+        return False
+    if weights.shape != experts.shape or experts.shape[0] != x.shape[0]:
+        return False
+    return native.library() is not None
 
 
 def _native_amx_experts(
@@ -208,12 +240,12 @@ def _native_amx_experts(
     return moe.routed_experts(x, pairs.experts, pairs.weights, gate_up, down)
 
 
-def _native_small_experts(
+def _native_experts(
     x: torch.Tensor, pairs: ExpertPairs, gate_up: torch.Tensor, down: torch.Tensor
-) -> torch.Tensor:
-    from hybridkv.ops.native import bf16_linear
+) -> torch.Tensor | None:
+    from hybridkv.ops.native import moe
 
-    return _looped(x, pairs, gate_up, down, bf16_linear.bf16_linear)
+    return moe.vector_experts(x, pairs.experts, pairs.weights, gate_up, down)
 
 
 def torch_experts(

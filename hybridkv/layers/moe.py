@@ -149,15 +149,24 @@ class RoutingRule:
 
 
 # The routers with an nn.Linear gate (`route`), keyed by x's dtype; each implementation takes
-# (x, gate, rule, choice_bias) -> Routing:
-#   bfloat16 on a CPU with AMX   native-amx (where `native_route_fits`, else the chain without it)
-#   otherwise                    torch (the gate's product, then the rule)
+# (x, gate, rule, choice_bias) -> Routing. The native ones take the rules of
+# `RoutingRule.native_mode` (softmax / topk_softmax, renormalised or not, no choice bias, no
+# groups, no scaling) and a gate without bias; for the others, the chain without them:
+#   bfloat16 on a CPU with AMX        native-amx (`native_route_fits`)
+#   float32, and bfloat16 without     native (`vector_route_fits`: the gate's product on the
+#     AMX, on a CPU with AVX2           small-batch linears, then the rule and top-k, one call)
+#   otherwise (no AVX2, other devices) torch (the gate's product, then the rule)
+# The native routers are one kernel call a layer, so that a decode step of a MoE model can be
+# captured (hybridkv/worker/graphs.py).
 _CPU, _BF16 = frozenset({"cpu"}), frozenset({"bfloat16"})
+_FLOATS = frozenset({"float32", "bfloat16"})
 MOE_ROUTE = declare(
     "moe_route",
     (
         OpImpl("native-amx", f"{__name__}:_native_route", _CPU, _BF16, ("native", "amx_bf16"),
                strict=True, description="moe.c: product, scoring and top-k in one pass a token"),
+        OpImpl("native", f"{__name__}:_vector_route", _CPU, _FLOATS, ("native", "avx2"),
+               strict=True, description="moe.c: the gate on the small-batch linears, the rule"),
         OpImpl("torch", f"{__name__}:torch_route", description="the gate's product, the rule"),
     ),
 )  # fmt: skip
@@ -171,9 +180,11 @@ def route(
     bfloat16 on a CPU with AMX: the gate's product, scoring and top-k in one native pass per
     token."""
     chain = MOE_ROUTE.of(x)
-    if chain.links[0].impl.name == "native-amx" and not native_route_fits(
-        x, gate, rule, choice_bias
-    ):
+    name = chain.links[0].impl.name
+    if name == "native-amx" and not native_route_fits(x, gate, rule, choice_bias):
+        chain = MOE_ROUTE.chain(x.device, x.dtype, ("amx_bf16",))
+        name = chain.links[0].impl.name
+    if name == "native" and not vector_route_fits(x, gate, rule, choice_bias):
         chain = MOE_ROUTE.chain(x.device, x.dtype, ("native",))
     return chain.first(x, gate, rule, choice_bias)
 
@@ -211,6 +222,40 @@ def native_route_fits(
     if shared_gate is not None and weights[1].shape != (1, hidden):
         return False
     return moe.available()
+
+
+def vector_route_fits(
+    x: torch.Tensor, gate: nn.Linear, rule: RoutingRule, choice_bias: torch.Tensor | None = None
+) -> bool:
+    """The native router of every build (`ops.native.moe.vector_route`): inference; a rule it
+    implements (`RoutingRule.native_mode`), 0 < k <= E; a gate without bias, no choice bias;
+    x [T, H] and the gate's weight [E, H] (contiguous) both float32 or both bfloat16 on the
+    CPU; the native library loaded."""
+    from hybridkv.ops import native
+
+    if rule.native_mode is None or choice_bias is not None or torch.is_grad_enabled():
+        return False
+    weight = gate.weight
+    if gate.bias is not None or x.dim() != 2 or weight.dim() != 2 or not weight.is_contiguous():
+        return False
+    if x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype:
+        return False
+    if x.device.type != "cpu" or weight.device.type != "cpu":
+        return False
+    num_experts, hidden = weight.shape
+    if x.shape[1] != hidden or not 0 < rule.top_k <= num_experts:
+        return False
+    return native.library() is not None
+
+
+def _vector_route(
+    x: torch.Tensor, gate: nn.Linear, rule: RoutingRule, choice_bias: torch.Tensor | None
+) -> Routing | None:
+    from hybridkv.ops.native import moe
+
+    mode = rule.native_mode
+    routed = None if mode is None else moe.vector_route(x, gate.weight, rule.top_k, mode)
+    return None if routed is None else Routing(*routed)  # weights: [T, k] in x's dtype
 
 
 def _native_route(

@@ -220,21 +220,26 @@ NATIVE_RULES = [
 
 @pytest.mark.parametrize("rule", NATIVE_RULES, ids=repr)
 def test_route_native_and_pytorch_paths(rule, monkeypatch):
-    """bfloat16 through an nn.Linear gate: the native router (AMX) chooses the same experts as
-    the rule on the gate's bfloat16 logits and weighs them as the rule rounded to bfloat16,
-    but where two experts tie at the k-th place; float32 (declined) is the rule exactly."""
+    """Through an nn.Linear gate the native routers (AMX for bfloat16, the small-batch
+    linears' one for float32 and bfloat16 elsewhere) choose the same experts as the rule on
+    the gate's logits and weigh them as the rule (bfloat16: rounded to bfloat16), but where
+    two experts tie at the k-th place; declined, the rule exactly."""
     torch.manual_seed(0)
     gate = torch.nn.Linear(40, 7, bias=False)
     x = torch.randn(29, 40)
     with torch.inference_mode():
-        torch.testing.assert_close(moe.route(x, gate, rule), rule(gate(x)), rtol=0, atol=0)
+        routing, reference_routing = moe.route(x, gate, rule), rule(gate(x))
+        assert torch.equal(routing.experts, reference_routing.experts)
+        torch.testing.assert_close(routing.weights, reference_routing.weights)
         gate, x = gate.bfloat16(), x.bfloat16()
-        native = moe.MOE_ROUTE.of(x).links[0].impl.name == "native-amx"
-        native = native and moe.native_route_fits(x, gate, rule)  # (no AMX: the rule's path)
+        native = moe.MOE_ROUTE.of(x).links[0].impl.name in ("native-amx", "native")
+        fits = moe.native_route_fits(x, gate, rule) or moe.vector_route_fits(x, gate, rule)
+        native = native and fits  # (no native router: the rule's path)
         routing = moe.route(x, gate, rule)
         reference_routing = rule(gate(x))
         monkeypatch.setattr(moe, "native_route_fits", lambda *a, **k: False)
-        declined = moe.route(x, gate, rule)  # the chain without the native router
+        monkeypatch.setattr(moe, "vector_route_fits", lambda *a, **k: False)
+        declined = moe.route(x, gate, rule)  # the chain without the native routers
     torch.testing.assert_close(declined, reference_routing, rtol=0, atol=0)
     ours = routing.experts.sort(-1).values
     assert torch.equal(ours, reference_routing.experts.sort(-1).values)

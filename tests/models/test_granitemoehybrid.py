@@ -1,18 +1,21 @@
 import pytest
+import torch
 
 from .conformance import (  # noqa: F401
+    NEW_TOKENS,
     check_prefill_logits,
     family,
     test_captured_decode_equals_eager,
     test_greedy_matches_transformers,
 )
 from .utils import (
+    engine_greedy,
     save_model,
     seeded,
 )
 
 # checkpoints whose decode steps must be captured (test_captured_decode_equals_eager)
-CAPTURED = (0,)  # the dense checkpoint (MoE routing runs in PyTorch)
+CAPTURED = (0, 4)  # both (MoE: the native router and experts, on a CPU with AVX2)
 
 VOCAB = 96
 
@@ -42,3 +45,22 @@ def checkpoint(request, tmp_path_factory):
 
 def test_prefill_logits_match(checkpoint):
     check_prefill_logits(*checkpoint)
+
+
+def test_float32_moe_decode_is_captured_and_matches_transformers(family, request):  # noqa: F811
+    """float32 MoE: the router and the experts are native kernels on a CPU with AVX2 (moe.c's
+    hkv_moe_route, hkv_moe_experts), so the decode steps are captured and replayed, and the
+    greedy tokens of 8 requests at once are still transformers'."""
+    from hybridkv.engine import Engine
+    from hybridkv.layers.linear import native_small_linear
+    from hybridkv.ops.registry import capabilities
+
+    if request.node.callspec.params["checkpoint"] == 0:
+        pytest.skip("the dense checkpoint has no experts")
+    if not {"native", "avx2"} <= capabilities("cpu") or not native_small_linear(torch.float32):
+        pytest.skip("no AVX2 build here: the MoE runs in PyTorch, decode steps eagerly")
+    engine = Engine(str(family.folder), dtype="float32")
+    assert engine_greedy(engine, family.plain, NEW_TOKENS) == family.plain_ref
+    graphs = engine.runner.graphs
+    assert graphs.disabled is None, graphs.disabled
+    assert graphs.replays > 0 and graphs.steps
