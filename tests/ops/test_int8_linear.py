@@ -184,6 +184,15 @@ def test_amx_matches_the_dequantized_weight(dtype, k, n, threads):
 
 
 @needs_amx_bf16
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amx_rows_of_x_in_groups(dtype, threads):
+    """Prefill rows: x in groups of rows whose tiles stay in L2 (768 KiB: 224 rows at K = 1600),
+    each group against every block of weight rows: 600 rows = 2 groups and a partial one."""
+    x, q, scale = case(600, 1600, 70, dtype, seed=3)
+    check_amx(native_int8.run_amx(x, q, scale), x, q, scale)
+
+
+@needs_amx_bf16
 @pytest.mark.parametrize("m", [17, 64])
 def test_amx_on_bfloat16_x_is_its_float32_path_rounded(m):
     """bfloat16 x is already what the tiles take: its output is the float32 x output of the same

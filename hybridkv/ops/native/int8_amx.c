@@ -40,6 +40,7 @@
 #define I8A_N 32                    /* weight rows per task (two A tiles) */
 #define I8A_M 32                    /* rows of x per pass over a task's weights (two B tiles) */
 #define I8A_PARALLEL_MIN (1 << 16)  /* weights (N * K) from which the threads split the work */
+#define I8A_GROUP_BYTES (768 * 1024) /* B tiles of x per sweep over the weights (in L2) */
 
 #define I8A_UNROLL _Pragma("GCC unroll 16")
 
@@ -144,14 +145,16 @@ static void i8a_store(const float *c, const uint16_t *scale, int64_t m0, int64_t
     }
 }
 
-/* one task: weight rows n0 .. n0 + 31 (widened into wb) against every row of x (xp) */
-static void i8a_task(const uint16_t *xp, const uint16_t *wb, const uint16_t *scale, int64_t M,
-                     int64_t N, int64_t KB, int64_t n0, void *y, int64_t ldy, int ybf16) {
+/* one task: weight rows n0 .. n0 + 31 (widened into wb) against rows m_lo .. M - 1 of x (xp;
+ * m_lo a multiple of I8A_M) */
+static void i8a_task(const uint16_t *xp, const uint16_t *wb, const uint16_t *scale, int64_t m_lo,
+                     int64_t M, int64_t N, int64_t KB, int64_t n0, void *y, int64_t ldy,
+                     int ybf16) {
     const int64_t nc = N - n0 < I8A_N ? N - n0 : I8A_N;
     const int two_n = nc > 16;
     const uint16_t *A0 = wb, *A1 = wb + 512 * KB;
     float c[4][256];
-    for (int64_t m0 = 0; m0 < M; m0 += I8A_M) {
+    for (int64_t m0 = m_lo; m0 < M; m0 += I8A_M) {
         const int64_t mr = M - m0 < I8A_M ? M - m0 : I8A_M;
         const int two_m = mr > 16;
         const uint16_t *B0 = xp + 512 * KB * (m0 / 16), *B1 = B0 + 512 * KB;
@@ -200,6 +203,8 @@ int hkv_int8_linear_amx(const void *x, int64_t ldx, int xbf16, const int8_t *q,
     }
     const int64_t KB = (K + 31) / 32, MB = (M + I8A_M - 1) / I8A_M * (I8A_M / 16);
     const int64_t tasks = (N + I8A_N - 1) / I8A_N;
+    int64_t group = I8A_GROUP_BYTES / (KB * 64) / I8A_M * I8A_M; /* rows: 64 KB bytes each */
+    group = group < I8A_M ? I8A_M : group;
     const int parallel = N * K >= I8A_PARALLEL_MIN;
     const int threads = parallel ? omp_get_max_threads() : 1;
     const size_t wsize = (size_t)(2 * KB * 512) * sizeof(uint16_t);
@@ -216,10 +221,15 @@ int hkv_int8_linear_amx(const void *x, int64_t ldx, int xbf16, const int8_t *q,
             i8a_pack_x(x, ldx, xbf16, M, K, mb, xp + mb * KB * 512);
         uint16_t *wb = wbs + (size_t)omp_get_thread_num() * (size_t)(2 * KB * 512);
         hkv_tiles_16x64();
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < tasks; t++) {
-            i8a_widen_w(q, N, K, t * I8A_N, wb);
-            i8a_task(xp, wb, scale, M, N, KB, t * I8A_N, y, ldy, ybf16);
+        /* rows of x in groups whose B tiles stay in L2 (I8A_GROUP_BYTES) while every task
+         * runs them: each group widens the weights again (a sweep over x from L3 costs more) */
+        for (int64_t m_lo = 0; m_lo < M; m_lo += group) {
+            const int64_t m_hi = M - m_lo < group ? M : m_lo + group;
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int64_t t = 0; t < tasks; t++) {
+                i8a_widen_w(q, N, K, t * I8A_N, wb);
+                i8a_task(xp, wb, scale, m_lo, m_hi, N, KB, t * I8A_N, y, ldy, ybf16);
+            }
         }
         _tile_release();
     }
