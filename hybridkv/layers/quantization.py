@@ -31,8 +31,23 @@ hidden-size 768 shapes and the 32000-row lm_head: benchmarks/quantization.py):
                    layer at M = 64 (Zen 5). bfloat16 x (widened to
                    float32 once, exactly: the same tiles): up to M = SMALL_M rows, where it
                    beats the path below (decode of the 100m model at batch 1: +25%)
+    AMX tiles      `hybridkv/ops/native/int8_amx.c` where the CPU record has amx_bf16: float32
+                   x of BF16_GEMM_M rows or more, bfloat16 x above SMALL_M. q is exact in
+                   bfloat16, so blocks of 32 weight rows are widened to bfloat16 as AMX A
+                   tiles (per call, into a per-thread buffer: nothing kept), x is packed once as
+                   bfloat16 pairs (a float32 x rounded to nearest even, as the GEMM below), the
+                   tiles sum in float32 (tdpbf16ps) and each sum is scaled once, written in x's
+                   dtype (a float32 model's output not rounded to bfloat16). Rows of x in groups
+                   of about 768 KiB of tiles (L2), the weights widened again per group. Intel
+                   Xeon, 2 cores, AVX-512 + AMX, one thread, us (minima of 20-30 calls, 768 ->
+                   3072): 178-250 at M = 16 where the float32 tiles take 650, 420-490 at 64
+                   (the bfloat16 layer's oneDNN GEMM 335; the GEMM below 1109), 2465-3100 at
+                   512 (1615; 3277), 12 ms at 1700 (17 ms before the row groups); the widening
+                   (about 4.5 cycles per 32 weights) and tile loads from L2 are what remains
+                   over oneDNN's prepacked bfloat16 weight (benchmarks/README.md, int8)
     bfloat16 GEMM  float32 x of BF16_GEMM_M rows or more where oneDNN runs bfloat16
-                   GEMMs fast (AMX, AVX512-BF16: the CPU record's "oneDNN bf16"): x rounded to
+                   GEMMs fast and the tiles above do not run (AVX512-BF16 without AMX, the
+                   CPU record's "oneDNN bf16" without amx_bf16): x rounded to
                    bfloat16, q converted to bfloat16 in blocks (exact), oneDNN's GEMM, the
                    output (rounded to bfloat16, as the bfloat16 layer's) scaled per column.
                    The one place an int8 layer of a float32 model leaves float32 math: on
@@ -45,9 +60,9 @@ hidden-size 768 shapes and the 32000-row lm_head: benchmarks/quantization.py):
                    the output scaled per column: float32 math as above, on PyTorch's GEMM.
                    1.1-1.5x the native tiles at M = 128-1024 (Xeon, 1 and 2 threads; within
                    1.06-1.3x of the float32 layer), which still win at M = 64
-    PyTorch        bfloat16 x above SMALL_M rows, or no native kernel (`HYBRIDKV_NATIVE=0`,
-                   no compiler, no AVX2): in bfloat16 with float32 accumulation (a float32
-                   input rounded to bfloat16, the output cast back):
+    PyTorch        bfloat16 x above SMALL_M rows without AMX, or no native kernel
+                   (`HYBRIDKV_NATIVE=0`, no compiler, no AVX2): in bfloat16 with float32
+                   accumulation (a float32 input rounded to bfloat16, the output cast back):
         M <= SMALL_M   torch.ops.aten._weight_int8pack_mm(x_bf16, q, scale_bf16): reads the
                    int8 weight once per 4 rows of x (AVX-512; its float32 path is a scalar
                    loop, 10-50x slower); in_features must be a multiple of 16 (KERNEL_K),
@@ -151,9 +166,12 @@ def native_limits() -> tuple[int, int]:
 
 
 # The int8 linear family, keyed by x's dtype (each implementation takes x [M, K], q, scale):
-# on an AVX-512 Xeon
+# on an AVX-512 Xeon with AMX (the CPU record's amx_bf16)
+#   float32   native-avx512 (rows < BF16_GEMM_M), native-amx-bf16
+#   bfloat16  native-avx512-bf16 (rows <= SMALL_M), native-amx-bf16
+# on one without
 #   float32   native-avx512 (rows < BF16_GEMM_M), onednn-bf16-gemm, where oneDNN has fast
-#             bfloat16 GEMMs (AMX, AVX512-BF16); else native-avx512 (rows < DEQUANT_M),
+#             bfloat16 GEMMs (AVX512-BF16); else native-avx512 (rows < DEQUANT_M),
 #             float32-chunks
 #   bfloat16  native-avx512 (rows <= SMALL_M), torch-bf16
 # on an AVX2 CPU the kernel at every M (`native_limits`); without the kernel float32 x takes
