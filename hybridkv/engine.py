@@ -251,11 +251,13 @@ def _capabilities(device: torch.device, model_config: ModelConfig) -> frozenset[
 
 
 def _check_runnable(plan: MemoryPlan) -> None:
-    """Every group of the plan has kernels hybridkv implements (before any weight loads)."""
+    """Every group of the plan has kernels hybridkv implements (before any weight loads): the
+    backend's own, or those of the backend it runs on (`runs_on`: FlashMLA's layout on Triton's
+    MLA kernels)."""
     for group in plan.attention_groups:
         assert group.backend is not None
         info = get_backend(group.backend)
-        if info.impl is None:
+        if info.runner is None:
             implemented = ", ".join(n for n, b in BACKENDS.items() if b.impl is not None)
             raise ValueError(
                 f"attention backend {group.backend!r} is declared for planning only; this "

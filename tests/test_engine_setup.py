@@ -65,3 +65,19 @@ def test_a_pool_too_small_for_any_request_is_refused(tiny_model_dir, monkeypatch
     monkeypatch.setattr(engine_module, "MIN_REQUEST_TOKENS", 1000)  # more than 6 pages hold
     with pytest.raises(ValueError, match="cannot hold even a 1000-token request"):
         Engine(str(tiny_model_dir), dtype="float32", num_pages=6, kernel_block_size=16)
+
+
+def test_plan_only_backends_run_where_they_name_a_runner():
+    """A group planned on FlashMLA's layout runs on Triton's MLA kernels (`runs_on`): the
+    engine takes it (a bfloat16 MLA model on CUDA plans flashmla by default); a backend
+    declared for planning alone is refused with the ones that run."""
+    from types import SimpleNamespace
+
+    def plan(backend: str) -> SimpleNamespace:
+        return SimpleNamespace(attention_groups=[SimpleNamespace(backend=backend)])
+
+    engine_module._check_runnable(plan("flashmla"))
+    engine_module._check_runnable(plan("triton"))
+    with pytest.raises(ValueError, match="'flashinfer' is declared for planning only; this "
+                       "engine runs: torch, triton"):  # fmt: skip
+        engine_module._check_runnable(plan("flashinfer"))
