@@ -99,7 +99,7 @@ def test_the_spec_is_the_plan_only_kda_state():
     spec = KimiDeltaAttention(HIDDEN, HEADS, DIM, 4).cache_spec(FP32)
     plan_only = kda_state(HEADS, DIM, 4, "float32", "float32")
     assert (spec.kind, spec.tensors) == (plan_only.kind, plan_only.tensors)
-    assert [o.name for o in spec.ops] == ["fla", "native", "triton", "torch"]
+    assert [o.name for o in spec.ops] == ["native", "triton", "fla", "torch"]
 
 
 def test_conv_kernel_below_two_is_refused_in_one_line():

@@ -183,21 +183,21 @@ def _kimi_linear(tmp_path_factory):
 
 
 def _bf16_engines(folder):
-    """bf16 Kimi-Linear engines on the fla ops (the plan's choice) and on the triton ones,
-    prefill chunks of at most 64 tokens."""
+    """bf16 Kimi-Linear engines on the fla ops (opt-in: asked for by name) and on the triton
+    ones (the plan's choice), prefill chunks of at most 64 tokens."""
     from hybridkv.engine import Engine
 
-    fla = Engine(str(folder), dtype="bfloat16", max_num_batched_tokens=64)
+    fla = Engine(str(folder), dtype="bfloat16", max_num_batched_tokens=64, state_backend="fla")
     assert {g.backend for g in fla.plan.state_groups} == {"fla"}
     assert {type(o).__name__ for o in fla.runner.state_ops.values()} == {"FlaKdaOps"}
-    triton = Engine(str(folder), dtype="bfloat16", max_num_batched_tokens=64,
-                    state_backend="triton")  # fmt: skip
+    triton = Engine(str(folder), dtype="bfloat16", max_num_batched_tokens=64)
+    assert {g.backend for g in triton.plan.state_groups} == {"triton"}
     return fla, triton
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_FLA, reason="flash-linear-attention (fla-core) is not installed")
-def test_engine_takes_fla_for_bfloat16_and_agrees_with_triton(tmp_path_factory, monkeypatch):
+def test_engine_on_fla_for_bfloat16_agrees_with_triton(tmp_path_factory, monkeypatch):
     """As the GDN one: prefill logits of a 150-token prompt (three chunks of 64: the state
     carries over) against the float32 engine, which keeps the triton ops; then prefill chunks
     beside decodes."""
