@@ -70,8 +70,8 @@ TORCH_OPS = TorchGDNOps()
 
 # The input preparation of a step (`GatedDeltaNet._prep`: the projections, then qkv, z and the
 # gates g, beta), keyed by x's dtype; each implementation takes (layer, x [T, hidden]):
-#   float32 / bfloat16 on the CPU   native (Qwen3-Next's layout: `GatedDeltaNet.native_prep_fits`;
-#                                   else the chain without it)
+#   float32 / bfloat16 on the CPU   native (Qwen3-Next's and Qwen3.5's layouts:
+#                                   `GatedDeltaNet.native_prep_fits`; else the chain without it)
 #   otherwise                       torch (four strided reshapes, a cat, `gdn_gates`)
 GDN_PREP = declare(
     "gdn_prep",
@@ -224,8 +224,11 @@ class GatedDeltaNet(CacheOwner):
 
     def native_prep_fits(self, x: torch.Tensor) -> bool:
         """The native preparation's rule: Qwen3-Next's layout (its projections grouped by key
-        head), x [T, hidden] on the CPU (its dtype: the family's)."""
-        return self.layout == "qwen3_next" and x.device.type == "cpu" and x.dim() == 2
+        head: split and gated in one pass) or Qwen3.5's (its own projections, the gates in one
+        pass), x [T, hidden] on the CPU (its dtype: the family's). OLMo Hybrid's concatenates
+        three projections in PyTorch anyway."""
+        native_layout = self.layout in ("qwen3_next", "qwen3_5")
+        return native_layout and x.device.type == "cpu" and x.dim() == 2
 
     def _prep(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, hidden] -> qkv, z, g, beta: the `GDN_PREP` chain of x's dtype (without the
@@ -306,9 +309,16 @@ def _native_gdn_prep(layer: GatedDeltaNet, x: torch.Tensor) -> tuple[torch.Tenso
     """Qwen3-Next's layout on the CPU: the projections, then qkv, z and the gates in one native
     pass over their outputs (`ops.native.gdn_prep`), in_proj_ba on the native bf16 kernel at any
     batch size where it takes the weight (bfloat16, no bias: 16-odd outputs, oneDNN's call costs
-    more than its work), the layer's own linear otherwise."""
+    more than its work), the layer's own linear otherwise. Qwen3.5's: its four projections,
+    then the gates in one native pass."""
     from hybridkv.ops.native import bf16_linear, gdn_prep
 
+    decay = derived(layer.A_log, "neg_exp_f32", lambda w: -torch.exp(w.float()))
+    dt_bias = derived(layer.dt_bias, "f32", torch.Tensor.float)
+    if layer.layout == "qwen3_5":
+        qkv, z, b, a = layer._project(x)
+        gates = gdn_prep.gates(a, b, decay, dt_bias)
+        return None if gates is None else (qkv, z, *gates)
     qkvz = layer.in_proj_qkvz(x)
     weight, bias = layer.in_proj_ba.weight, layer.in_proj_ba.bias
     kernel = bf16_linear.kernel()
@@ -317,8 +327,6 @@ def _native_gdn_prep(layer: GatedDeltaNet, x: torch.Tensor) -> tuple[torch.Tenso
         ba = bf16_linear.run(kernel, x, weight, None)
     else:
         ba = layer.in_proj_ba(x)
-    decay = derived(layer.A_log, "neg_exp_f32", lambda w: -torch.exp(w.float()))
-    dt_bias = derived(layer.dt_bias, "f32", torch.Tensor.float)
     per = layer.num_v_heads // layer.num_k_heads
     return gdn_prep.prep(
         qkvz, ba, layer.num_k_heads, per, layer.head_k_dim, layer.head_v_dim, decay, dt_bias

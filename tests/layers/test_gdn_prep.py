@@ -1,14 +1,14 @@
 """Qwen3-Next's gated delta net between projections and conv1d natively (ops.native.gdn_prep):
 the qkv and z rows and the gates equal the PyTorch path's (`GatedDeltaNet._project` and
 `ops.gated_delta.gdn_gates`), float32 and bfloat16, odd head sizes, strided projection rows; the
-layer takes it for the "qwen3_next" layout only."""
+layer takes it for the "qwen3_next" layout, and the gates alone for "qwen3_5"."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hybridkv.layers.gated_delta_net import GatedDeltaNet
+from hybridkv.layers.gated_delta_net import GatedDeltaNet, torch_gdn_prep
 from hybridkv.ops import native
 from hybridkv.ops.gated_delta import gdn_gates
 from hybridkv.ops.native import gdn_prep
@@ -61,17 +61,47 @@ def _split_ba(ba, hk, hv):
     return b.reshape(ba.shape[0], -1), a.reshape(ba.shape[0], -1)
 
 
-def test_layer_takes_it_for_qwen3_next_only(monkeypatch):
+def test_layer_takes_it_for_qwen3_next_and_qwen3_5(monkeypatch):
+    """Qwen3-Next's layout: the whole preparation in one pass; Qwen3.5's: its projections,
+    then the gates natively; OLMo Hybrid's (three projections concatenated): PyTorch."""
     needs_native()
     calls = []
-    real = gdn_prep.prep
-    monkeypatch.setattr(gdn_prep, "prep", lambda *a: calls.append(1) or real(*a))
+    for name in ("prep", "gates"):
+        real = getattr(gdn_prep, name)
+        monkeypatch.setattr(gdn_prep, name, lambda *a, n=name, f=real: calls.append(n) or f(*a))
     x = torch.randn(3, 48)
     with torch.inference_mode():
         assert _layer(2, 4, 16, 8, torch.float32)._native_prep(x) is not None
         qwen3_5 = GatedDeltaNet(48, 2, 4, 16, 8, 4, 1e-6, "qwen3_5")
-        assert qwen3_5._native_prep(x) is None
-    assert calls == [1]
+        got = qwen3_5._native_prep(x)
+        assert got is not None
+        for a, b in zip(got, torch_gdn_prep(qwen3_5, x), strict=True):
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+        olmo = GatedDeltaNet(48, 2, 4, 16, 8, 4, 1e-6, "olmo_hybrid")
+        assert olmo._native_prep(x) is None
+    assert calls == ["prep", "gates"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hv", [1, 5, 32])
+def test_gates_equal_the_pytorch_path(hv, dtype):
+    """Qwen3.5's gates from its own b and a projections (rows at a stride): PyTorch's
+    `gdn_gates` to the last bits (the exps and log1p of C against PyTorch's vector ones),
+    softplus's linear branch above 20 included."""
+    needs_native()
+    g = torch.Generator().manual_seed(hv)
+    wide = (torch.randn(9, 2 * hv + 3, generator=g) * 4).to(dtype)
+    b, a = wide[:, 1 : 1 + hv], wide[:, 2 + hv : 2 + 2 * hv]  # [9, hv] each, stride 2 hv + 3
+    a[0, 0] = 30.0
+    A_log, dt_bias = torch.randn(hv, generator=g), torch.randn(hv, generator=g)
+    got = gdn_prep.gates(a, b, -torch.exp(A_log), dt_bias)
+    assert got is not None
+    g_ref, beta_ref = gdn_gates(a, b, A_log, dt_bias)
+    torch.testing.assert_close(got[0], g_ref, rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(got[1], beta_ref, rtol=2e-6, atol=1e-7)
+    assert gdn_prep.gates(a, b.float() if dtype == torch.bfloat16 else b.double(),
+                          -torch.exp(A_log), dt_bias) is None  # fmt: skip
+    assert gdn_prep.gates(a, b, -torch.exp(A_log)[:-1], dt_bias[:-1]) is None
 
 
 def test_declines_what_it_does_not_take():

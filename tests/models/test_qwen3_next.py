@@ -86,6 +86,10 @@ def _qwen3_5_moe():
     return Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig(**COMMON, **MOE)
 
 
+# decode steps captured (float32, bfloat16): Qwen3.5 dense (its gates natively, `gdn_prep`);
+# the others route their experts in PyTorch
+CAPTURED = ("qwen3_5",)
+CAPTURED_BF16 = CAPTURED
 BUILDERS = {
     "qwen3_next": _next,
     "qwen3_next_all_moe": _next_dense_unnormalised,

@@ -1,5 +1,6 @@
-/* Qwen3-Next's glue between GEMMs, natively: hkv_gdn_prep (below) and hkv_sigmoid_gate (the
- * gated attention's output gate, at the end of this file).
+/* Qwen3-Next's glue between GEMMs, natively: hkv_gdn_prep (below), hkv_gdn_gates (the gates
+ * alone, for Qwen3.5's layout) and hkv_sigmoid_gate (the gated attention's output gate, at the
+ * end of this file).
  *
  * hkv_gdn_prep: the gated delta net between its projections and its conv1d, in one pass per token:
  * the key-head-grouped outputs of in_proj_qkvz and in_proj_ba split into the [q | k | v] rows
@@ -40,6 +41,13 @@ static inline float prep_load(const void *x, int bf16, int64_t i) {
     return f;
 }
 
+/* The rule's gates of one token and value head: g = decay * softplus(a + dt_bias), beta =
+ * sigmoid(b) (a already plus dt_bias). */
+static inline void prep_gates(float a, float b, float decay, float *g, float *beta) {
+    *g = decay * (a > 20.0f ? a : log1pf(expf(a)));
+    *beta = 1.0f / (1.0f + expf(-b));
+}
+
 void hkv_gdn_prep(const void *qkvz, int64_t qkvz_stride, const void *ba, int64_t ba_stride,
                   int bf16, int64_t T, int64_t Hk, int64_t per, int64_t K, int64_t V,
                   const float *decay, const float *dt_bias, void *qkv, void *z, float *g,
@@ -64,10 +72,30 @@ void hkv_gdn_prep(const void *qkvz, int64_t qkvz_stride, const void *ba, int64_t
                 const int64_t v = h * per + j;
                 const float b = prep_load(ba, bf16, row + h * 2 * per + j);
                 const float a = prep_load(ba, bf16, row + h * 2 * per + per + j) + dt_bias[v];
-                g[t * Hv + v] = decay[v] * (a > 20.0f ? a : log1pf(expf(a)));
-                beta[t * Hv + v] = 1.0f / (1.0f + expf(-b));
+                prep_gates(a, b, decay[v], &g[t * Hv + v], &beta[t * Hv + v]);
             }
     }
+}
+
+/* The gates alone, for the layouts whose b and a come from their own projections (Qwen3.5's
+ * in_proj_b / in_proj_a, OLMo Hybrid's b_proj / a_proj):
+ *
+ *     a, b  [T, Hv] rows at a stride (float32 or bfloat16 alike: bf16)
+ *  -> g     [T, Hv] float32 = decay[h] * softplus(float(a) + dt_bias[h])
+ *     beta  [T, Hv] float32 = sigmoid(float(b))
+ *
+ * One native call where PyTorch makes five ops (add, softplus, mul, sigmoid, two casts): a
+ * decode step of these layouts stays capturable. */
+void hkv_gdn_gates(const void *a, int64_t a_stride, const void *b, int64_t b_stride, int bf16,
+                   int64_t T, int64_t Hv, const float *decay, const float *dt_bias, float *g,
+                   float *beta) {
+#pragma omp parallel for schedule(static) if (T * Hv >= (1 << 16))
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t v = 0; v < Hv; v++) {
+            const float av = prep_load(a, bf16, t * a_stride + v) + dt_bias[v];
+            prep_gates(av, prep_load(b, bf16, t * b_stride + v), decay[v], &g[t * Hv + v],
+                       &beta[t * Hv + v]);
+        }
 }
 
 /* The gated attention's output gate: out = x * sigmoid(gate) over [T, H, D], x rows contiguous

@@ -1,9 +1,10 @@
 """Qwen3-Next's glue between GEMMs natively (`gdn_prep.c`, compiled into the one native
 library): `prep`, the gated delta net's key-head-grouped projection outputs split into the
 conv1d's [q | k | v] rows and z, and the rule's gates, in one pass (`hybridkv.layers.
-gated_delta_net.GatedDeltaNet`, "qwen3_next" layout); `sigmoid_gate`, the gated attention's
-output gate (`hybridkv.models.qwen3_next.GatedAttention`). Their PyTorch paths (the references
-of the tests) run where these return None."""
+gated_delta_net.GatedDeltaNet`, "qwen3_next" layout); `gates`, the rule's gates alone (the
+"qwen3_5" layout, whose b and a have their own projections); `sigmoid_gate`, the gated
+attention's output gate (`hybridkv.models.qwen3_next.GatedAttention`). Their PyTorch paths (the
+references of the tests) run where these return None."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 native.declare({
     "hkv_gdn_prep": [_ptr, _i64, _ptr, _i64, _int, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr,
                      _ptr, _ptr, _ptr, _ptr],
+    "hkv_gdn_gates": [_ptr, _i64, _ptr, _i64, _int, _i64, _i64, _ptr, _ptr, _ptr, _ptr],
     "hkv_sigmoid_gate": [_ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _int, _ptr],
 })  # fmt: skip
 
@@ -65,6 +67,34 @@ def prep(
         beta.data_ptr(),
     )  # fmt: skip
     return qkv, z, g, beta
+
+
+def gates(
+    a: torch.Tensor, b: torch.Tensor, decay: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """a, b [T, Hv] (both float32 or both bfloat16, unit column stride), decay = -exp(A_log)
+    and dt_bias float32 [Hv] -> g, beta [T, Hv] float32 (`ops.gated_delta.gdn_gates`); None
+    when the kernel or these tensors don't fit."""
+    lib = native.library()
+    if lib is None or a.dim() != 2 or a.shape != b.shape or a.dtype != b.dtype:
+        return None
+    tokens, hv = a.shape
+    if a.dtype not in DTYPES or a.stride(1) != 1 or b.stride(1) != 1:
+        return None
+    if any(t.device.type != "cpu" for t in (a, b, decay, dt_bias)):
+        return None
+    if decay.shape != (hv,) or dt_bias.shape != (hv,):
+        return None
+    if decay.dtype != torch.float32 or dt_bias.dtype != torch.float32:
+        return None
+    decay, dt_bias = decay.contiguous(), dt_bias.contiguous()
+    g = torch.empty(tokens, hv, dtype=torch.float32)
+    beta = torch.empty(tokens, hv, dtype=torch.float32)
+    lib.hkv_gdn_gates(
+        a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), int(a.dtype == torch.bfloat16),
+        tokens, hv, decay.data_ptr(), dt_bias.data_ptr(), g.data_ptr(), beta.data_ptr(),
+    )  # fmt: skip
+    return g, beta
 
 
 def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor | None:
