@@ -28,12 +28,15 @@ Routing rules (`RoutingRule`), the modes each family declares:
 - Scores in float32 (the logits cast first) unless the rule says the logits' dtype.
 
 Gates: the families whose gate is an `nn.Linear` keep it (it is pre-packed on the CPU, kept float
-by the int8 quantiser) and route with `route`, the `MOE_ROUTE` family: the native AMX router
-("native-amx", bfloat16 on a CPU with AMX) for the rules and tensors it takes
-(`native_route_fits`: a gate without bias, no choice bias, ...: Granite, Jamba), else "torch";
+by the int8 quantiser) and route with `route`, the `MOE_ROUTE` family: for the rules and tensors
+they take (a gate without bias, no choice bias, softmax or topk_softmax: Granite, Jamba,
+Qwen3-Next / 3.5-MoE; `native_route_fits`, `vector_route_fits`) the native AMX router
+("native-amx", bfloat16 on a CPU with AMX) or the native router of every build ("native":
+float32, and bfloat16 without AMX, on a CPU with AVX2), else "torch" (LFM2-MoE's choice bias);
 the others hold a `Router` (weight [E, H], optional bias, optional e_score_correction_bias).
 
-Experts: `GatedExperts` (SwiGLU, [gate | up] rows stacked: `mlp.gated_experts`, native on AMX),
+Experts: `GatedExperts` (SwiGLU, [gate | up] rows stacked: `mlp.gated_experts`, native on AMX in
+bfloat16 and on every CPU with AVX2 in float32 and bfloat16 up to NATIVE_EXPERT_ROWS tokens),
 `UngatedExperts` (Nemotron-H: up / down and an activation, float32 sums) and
 `ClampedSwigluExperts` (gpt-oss: x @ W layout, interleaved gate / up, biases, clamps). Tensor
 parallel: every expert's intermediate size is split; routers are replicated; the callers
@@ -176,9 +179,9 @@ def route(
     x: torch.Tensor, gate: nn.Linear, rule: RoutingRule, choice_bias: torch.Tensor | None = None
 ) -> Routing:
     """x: [T, H] through an nn.Linear gate [E, H] and `rule` -> Routing: the `MOE_ROUTE` chain
-    of x's dtype, without the native router where it does not take these (`native_route_fits`).
-    bfloat16 on a CPU with AMX: the gate's product, scoring and top-k in one native pass per
-    token."""
+    of x's dtype, without a native router where it does not take these (`native_route_fits`,
+    `vector_route_fits`). Native: the gate's product, scoring and top-k in one call (weights in
+    x's dtype)."""
     chain = MOE_ROUTE.of(x)
     name = chain.links[0].impl.name
     if name == "native-amx" and not native_route_fits(x, gate, rule, choice_bias):
@@ -197,8 +200,7 @@ def native_route_fits(
     shared_gate: nn.Linear | None = None,
 ) -> bool:
     """The native router's rule (`ops.native.moe.route`): inference; a rule it implements
-    (`RoutingRule.native_mode`) with at most `MAX_TOPK_SOFTMAX` (moe.c's MOE_MAX_K) experts per
-    token for "topk_softmax" and 0 < k <= E; gates without bias, no choice bias; x [T, H],
+    (`RoutingRule.native_mode`) and 0 < k <= E; gates without bias, no choice bias; x [T, H],
     the gate's weight [E, H] and the shared gate's [1, H] (if any) contiguous, all bfloat16 on
     the CPU; the OS granted this process AMX's tile data."""
     from hybridkv.ops.native import moe
@@ -208,8 +210,6 @@ def native_route_fits(
         return False
     gates = (gate,) if shared_gate is None else (gate, shared_gate)
     if any(g.bias is not None for g in gates):
-        return False
-    if mode == moe.TOPK_SOFTMAX and rule.top_k > moe.MAX_TOPK_SOFTMAX:
         return False
     weights = [g.weight for g in gates]
     if x.dim() != 2 or any(w.dim() != 2 or not w.is_contiguous() for w in weights):

@@ -45,7 +45,9 @@
  * then each token sums its pairs' rows of Y in sorted (= expert) order.
  *
  * A build without AMX (or a kernel that refuses the tile data permission) reports no kernel:
- * hkv_amx_ready() (cpu.c) returns 0 and the callers keep their PyTorch path.
+ * hkv_amx_ready() (cpu.c) returns 0, and the callers take the kernels at the end of this file:
+ * hkv_moe_route and hkv_moe_experts, the same router and experts in float32 or bfloat16 on the
+ * small-batch linears of every build (AVX-512, AVX2 + FMA, plain C).
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -54,8 +56,9 @@
 #include <string.h>
 #include "hkv_common.h"
 
-#if HKV_AMX_BF16
 #include <omp.h>
+
+#if HKV_AMX_BF16
 #define MOE_AMX 1
 #else
 #define MOE_AMX 0
@@ -68,7 +71,6 @@
 #define MOE_TASKS_PER_THREAD 4 /* column splits aim at this many tasks per thread */
 #define MOE_KC 8 /* k tiles per pass over a block's rows: 2 x 8 weight tiles, 16 KiB, in L1 */
 #define MOE_INLINE static inline __attribute__((always_inline))
-#define MOE_MAX_K 64 /* experts per token the top-k softmax router takes (moe.py checks) */
 
 static inline int64_t moe_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -633,6 +635,57 @@ static void moe_add_weighted(int bf16, void *out, const void *y, const void *w, 
     }
 }
 
+/* What the two phases of hkv_moe_experts read: h, Y and the gathered rows by sorted pair. */
+struct moe_vec {
+    int bf16;
+    int64_t es, H, I;
+    const int64_t *offsets;
+    const void *gate_up, *down;
+    char *xg, *gu, *h, *Y; /* [P, H], [P, 2I], [P, I], [P, H] */
+};
+
+/* Columns part * n / split .. (part + 1) * n / split of n, in whole 16s (the last: the rest) */
+static void moe_part(int64_t n, int64_t part, int64_t split, int64_t *c0, int64_t *c1) {
+    const int64_t blocks = (n + 15) / 16;
+    *c0 = blocks * part / split * 16, *c1 = blocks * (part + 1) / split * 16;
+    *c1 = *c1 < n ? *c1 : n;
+}
+
+/* Phase A of expert e, part `part` of its I columns: gate and up of those columns for the
+ * expert's rows, then h = silu(gate) * up. Called inside a parallel region: the linears' own
+ * OpenMP regions nest there, and run on the calling thread (nesting is off: OpenMP's default,
+ * and PyTorch's). */
+static void moe_vec_a(const struct moe_vec *s, int64_t e, int64_t part, int64_t split) {
+    const int64_t p0 = s->offsets[e], n = s->offsets[e + 1] - p0, H = s->H, I = s->I, es = s->es;
+    int64_t c0, c1;
+    moe_part(I, part, split, &c0, &c1);
+    if (n == 0 || c1 <= c0) return;
+    const char *w = (const char *)s->gate_up + e * 2 * I * H * es, *x = s->xg + p0 * H * es;
+    char *g = s->gu + p0 * 2 * I * es;
+    moe_linear(s->bf16, x, H, w + c0 * H * es, n, c1 - c0, H, g + c0 * es, 2 * I);
+    moe_linear(s->bf16, x, H, w + (I + c0) * H * es, n, c1 - c0, H, g + (I + c0) * es, 2 * I);
+    for (int64_t r = 0; r < n; r++) { /* h row by row: [n, c1 - c0] at h's row stride I */
+        char *gr = g + r * 2 * I * es, *a = s->h + ((p0 + r) * I + c0) * es;
+        if (s->bf16)
+            hkv_silu_mul_bf16((uint16_t *)gr + c0, 0, (uint16_t *)gr + I + c0, 0, (uint16_t *)a,
+                              1, c1 - c0);
+        else
+            hkv_silu_mul_f32((float *)gr + c0, 0, (float *)gr + I + c0, 0, (float *)a, 1,
+                             c1 - c0);
+    }
+}
+
+/* Phase B of expert e, part `part` of its H columns: Y = h @ down^T for the expert's rows. */
+static void moe_vec_b(const struct moe_vec *s, int64_t e, int64_t part, int64_t split) {
+    const int64_t p0 = s->offsets[e], n = s->offsets[e + 1] - p0, H = s->H, I = s->I, es = s->es;
+    int64_t c0, c1;
+    moe_part(H, part, split, &c0, &c1);
+    if (n == 0 || c1 <= c0) return;
+    const char *w = (const char *)s->down + e * H * I * es;
+    moe_linear(s->bf16, s->h + p0 * I * es, I, w + c0 * I * es, n, c1 - c0, I,
+               s->Y + (p0 * H + c0) * es, H);
+}
+
 /* SwiGLU experts, every (token, expert) pair of a step in one call:
  *     x        [T, H] rows at a row stride
  *     experts  [T, k] int64, weights [T, k] of x's dtype
@@ -665,23 +718,25 @@ int hkv_moe_experts(const void *x, int64_t x_stride, int64_t T, int64_t H,
         free(ints), free(buf);
         return -1;
     }
-    char *xg = buf, *gu = xg + P * H * es, *h = gu + P * 2 * I * es, *Y = h + P * I * es;
+    struct moe_vec s = {bf16, es, H, I, offsets, gate_up, down, buf, buf + P * H * es, NULL, NULL};
+    s.h = s.gu + P * 2 * I * es, s.Y = s.h + P * I * es;
     const char *X = x;
     for (int64_t p = 0; p < P; p++) /* x's rows in sorted order */
-        memcpy(xg + p * H * es, X + (order[p] / k) * x_stride * es, (size_t)(H * es));
-    for (int64_t e = 0; e < E; e++) {
-        const int64_t p0 = offsets[e], n = offsets[e + 1] - p0;
-        if (n == 0) continue;
-        const char *wgu = (const char *)gate_up + e * 2 * I * H * es;
-        const char *wd = (const char *)down + e * H * I * es;
-        char *g = gu + p0 * 2 * I * es, *a = h + p0 * I * es;
-        moe_linear(bf16, xg + p0 * H * es, H, wgu, n, 2 * I, H, g, 2 * I);
-        if (bf16)
-            hkv_silu_mul_bf16((uint16_t *)g, 2 * I, (uint16_t *)g + I, 2 * I, (uint16_t *)a, n, I);
-        else
-            hkv_silu_mul_f32((float *)g, 2 * I, (float *)g + I, 2 * I, (float *)a, n, I);
-        moe_linear(bf16, a, I, wd, n, H, I, Y + p0 * H * es, H);
+        memcpy(s.xg + p * H * es, X + (order[p] / k) * x_stride * es, (size_t)(H * es));
+    int64_t hits = 0;
+    for (int64_t e = 0; e < E; e++) hits += offsets[e + 1] > offsets[e];
+    const int threads = omp_get_max_threads();
+    /* column ranges per expert hit: about MOE_TASKS_PER_THREAD tasks a thread in all */
+    int64_t split = (MOE_TASKS_PER_THREAD * threads + hits - 1) / (hits ? hits : 1);
+    split = split < 1 ? 1 : split;
+#pragma omp parallel if (threads > 1)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < E * split; i++) moe_vec_a(&s, i / split, i % split, split);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < E * split; i++) moe_vec_b(&s, i / split, i % split, split);
     }
+    const char *Y = s.Y;
     const char *W = weights;
     for (int64_t t = 0; t < T; t++) { /* each token's rows, in expert order */
         char *o = (char *)out + t * out_stride * es;

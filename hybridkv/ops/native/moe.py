@@ -191,7 +191,6 @@ def swiglu_expert(
 SOFTMAX_TOPK = 0  # softmax over every expert, the k largest probabilities (Jamba)
 SOFTMAX_TOPK_RENORMALISED = 1  # the same, the k renormalised to sum 1 (Qwen3-Next)
 TOPK_SOFTMAX = 2  # the k largest logits, then the softmax of those k (Granite MoE)
-MAX_TOPK_SOFTMAX = 64  # experts per token TOPK_SOFTMAX takes (moe.c's MOE_MAX_K)
 
 
 def route(
@@ -209,8 +208,6 @@ def route(
     moe.c); None when the kernel or these tensors don't fit."""
     if mode not in (SOFTMAX_TOPK, SOFTMAX_TOPK_RENORMALISED, TOPK_SOFTMAX):
         raise ValueError(f"routing mode {mode!r}: expected 0, 1 or 2 (moe.SOFTMAX_TOPK, ...)")
-    if mode == TOPK_SOFTMAX and k > MAX_TOPK_SOFTMAX:
-        return None
     if not available() or torch.is_grad_enabled() or x.dim() != 2 or router.dim() != 2:
         return None
     gates = (router,) if shared_gate is None else (router, shared_gate)
