@@ -558,9 +558,9 @@ int hkv_moe_bf16(const uint16_t *x, int64_t x_stride, int64_t T, int64_t H,
  *
  * What an AVX2 CPU, an AVX-512 one without AMX and a float32 model on any CPU run (moe.py's
  * `vector_route`, `vector_experts`): the same computation as the PyTorch paths, every product
- * on the small-batch linears of f32_linear.c and bf16_linear.c (their weight streams, tiles
- * and OpenMP split over output columns, for whichever of AVX-512, AVX2 + FMA or plain C the
- * library is built), the activation on kernels.c's silu-mul. Both read their inputs and write
+ * on the small-batch linears of f32_linear.c and bf16_linear.c (their weight streams and tiles,
+ * for whichever of AVX-512, AVX2 + FMA or plain C the library is built), the activation on
+ * kernels.c's silu-mul. Both read their inputs and write
  * their outputs through pointers only, so a captured decode step (program.py) replays them
  * correctly when the routing changes from step to step. `bf16`: all tensors bfloat16 (each
  * product's float32 sums rounded once, as PyTorch's bfloat16 linear), else all float32. */
@@ -698,8 +698,11 @@ static void moe_vec_b(const struct moe_vec *s, int64_t e, int64_t part, int64_t 
  * product, y * w and the token's sum after each addition. The pairs are sorted by expert
  * (moe_sort_pairs) and each expert hit runs once on its rows, gathered: [n, H] -> gate_up ->
  * [n, 2I] -> silu * up -> [n, I] -> down -> [n, H]; then each token adds its pairs' rows. At
- * decode sizes (a few rows an expert) each product streams its expert's weight once, split
- * over the threads by output columns (the linears' OpenMP). Returns 0, -1 for an expert id
+ * decode sizes (a few rows an expert) each product streams its expert's weight once. One
+ * OpenMP region, two phases (gate / up / silu, then down), each a loop of tasks (an expert hit
+ * and a range of its output columns, about MOE_TASKS_PER_THREAD a thread; dynamic schedule):
+ * one region where a region per product (2-3 an expert hit) stalled on a loaded machine
+ * whenever a thread was descheduled. Returns 0, -1 for an expert id
  * outside 0 .. E - 1 (out untouched), -2 without memory for the work space. */
 int hkv_moe_experts(const void *x, int64_t x_stride, int64_t T, int64_t H,
                     const int64_t *experts, const void *weights, int64_t k, int64_t E,
