@@ -26,6 +26,7 @@ from hybridkv.forward_batch import ForwardBatch, StateMetadata
 from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
 from hybridkv.layers.cache import CacheOwner, StateCache
 from hybridkv.ops.derived import derived
+from hybridkv.ops.elementwise import to_dtype
 from hybridkv.ops.gated_delta import gdn_gates
 from hybridkv.ops.gdn_ops import TorchGDNOps
 from hybridkv.ops.norm import gated_rms_norm
@@ -297,7 +298,8 @@ class GatedDeltaNet(CacheOwner):
             o = ops.rule(q, k, v, g, beta, recurrent_state, meta, rule_kept)  # [T, Hv, V] fp32
             # transformers rounds the rule's output to the model dtype before the norm, which
             # normalises each value head with one [V] weight: rows of [T * Hv, V]
-            o = o.to(hidden_states.dtype).reshape(t * self.num_v_heads, self.head_v_dim)
+            # (to_dtype: a native conversion, so a bfloat16 verify step stays capturable)
+            o = to_dtype(o, hidden_states.dtype).reshape(t * self.num_v_heads, self.head_v_dim)
             z = z.reshape(t * self.num_v_heads, self.head_v_dim)
             y = gated_rms_norm(
                 o, z, self.norm.weight, self.norm_eps, self.head_v_dim, norm_before_gate=True

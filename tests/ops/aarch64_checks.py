@@ -160,17 +160,18 @@ def gated_delta_rule(lib: ctypes.CDLL) -> None:
     start_state = state.copy()
     kept = np.full((1, depth, Hv, K, V), np.nan, dtype=F32)
     o = np.empty((T, Hv, V), dtype=F32)
-    failed = np.zeros(1, dtype=np.int32)
     starts, lens_a = spans(lens)
-    lib.hkv_gated_delta_rule(
+    fn = lib.hkv_gated_delta_rule
+    fn.restype = ctypes.c_int  # a status: non-zero when its work space could not be allocated
+    failed = fn(
         ptr(state), ctypes.c_int64(Hv * K * V), 0, ptr(i64(pages)), ptr(np.ones(2, np.uint8)),
         ptr(starts), ptr(lens_a), ctypes.c_int64(2), ctypes.c_int64(Hk), ctypes.c_int64(Hv),
         ctypes.c_int64(K), ctypes.c_int64(V), ptr(q), ctypes.c_int64(Hk * K), ptr(k),
         ctypes.c_int64(Hk * K), ptr(v), ctypes.c_int64(Hv * V), 0, ptr(g), ptr(beta), ptr(o),
-        ptr(failed), ptr(kept), ptr(i64(rows)), ctypes.c_int64(depth * Hv * K * V),
+        ptr(kept), ptr(i64(rows)), ctypes.c_int64(depth * Hv * K * V),
         ctypes.c_int64(Hv * K * V),
     )  # fmt: skip
-    assert failed[0] == 0
+    assert failed == 0
 
     def l2(a: np.ndarray) -> np.ndarray:
         return a / np.sqrt((a.astype(np.float64) ** 2).sum(-1, keepdims=True) + 1e-6)

@@ -156,14 +156,18 @@ def test_sliding_window_attention_captures(tmp_path_factory):
 
 
 def test_a_model_with_pytorch_ops_in_its_step_stays_eager(tmp_path_factory, caplog):
-    folder = granite(tmp_path_factory, experts=4, name="granite-moe")
+    """Nemotron-H's MoE routes its experts in PyTorch (sigmoid scores with a choice bias):
+    the capture is refused, said once in the log, and every step runs eagerly."""
+    from tests.models.test_nemotron_h import build
+
+    folder, _ = build(tmp_path_factory, "moe")
     ids = prompts(VOCAB, [7, 12])
     params = uneven_params(len(ids))
     eager, _ = run(folder, ids, params, enforce_eager=True)
     with caplog.at_level("INFO", logger="hybridkv"):
         captured, graphs = run(folder, ids, params)
     assert captured == eager
-    # (the MoE routing's aten ops; the linears' mkldnn ones first without AVX-512)
+    # (the router's aten ops; the linears' mkldnn ones first without AVX-512)
     assert graphs.disabled.startswith("computes outside native kernels: ")
     assert graphs.replays == 0 and not graphs.steps
     assert "run eagerly" in caplog.text
@@ -220,12 +224,24 @@ def test_threads_may_change_between_replays(dense):
     expect_capture(llm.engine.runner.graphs)
 
 
+def qwen3_5(tmp_path_factory):
+    """Qwen3.5 dense: gated delta net layers (per-position states kept natively in verify
+    steps) and gated attention."""
+    from tests.models.test_qwen3_next import build
+
+    return build(tmp_path_factory, "qwen3_5")[0]
+
+
+@pytest.mark.parametrize("family", ["granite", "qwen3_5"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_verify_steps_replay_like_eager_ones(dense, dtype, monkeypatch):
+def test_verify_steps_replay_like_eager_ones(family, dtype, tmp_path_factory, monkeypatch):
     """Speculative decoding's uniform verify steps (q tokens per request, attention as decode
-    rows, state layers on q-token chunks) are captured per (requests, q) and replay the eager
-    step's numbers: same tokens with drafts as without, captured or eager."""
+    rows, state layers on q-token chunks keeping every position's state) are captured per
+    (requests, q), none refused, and replay the eager step's numbers: same tokens with drafts
+    as without, captured or eager."""
     from hybridkv.engine import Engine
+
+    dense = (granite if family == "granite" else qwen3_5)(tmp_path_factory)
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
             "prompt_lookup_max": 2}  # fmt: skip
@@ -246,6 +262,7 @@ def test_verify_steps_replay_like_eager_ones(dense, dtype, monkeypatch):
     expect_capture(graphs, dtype)
     if graphs.replays:
         assert any(q > 1 for _, q in graphs.steps), graphs.steps
+        assert not graphs.refused, graphs.refused
 
 
 def test_replays_expose_the_hidden_states_of_their_logits(dense):

@@ -21,8 +21,9 @@ _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 native.declare({
     "hkv_gated_delta_rule": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
                              _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr,
-                             _ptr, _ptr, _ptr, _i64, _i64],
+                             _ptr, _ptr, _i64, _i64],
 })  # fmt: skip
+native.returns_status("hkv_gated_delta_rule")  # (a failed work-space allocation)
 
 GDN_DTYPES = (torch.float32, torch.bfloat16)  # of q, k, v and of the state
 
@@ -163,10 +164,9 @@ def gated_delta_rule(
     args = GDNArgs.prepare(dims, q, k, v, g, beta, state, *spans)
     if tokens == 0 or args.spans[0].numel() == 0:
         return o
-    failed = torch.zeros(1, dtype=torch.int32)
-    lib.hkv_gated_delta_rule(
-        *args.leading(), o.data_ptr(), failed.data_ptr(), *position_args(positions, state)
+    failed = lib.hkv_gated_delta_rule(
+        *args.leading(), o.data_ptr(), *position_args(positions, state)
     )
-    if int(failed):
+    if failed:
         raise MemoryError("the native gated delta rule could not allocate its work space")
     return o

@@ -120,24 +120,26 @@ static void kda_head(char *page_head, int state_bf16, int has_initial, int64_t s
 }
 
 /* state: [pages][H][K][V] at page_stride elements between pages; pages, has_initial, starts,
- * lens: [R]. *failed is set when a thread cannot allocate its work space. */
-void hkv_kda_rule(void *state, int64_t page_stride, int state_bf16, const int64_t *pages,
-                  const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
-                  int64_t R, int64_t H, int64_t K, int64_t V, const void *q, int64_t q_stride,
-                  const void *k, int64_t k_stride, const void *v, int64_t v_stride, int in_bf16,
-                  const float *g, const float *beta, float *o, int *failed, void *pos_state,
-                  const int64_t *pos_rows, int64_t pos_row_stride, int64_t pos_stride) {
+ * lens: [R]. Returns non-zero when a thread cannot allocate its work space (a status that a
+ * captured step's replay checks). */
+int hkv_kda_rule(void *state, int64_t page_stride, int state_bf16, const int64_t *pages,
+                 const uint8_t *has_initial, const int64_t *starts, const int64_t *lens,
+                 int64_t R, int64_t H, int64_t K, int64_t V, const void *q, int64_t q_stride,
+                 const void *k, int64_t k_stride, const void *v, int64_t v_stride, int in_bf16,
+                 const float *g, const float *beta, float *o, void *pos_state,
+                 const int64_t *pos_rows, int64_t pos_row_stride, int64_t pos_stride) {
     const struct kda_inputs in = {q, k, v, q_stride, k_stride, v_stride, in_bf16, g, beta, o,
                                   H, K, V};
     const size_t elem = state_bf16 ? 2 : 4;
     size_t bytes = sizeof(float) * (size_t)(K * V + 2 * K + V);
     bytes = (bytes + 63) / 64 * 64; /* aligned_alloc: a multiple of the alignment */
+    int failed = 0;
 #pragma omp parallel
     {
         float *copy = aligned_alloc(64, bytes);
         if (copy == NULL) {
 #pragma omp atomic write
-            *failed = 1;
+            failed = 1;
         }
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t r = 0; r < R; r++) {
@@ -154,4 +156,5 @@ void hkv_kda_rule(void *state, int64_t page_stride, int state_bf16, const int64_
         }
         free(copy);
     }
+    return failed;
 }

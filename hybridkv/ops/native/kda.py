@@ -14,9 +14,10 @@ from hybridkv.ops.native.ssm import Positions, position_args
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 native.declare({
     "hkv_kda_rule": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr,
-                     _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr,
-                     _i64, _i64],
+                     _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
+                     _i64],
 })  # fmt: skip
+native.returns_status("hkv_kda_rule")  # (a failed work-space allocation)
 
 DTYPES = (torch.float32, torch.bfloat16)  # of q, k, v and of the state
 
@@ -82,14 +83,13 @@ def kda_rule(
         return o
     q, k, v = _rows(q), _rows(k), _rows(v)
     g, beta = g.to(torch.float32).contiguous(), beta.to(torch.float32).contiguous()
-    failed = torch.zeros(1, dtype=torch.int32)
-    lib.hkv_kda_rule(
+    failed = lib.hkv_kda_rule(
         state.data_ptr(), state.stride(0), int(state.dtype == torch.bfloat16), pages.data_ptr(),
         has.data_ptr(), starts.data_ptr(), lens.data_ptr(), pages.shape[0], heads, dim_k, dim_v,
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         int(q.dtype == torch.bfloat16), g.data_ptr(), beta.data_ptr(), o.data_ptr(),
-        failed.data_ptr(), *position_args(positions, state),
+        *position_args(positions, state),
     )  # fmt: skip
-    if int(failed):
+    if failed:
         raise MemoryError("the native KDA rule could not allocate its work space")
     return o

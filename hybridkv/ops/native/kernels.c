@@ -888,7 +888,8 @@ static void gdn_head(void *page_head, int state_bf16, int init, int64_t tok0, in
  * zeros: its page is overwritten, never read (it may hold NaN bit patterns). lens[r] == 0 leaves
  * the page untouched. One task per (request, value head); each thread allocates its work space
  * once (4 * K floats, and a K x Vp float32 copy of the state where it cannot work in the page).
- * *failed is set when that allocation fails (o and the states are then incomplete).
+ * Returns non-zero when that allocation fails (o and the states are then incomplete): a status,
+ * not a flag in memory, so that a captured step's replay checks it without reading a tensor.
  *
  * Speculative decoding keeps the state after every position (pos_state non-NULL): a request
  * with pos_rows[r] >= 0 runs one token at a time (its state back in its page after each, as
@@ -896,26 +897,27 @@ static void gdn_head(void *page_head, int state_bf16, int init, int64_t tok0, in
  * copied, in the state's dtype, to
  *     pos_state + pos_rows[r] * pos_row_stride + i * pos_stride + h * K * V      (elements)
  */
-void hkv_gated_delta_rule(void *state, int64_t page_stride, int state_bf16,
-                          const int64_t *pages, const uint8_t *has_initial,
-                          const int64_t *starts, const int64_t *lens, int64_t R, int64_t Hk,
-                          int64_t Hv, int64_t K, int64_t V, const void *q, int64_t q_stride,
-                          const void *k, int64_t k_stride, const void *v, int64_t v_stride,
-                          int in_bf16, const float *g, const float *beta, float *o,
-                          int *failed, void *pos_state, const int64_t *pos_rows,
-                          int64_t pos_row_stride, int64_t pos_stride) {
+int hkv_gated_delta_rule(void *state, int64_t page_stride, int state_bf16,
+                         const int64_t *pages, const uint8_t *has_initial, const int64_t *starts,
+                         const int64_t *lens, int64_t R, int64_t Hk, int64_t Hv, int64_t K,
+                         int64_t V, const void *q, int64_t q_stride, const void *k,
+                         int64_t k_stride, const void *v, int64_t v_stride,
+                         int in_bf16, const float *g, const float *beta, float *o,
+                         void *pos_state, const int64_t *pos_rows, int64_t pos_row_stride,
+                         int64_t pos_stride) {
     const struct gdn_inputs in = {q, k, v, q_stride, k_stride, v_stride, in_bf16, g, beta, o,
                                   Hk, Hv, K, V};
     const int64_t Vp = (V + HKV_LANES - 1) / HKV_LANES * HKV_LANES;
     const size_t elem = state_bf16 ? 2 : 4;
     size_t bytes = sizeof(float) * (size_t)(K * Vp + 4 * K); /* a state copy, then q and k */
     bytes = (bytes + 63) / 64 * 64; /* aligned_alloc: a multiple of the alignment */
+    int failed = 0;
 #pragma omp parallel
     {
         float *work = aligned_alloc(64, bytes);
         if (work == NULL) {
 #pragma omp atomic write
-            *failed = 1;
+            failed = 1;
         }
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t r = 0; r < R; r++) {
@@ -938,6 +940,7 @@ void hkv_gated_delta_rule(void *state, int64_t page_stride, int state_bf16,
         }
         free(work);
     }
+    return failed;
 }
 #pragma GCC pop_options
 
