@@ -31,23 +31,24 @@ hidden-size 768 shapes and the 32000-row lm_head: benchmarks/quantization.py):
                    layer at M = 64 (Zen 5). bfloat16 x (widened to
                    float32 once, exactly: the same tiles): up to M = SMALL_M rows, where it
                    beats the path below (decode of the 100m model at batch 1: +25%)
-    AMX tiles      `hybridkv/ops/native/int8_amx.c` where the CPU record has amx_bf16: float32
-                   x of BF16_GEMM_M rows or more, bfloat16 x above SMALL_M. q is exact in
-                   bfloat16, so blocks of 32 weight rows are widened to bfloat16 as AMX A
-                   tiles (per call, into a per-thread buffer: nothing kept), x is packed once as
-                   bfloat16 pairs (a float32 x rounded to nearest even, as the GEMM below), the
-                   tiles sum in float32 (tdpbf16ps) and each sum is scaled once, written in x's
-                   dtype (a float32 model's output not rounded to bfloat16). Rows of x in groups
-                   of about 768 KiB of tiles (L2), the weights widened again per group. Intel
-                   Xeon, 2 cores, AVX-512 + AMX, one thread, us (minima of 20-30 calls, 768 ->
-                   3072): 178-250 at M = 16 where the float32 tiles take 650, 420-490 at 64
-                   (the bfloat16 layer's oneDNN GEMM 335; the GEMM below 1109), 2465-3100 at
-                   512 (1615; 3277), 12 ms at 1700 (17 ms before the row groups); the widening
-                   (about 4.5 cycles per 32 weights) and tile loads from L2 are what remains
-                   over oneDNN's prepacked bfloat16 weight (benchmarks/README.md, int8)
+    AMX tiles      `hybridkv/ops/native/int8_amx.c` where the CPU record has amx_int8: float32
+                   x of BF16_GEMM_M rows or more, bfloat16 x above SMALL_M. The tiles read q as
+                   it lies (AMX's A operand: 16 weight rows of 64 bytes; nothing widened, no
+                   other copy) and each row of x as two 8-bit digits of its own scale (w8a8's
+                   rounding, and the rest rounded again): x = sx (d1 + d2 / 254) + e, |e| <=
+                   max |x[m, :]| / 64516 (2^-16 of the row's largest value; rounding x to
+                   bfloat16, as the GEMM below, moves each value by up to 2^-9 of itself), exact
+                   int32 sums of each digit (tdpbssd), y = (C2 / 254 + C1) sx scale in float32,
+                   rounded once to x's dtype. Intel Xeon, 2 cores, AVX-512 + AMX, one thread,
+                   768 -> 3072, us (minima): 135 / 309 / 2025 / 8740 at M = 16 / 64 / 512 /
+                   1700; the bfloat16 layer's oneDNN GEMM on its prepacked weight 224 / 313 /
+                   1610 / 5689, the GEMM below 784 / 1034 / 3090 / 10275, the float32 tiles at 16
+                   rows 650. (Widening q to bfloat16 tiles for tdpbf16ps instead: 291 / 468 /
+                   2207 / 9464, the widening about 4.5 cycles per 32 weights.) Prefill rows stay
+                   1.3-1.5x the bfloat16 layer (benchmarks/README.md, int8)
     bfloat16 GEMM  float32 x of BF16_GEMM_M rows or more where oneDNN runs bfloat16
                    GEMMs fast and the tiles above do not run (AVX512-BF16 without AMX, the
-                   CPU record's "oneDNN bf16" without amx_bf16): x rounded to
+                   CPU record's "oneDNN bf16" without amx_int8): x rounded to
                    bfloat16, q converted to bfloat16 in blocks (exact), oneDNN's GEMM, the
                    output (rounded to bfloat16, as the bfloat16 layer's) scaled per column.
                    The one place an int8 layer of a float32 model leaves float32 math: on
@@ -166,9 +167,9 @@ def native_limits() -> tuple[int, int]:
 
 
 # The int8 linear family, keyed by x's dtype (each implementation takes x [M, K], q, scale):
-# on an AVX-512 Xeon with AMX (the CPU record's amx_bf16)
-#   float32   native-avx512 (rows < BF16_GEMM_M), native-amx-bf16
-#   bfloat16  native-avx512-bf16 (rows <= SMALL_M), native-amx-bf16
+# on an AVX-512 Xeon with AMX (the CPU record's amx_int8)
+#   float32   native-avx512 (rows < BF16_GEMM_M), native-amx-int8
+#   bfloat16  native-avx512-bf16 (rows <= SMALL_M), native-amx-int8
 # on one without
 #   float32   native-avx512 (rows < BF16_GEMM_M), onednn-bf16-gemm, where oneDNN has fast
 #             bfloat16 GEMMs (AVX512-BF16); else native-avx512 (rows < DEQUANT_M),
@@ -185,8 +186,8 @@ INT8_LINEAR = declare(
                max_rows=lambda: native_limits()[1] - 1, description="int8_linear.c, 16 lanes"),
         OpImpl("native-avx512-bf16", _HERE + "_native", _CPU, _BF16, ("native", "avx512"),
                max_rows=lambda: SMALL_M, description="int8_linear.c, vdpbf16ps"),
-        OpImpl("native-amx-bf16", _HERE + "_native_amx", _CPU, _F32 | _BF16,
-               ("native", "amx_bf16"), description="int8_amx.c: q widened to bf16 tiles"),
+        OpImpl("native-amx-int8", _HERE + "_native_amx", _CPU, _F32 | _BF16,
+               ("native", "amx_int8"), description="int8_amx.c: q as tiles, x in 2 digits"),
         OpImpl("native-avx2", _HERE + "_native", _CPU, _F32 | _BF16, ("native", "avx2"),
                unless=("avx512",), description="int8_linear.c, 8 lanes: every M"),
         OpImpl("dequant-bf16", _HERE + "bf16_int8_matmul", _CPU, _F32,

@@ -1,47 +1,71 @@
-/* int8 weight-only linear on AMX-BF16 tiles (quantization="int8", rows of x past the streaming
- * kernel's): y = x @ (q * scale)^T, the same arguments as hkv_int8_linear (int8_linear.c).
+/* int8 weight-only linear on AMX-INT8 tiles (quantization="int8", rows of x past the streaming
+ * kernel's): y = x @ (q * scale)^T, with hkv_int8_linear's arguments (int8_linear.c).
  * hybridkv/layers/quantization.py is the reference and the caller (INT8_LINEAR's
- * "native-amx-bf16"); hybridkv/ops/native/int8_linear.py declares this file's kernel.
+ * "native-amx-int8"); hybridkv/ops/native/int8_linear.py declares this file's kernel.
  *
  *     x      [M, K] float32 or bfloat16 rows at a row stride (unit column stride)
  *     q      [N, K] int8, contiguous (the weight as the layer keeps it: no other copy)
  *     scale  [N] bfloat16, the weight rows' scales
  *     y      [M, N] float32 or bfloat16 rows at a row stride
  *
- * int8 weights are exact in bfloat16 (|q| <= 127: 7 significant bits), so the tiles multiply
- * q itself: x rounded to bfloat16 (nearest even; bfloat16 x as it is), float32 sums of the
- * exact products (tdpbf16ps), each sum times its row's scale once, rounded once to y's dtype.
+ * The tiles multiply q as it lies: an AMX A operand is 16 rows of 64 consecutive bytes, so a
+ * block of weight rows is loaded straight from q (row stride K), nothing widened or copied
+ * (widening q to bfloat16 for tdpbf16ps cost about 4.5 cycles per 32 weights, as much as the
+ * tiles' own time at 64 rows of x). x is written in I8A_D = 2 digits of 8 bits per row (each
+ * row its own scale, as w8a8's single digit):
  *
- * The weight is the A operand, so that its rows are read as they lie (no transposition of
- * the weight; x's is made once per call, and the output's once per 16 x 16 sums):
+ *     sx = max_k |x[m, k]| / 127,   u = x / sx  (|u| <= 127)
+ *     d1 = round(u),  d2 = round(254 (u - d1))                       (|d1|, |d2| <= 127)
+ *     x = sx (d1 + d2 / 254) + e,   |e| <= sx / 508 = max_k |x[m, k]| / 64516  (~2^-16)
  *
- *     A (tiles 4, 5)   16 weight rows n, 32 consecutive k each, widened to bfloat16 into a
- *                      per-thread buffer (wb: [2][Kp / 32][16][32] for a block of 32 rows)
- *     B (tiles 6, 7)   x as pairs: row r, column m = x[m0 + m, k0 + 2r .. k0 + 2r + 1]
- *                      (xp: [Mp / 16][Kp / 32][16][16][2], packed once per call)
- *     C (tiles 0..3)   16 x 16 float32 sums [n][m]: (A 4 or 5) x (B 6 or 7), transposed
- *                      in registers on the way to y, where the scales are applied
+ * so the products are exact int32 sums (tdpbssd; |sum| <= 127^2 K) and
  *
- * Work: a task is a block of I8A_N = 32 weight rows: widened once into wb (64 Kp bytes: in L2
- * up to K = 16K), then every 32 rows of x against it, 32 k a step of 4 tdpbf16ps on 2 A and
- * 2 B tile loads. Threads take tasks in turn; x is packed by all of them first. Zero padding: x's rows past M and k past K, the weight's rows past N and k past K.
- * Without AMX-BF16 (the build, or the OS's tile permission: the CPU record then lacks
- * amx_bf16, and the op chain never picks this kernel) it returns -1 without writing. */
+ *     y[m, n] = (C2 / 254 + C1) * sx[m] * scale[n]       (Cd = sum_k dd[m, k] q[n, k])
+ *
+ * in float32, rounded once to y's dtype. x keeps 16 bits of its row's range: each value within
+ * 2^-16 of the row's largest, where rounding it to bfloat16 (the GEMM this replaces) moves it by
+ * up to 2^-9 of itself; the two agree for values 128x below the row's largest. A row with an
+ * infinity or NaN: sx NaN, its outputs NaN (no other row's); a zero row: zeros.
+ *
+ * Tiles (all 16 rows of 64 bytes: hkv_tiles_16x64):
+ *
+ *     A (tiles 4, 5)   16 weight rows n, 64 consecutive k each: q itself
+ *     B (tiles 6, 7)   the digit rows of x as 4-byte groups: row r, column c = digit row c,
+ *                      k = 4r .. 4r + 3 (xp: packed once per call, 1 KiB a tile)
+ *     C (tiles 0..3)   16 x 16 int32 sums [n][c]: (A 4 or 5) x (B 6 or 7)
+ *
+ * A pass covers 32 weight rows and I8A_R = 16 rows of x (their 32 digit rows, d1 and d2 of a
+ * row side by side): 64 k a step of 4 tdpbssd on 2 A and 2 B tile loads, the sums transposed
+ * in registers on the way to y. A task is 32 weight rows against every pass of a group of
+ * rows of x (the first pass reads the block from memory while a far prefetch brings the
+ * next task's into L2; the others find it in L1/L2); groups of about I8A_GROUP_BYTES of B
+ * tiles, which stay in L2 while every task runs them (one sweep over x read tiles from L3: 768
+ * -> 3072 at 1700 rows, 1 thread, 18-19 ms against 9.5-9.8). Threads take tasks in turn; x is written in
+ * digits and packed by all of them first. The last task's rows (and the k past K of the last
+ * row: A tiles read 64 bytes a row) come from a zero-padded copy; elsewhere the k past K read
+ * the next row's weights, multiplied by x's zero digits there.
+ *
+ * Measured (Intel Xeon, 2 cores, AVX-512 + AMX, 1 thread, minima; benchmarks/README.md):
+ * 768 -> 3072 at 16 / 64 / 512 / 1700 rows 135 / 309 / 2025 / 8740 us, oneDNN's bfloat16 GEMM on
+ * a prepacked bfloat16 weight 224 / 313 / 1610 / 5689, the bfloat16-widening tiles 291 / 468 /
+ * 2207 / 9464. Without AMX-INT8 (the build, or the OS's tile permission: the CPU record then
+ * lacks amx_int8 and the op chain never picks this kernel) it returns -1 without writing. */
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include "hkv_common.h"
 
-#if HKV_AMX_BF16
+#if HKV_AMX_INT8
 #include <immintrin.h>
 #include <omp.h>
 
-#define I8A_N 32                    /* weight rows per task (two A tiles) */
-#define I8A_M 32                    /* rows of x per pass over a task's weights (two B tiles) */
-#define I8A_PARALLEL_MIN (1 << 16)  /* weights (N * K) from which the threads split the work */
-#define I8A_GROUP_BYTES (768 * 1024) /* B tiles of x per sweep over the weights (in L2) */
-
+#define I8A_D 2                    /* 8-bit digits per value of x */
+#define I8A_R (32 / I8A_D)         /* rows of x per pass: their digit rows fill 2 B tiles */
+#define I8A_N 32                   /* weight rows per task (two A tiles) */
+#define I8A_PARALLEL_MIN (1 << 16) /* weights (N * K) from which the threads split the work */
+#define I8A_GROUP_BYTES (512 * 1024) /* B tiles of x per sweep over the weights (in L2) */
 #define I8A_UNROLL _Pragma("GCC unroll 16")
 
 /* r[0..15] (16 x 16 of 32-bit values) transposed in place: r[j] lane i = the old r[i] lane j.
@@ -74,170 +98,210 @@ static inline __attribute__((always_inline)) void i8a_transpose16(__m512i r[16])
     }
 }
 
-/* 32 values of a row of x from k (`n` of them, zeros after) as bfloat16: 16 pairs */
-static inline __m512i i8a_x32(const void *x, int bf16, int64_t k, int64_t n) {
-    const __mmask32 m = n >= 32 ? 0xffffffffu : (__mmask32)((1ull << n) - 1);
-    if (bf16) return _mm512_maskz_loadu_epi16(m, (const uint16_t *)x + k);
-    const __m512 lo = _mm512_maskz_loadu_ps((__mmask16)m, (const float *)x + k);
-    const __m512 hi = _mm512_maskz_loadu_ps((__mmask16)(m >> 16), (const float *)x + k + 16);
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* nearest even; k .. k + 15 low */
+/* 16 values of a row of x from k (lanes of `m`; zeros elsewhere) as float32 (exact) */
+static inline __m512 i8a_load16(const void *x, int bf16, int64_t k, __mmask16 m) {
+    if (!bf16) return _mm512_maskz_loadu_ps(m, (const float *)x + k);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)x + k);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* B tiles of rows 16 mb .. 16 mb + 15 of x (zeros past M and K): tile kb at xp + 512 kb */
-static void i8a_pack_x(const void *x, int64_t ldx, int bf16, int64_t M, int64_t K, int64_t mb,
-                       uint16_t *xp) {
-    const int64_t KB = (K + 31) / 32, esz = bf16 ? 2 : 4;
-    for (int64_t kb = 0; kb < KB; kb++) {
-        __m512i r[16];
-        I8A_UNROLL for (int m = 0; m < 16; m++) {
-            const int64_t row = 16 * mb + m;
-            r[m] = row < M ? i8a_x32((const char *)x + row * ldx * esz, bf16, 32 * kb,
-                                     K - 32 * kb)
-                           : _mm512_setzero_si512();
+static inline __mmask16 i8a_mask16(int64_t n) {
+    return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+}
+
+/* One row of x -> its I8A_D digit rows d (Kp bytes apart, zeros past K) and its scale: 0 for
+ * a zero row, NaN for a row with an infinity or NaN (its outputs NaN, no other row's). */
+static void i8a_digits(const void *x, int bf16, int64_t K, int8_t *d, int64_t Kp, float *sx) {
+    __m512 amax = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (int64_t k = 0; k < K; k += 16) {
+        const __m512 v = i8a_load16(x, bf16, k, i8a_mask16(K - k));
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+    }
+    const float a = _mm512_reduce_max_ps(amax);
+    for (int i = 0; i < I8A_D; i++) memset(d + i * Kp, 0, (size_t)Kp);
+    if (nan || isinf(a) || a == 0.0f) {
+        *sx = a == 0.0f && !nan ? 0.0f : NAN;
+        return;
+    }
+    const __m512 inv = _mm512_set1_ps(127.0f / a), base = _mm512_set1_ps(254.0f);
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 m = i8a_mask16(K - k);
+        __m512 u = _mm512_mul_ps(i8a_load16(x, bf16, k, m), inv);
+        for (int i = 0; i < I8A_D; i++) { /* u's next digit (nearest even), then the rest */
+            const __m512i di = _mm512_cvtps_epi32(u);
+            _mm_mask_storeu_epi8(d + i * Kp + k, m, _mm512_cvtsepi32_epi8(di));
+            u = _mm512_mul_ps(_mm512_sub_ps(u, _mm512_cvtepi32_ps(di)), base);
         }
-        i8a_transpose16(r); /* r[p] lane m: the pair p of row m */
-        I8A_UNROLL for (int p = 0; p < 16; p++) _mm512_storeu_si512(xp + 512 * kb + 32 * p, r[p]);
     }
+    *sx = a / 127.0f;
 }
 
-/* 32 int8 weights from p (`n` of them, zeros after) as 32 bfloat16 (exact) */
-static inline __m512i i8a_w32(const int8_t *p, int64_t n) {
-    const __mmask32 m = n >= 32 ? 0xffffffffu : (__mmask32)((1ull << n) - 1);
-    const __m256i b = _mm256_maskz_loadu_epi8(m, p);
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-}
-
-/* weight rows n0 .. n0 + 31 -> wb: A tile (h, kb) at wb + 512 (h KB + kb), its row r = weight
- * row n0 + 16 h + r, k = 32 kb .. 32 kb + 31 (zeros past N and K) */
-static void i8a_widen_w(const int8_t *q, int64_t N, int64_t K, int64_t n0, uint16_t *wb) {
-    const int64_t KB = (K + 31) / 32;
-    for (int i = 0; i < I8A_N; i++) {
-        uint16_t *row = wb + 512 * ((i / 16) * KB) + 32 * (i % 16);
-        if (n0 + i >= N) {
-            for (int64_t kb = 0; kb < KB; kb++) _mm512_storeu_si512(row + 512 * kb,
-                                                                    _mm512_setzero_si512());
-            continue;
-        }
-        const int8_t *w = q + (n0 + i) * K;
-        for (int64_t kb = 0; kb < KB; kb++)
-            _mm512_storeu_si512(row + 512 * kb, i8a_w32(w + 32 * kb, K - 32 * kb));
-    }
-}
-
-/* sums c [16 n][16 m] -> y[m0 + m, n0 + n] * scale[n0 + n] for m < mr, n < nc (<= 16) */
-static void i8a_store(const float *c, const uint16_t *scale, int64_t m0, int64_t mr, int64_t n0,
-                      int64_t nc, void *y, int64_t ldy, int ybf16) {
-    const __mmask16 mask = nc >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nc) - 1);
-    const __m256i h = _mm256_maskz_loadu_epi16(mask, scale + n0);
-    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    __m512i r[16];
-    I8A_UNROLL for (int n = 0; n < 16; n++) r[n] = _mm512_loadu_si512(c + 16 * n);
-    i8a_transpose16(r); /* r[m] lane n */
-    for (int64_t m = 0; m < mr; m++) {
-        const __m512 v = _mm512_mul_ps(_mm512_castsi512_ps(r[m]), s);
-        const int64_t at = (m0 + m) * ldy + n0;
-        if (ybf16)
-            _mm256_mask_storeu_epi16((uint16_t *)y + at, mask, hkv_f32x16_to_bf16(v));
-        else
-            _mm512_mask_storeu_ps((float *)y + at, mask, v);
-    }
-}
-
-/* one task: weight rows n0 .. n0 + 31 (widened into wb) against rows m_lo .. M - 1 of x (xp;
- * m_lo a multiple of I8A_M) */
-static void i8a_task(const uint16_t *xp, const uint16_t *wb, const uint16_t *scale, int64_t m_lo,
-                     int64_t M, int64_t N, int64_t KB, int64_t n0, void *y, int64_t ldy,
-                     int ybf16) {
-    const int64_t nc = N - n0 < I8A_N ? N - n0 : I8A_N;
-    const int two_n = nc > 16;
-    const uint16_t *A0 = wb, *A1 = wb + 512 * KB;
-    float c[4][256];
-    for (int64_t m0 = m_lo; m0 < M; m0 += I8A_M) {
-        const int64_t mr = M - m0 < I8A_M ? M - m0 : I8A_M;
-        const int two_m = mr > 16;
-        const uint16_t *B0 = xp + 512 * KB * (m0 / 16), *B1 = B0 + 512 * KB;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+/* The B tiles of pass p from its digit rows xd (32 rows of Kp bytes): tile (h, kb) at
+ * xp + 1024 (h KB + kb), its row r, column c = bytes 64 kb + 4r .. + 3 of digit row 16 h + c */
+static void i8a_pack(const int8_t *xd, int64_t Kp, int8_t *xp) {
+    const int64_t KB = Kp / 64;
+    for (int h = 0; h < 2; h++)
         for (int64_t kb = 0; kb < KB; kb++) {
-            _tile_loadd(4, A0 + 512 * kb, 64);
-            _tile_loadd(6, B0 + 512 * kb, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            if (two_m) {
-                _tile_loadd(7, B1 + 512 * kb, 64);
-                _tile_dpbf16ps(1, 4, 7);
-            }
-            if (two_n) {
-                _tile_loadd(5, A1 + 512 * kb, 64);
-                _tile_dpbf16ps(2, 5, 6);
-                if (two_m) _tile_dpbf16ps(3, 5, 7);
-            }
+            __m512i r[16];
+            I8A_UNROLL for (int c = 0; c < 16; c++)
+                r[c] = _mm512_loadu_si512(xd + (16 * h + c) * Kp + 64 * kb);
+            i8a_transpose16(r);
+            I8A_UNROLL for (int i = 0; i < 16; i++)
+                _mm512_storeu_si512(xp + 1024 * (h * KB + kb) + 64 * i, r[i]);
         }
-        _tile_stored(0, c[0], 64);
-        if (two_m) _tile_stored(1, c[1], 64);
-        if (two_n) _tile_stored(2, c[2], 64);
-        if (two_m && two_n) _tile_stored(3, c[3], 64);
-        const int64_t m1 = mr < 16 ? mr : 16, n1 = nc < 16 ? nc : 16;
-        i8a_store(c[0], scale, m0, m1, n0, n1, y, ldy, ybf16);
-        if (two_m) i8a_store(c[1], scale, m0 + 16, mr - 16, n0, n1, y, ldy, ybf16);
-        if (two_n) i8a_store(c[2], scale, m0, m1, n0 + 16, nc - 16, y, ldy, ybf16);
-        if (two_m && two_n) i8a_store(c[3], scale, m0 + 16, mr - 16, n0 + 16, nc - 16, y, ldy,
-                                      ybf16);
+}
+
+/* Pass p of x: its rows' digits and scales (sx[i], i < I8A_R), packed into B tiles */
+static void i8a_prepare(const void *x, int64_t ldx, int bf16, int64_t M, int64_t K, int64_t Kp,
+                        int64_t p, int8_t *xd, int8_t *xp, float *sx) {
+    const int64_t esz = bf16 ? 2 : 4;
+    memset(xd + I8A_R * I8A_D * Kp, 0, (size_t)((32 - I8A_R * I8A_D) * Kp));
+    for (int i = 0; i < I8A_R; i++) {
+        const int64_t m = p * I8A_R + i;
+        if (m < M) {
+            i8a_digits((const char *)x + m * ldx * esz, bf16, K, xd + i * I8A_D * Kp, Kp, sx + i);
+        } else {
+            memset(xd + i * I8A_D * Kp, 0, (size_t)(I8A_D * Kp));
+            sx[i] = 0.0f;
+        }
+    }
+    i8a_pack(xd, Kp, xp);
+}
+
+/* C tiles 0..3 of pass p -> y: rows p I8A_R .. (< M), columns n0 .. n0 + nc - 1 (nc <= 32) */
+static void i8a_store(const int32_t (*c)[256], const float *sx, int64_t M, int64_t p,
+                      const uint16_t *scale, int64_t n0, int64_t nc, void *y, int64_t ldy,
+                      int ybf16) {
+    const __m512 one = _mm512_set1_ps(1.0f / 254.0f);
+    for (int a = 0; a < 2 && 16 * a < nc; a++) { /* weight rows n0 + 16 a .. + 15 */
+        const __mmask16 mask = i8a_mask16(nc - 16 * a);
+        const __m256i h = _mm256_maskz_loadu_epi16(mask, scale + n0 + 16 * a);
+        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        __m512 t[32]; /* t[j] lane n: the sum of digit row j and weight row n0 + 16 a + n */
+        for (int b = 0; b < 2; b++) {
+            __m512i r[16];
+            I8A_UNROLL for (int n = 0; n < 16; n++) r[n] = _mm512_loadu_si512(c[2 * a + b] + 16 * n);
+            i8a_transpose16(r);
+            I8A_UNROLL for (int j = 0; j < 16; j++) t[16 * b + j] = _mm512_cvtepi32_ps(r[j]);
+        }
+        for (int i = 0; i < I8A_R; i++) {
+            const int64_t m = p * I8A_R + i;
+            if (m >= M) break;
+            __m512 v = t[I8A_D * i + I8A_D - 1]; /* digits from the last: Horner in 1 / 254 */
+            for (int d = I8A_D - 2; d >= 0; d--) v = _mm512_fmadd_ps(v, one, t[I8A_D * i + d]);
+            v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(sx[i])), s);
+            const int64_t at = m * ldy + n0 + 16 * a;
+            if (ybf16)
+                _mm256_mask_storeu_epi16((uint16_t *)y + at, mask, hkv_f32x16_to_bf16(v));
+            else
+                _mm512_mask_storeu_ps((float *)y + at, mask, v);
+        }
     }
 }
 
-/* y = x @ (q * scale)^T on AMX-BF16 tiles (the top of this file). Returns 0, or -1: no tiles
+/* One pass: C tiles 0..3 = weight rows (A: w, row stride ldw; w + 16 ldw the second tile) by
+ * the 32 digit rows of B tiles xp, Kp / 64 steps of 64 k. The far prefetch spreads `lines`
+ * cache lines from *pf over the steps. */
+static inline void i8a_pass(const int8_t *w, int64_t ldw, const int8_t *xp, int64_t KB,
+                            int two_n, const char **pf, int64_t lines) {
+    const int8_t *A1 = w + 16 * ldw, *B1 = xp + 1024 * KB;
+    const char *at = *pf;
+    int64_t debt = 0;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < KB; kb++) {
+        for (debt += lines; debt >= KB; debt -= KB, at += 64) _mm_prefetch(at, _MM_HINT_T1);
+        _tile_loadd(4, w + 64 * kb, ldw);
+        _tile_loadd(6, xp + 1024 * kb, 64);
+        _tile_dpbssd(0, 4, 6);
+        _tile_loadd(7, B1 + 1024 * kb, 64);
+        _tile_dpbssd(1, 4, 7);
+        if (two_n) {
+            _tile_loadd(5, A1 + 64 * kb, ldw);
+            _tile_dpbssd(2, 5, 6);
+            _tile_dpbssd(3, 5, 7);
+        }
+    }
+    *pf = at;
+}
+
+/* Task t: weight rows 32 t .. 32 t + 31 against passes p0 .. p1 - 1 of x; the next task's
+ * rows (the same thread's next, under a static schedule) prefetched into L2 during the first */
+static void i8a_task(const int8_t *xp, const float *sx, int64_t M, int64_t Kp, const int8_t *q,
+                     const int8_t *tail, const uint16_t *scale, int64_t N, int64_t K, void *y,
+                     int64_t ldy, int ybf16, int64_t t, int64_t p0, int64_t p1) {
+    const int64_t KB = Kp / 64, tasks = (N + I8A_N - 1) / I8A_N;
+    const int64_t n0 = t * I8A_N, nc = N - n0 < I8A_N ? N - n0 : I8A_N;
+    const int last = t == tasks - 1;
+    const int8_t *w = last ? tail : q + n0 * K;
+    const int64_t ldw = last ? Kp : K;
+    const char *pf = (const char *)(q + (n0 + I8A_N) * K);
+    const int64_t lines = t + 2 < tasks ? (I8A_N * K + 63) / 64 : 0;
+    int32_t c[4][256];
+    for (int64_t p = p0; p < p1; p++) {
+        i8a_pass(w, ldw, xp + p * 2 * KB * 1024, KB, nc > 16, &pf, p == p0 ? lines : 0);
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        if (nc > 16) {
+            _tile_stored(2, c[2], 64);
+            _tile_stored(3, c[3], 64);
+        }
+        i8a_store((const int32_t(*)[256])c, sx + p * I8A_R, M, p, scale, n0, nc, y, ldy, ybf16);
+    }
+}
+
+/* y = x @ (q * scale)^T on AMX-INT8 tiles (the top of this file). Returns 0, or -1: no tiles
  * here, or no memory (nothing written). */
 int hkv_int8_linear_amx(const void *x, int64_t ldx, int xbf16, const int8_t *q,
                         const uint16_t *scale, int64_t M, int64_t N, int64_t K, void *y,
                         int64_t ldy, int ybf16) {
     if (!hkv_amx_ready()) return -1;
     if (M <= 0 || N <= 0) return 0;
+    const int64_t ysz = ybf16 ? 2 : 4;
     if (K <= 0) { /* no products: zeros */
-        for (int64_t m = 0; m < M; m++)
-            memset((char *)y + m * ldy * (ybf16 ? 2 : 4), 0, (size_t)N * (ybf16 ? 2 : 4));
+        for (int64_t m = 0; m < M; m++) memset((char *)y + m * ldy * ysz, 0, (size_t)(N * ysz));
         return 0;
     }
-    const int64_t KB = (K + 31) / 32, MB = (M + I8A_M - 1) / I8A_M * (I8A_M / 16);
-    const int64_t tasks = (N + I8A_N - 1) / I8A_N;
-    int64_t group = I8A_GROUP_BYTES / (KB * 64) / I8A_M * I8A_M; /* rows: 64 KB bytes each */
-    group = group < I8A_M ? I8A_M : group;
-    const int parallel = N * K >= I8A_PARALLEL_MIN;
-    const int threads = parallel ? omp_get_max_threads() : 1;
-    const size_t wsize = (size_t)(2 * KB * 512) * sizeof(uint16_t);
-    uint16_t *xp = aligned_alloc(64, (size_t)(MB * KB * 512) * sizeof(uint16_t));
-    uint16_t *wbs = aligned_alloc(64, wsize * (size_t)threads);
-    if (xp == NULL || wbs == NULL) {
-        free(xp), free(wbs);
+    const int64_t Kp = (K + 63) / 64 * 64, passes = (M + I8A_R - 1) / I8A_R;
+    const int64_t n_last = (N - 1) / I8A_N * I8A_N; /* the last task's first row */
+    int8_t *xd = aligned_alloc(64, (size_t)(passes * 32 * Kp));
+    int8_t *xp = aligned_alloc(64, (size_t)(passes * 32 * Kp));
+    int8_t *tail = aligned_alloc(64, (size_t)(I8A_N * Kp));
+    float *sx = malloc(sizeof(float) * (size_t)(passes * I8A_R));
+    if (xd == NULL || xp == NULL || tail == NULL || sx == NULL) {
+        free(xd), free(xp), free(tail), free(sx);
         return -1;
     }
-#pragma omp parallel num_threads(threads) if (parallel)
+    memset(tail, 0, (size_t)(I8A_N * Kp));
+    for (int64_t n = n_last; n < N; n++) memcpy(tail + (n - n_last) * Kp, q + n * K, (size_t)K);
+    const int64_t tasks = (N + I8A_N - 1) / I8A_N;
+    int64_t group = I8A_GROUP_BYTES / (32 * Kp);
+    group = group < 1 ? 1 : group;
+#pragma omp parallel if (N * K >= I8A_PARALLEL_MIN)
     {
 #pragma omp for schedule(static)
-        for (int64_t mb = 0; mb < MB; mb++)
-            i8a_pack_x(x, ldx, xbf16, M, K, mb, xp + mb * KB * 512);
-        uint16_t *wb = wbs + (size_t)omp_get_thread_num() * (size_t)(2 * KB * 512);
+        for (int64_t p = 0; p < passes; p++)
+            i8a_prepare(x, ldx, xbf16, M, K, Kp, p, xd + p * 32 * Kp, xp + p * 32 * Kp,
+                        sx + p * I8A_R);
         hkv_tiles_16x64();
-        /* rows of x in groups whose B tiles stay in L2 (I8A_GROUP_BYTES) while every task
-         * runs them: each group widens the weights again (a sweep over x from L3 costs more) */
-        for (int64_t m_lo = 0; m_lo < M; m_lo += group) {
-            const int64_t m_hi = M - m_lo < group ? M : m_lo + group;
-#pragma omp for schedule(dynamic, 1) nowait
-            for (int64_t t = 0; t < tasks; t++) {
-                i8a_widen_w(q, N, K, t * I8A_N, wb);
-                i8a_task(xp, wb, scale, m_lo, m_hi, N, KB, t * I8A_N, y, ldy, ybf16);
-            }
+        /* passes in groups whose B tiles stay in L2 (I8A_GROUP_BYTES), each against every task */
+        for (int64_t p0 = 0; p0 < passes; p0 += group) {
+            const int64_t p1 = p0 + group < passes ? p0 + group : passes;
+#pragma omp for schedule(static) nowait
+            for (int64_t t = 0; t < tasks; t++)
+                i8a_task(xp, sx, M, Kp, q, tail, scale, N, K, y, ldy, ybf16, t, p0, p1);
         }
         _tile_release();
     }
-    free(xp), free(wbs);
+    free(xd), free(xp), free(tail), free(sx);
     return 0;
 }
 
-#else /* no AMX-BF16 in this build */
+#else /* no AMX-INT8 in this build */
 
 int hkv_int8_linear_amx(const void *x, int64_t ldx, int xbf16, const int8_t *q,
                         const uint16_t *scale, int64_t M, int64_t N, int64_t K, void *y,

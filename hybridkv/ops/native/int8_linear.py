@@ -13,7 +13,7 @@ from hybridkv.ops import native
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _ARGS = [_ptr, _i64, _int, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _int]
-# hkv_int8_linear_amx (int8_amx.c): the same arguments on AMX-BF16 tiles; 0, or -1 (no tiles,
+# hkv_int8_linear_amx (int8_amx.c): the same arguments on AMX-INT8 tiles; 0, or -1 (no tiles,
 # no memory)
 native.declare({"hkv_int8_linear": _ARGS, "hkv_int8_linear_amx": _ARGS})
 native.returns_status("hkv_int8_linear_amx")
@@ -70,8 +70,9 @@ def run(fn: Any, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
 
 
 def run_amx(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`run` on AMX-BF16 tiles (`int8_amx.c`: x rounded to bfloat16, float32 sums), for a CPU
-    record with amx_bf16 (the op chain's choice); raises MemoryError where it cannot run."""
+    """`run` on AMX-INT8 tiles (`int8_amx.c`: each row of x as two 8-bit digits of its own
+    scale, within 2^-16 of its largest value; exact int32 sums), for a CPU record with amx_int8
+    (the op chain's choice); raises MemoryError where it cannot run."""
     if x.shape[1] != q.shape[1]:
         raise RuntimeError(f"x {list(x.shape)} does not fit the weight {list(q.shape)}")
     if x.stride(1) != 1:
