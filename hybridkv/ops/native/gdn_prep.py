@@ -44,16 +44,14 @@ def prep(
     hv = num_k_heads * per
     if lib is None or qkvz.dim() != 2 or ba.dim() != 2 or qkvz.dtype not in DTYPES:
         return None
-    if ba.dtype != qkvz.dtype or any(t.device.type != "cpu" for t in (qkvz, ba, decay, dt_bias)):
+    if ba.dtype != qkvz.dtype or qkvz.device.type != "cpu" or ba.device.type != "cpu":
         return None
     tokens = qkvz.shape[0]
     if qkvz.shape[1] != num_k_heads * (2 * head_k_dim + 2 * per * head_v_dim):
         return None
     if ba.shape != (tokens, 2 * hv) or qkvz.stride(1) != 1 or ba.stride(1) != 1:
         return None
-    if decay.shape != (hv,) or dt_bias.shape != (hv,):
-        return None
-    if decay.dtype != torch.float32 or dt_bias.dtype != torch.float32:
+    if not _gate_params_fit(decay, dt_bias, hv):
         return None
     decay, dt_bias = decay.contiguous(), dt_bias.contiguous()
     qkv = torch.empty(tokens, 2 * num_k_heads * head_k_dim + hv * head_v_dim, dtype=qkvz.dtype)
@@ -69,6 +67,14 @@ def prep(
     return qkv, z, g, beta
 
 
+def _gate_params_fit(decay: torch.Tensor, dt_bias: torch.Tensor, hv: int) -> bool:
+    """decay and dt_bias are float32 [Hv] on the CPU."""
+    return all(
+        t.shape == (hv,) and t.dtype == torch.float32 and t.device.type == "cpu"
+        for t in (decay, dt_bias)
+    )
+
+
 def gates(
     a: torch.Tensor, b: torch.Tensor, decay: torch.Tensor, dt_bias: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -81,11 +87,7 @@ def gates(
     tokens, hv = a.shape
     if a.dtype not in DTYPES or a.stride(1) != 1 or b.stride(1) != 1:
         return None
-    if any(t.device.type != "cpu" for t in (a, b, decay, dt_bias)):
-        return None
-    if decay.shape != (hv,) or dt_bias.shape != (hv,):
-        return None
-    if decay.dtype != torch.float32 or dt_bias.dtype != torch.float32:
+    if a.device.type != "cpu" or b.device.type != "cpu" or not _gate_params_fit(decay, dt_bias, hv):
         return None
     decay, dt_bias = decay.contiguous(), dt_bias.contiguous()
     g = torch.empty(tokens, hv, dtype=torch.float32)

@@ -204,6 +204,51 @@ int hkv_w8a8_linear(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K
 
 #endif
 
+/* ---- The vector kernels' driver (AVX2, NEON): quantize every row of x, then register tiles --
+ * of up to `rows` rows of x by 16 columns, the threads splitting the 16-column blocks (each
+ * block's weights, K bytes per column, read once per `rows` rows of x). */
+
+#if HKV_AVX2 || HKV_NEON
+/* One row of x -> Kp int8 values (zero past K) and its scale (the top of this file). */
+typedef void (*w8_quantize_fn)(const void *x, int bf16, int64_t K, int64_t Kp, int8_t *q,
+                               float *scale);
+/* Columns 16 nb .. 16 nb + 15 of y for the quantized rows m0 .. m0 + mr - 1 (xq [M][Kp], sx
+ * [M]): (xq, sx, m0, mr, Kp, wp, sw, N, nb, y, ldy, y_bf16). */
+typedef void (*w8_tile_fn)(const int8_t *, const float *, int64_t, int64_t, int64_t,
+                           const int8_t *, const uint16_t *, int64_t, int64_t, void *, int64_t,
+                           int);
+
+#define W8_VECTOR_PARALLEL_MIN (1 << 18) /* weights (N * K) from which the threads split */
+
+/* y = w8a8(x) (the arguments and result of hkv_w8a8_linear) with this ISA's `quantize` and
+ * `tile` of up to `rows` rows. 0, or -1: no memory. */
+static int w8_vector_run(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K,
+                         const int8_t *wp, const uint16_t *sw, int64_t N, void *y, int64_t ldy,
+                         int y_bf16, w8_quantize_fn quantize, w8_tile_fn tile, int64_t rows) {
+    const int64_t Kp = (K + 63) / 64 * 64, NB = (N + 15) / 16, esz = x_bf16 ? 2 : 4;
+    int8_t *xq = malloc((size_t)(M * Kp + 64));
+    float *sx = malloc(sizeof(float) * (size_t)(M > 0 ? M : 1));
+    if (xq == NULL || sx == NULL) {
+        free(xq), free(sx);
+        return -1;
+    }
+    const int parallel = N * K >= W8_VECTOR_PARALLEL_MIN;
+#pragma omp parallel if (parallel)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            quantize((const char *)x + m * ldx * esz, x_bf16, K, Kp, xq + m * Kp, sx + m);
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t nb = 0; nb < NB; nb++)
+            for (int64_t m0 = 0; m0 < M; m0 += rows)
+                tile(xq, sx, m0, M - m0 < rows ? M - m0 : rows, Kp, wp, sw, N, nb, y, ldy,
+                     y_bf16);
+    }
+    free(xq), free(sx);
+    return 0;
+}
+#endif
+
 /* ---- AVX2: the same packed weight, 8-bit products on 256-bit vectors ------------------------
  *
  * A row r of a B tile holds, for 16 columns n, the 4 weights of k = 4r .. 4r + 3: the layout
@@ -221,7 +266,6 @@ int hkv_w8a8_linear(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K
 #include <immintrin.h>
 
 #define W8_AVX2_ROWS 4
-#define W8_AVX2_PARALLEL_MIN (1 << 18)
 
 /* One row of x -> Kp int8 values (zero past K) and its scale (the top of this file). */
 static void w8_quantize_row_avx2(const void *x, int bf16, int64_t K, int64_t Kp, int8_t *q,
@@ -348,28 +392,8 @@ static void w8_avx2_tile(const int8_t *xq, const float *sx, int64_t m0, int64_t 
 int hkv_w8a8_linear_avx2(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K,
                          const int8_t *wp, const uint16_t *sw, int64_t N, void *y, int64_t ldy,
                          int y_bf16) {
-    const int64_t Kp = (K + 63) / 64 * 64, NB = (N + 15) / 16, esz = x_bf16 ? 2 : 4;
-    int8_t *xq = malloc((size_t)(M * Kp + 64));
-    float *sx = malloc(sizeof(float) * (size_t)(M > 0 ? M : 1));
-    if (xq == NULL || sx == NULL) {
-        free(xq), free(sx);
-        return -1;
-    }
-    const int parallel = N * K >= W8_AVX2_PARALLEL_MIN;
-#pragma omp parallel if (parallel)
-    {
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++)
-            w8_quantize_row_avx2((const char *)x + m * ldx * esz, x_bf16, K, Kp, xq + m * Kp,
-                                 sx + m);
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t nb = 0; nb < NB; nb++)
-            for (int64_t m0 = 0; m0 < M; m0 += W8_AVX2_ROWS)
-                w8_avx2_tile(xq, sx, m0, M - m0 < W8_AVX2_ROWS ? M - m0 : W8_AVX2_ROWS, Kp, wp,
-                             sw, N, nb, y, ldy, y_bf16);
-    }
-    free(xq), free(sx);
-    return 0;
+    return w8_vector_run(x, ldx, x_bf16, M, K, wp, sw, N, y, ldy, y_bf16, w8_quantize_row_avx2,
+                         w8_avx2_tile, W8_AVX2_ROWS);
 }
 
 #else /* no AVX2: no kernel (the PyTorch reference runs) */
@@ -401,7 +425,6 @@ int hkv_w8a8_linear_avx2(const void *x, int64_t ldx, int x_bf16, int64_t M, int6
 #include <arm_neon.h>
 
 #define W8_NEON_ROWS 4
-#define W8_NEON_PARALLEL_MIN (1 << 18)
 
 /* 4 values of x from k as float32 (bfloat16: exactly, each shifted into the top half). */
 static inline float32x4_t w8_neon_load4(const void *x, int bf16, int64_t k) {
@@ -554,44 +577,12 @@ static void w8_neon_block_sdot(const int8_t *xq, const float *sx, int64_t m0, in
 }
 #endif
 
-typedef void (*w8_neon_block_fn)(const int8_t *, const float *, int64_t, int64_t, int64_t,
-                                 const int8_t *, const uint16_t *, int64_t, int64_t, void *,
-                                 int64_t, int);
-
-/* y = w8a8(x) on NEON with `block` (the arguments and result of hkv_w8a8_linear). 0, or -1:
- * no memory. */
-static int w8_neon_run(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K,
-                       const int8_t *wp, const uint16_t *sw, int64_t N, void *y, int64_t ldy,
-                       int y_bf16, w8_neon_block_fn block) {
-    const int64_t Kp = (K + 63) / 64 * 64, NB = (N + 15) / 16, esz = x_bf16 ? 2 : 4;
-    int8_t *xq = malloc((size_t)(M * Kp + 64));
-    float *sx = malloc(sizeof(float) * (size_t)(M > 0 ? M : 1));
-    if (xq == NULL || sx == NULL) {
-        free(xq), free(sx);
-        return -1;
-    }
-    const int parallel = N * K >= W8_NEON_PARALLEL_MIN;
-#pragma omp parallel if (parallel)
-    {
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++)
-            w8_quantize_row_neon((const char *)x + m * ldx * esz, x_bf16, K, Kp, xq + m * Kp,
-                                 sx + m);
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t nb = 0; nb < NB; nb++)
-            for (int64_t m0 = 0; m0 < M; m0 += W8_NEON_ROWS)
-                block(xq, sx, m0, M - m0 < W8_NEON_ROWS ? M - m0 : W8_NEON_ROWS, Kp, wp, sw, N, nb,
-                      y, ldy, y_bf16);
-    }
-    free(xq), free(sx);
-    return 0;
-}
-
 /* y = w8a8(x) with NEON's 16-bit products (any aarch64 CPU). */
 int hkv_w8a8_linear_neon(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K,
                          const int8_t *wp, const uint16_t *sw, int64_t N, void *y, int64_t ldy,
                          int y_bf16) {
-    return w8_neon_run(x, ldx, x_bf16, M, K, wp, sw, N, y, ldy, y_bf16, w8_neon_block_plain);
+    return w8_vector_run(x, ldx, x_bf16, M, K, wp, sw, N, y, ldy, y_bf16, w8_quantize_row_neon,
+                         w8_neon_block_plain, W8_NEON_ROWS);
 }
 #endif /* HKV_NEON */
 
@@ -600,7 +591,8 @@ int hkv_w8a8_linear_neon(const void *x, int64_t ldx, int x_bf16, int64_t M, int6
 int hkv_w8a8_linear_neon_dot(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K,
                              const int8_t *wp, const uint16_t *sw, int64_t N, void *y,
                              int64_t ldy, int y_bf16) {
-    return w8_neon_run(x, ldx, x_bf16, M, K, wp, sw, N, y, ldy, y_bf16, w8_neon_block_sdot);
+    return w8_vector_run(x, ldx, x_bf16, M, K, wp, sw, N, y, ldy, y_bf16, w8_quantize_row_neon,
+                         w8_neon_block_sdot, W8_NEON_ROWS);
 }
 #else /* no dot product in this build (or no NEON): no kernel */
 int hkv_w8a8_linear_neon_dot(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K,
