@@ -54,7 +54,7 @@ from hybridkv.layers.attention.layer import PagedAttention
 from hybridkv.layers.attention.self_attention import CosSin
 from hybridkv.layers.gated_delta_net import GatedDeltaNet
 from hybridkv.layers.mlp import GatedMLP, ZeroCenteredRMSNorm
-from hybridkv.layers.moe import GatedExperts, RoutingRule, gated_shared_expert_native
+from hybridkv.layers.moe import GatedExperts, RoutingRule, gated_shared_expert_native, route
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig, layer_types
@@ -287,11 +287,15 @@ class SparseMoe(nn.Module):
         )
         if fused is not None:
             return self.tp.all_reduce(fused)
-        routed = self.experts(x, self.rule(self.gate(x)))  # this rank's partial sums
+        routed = self.experts(x, route(x, self.gate, self.rule))  # this rank's partial sums
         # the gate is replicated, so it scales the shared expert's partial sum before the one
-        # all-reduce of both
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, reduce=False)
-        return self.tp.all_reduce(routed + shared)
+        # all-reduce of both: sigmoid(gate [T, 1]) * shared [T, hidden], the gate broadcast as
+        # [T, hidden heads of 1] (stride 0), one native call each for the gate and the sum (a
+        # decode step stays capturable)
+        t = x.shape[0]
+        shared = self.shared_expert(x, reduce=False)
+        gate = self.shared_expert_gate(x).view(t, 1, 1).expand(t, shared.shape[1], 1)
+        return self.tp.all_reduce(residual_add(routed, sigmoid_gate(shared, gate)))
 
 
 class Qwen3NextDecoderLayer(nn.Module):

@@ -87,8 +87,8 @@ def _qwen3_5_moe():
 
 
 # decode steps captured (float32, bfloat16): Qwen3.5 dense (its gates natively, `gdn_prep`);
-# the others route their experts in PyTorch
-CAPTURED = ("qwen3_5",)
+# the MoE ones too (the native router and experts; the shared expert's sigmoid gate natively)
+CAPTURED = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 CAPTURED_BF16 = CAPTURED
 BUILDERS = {
     "qwen3_next": _next,
