@@ -78,6 +78,9 @@ def _odd():
 
 
 BUILDERS = {"defaults": _defaults, "odd": _odd}
+# decode steps captured (float32, bfloat16): Mamba1 natively, the MoE's router and experts too
+CAPTURED = ("defaults", "odd")
+CAPTURED_BF16 = CAPTURED
 SEEDS = {"defaults": 3}  # seeds whose greedy tokens keep a top-2 margin above MIN_MARGIN
 
 
