@@ -23,6 +23,15 @@ Workloads:
 
     python benchmarks/speculative.py                       # default model + "100m", ~5 minutes
     python benchmarks/speculative.py --models default --batches 1 --repeat 1   # quick
+
+`--method mtp`: the checkpoint's multi-token-prediction layer drafts instead (model
+"qwen3.5-100m": a Qwen3.5 dense hybrid of 100M parameters, 3 gated-delta-net layers per
+gated attention layer, with one MTP layer; random weights, so the drafts the MTP passes compute
+are replaced by the plain run's tokens, every --oracle N-th call with a wrong one, default 0:
+all right). What it measures: the MTP passes (they run, their drafts are discarded) plus the
+verify steps, against plain decoding, at a set acceptance:
+
+    python benchmarks/speculative.py --method mtp --ks 1 2 --oracle 3
 """
 
 from __future__ import annotations
@@ -83,6 +92,54 @@ class Oracle:
         return drafts
 
 
+# Qwen3.5 dense (transformers' Qwen3_5TextConfig): 100M parameters, 12 layers (a gated
+# attention layer every 4th), with one MTP layer written beside them (`--method mtp`)
+QWEN35_100M = dict(
+    vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+    num_attention_heads=8, num_key_value_heads=2, head_dim=128, linear_num_key_heads=4,
+    linear_num_value_heads=8, linear_key_head_dim=128, linear_value_head_dim=128,
+    max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=0.02,
+)  # fmt: skip
+
+
+def save_mtp_checkpoint(folder: Path) -> tuple[Path, int]:
+    """The "qwen3.5-100m" checkpoint with seeded random weights and an MTP layer; (folder,
+    vocabulary size)."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from tests.models.utils import save_tokenizer
+    from tests.spec_decode.mtp_checkpoints import add_mtp
+
+    cfg = Qwen3_5TextConfig(**QWEN35_100M)
+    torch.manual_seed(0)
+    hf = Qwen3_5ForCausalLM(cfg)
+    path = folder / "qwen3.5-100m"
+    hf.save_pretrained(path)
+    save_tokenizer(path, cfg.vocab_size)
+    add_mtp(path, hf)
+    return path, cfg.vocab_size
+
+
+def oracle_mtp(llm, oracle: Oracle) -> None:
+    """The MTP layer's passes run as always; the drafts they made are replaced by the
+    oracle's (padded with the layer's own where the reference ends)."""
+    from hybridkv.core.scheduler import replace_drafts
+
+    drafter, scheduler = llm.engine.runner.mtp, llm.engine.scheduler
+    step = drafter.step
+
+    def with_oracle(chunks):  # type: ignore[no-untyped-def]
+        chunks, drafts = step(chunks)
+        chosen = {}
+        for rid, made in drafts.items():
+            right = list(oracle(scheduler.request(rid), len(made)))
+            chosen[rid] = tuple(right + list(made[len(right) :]))
+        return replace_drafts(chunks, chosen), chosen
+
+    drafter.step = with_oracle
+
+
 def run(
     model: str | None,
     groups: list[list],
@@ -92,6 +149,7 @@ def run(
     oracle: Oracle | None = None,
     adaptive: bool = False,
     rewind: bool = False,
+    method: str = "ngram",
 ) -> dict:
     """Decode `groups` one after another (each group's prompts as one batch), `repeat` times
     after one warm-up pass over all of them (which also lets adaptive_k measure its shapes).
@@ -101,7 +159,7 @@ def run(
     kept = NativeMamba2Ops.keeps_positions
     NativeMamba2Ops.keeps_positions = kept and not rewind
     try:
-        return _run(model, groups, new_tokens, k, repeat, oracle, adaptive)
+        return _run(model, groups, new_tokens, k, repeat, oracle, adaptive, method)
     finally:
         NativeMamba2Ops.keeps_positions = kept
 
@@ -114,18 +172,23 @@ def _run(
     repeat: int,
     oracle: Oracle | None,
     adaptive: bool,
+    method: str,
 ) -> dict:
     from hybridkv import LLM, SamplingParams
 
     spec = None
-    if k:
+    if k and method == "mtp":
+        spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive_k": adaptive}
+    elif k:
         spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
                 "prompt_lookup_max": 5, "adaptive_k": adaptive}  # fmt: skip
     batch = max(len(g) for g in groups)
     llm = LLM(model, dtype="float32", max_num_seqs=batch, enable_prefix_caching=False,
               speculative_config=spec)  # fmt: skip
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    if oracle is not None:
+    if oracle is not None and method == "mtp":
+        oracle_mtp(llm, oracle)
+    elif oracle is not None:
         llm.engine.scheduler.drafter = oracle
     for prompts in groups:  # warm-up
         llm.generate(prompts, params, use_tqdm=False)
@@ -178,7 +241,11 @@ def _time_steps(engine) -> list[tuple[float, bool]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", default=["default", "100m"])
+    p.add_argument("--method", choices=["ngram", "mtp"], default="ngram",
+                   help="ngram: prompt lookup; mtp: the MTP layer of model qwen3.5-100m, with "
+                   "the oracle's drafts (module docstring)")
+    p.add_argument("--models", nargs="+", default=None,
+                   help="default: 'default 100m' (ngram), 'qwen3.5-100m' (mtp)")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     p.add_argument("--ks", nargs="+", type=int, default=[2, 4])
     p.add_argument("--new-tokens", type=int, default=64)
@@ -192,6 +259,12 @@ def main() -> None:
                    "step from measured step times); -rewind: without per-position states")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    if args.models is None:
+        args.models = ["qwen3.5-100m"] if args.method == "mtp" else ["default", "100m"]
+    if args.method == "mtp" and args.oracle is None:
+        args.oracle = 0
+    if args.method == "mtp" and args.models != ["qwen3.5-100m"]:
+        p.error(f"--method mtp runs model 'qwen3.5-100m' only, got {args.models}")
     policies = [(p.startswith("adaptive"), p.endswith("-rewind")) for p in args.policies]
 
     import torch
@@ -204,6 +277,9 @@ def main() -> None:
             if name == "default":
                 model, vocab = None, None
                 workloads = ["code", "repeat", "random"]
+            elif name == "qwen3.5-100m":
+                path, vocab = save_mtp_checkpoint(Path(tmp))
+                model, workloads = str(path), ["random"]
             else:
                 from throughput import save_checkpoint
 
@@ -230,9 +306,10 @@ def main() -> None:
                         if args.oracle is not None:
                             oracle = Oracle(prompts, base["tokens"], args.oracle)
                         r = run(model, groups, args.new_tokens, k, args.repeat, oracle, adaptive,
-                                rewind)
+                                rewind, args.method)
                         rows.append({
-                            "model": name, "workload": workload, "oracle": args.oracle,
+                            "model": name, "method": args.method, "workload": workload,
+                            "oracle": args.oracle,
                             "batch": batch, "k": k, "adaptive": adaptive, "rewind": rewind,
                             "plain_tok_s": base["tokens_per_s"], "spec_tok_s": r["tokens_per_s"],
                             "speedup": r["tokens_per_s"] / base["tokens_per_s"],
