@@ -17,6 +17,9 @@ Routing rules (`RoutingRule`), the modes each family declares:
     LFM2-MoE               sigmoid        -          eps 1e-6         yes       expert_bias
                                                                                 (model dtype)
 
+Every row routes natively, one kernel call a layer, on a CPU with AVX2 ("native") but gpt-oss's
+(a gate bias, softmax scores in bfloat16); in bfloat16 on AMX the first four ("native-amx").
+
 - softmax: softmax over every expert, the k largest probabilities (Mixtral, transformers'
   `softmax -> topk`); topk_softmax: the k largest logits, softmax over those k (gpt-oss,
   Granite); sigmoid: independent scores.
@@ -28,12 +31,15 @@ Routing rules (`RoutingRule`), the modes each family declares:
 - Scores in float32 (the logits cast first) unless the rule says the logits' dtype.
 
 Gates: the families whose gate is an `nn.Linear` keep it (it is pre-packed on the CPU, kept float
-by the int8 quantiser) and route with `route`, the `MOE_ROUTE` family: for the rules and tensors
-they take (a gate without bias, no choice bias, softmax or topk_softmax: Granite, Jamba,
-Qwen3-Next / 3.5-MoE; `native_route_fits`, `vector_route_fits`) the native AMX router
-("native-amx", bfloat16 on a CPU with AMX) or the native router of every build ("native":
-float32, and bfloat16 without AMX, on a CPU with AVX2), else "torch" (LFM2-MoE's choice bias);
-the others hold a `Router` (weight [E, H], optional bias, optional e_score_correction_bias).
+by the int8 quantiser) and route with `route`, the `MOE_ROUTE` family (Granite, Jamba,
+Qwen3-Next / 3.5-MoE, LFM2-MoE); the others hold a `Router` (weight [E, H], optional bias,
+optional e_score_correction_bias: DeepSeek, Kimi, Nemotron-H, gpt-oss) whose forward routes
+through the same chain. Native routers, one kernel call a layer: bfloat16 on a CPU with AMX,
+"native-amx" for the softmax / topk_softmax rules of an nn.Linear gate without a choice bias,
+groups or scaling (`native_route_fits`); float32, and bfloat16 without AMX or past it, on a CPU
+with AVX2, "native" for every rule of the table (`RoutingRule.native_rule`,
+`vector_route_fits`: a choice bias, groups, eps, scaling; a Router's float32 logits) but
+softmax / topk_softmax scored in bfloat16 (gpt-oss, whose gate bias also keeps it on "torch").
 
 Experts: `GatedExperts` (SwiGLU, [gate | up] rows stacked: `mlp.gated_experts`, native on AMX in
 bfloat16 and on every CPU with AVX2 in float32 and bfloat16 up to NATIVE_EXPERT_ROWS tokens),
@@ -47,7 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +61,11 @@ from torch import nn
 
 from hybridkv.distributed.parallel import column, current, declare_shards, rank0_bias
 from hybridkv.layers.mlp import GatedMLP, amx_experts_fit, gated_experts
+from hybridkv.ops.derived import derived
 from hybridkv.ops.registry import OpImpl, declare
+
+if TYPE_CHECKING:
+    from hybridkv.ops.native.moe import NativeRule
 
 Scoring = Literal["softmax", "topk_softmax", "sigmoid"]
 GroupScore = Literal["top2_sum", "max"]
@@ -150,15 +160,42 @@ class RoutingRule:
             return moe.SOFTMAX_TOPK_RENORMALISED
         return None
 
+    def native_rule(self, logits_dtype: torch.dtype) -> NativeRule | None:
+        """This rule as the native router of every build computes it (`moe.vector_route`)
+        from logits of that dtype, or None: topk_softmax with groups (its rule ignores them),
+        no experts to choose, or softmax / topk_softmax scored in bfloat16 (`float32=False`:
+        gpt-oss's, rounded as the kernel does not)."""
+        from hybridkv.ops.native import moe
 
-# The routers with an nn.Linear gate (`route`), keyed by x's dtype; each implementation takes
-# (x, gate, rule, choice_bias) -> Routing. The native ones take the rules of
-# `RoutingRule.native_mode` (softmax / topk_softmax, renormalised or not, no choice bias, no
-# groups, no scaling) and a gate without bias; for the others, the chain without them:
-#   bfloat16 on a CPU with AMX        native-amx (`native_route_fits`)
-#   float32, and bfloat16 without     native (`vector_route_fits`: the gate's product on the
-#     AMX, on a CPU with AVX2           small-batch linears, then the rule and top-k, one call)
-#   otherwise (no AVX2, other devices) torch (the gate's product, then the rule)
+        bf16_scores = not self.float32 and logits_dtype == torch.bfloat16
+        if self.top_k < 1 or (bf16_scores and self.scoring != "sigmoid"):
+            return None
+        if self.scoring == "topk_softmax" and self.grouped:
+            return None
+        modes = {"softmax": moe.SOFTMAX_TOPK, "topk_softmax": moe.TOPK_SOFTMAX}
+        return moe.NativeRule(
+            modes.get(self.scoring, moe.SIGMOID), self.groups, self.groups_kept,
+            self.group_score == "max", self.renormalise,
+            self.renormalise_eps if self.renormalise else 0.0, self.scaling, bf16_scores,
+        )  # fmt: skip
+
+
+# The routers (`route`), keyed by x's dtype; each implementation takes (x, gate, rule,
+# choice_bias, weights_dtype) -> Routing, the gate an nn.Linear (logits gate(x), in x's dtype)
+# or a `Router` (its own weight: float32 logits from float32 inputs when the rule says so). The
+# native ones take a gate without bias and the rules they implement; for the others, the chain
+# without them:
+#   bfloat16 on a CPU with AMX        native-amx (`native_route_fits`: softmax / topk_softmax,
+#                                       renormalised or not, no choice bias, groups or
+#                                       scaling; an nn.Linear gate: its logits are bfloat16)
+#   float32, and bfloat16 without     native (`vector_route_fits`: every rule of
+#     AMX or past native-amx, on a      `RoutingRule.native_rule`: softmax, topk_softmax and
+#     CPU with AVX2                     sigmoid, a choice bias, groups by top2_sum or max,
+#                                       renormalised with eps, scaled; scores in bfloat16 for
+#                                       sigmoid only. The gate's product on the small-batch
+#                                       linears, then the rule and top-k, one call)
+#   otherwise (no AVX2, other devices, torch (the gate's product, then the rule)
+#     a gate bias: gpt-oss)
 # The native routers are one kernel call a layer, so that a decode step of a MoE model can be
 # captured (hybridkv/worker/graphs.py).
 _CPU, _BF16 = frozenset({"cpu"}), frozenset({"bfloat16"})
@@ -176,37 +213,46 @@ MOE_ROUTE = declare(
 
 
 def route(
-    x: torch.Tensor, gate: nn.Linear, rule: RoutingRule, choice_bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    gate: nn.Linear | Router,
+    rule: RoutingRule,
+    choice_bias: torch.Tensor | None = None,
+    weights_dtype: torch.dtype | None = None,
 ) -> Routing:
-    """x: [T, H] through an nn.Linear gate [E, H] and `rule` -> Routing: the `MOE_ROUTE` chain
-    of x's dtype, without a native router where it does not take these (`native_route_fits`,
-    `vector_route_fits`). Native: the gate's product, scoring and top-k in one call (weights in
-    x's dtype)."""
+    """x: [T, H] through a gate [E, H] (an nn.Linear, or a Router: its float32 logits as
+    `Router.logits` computes them) and `rule` -> Routing: the `MOE_ROUTE` chain of x's dtype,
+    without a native router where it does not take these (`native_route_fits`,
+    `vector_route_fits`). Native: the gate's product, scoring and top-k in one call. Weights
+    in `weights_dtype`; None: as the path computes them (PyTorch: the rule's; native: x's
+    dtype for an nn.Linear gate, the rule's for a Router)."""
     chain = MOE_ROUTE.of(x)
     name = chain.links[0].impl.name
     if name == "native-amx" and not native_route_fits(x, gate, rule, choice_bias):
         chain = MOE_ROUTE.chain(x.device, x.dtype, ("amx_bf16",))
         name = chain.links[0].impl.name
-    if name == "native" and not vector_route_fits(x, gate, rule, choice_bias):
+    if name == "native" and not vector_route_fits(x, gate, rule, choice_bias, weights_dtype):
         chain = MOE_ROUTE.chain(x.device, x.dtype, ("native",))
-    return chain.first(x, gate, rule, choice_bias)
+    return chain.first(x, gate, rule, choice_bias, weights_dtype)
 
 
 def native_route_fits(
     x: torch.Tensor,
-    gate: nn.Linear,
+    gate: nn.Linear | Router,
     rule: RoutingRule,
     choice_bias: torch.Tensor | None = None,
     shared_gate: nn.Linear | None = None,
 ) -> bool:
     """The native router's rule (`ops.native.moe.route`): inference; a rule it implements
-    (`RoutingRule.native_mode`) and 0 < k <= E; gates without bias, no choice bias; x [T, H],
-    the gate's weight [E, H] and the shared gate's [1, H] (if any) contiguous, all bfloat16 on
-    the CPU; the OS granted this process AMX's tile data."""
+    (`RoutingRule.native_mode`) and 0 < k <= E; nn.Linear gates without bias (a Router's
+    logits are float32: this router rounds them to bfloat16), no choice bias; x [T, H], the
+    gate's weight [E, H] and the shared gate's [1, H] (if any) contiguous, all bfloat16 on the
+    CPU; the OS granted this process AMX's tile data."""
     from hybridkv.ops.native import moe
 
     mode = rule.native_mode
     if mode is None or choice_bias is not None or torch.is_grad_enabled():
+        return False
+    if isinstance(gate, Router):
         return False
     gates = (gate,) if shared_gate is None else (gate, shared_gate)
     if any(g.bias is not None for g in gates):
@@ -225,52 +271,109 @@ def native_route_fits(
 
 
 def vector_route_fits(
-    x: torch.Tensor, gate: nn.Linear, rule: RoutingRule, choice_bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    gate: nn.Linear | Router,
+    rule: RoutingRule,
+    choice_bias: torch.Tensor | None = None,
+    weights_dtype: torch.dtype | None = None,
 ) -> bool:
     """The native router of every build (`ops.native.moe.vector_route`): inference; a rule it
-    implements (`RoutingRule.native_mode`), 0 < k <= E; a gate without bias, no choice bias;
-    x [T, H] and the gate's weight [E, H] (contiguous) both float32 or both bfloat16 on the
-    CPU; the native library loaded."""
+    implements (`RoutingRule.native_rule` of the logits' dtype), 0 < k <= E, E in the rule's
+    groups; a gate without bias; a choice bias [E] or None (a topk_softmax rule: None, as its
+    rule ignores one); x [T, H] and the gate's weight [E, H] (contiguous) float32 or bfloat16
+    on the CPU, of one dtype (a Router scoring in float32: either); weights float32 or
+    bfloat16; the native library loaded."""
     from hybridkv.ops import native
 
-    if rule.native_mode is None or choice_bias is not None or torch.is_grad_enabled():
-        return False
     weight = gate.weight
-    if gate.bias is not None or x.dim() != 2 or weight.dim() != 2 or not weight.is_contiguous():
+    if torch.is_grad_enabled() or gate.bias is not None or x.dim() != 2 or weight.dim() != 2:
         return False
-    if x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype:
+    floats = (torch.float32, torch.bfloat16)
+    if x.dtype not in floats or weight.dtype not in floats or not weight.is_contiguous():
+        return False
+    if weight.dtype != x.dtype and not (isinstance(gate, Router) and rule.float32):
         return False
     if x.device.type != "cpu" or weight.device.type != "cpu":
+        return False
+    native_rule = rule.native_rule(_logits_dtype(x, gate, rule))
+    if native_rule is None or weights_dtype not in (None, *floats):
         return False
     num_experts, hidden = weight.shape
     if x.shape[1] != hidden or not 0 < rule.top_k <= num_experts:
         return False
+    if num_experts % rule.groups or (rule.grouped and rule.group_score == "top2_sum"
+                                     and num_experts // rule.groups < 2):  # fmt: skip
+        return False
+    if choice_bias is not None:
+        if rule.scoring == "topk_softmax" or choice_bias.shape != (num_experts,):
+            return False
+        if choice_bias.dtype not in floats or choice_bias.device.type != "cpu":
+            return False
     return native.library() is not None
 
 
+def _logits_dtype(x: torch.Tensor, gate: nn.Linear | Router, rule: RoutingRule) -> torch.dtype:
+    """The dtype of the gate's logits: a Router's, float32 when its rule scores in float32."""
+    return torch.float32 if isinstance(gate, Router) and rule.float32 else x.dtype
+
+
+def _float32(t: torch.Tensor, what: str) -> torch.Tensor:
+    """t as float32 and contiguous, converted once per version of t (`derived`)."""
+    if t.dtype == torch.float32 and t.is_contiguous():
+        return t
+    return derived(t, what, lambda v: v.float().contiguous())
+
+
 def _vector_route(
-    x: torch.Tensor, gate: nn.Linear, rule: RoutingRule, choice_bias: torch.Tensor | None
+    x: torch.Tensor,
+    gate: nn.Linear | Router,
+    rule: RoutingRule,
+    choice_bias: torch.Tensor | None,
+    weights_dtype: torch.dtype | None,
 ) -> Routing | None:
     from hybridkv.ops.native import moe
 
-    mode = rule.native_mode
-    routed = None if mode is None else moe.vector_route(x, gate.weight, rule.top_k, mode)
-    return None if routed is None else Routing(*routed)  # weights: [T, k] in x's dtype
+    native_rule = rule.native_rule(_logits_dtype(x, gate, rule))
+    if native_rule is None:
+        return None
+    weight = gate.weight  # [E, H]; a Router scoring in float32: float32 (x widened in C)
+    if _logits_dtype(x, gate, rule) == torch.float32 and x.dtype == torch.bfloat16:
+        weight = _float32(weight, "float32_router")
+    if isinstance(gate, Router) and weights_dtype is None:
+        weights_dtype = torch.float32 if rule.float32 else x.dtype  # the rule's, as PyTorch's
+    bias = None if choice_bias is None else _float32(choice_bias, "float32_choice_bias")
+    routed = moe.vector_route(x, weight, rule.top_k, native_rule, bias, weights_dtype)
+    return None if routed is None else Routing(*routed)  # weights: [T, k]
 
 
 def _native_route(
-    x: torch.Tensor, gate: nn.Linear, rule: RoutingRule, choice_bias: torch.Tensor | None
+    x: torch.Tensor,
+    gate: nn.Linear | Router,
+    rule: RoutingRule,
+    choice_bias: torch.Tensor | None,
+    weights_dtype: torch.dtype | None,
 ) -> Routing | None:
     from hybridkv.ops.native import moe
 
     routed = moe.route(x, gate.weight, None, rule.top_k, rule.native_mode)
-    return None if routed is None else Routing(routed[0], routed[1])  # weights: [T, k] bf16
+    if routed is None:
+        return None
+    weights = routed[1] if weights_dtype is None else routed[1].to(weights_dtype)
+    return Routing(routed[0], weights)  # [T, k]: bfloat16 unless asked otherwise
 
 
 def torch_route(
-    x: torch.Tensor, gate: nn.Linear, rule: RoutingRule, choice_bias: torch.Tensor | None
+    x: torch.Tensor,
+    gate: nn.Linear | Router,
+    rule: RoutingRule,
+    choice_bias: torch.Tensor | None,
+    weights_dtype: torch.dtype | None = None,
 ) -> Routing:
-    return rule(gate(x), choice_bias)  # gate(x): [T, E] in the model dtype
+    logits = gate.logits(x) if isinstance(gate, Router) else gate(x)  # [T, E]
+    routing = rule(logits, choice_bias)
+    if weights_dtype is None:
+        return routing
+    return Routing(routing.experts, routing.weights.to(weights_dtype))
 
 
 class Router(nn.Module):
@@ -309,14 +412,18 @@ class Router(nn.Module):
 
         return super()._apply(keep_fp32, recurse)
 
-    def forward(self, x: torch.Tensor) -> Routing:
-        """x: [T, H] -> Routing ([T, k] each)."""
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] -> [T, E]: float32 from float32 inputs when the rule scores in float32,
+        else in the model dtype."""
         if self.rule.float32:
             bias = None if self.bias is None else self.bias.float()
-            logits = F.linear(x.float(), self.weight.float(), bias)  # [T, E] float32
-        else:
-            logits = F.linear(x, self.weight, self.bias)  # [T, E] in the model dtype
-        return self.rule(logits, self.e_score_correction_bias)
+            return F.linear(x.float(), self.weight.float(), bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor, weights_dtype: torch.dtype | None = None) -> Routing:
+        """x: [T, H] -> Routing ([T, k] each): the `MOE_ROUTE` chain (`route`); weights in
+        `weights_dtype` (None: the rule's, float32 or the logits' dtype)."""
+        return route(x, self, self.rule, self.e_score_correction_bias, weights_dtype)
 
 
 # -- experts -----------------------------------------------------------------------------------
@@ -492,7 +599,8 @@ class SharedExpertsMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
-        out = self.experts(x, self.gate(x)) + self.shared_experts(x, reduce=False)
+        routing = self.gate(x, x.dtype)  # weights in x's dtype, as the experts take them
+        out = self.experts(x, routing) + self.shared_experts(x, reduce=False)
         return self.tp.all_reduce(out)
 
 

@@ -36,8 +36,8 @@ from .utils import (
 )
 
 # checkpoints whose decode steps must be captured (test_captured_decode_equals_eager)
-CAPTURED = ("dense",)  # float32 (the others: MoE routing in PyTorch)
-CAPTURED_BF16 = ("dense",)  # (the short conv on the native kernel in bf16 too)
+CAPTURED = ("dense", "moe", "odd")  # (MoE: the native router takes the expert bias)
+CAPTURED_BF16 = CAPTURED  # (the short conv and the bfloat16 sigmoid rule natively too)
 
 VOCAB = 96
 

@@ -46,8 +46,9 @@
  *
  * A build without AMX (or a kernel that refuses the tile data permission) reports no kernel:
  * hkv_amx_ready() (cpu.c) returns 0, and the callers take the kernels at the end of this file:
- * hkv_moe_route and hkv_moe_experts, the same router and experts in float32 or bfloat16 on the
- * small-batch linears of every build (AVX-512, AVX2 + FMA, plain C).
+ * hkv_moe_route and hkv_moe_experts, the same router (and the sigmoid, grouped and biased rules
+ * of DeepSeek-V3, Kimi, Nemotron-H and LFM2-MoE: struct moe_rule) and experts in float32 or
+ * bfloat16 on the small-batch linears of every build (AVX-512, AVX2 + FMA, plain C).
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -83,63 +84,116 @@ static inline float moe_round1(float f) {
     return r;
 }
 
-/* The softmax of a token's E logits, then its k largest probabilities (largest first; the
- * lower index among equals), renormalised to sum 1 when `normalize` (Qwen3-Next): experts [k],
- * w [k] float32. prob: the logits, overwritten. */
-static void moe_softmax_topk(float *prob, int64_t E, int64_t k, float top, int normalize,
-                             int64_t *experts, float *w) {
-    float sum = 0.0f;
-    for (int64_t e = 0; e < E; e++) sum += (prob[e] = expf(prob[e] - top));
-    const float inv = 1.0f / sum;
-    for (int64_t e = 0; e < E; e++) prob[e] *= inv;
-    float chosen_sum = 0.0f;
-    for (int64_t j = 0; j < k; j++) { /* k passes: the largest not taken yet */
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; e++)
-            if (prob[e] != -1.0f && (best < 0 || prob[e] > prob[best])) best = e;
-        experts[j] = best;
-        w[j] = prob[best];
-        chosen_sum += prob[best];
-        prob[best] = -1.0f; /* taken (probabilities are >= 0) */
-    }
-    if (normalize)
-        for (int64_t j = 0; j < k; j++) w[j] /= chosen_sum;
-}
+/* A routing rule (moe.py's `NativeRule`, layers/moe.py's `RoutingRule`):
+ *     mode        0 softmax, then the k largest probabilities (Jamba, DeepSeek-V2); 1 the same
+ *                 renormalised (Qwen3-Next); 2 the k largest logits, then the softmax of those
+ *                 k (Granite MoE); 3 sigmoid scores (DeepSeek-V3, Kimi, Nemotron-H, LFM2-MoE)
+ *     bias        NULL, or [E] float32 added to the scores for the choice only (never the
+ *                 weights: those are the plain scores)
+ *     groups      the experts in `groups` equal groups of which only the best `kept` can be
+ *                 chosen (kept < groups), scored by their best choice ("max": the others'
+ *                 choice 0, DeepSeek-V2) or the sum of their best two (top2_sum, at least two
+ *                 an expert group: the others' choice -inf, DeepSeek-V3)
+ *     renormalise the k weights divided by their sum (+ eps when eps != 0), then * scaling
+ *     bf16        the scores and every step after them rounded to bfloat16, as PyTorch's ops on
+ *                 bfloat16 logits (LFM2-MoE: `float32=False`; sigmoid only); else float32 */
+struct moe_rule {
+    int mode, group_max, renormalise, bf16;
+    const float *bias;
+    int64_t groups, kept;
+    float eps, scaling;
+};
 
-/* The k largest of a token's E logits (largest first; the lower index among equals), then the
- * softmax of those k alone: w[j] = e^(l - top) / sum, top the largest logit. logit:
- * overwritten. */
-static void moe_topk_softmax(float *logit, int64_t E, int64_t k, float top, int64_t *experts,
-                             float *w) {
-    float sum = 0.0f;
+/* v rounded to bfloat16 when r says so */
+static inline float moe_r(const struct moe_rule *r, float v) { return r->bf16 ? moe_round1(v) : v; }
+
+/* The k largest of v [n] (largest first; the lower index among equals, -inf counted as a
+ * value) -> idx [k], val [k]; v overwritten (taken: NaN). k <= n. */
+static void moe_topk(float *v, int64_t n, int64_t k, int64_t *idx, float *val) {
     for (int64_t j = 0; j < k; j++) {
         int64_t best = -1;
-        for (int64_t e = 0; e < E; e++)
-            if (logit[e] != -INFINITY && (best < 0 || logit[e] > logit[best])) best = e;
-        if (best < 0) /* (only -inf left: the lowest index not taken) */
-            for (int64_t e = 0; e < E && best < 0; e++) {
-                int taken = 0;
-                for (int64_t i = 0; i < j; i++) taken |= experts[i] == e;
-                if (!taken) best = e;
-            }
-        experts[j] = best;
-        sum += (w[j] = expf(logit[best] - top));
-        logit[best] = -INFINITY; /* taken */
+        for (int64_t e = 0; e < n; e++)
+            if (!isnan(v[e]) && (best < 0 || v[e] > v[best])) best = e;
+        if (best < 0) best = j; /* (NaN inputs: an index in range; PyTorch's is NaN too) */
+        idx[j] = best, val[j] = v[best];
+        v[best] = NAN;
     }
-    for (int64_t j = 0; j < k; j++) w[j] /= sum;
 }
 
-/* One token's rule on its E float32 logits (overwritten) -> experts [k], w [k] float32. mode
- * (moe.py): 0 softmax then top-k (Jamba), 1 the same renormalised (Qwen3-Next), 2 top-k then
- * the softmax of those k (Granite MoE). */
-static void moe_rule(float *logits, int64_t E, int64_t k, int mode, int64_t *experts, float *w) {
-    float top = -INFINITY;
-    for (int64_t e = 0; e < E; e++) top = logits[e] > top ? logits[e] : top;
-    if (mode == 2)
-        moe_topk_softmax(logits, E, k, top, experts, w);
-    else
-        moe_softmax_topk(logits, E, k, top, mode, experts, w);
+/* choice [E] with the experts outside the best r->kept groups set to 0 (max) or -inf
+ * (top2_sum); gs: [groups] floats of work. */
+static void moe_keep_groups(const struct moe_rule *r, float *choice, int64_t E, float *gs) {
+    const int64_t G = r->groups, n = E / G;
+    for (int64_t g = 0; g < G; g++) {
+        const float *c = choice + g * n;
+        float a = -INFINITY, b = -INFINITY; /* the group's largest, second largest */
+        for (int64_t i = 0; i < n; i++) {
+            if (c[i] > a) b = a, a = c[i];
+            else if (c[i] > b) b = c[i];
+        }
+        gs[g] = r->group_max ? a : a + b;
+    }
+    for (int64_t j = 0; j < r->kept; j++) { /* the best kept groups: marked NaN in gs */
+        int64_t g;
+        float score;
+        moe_topk(gs, G, 1, &g, &score);
+    }
+    const float fill = r->group_max ? 0.0f : -INFINITY;
+    for (int64_t g = 0; g < G; g++)
+        if (!isnan(gs[g]))
+            for (int64_t i = 0; i < n; i++) choice[g * n + i] = fill;
 }
+
+/* The weights' last steps: renormalised (+ eps), scaled; rounded as r says. w: [k]. */
+static void moe_finish(const struct moe_rule *r, float *w, int64_t k) {
+    if (r->renormalise || r->mode == 1) {
+        float total = 0.0f;
+        for (int64_t j = 0; j < k; j++) total += w[j];
+        total = moe_r(r, total);
+        const float denom = r->eps != 0.0f ? moe_r(r, total + r->eps) : total;
+        for (int64_t j = 0; j < k; j++) w[j] = moe_r(r, w[j] / denom);
+    }
+    if (r->scaling != 1.0f)
+        for (int64_t j = 0; j < k; j++) w[j] = moe_r(r, w[j] * r->scaling);
+}
+
+/* One token's rule on its E float32 logits l (overwritten with its scores) -> experts [k]
+ * (largest choice first), w [k] float32. choice: [E] floats of work, or l itself when there
+ * is neither a bias nor groups; gs: [groups] floats of work (grouped rules only). */
+static void moe_route_token(const struct moe_rule *r, float *l, float *choice, float *gs,
+                            int64_t E, int64_t k, int64_t *experts, float *w) {
+    float top = -INFINITY;
+    for (int64_t e = 0; e < E; e++) top = l[e] > top ? l[e] : top;
+    if (r->mode == 0 || r->mode == 1) { /* softmax in float32 */
+        float sum = 0.0f;
+        for (int64_t e = 0; e < E; e++) sum += (l[e] = expf(l[e] - top));
+        const float inv = 1.0f / sum;
+        for (int64_t e = 0; e < E; e++) l[e] *= inv;
+    } else if (r->mode == 3) {
+        for (int64_t e = 0; e < E; e++) l[e] = moe_r(r, 1.0f / (1.0f + expf(-l[e])));
+    }
+    if (choice != l)
+        for (int64_t e = 0; e < E; e++) choice[e] = l[e] + (r->bias ? r->bias[e] : 0.0f);
+    if (r->kept < r->groups) moe_keep_groups(r, choice, E, gs);
+    moe_topk(choice, E, k, experts, w); /* w: the chosen values of choice */
+    if (r->bias != NULL)
+        for (int64_t j = 0; j < k; j++) w[j] = l[experts[j]]; /* the unbiased scores */
+    if (r->mode == 2) { /* the softmax of the k largest logits */
+        float sum = 0.0f;
+        for (int64_t j = 0; j < k; j++) sum += (w[j] = expf(w[j] - top));
+        for (int64_t j = 0; j < k; j++) w[j] /= sum;
+    }
+    moe_finish(r, w, k);
+}
+
+#if HKV_AMX_BF16
+/* The AMX router's rules (mode 0-2, no bias, groups or scaling) on a token's E logits
+ * (overwritten) -> experts [k], w [k] float32. */
+static void moe_rule(float *logits, int64_t E, int64_t k, int mode, int64_t *experts, float *w) {
+    const struct moe_rule r = {mode, 0, 0, 0, NULL, 1, 1, 0.0f, 1.0f};
+    moe_route_token(&r, logits, logits, NULL, E, k, experts, w);
+}
+#endif
 
 /* The P = T * k pairs (flat index i = t * k + j) sorted by expert with a counting sort (pair
  * order within an expert is token order, as PyTorch's stable argsort): offsets [E + 1] (expert
@@ -583,29 +637,49 @@ static void moe_linear(int bf16, const void *x, int64_t ldx, const void *w, int6
         hkv_f32_linear(x, ldx, w, NULL, M, N, K, y, ldy);
 }
 
-/* The router of an nn.Linear gate without bias:
- *     x       [T, H] rows at a row stride, float32 or bfloat16 (bf16)
- *     gate    [E, H] of x's dtype, contiguous
- *     experts [T, k] int64 (largest first), weights [T, k] of x's dtype
- *     work    [T * (2E + k)] float32
- * logits = x @ gate^T (bfloat16: rounded once, as gate(x)), then per token the rule of `mode`
- * (moe_rule: the AMX router's code) on the float32 logits, the weights rounded to x's dtype
- * (what the callers' `weights.to(x.dtype)` would do). k <= E. */
+/* The router of a gate without bias (moe.py's `vector_route`):
+ *     x       [T, H] rows at a row stride, float32 or bfloat16 (types & 1)
+ *     gate    [E, H] contiguous, float32 or bfloat16 (types & 2: then x is bfloat16 too)
+ *     bias    NULL or [E] float32: the choice bias (struct moe_rule)
+ *     experts [T, k] int64 (largest choice first), weights [T, k] bfloat16 (types & 4) or
+ *             float32
+ *     work    [T * (3E + H + groups + k)] float32
+ * logits = x @ gate^T: both bfloat16, rounded once (as gate(x) in bfloat16); a float32 gate,
+ * in float32 (x widened first: a Router's F.linear(x.float(), weight.float())); then per
+ * token the rule (mode, and flags: 1 renormalise, 2 groups by their best ("max"; else
+ * top2_sum), 4 scores in bfloat16; struct moe_rule) on the float32 logits, the weights
+ * rounded to their dtype. k <= E; groups divides E (top2_sum: at least two experts a group),
+ * 1 <= kept <= groups. */
 void hkv_moe_route(const void *x, int64_t x_stride, int64_t T, int64_t H, const void *gate,
-                   int64_t E, int64_t k, int mode, int bf16, int64_t *experts, void *weights,
-                   float *work) {
+                   int64_t E, int64_t k, int types, int mode, const float *bias, int64_t groups,
+                   int64_t kept, int flags, float eps, float scaling, int64_t *experts,
+                   void *weights, float *work) {
     if (T <= 0 || k <= 0) return;
-    float *logits = work, *wk = work + 2 * T * E; /* [T, E]; then [T, k] float32 weights */
-    uint16_t *logits16 = (uint16_t *)(work + T * E); /* bfloat16 logits [T, E] */
-    moe_linear(bf16, x, x_stride, gate, T, E, H, bf16 ? (void *)logits16 : (void *)logits, E);
+    const int x16 = types & 1, gate16 = (types & 2) != 0, w16 = (types & 4) != 0;
+    const struct moe_rule r = {mode, (flags & 2) != 0, flags & 1, (flags & 4) != 0, bias,
+                               groups, kept, eps, scaling};
+    float *logits = work, *choice = logits + T * E, *scratch = choice + T * E;
+    float *gs = scratch + T * (E + H), *wk = gs + T * groups; /* then [T, k] weights */
+    if (gate16) { /* bfloat16 logits [T, E] in scratch */
+        uint16_t *l16 = (uint16_t *)scratch;
+        hkv_bf16_linear(x, x_stride, gate, NULL, T, E, H, l16, E);
+        for (int64_t i = 0; i < T * E; i++) logits[i] = hkv_bf16_to_f32(l16[i]);
+    } else if (x16) { /* x widened to float32 [T, H] in scratch */
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t h = 0; h < H; h++)
+                scratch[t * H + h] = hkv_bf16_to_f32(((const uint16_t *)x)[t * x_stride + h]);
+        hkv_f32_linear(scratch, H, gate, NULL, T, E, H, logits, E);
+    } else {
+        hkv_f32_linear(x, x_stride, gate, NULL, T, E, H, logits, E);
+    }
+    const int in_place = bias == NULL && kept >= groups; /* the choice is the scores */
 #pragma omp parallel for schedule(static) if (T * E >= 4096)
     for (int64_t t = 0; t < T; t++) {
         float *l = logits + t * E, *w = wk + t * k;
-        if (bf16)
-            for (int64_t e = 0; e < E; e++) l[e] = hkv_bf16_to_f32(logits16[t * E + e]);
-        moe_rule(l, E, k, mode, experts + t * k, w);
+        moe_route_token(&r, l, in_place ? l : choice + t * E, gs + t * groups, E, k,
+                        experts + t * k, w);
         for (int64_t j = 0; j < k; j++) {
-            if (bf16)
+            if (w16)
                 ((uint16_t *)weights)[t * k + j] = hkv_f32_to_bf16(w[j]);
             else
                 ((float *)weights)[t * k + j] = w[j];

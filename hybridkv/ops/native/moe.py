@@ -10,7 +10,8 @@ On AMX tiles, bfloat16:
 
 On every build (AVX-512, AVX2 + FMA or plain C: the small-batch linears' kernels), float32 or
 bfloat16:
-- `vector_route`: an nn.Linear gate's product, the rule and top-k in one call;
+- `vector_route`: a gate's product, the rule (softmax, topk_softmax or sigmoid; a choice bias,
+  groups, renormalisation with eps, scaling: `NativeRule`) and top-k in one call;
 - `vector_experts`: every (token, expert) pair of the SwiGLU experts in one call.
 
 Both round as the PyTorch paths they replace (see moe.c); the tests compare them with a float64
@@ -19,6 +20,7 @@ reference and with those paths."""
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 from hybridkv.ops import native
 from hybridkv.ops.derived import derived
 
-_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 native.declare({
     "hkv_moe_bf16": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr,
                      _i64, _ptr, _i64],
@@ -34,7 +36,8 @@ native.declare({
                            _ptr, _ptr],
 })  # fmt: skip
 native.declare({
-    "hkv_moe_route": [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _int, _int, _ptr, _ptr, _ptr],
+    "hkv_moe_route": [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _int, _int, _ptr, _i64, _i64,
+                      _int, _f32, _f32, _ptr, _ptr, _ptr],
     "hkv_moe_experts": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int,
                         _ptr, _i64],
 })  # fmt: skip
@@ -191,6 +194,25 @@ def swiglu_expert(
 SOFTMAX_TOPK = 0  # softmax over every expert, the k largest probabilities (Jamba)
 SOFTMAX_TOPK_RENORMALISED = 1  # the same, the k renormalised to sum 1 (Qwen3-Next)
 TOPK_SOFTMAX = 2  # the k largest logits, then the softmax of those k (Granite MoE)
+SIGMOID = 3  # independent sigmoid scores (DeepSeek-V3, Kimi, Nemotron-H, LFM2-MoE): vector_route
+
+
+class NativeRule(NamedTuple):
+    """A routing rule as `vector_route` (moe.c's struct moe_rule) computes it: `mode`
+    (SOFTMAX_TOPK, SOFTMAX_TOPK_RENORMALISED, TOPK_SOFTMAX, SIGMOID) on float32 logits; the
+    best `kept` of `groups` equal expert groups (kept < groups), scored by their best choice
+    (`group_max`) or the sum of their best two; the k weights renormalised (+ eps when
+    nonzero), then times `scaling`; `bf16_scores`: the scores and every step after them rounded
+    to bfloat16 (sigmoid only: PyTorch's ops on bfloat16 logits)."""
+
+    mode: int
+    groups: int = 1
+    kept: int = 1
+    group_max: bool = False
+    renormalise: bool = False
+    eps: float = 0.0
+    scaling: float = 1.0
+    bf16_scores: bool = False
 
 
 def route(
@@ -246,34 +268,71 @@ def _same_float_cpu(*tensors: torch.Tensor) -> bool:
 
 
 def vector_route(
-    x: torch.Tensor, router: torch.Tensor, k: int, mode: int
+    x: torch.Tensor,
+    router: torch.Tensor,
+    k: int,
+    rule: int | NativeRule,
+    choice_bias: torch.Tensor | None = None,
+    weights_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """An nn.Linear gate without bias in one call (moe.c's hkv_moe_route, any build): x [T, H];
-    router [E, H] contiguous, both float32 or both bfloat16 -> experts [T, k] int64 (largest
-    first), weights [T, k] of x's dtype as `mode` says (SOFTMAX_TOPK,
-    SOFTMAX_TOPK_RENORMALISED, TOPK_SOFTMAX), from the logits in float32 (bfloat16: the
-    logits rounded first, as gate(x)); None when the library or these tensors don't fit."""
-    if mode not in (SOFTMAX_TOPK, SOFTMAX_TOPK_RENORMALISED, TOPK_SOFTMAX):
-        raise ValueError(f"routing mode {mode!r}: expected 0, 1 or 2 (moe.SOFTMAX_TOPK, ...)")
+    """A gate without bias in one call (moe.c's hkv_moe_route, any build): x [T, H]; router
+    [E, H] contiguous, both float32 or both bfloat16 (logits in x's dtype, as an nn.Linear
+    gate's), or a float32 router (float32 logits from x widened: a Router's); rule: a
+    `NativeRule` or its mode alone; choice_bias: None or [E] float32 (contiguous) -> experts
+    [T, k] int64 (largest choice first), weights [T, k] of `weights_dtype` (float32 or
+    bfloat16; default x's); None when the library or these tensors don't fit."""
+    rule = rule if isinstance(rule, NativeRule) else NativeRule(rule)
+    if rule.mode not in (SOFTMAX_TOPK, SOFTMAX_TOPK_RENORMALISED, TOPK_SOFTMAX, SIGMOID):
+        raise ValueError(f"routing mode {rule.mode!r}: expected 0-3 (moe.SOFTMAX_TOPK, ...)")
     lib = native.library()
     if lib is None or torch.is_grad_enabled() or x.dim() != 2 or router.dim() != 2:
         return None
-    if not _same_float_cpu(x, router) or not router.is_contiguous():
+    widened = router.dtype == torch.float32 and x.dtype == torch.bfloat16
+    if not (widened or _same_float_cpu(x, router)) or not router.is_contiguous():
+        return None
+    if x.device.type != "cpu" or router.device.type != "cpu":
         return None
     num_experts, hidden = router.shape
-    if x.shape[1] != hidden or not 0 < k <= num_experts:
+    if x.shape[1] != hidden or not 0 < k <= num_experts or not _groups_fit(rule, num_experts):
+        return None
+    if rule.bf16_scores and (rule.mode != SIGMOID or router.dtype != torch.bfloat16):
+        return None
+    if choice_bias is not None and not _choice_bias_fits(choice_bias, num_experts):
+        return None
+    weights_dtype = x.dtype if weights_dtype is None else weights_dtype
+    if weights_dtype not in _FLOATS:
         return None
     if x.stride(1) != 1:
         x = x.contiguous()
     tokens = x.shape[0]
     experts = torch.empty(tokens, k, dtype=torch.int64)
-    weights = torch.empty(tokens, k, dtype=x.dtype)
-    work = torch.empty(tokens * (2 * num_experts + k), dtype=torch.float32)
+    weights = torch.empty(tokens, k, dtype=weights_dtype)
+    work = torch.empty(tokens * (3 * num_experts + hidden + rule.groups + k), dtype=torch.float32)
+    types = (x.dtype == torch.bfloat16) | (router.dtype == torch.bfloat16) << 1
+    types |= (weights_dtype == torch.bfloat16) << 2
+    flags = rule.renormalise | rule.group_max << 1 | rule.bf16_scores << 2
     lib.hkv_moe_route(
-        x.data_ptr(), x.stride(0), tokens, hidden, router.data_ptr(), num_experts, k, mode,
-        int(x.dtype == torch.bfloat16), experts.data_ptr(), weights.data_ptr(), work.data_ptr(),
+        x.data_ptr(), x.stride(0), tokens, hidden, router.data_ptr(), num_experts, k, types,
+        rule.mode, None if choice_bias is None else choice_bias.data_ptr(), rule.groups,
+        rule.kept, flags, rule.eps, rule.scaling, experts.data_ptr(), weights.data_ptr(),
+        work.data_ptr(),
     )  # fmt: skip
     return experts, weights
+
+
+def _groups_fit(rule: NativeRule, num_experts: int) -> bool:
+    """E in equal groups (top2_sum: two experts a group at least), 1 <= kept <= groups."""
+    if rule.groups < 1 or not 1 <= rule.kept <= rule.groups or num_experts % rule.groups:
+        return False
+    return rule.kept == rule.groups or rule.group_max or num_experts // rule.groups >= 2
+
+
+def _choice_bias_fits(bias: torch.Tensor, num_experts: int) -> bool:
+    """[E] float32, contiguous, on the CPU."""
+    return (
+        bias.shape == (num_experts,) and bias.dtype == torch.float32
+        and bias.device.type == "cpu" and bias.is_contiguous()
+    )  # fmt: skip
 
 
 def vector_experts(
