@@ -193,7 +193,8 @@ def test_amx_matches_the_dequantized_weight(dtype, k, n, threads):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_amx_rows_of_x_in_groups(dtype, threads):
     """Prefill rows: x in groups of rows whose tiles stay in L2 (512 KiB: 160 rows at K = 1600),
-    each group against every block of weight rows: 600 rows = 3 groups and a partial one."""
+    each group against every block of weight rows: 600 rows = 3 groups and a partial one; K in
+    chunks of 6 steps of 64 (25 steps: 4 chunks and a last of one), the sums kept between."""
     x, q, scale = case(600, 1600, 70, dtype, seed=3)
     check_amx(native_int8.run_amx(x, q, scale), x, q, scale)
 

@@ -40,15 +40,18 @@
  * rows of x (the first pass reads the block from memory while a far prefetch brings the
  * next task's into L2; the others find it in L1/L2); groups of about I8A_GROUP_BYTES of B
  * tiles, which stay in L2 while every task runs them (one sweep over x read tiles from L3: 768
- * -> 3072 at 1700 rows, 1 thread, 18-19 ms against 9.5-9.8). Threads take tasks in turn; x is written in
+ * -> 3072 at 1700 rows, 1 thread, 18-19 ms against 9.5-9.8). From I8A_CHUNK_PASSES passes on,
+ * K goes in chunks of I8A_KC steps through every pass of the group, so that the chunk's A
+ * tiles stay in L1 (the sums kept in memory between chunks: 1536 -> 768 at 512 / 1700 rows
+ * 1280 / 4216 us against 1091 / 3630; level at K = 768). Threads take tasks in turn; x is written in
  * digits and packed by all of them first. The last task's rows (and the k past K of the last
  * row: A tiles read 64 bytes a row) come from a zero-padded copy; elsewhere the k past K read
  * the next row's weights, multiplied by x's zero digits there.
  *
  * Measured (Intel Xeon, 2 cores, AVX-512 + AMX, 1 thread, minima; benchmarks/README.md):
- * 768 -> 3072 at 16 / 64 / 512 / 1700 rows 135 / 309 / 2025 / 8740 us, oneDNN's bfloat16 GEMM on
- * a prepacked bfloat16 weight 224 / 313 / 1610 / 5689, the bfloat16-widening tiles 291 / 468 /
- * 2207 / 9464. Without AMX-INT8 (the build, or the OS's tile permission: the CPU record then
+ * 768 -> 3072 at 16 / 64 / 512 / 1700 rows 135 / 328 / 1957 / 6807 us, oneDNN's bfloat16 GEMM
+ * on a prepacked bfloat16 weight 224 / 310 / 1523 / 5230, bfloat16-widening tiles (tdpbf16ps,
+ * tried first) 291 / 468 / 2207 / 9464. Without AMX-INT8 (the build, or the OS's tile permission: the CPU record then
  * lacks amx_int8 and the op chain never picks this kernel) it returns -1 without writing. */
 
 #include <math.h>
@@ -66,6 +69,8 @@
 #define I8A_N 32                   /* weight rows per task (two A tiles) */
 #define I8A_PARALLEL_MIN (1 << 16) /* weights (N * K) from which the threads split the work */
 #define I8A_GROUP_BYTES (512 * 1024) /* B tiles of x per sweep over the weights (in L2) */
+#define I8A_KC 6            /* steps (64 k) per chunk of K where passes are many */
+#define I8A_CHUNK_PASSES 4 /* passes (16 rows of x) from which K goes in chunks */
 #define I8A_UNROLL _Pragma("GCC unroll 16")
 
 /* r[0..15] (16 x 16 of 32-bit values) transposed in place: r[j] lane i = the old r[i] lane j.
@@ -201,20 +206,40 @@ static void i8a_store(const int32_t (*c)[256], const float *sx, int64_t M, int64
     }
 }
 
-/* One pass: C tiles 0..3 = weight rows (A: w, row stride ldw; w + 16 ldw the second tile) by
- * the 32 digit rows of B tiles xp, Kp / 64 steps of 64 k. The far prefetch spreads `lines`
- * cache lines from *pf over the steps. */
-static inline void i8a_pass(const int8_t *w, int64_t ldw, const int8_t *xp, int64_t KB,
-                            int two_n, const char **pf, int64_t lines) {
+/* C tiles 0..3 <- cs (first: zeros); C tiles -> cs (4 KiB: the int32 sums of a pass) */
+static inline void i8a_load_c(const int32_t *cs, int first) {
+    if (first) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    } else {
+        _tile_loadd(0, cs, 64);
+        _tile_loadd(1, cs + 256, 64);
+        _tile_loadd(2, cs + 512, 64);
+        _tile_loadd(3, cs + 768, 64);
+    }
+}
+
+static inline void i8a_save_c(int32_t *cs) {
+    _tile_stored(0, cs, 64);
+    _tile_stored(1, cs + 256, 64);
+    _tile_stored(2, cs + 512, 64);
+    _tile_stored(3, cs + 768, 64);
+}
+
+/* C tiles 0..3 += steps kb0 .. kb1 - 1 (64 k each) of weight rows (A: w, row stride ldw; w + 16
+ * ldw the second tile) by the 32 digit rows of B tiles xp (KB steps a tile column). The far
+ * prefetch spreads `lines` cache lines from *pf over the steps. */
+static inline void i8a_steps(const int8_t *w, int64_t ldw, const int8_t *xp, int64_t KB,
+                             int64_t kb0, int64_t kb1, int two_n, const char **pf,
+                             int64_t lines) {
     const int8_t *A1 = w + 16 * ldw, *B1 = xp + 1024 * KB;
     const char *at = *pf;
+    const int64_t steps = kb1 - kb0;
     int64_t debt = 0;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t kb = 0; kb < KB; kb++) {
-        for (debt += lines; debt >= KB; debt -= KB, at += 64) _mm_prefetch(at, _MM_HINT_T1);
+    for (int64_t kb = kb0; kb < kb1; kb++) {
+        for (debt += lines; debt >= steps; debt -= steps, at += 64) _mm_prefetch(at, _MM_HINT_T1);
         _tile_loadd(4, w + 64 * kb, ldw);
         _tile_loadd(6, xp + 1024 * kb, 64);
         _tile_dpbssd(0, 4, 6);
@@ -230,27 +255,36 @@ static inline void i8a_pass(const int8_t *w, int64_t ldw, const int8_t *xp, int6
 }
 
 /* Task t: weight rows 32 t .. 32 t + 31 against passes p0 .. p1 - 1 of x; the next task's
- * rows (the same thread's next, under a static schedule) prefetched into L2 during the first */
+ * rows (the same thread's next, under a static schedule) prefetched into L2 during the first
+ * pass. With I8A_CHUNK_PASSES passes or more K goes in chunks of I8A_KC steps, every pass
+ * through a chunk before the next (the chunk's A tiles stay in L1 for all passes), the sums
+ * kept in cs (4 KiB a pass) between chunks. */
 static void i8a_task(const int8_t *xp, const float *sx, int64_t M, int64_t Kp, const int8_t *q,
                      const int8_t *tail, const uint16_t *scale, int64_t N, int64_t K, void *y,
-                     int64_t ldy, int ybf16, int64_t t, int64_t p0, int64_t p1) {
+                     int64_t ldy, int ybf16, int64_t t, int64_t p0, int64_t p1, int32_t *cs) {
     const int64_t KB = Kp / 64, tasks = (N + I8A_N - 1) / I8A_N;
     const int64_t n0 = t * I8A_N, nc = N - n0 < I8A_N ? N - n0 : I8A_N;
     const int last = t == tasks - 1;
     const int8_t *w = last ? tail : q + n0 * K;
-    const int64_t ldw = last ? Kp : K;
+    const int64_t ldw = last ? Kp : K, chunk = p1 - p0 >= I8A_CHUNK_PASSES ? I8A_KC : KB;
     const char *pf = (const char *)(q + (n0 + I8A_N) * K);
     const int64_t lines = t + 2 < tasks ? (I8A_N * K + 63) / 64 : 0;
     int32_t c[4][256];
-    for (int64_t p = p0; p < p1; p++) {
-        i8a_pass(w, ldw, xp + p * 2 * KB * 1024, KB, nc > 16, &pf, p == p0 ? lines : 0);
-        _tile_stored(0, c[0], 64);
-        _tile_stored(1, c[1], 64);
-        if (nc > 16) {
-            _tile_stored(2, c[2], 64);
-            _tile_stored(3, c[3], 64);
+    for (int64_t kb0 = 0; kb0 < KB; kb0 += chunk) {
+        const int64_t kb1 = KB - kb0 < chunk ? KB : kb0 + chunk;
+        for (int64_t p = p0; p < p1; p++) {
+            int32_t *cp = cs + 1024 * (p - p0);
+            i8a_load_c(cp, kb0 == 0);
+            i8a_steps(w, ldw, xp + p * 2 * KB * 1024, KB, kb0, kb1, nc > 16, &pf,
+                      p == p0 && kb0 == 0 ? lines : 0);
+            if (kb1 < KB) {
+                i8a_save_c(cp);
+                continue;
+            }
+            i8a_save_c(c[0]);
+            i8a_store((const int32_t(*)[256])c, sx + p * I8A_R, M, p, scale, n0, nc, y, ldy,
+                      ybf16);
         }
-        i8a_store((const int32_t(*)[256])c, sx + p * I8A_R, M, p, scale, n0, nc, y, ldy, ybf16);
     }
 }
 
@@ -272,17 +306,20 @@ int hkv_int8_linear_amx(const void *x, int64_t ldx, int xbf16, const int8_t *q,
     int8_t *xp = aligned_alloc(64, (size_t)(passes * 32 * Kp));
     int8_t *tail = aligned_alloc(64, (size_t)(I8A_N * Kp));
     float *sx = malloc(sizeof(float) * (size_t)(passes * I8A_R));
-    if (xd == NULL || xp == NULL || tail == NULL || sx == NULL) {
-        free(xd), free(xp), free(tail), free(sx);
+    const int64_t tasks = (N + I8A_N - 1) / I8A_N;
+    int64_t group = I8A_GROUP_BYTES / (32 * Kp); /* passes */
+    group = group < 1 ? 1 : group;
+    const int parallel = N * K >= I8A_PARALLEL_MIN, threads = parallel ? omp_get_max_threads() : 1;
+    int32_t *css = aligned_alloc(64, (size_t)(threads * group) * 4096); /* sums between chunks */
+    if (xd == NULL || xp == NULL || tail == NULL || sx == NULL || css == NULL) {
+        free(xd), free(xp), free(tail), free(sx), free(css);
         return -1;
     }
     memset(tail, 0, (size_t)(I8A_N * Kp));
     for (int64_t n = n_last; n < N; n++) memcpy(tail + (n - n_last) * Kp, q + n * K, (size_t)K);
-    const int64_t tasks = (N + I8A_N - 1) / I8A_N;
-    int64_t group = I8A_GROUP_BYTES / (32 * Kp);
-    group = group < 1 ? 1 : group;
-#pragma omp parallel if (N * K >= I8A_PARALLEL_MIN)
+#pragma omp parallel num_threads(threads) if (parallel)
     {
+        int32_t *cs = css + (size_t)omp_get_thread_num() * (size_t)group * 1024;
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < passes; p++)
             i8a_prepare(x, ldx, xbf16, M, K, Kp, p, xd + p * 32 * Kp, xp + p * 32 * Kp,
@@ -293,11 +330,11 @@ int hkv_int8_linear_amx(const void *x, int64_t ldx, int xbf16, const int8_t *q,
             const int64_t p1 = p0 + group < passes ? p0 + group : passes;
 #pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < tasks; t++)
-                i8a_task(xp, sx, M, Kp, q, tail, scale, N, K, y, ldy, ybf16, t, p0, p1);
+                i8a_task(xp, sx, M, Kp, q, tail, scale, N, K, y, ldy, ybf16, t, p0, p1, cs);
         }
         _tile_release();
     }
-    free(xd), free(xp), free(tail), free(sx);
+    free(xd), free(xp), free(tail), free(sx), free(css);
     return 0;
 }
 
