@@ -40,12 +40,12 @@ hidden-size 768 shapes and the 32000-row lm_head: benchmarks/quantization.py):
                    bfloat16, as the GEMM below, moves each value by up to 2^-9 of itself), exact
                    int32 sums of each digit (tdpbssd), y = (C2 / 254 + C1) sx scale in float32,
                    rounded once to x's dtype. Intel Xeon, 2 cores, AVX-512 + AMX, one thread,
-                   768 -> 3072, us (minima): 135 / 309 / 2025 / 8740 at M = 16 / 64 / 512 /
-                   1700; the bfloat16 layer's oneDNN GEMM on its prepacked weight 224 / 313 /
-                   1610 / 5689, the GEMM below 784 / 1034 / 3090 / 10275, the float32 tiles at 16
+                   768 -> 3072, us (minima): 135 / 328 / 1957 / 6807 at M = 16 / 64 / 512 /
+                   1700; the bfloat16 layer's oneDNN GEMM on its prepacked weight 224 / 310 /
+                   1523 / 5230, the GEMM below 784 / 1016 / 2978 / 9298, the float32 tiles at 16
                    rows 650. (Widening q to bfloat16 tiles for tdpbf16ps instead: 291 / 468 /
                    2207 / 9464, the widening about 4.5 cycles per 32 weights.) Prefill rows stay
-                   1.3-1.5x the bfloat16 layer (benchmarks/README.md, int8)
+                   1.2-1.5x the bfloat16 layer (benchmarks/README.md, int8)
     bfloat16 GEMM  float32 x of BF16_GEMM_M rows or more where oneDNN runs bfloat16
                    GEMMs fast and the tiles above do not run (AVX512-BF16 without AMX, the
                    CPU record's "oneDNN bf16" without amx_int8): x rounded to
