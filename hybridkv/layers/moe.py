@@ -43,7 +43,8 @@ softmax / topk_softmax scored in bfloat16 (gpt-oss, whose gate bias also keeps i
 
 Experts: `GatedExperts` (SwiGLU, [gate | up] rows stacked: `mlp.gated_experts`, native on AMX in
 bfloat16 and on every CPU with AVX2 in float32 and bfloat16 up to NATIVE_EXPERT_ROWS tokens),
-`UngatedExperts` (Nemotron-H: up / down and an activation, float32 sums) and
+`UngatedExperts` (Nemotron-H: up / down and an activation, float32 sums; with relu2 native on
+every CPU with AVX2 up to NATIVE_EXPERT_ROWS tokens, `UNGATED_EXPERTS`) and
 `ClampedSwigluExperts` (gpt-oss: x @ W layout, interleaved gate / up, biases, clamps). Tensor
 parallel: every expert's intermediate size is split; routers are replicated; the callers
 all-reduce the partial sums once.
@@ -60,7 +61,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridkv.distributed.parallel import column, current, declare_shards, rank0_bias
-from hybridkv.layers.mlp import GatedMLP, amx_experts_fit, gated_experts
+from hybridkv.layers.activation import relu2
+from hybridkv.layers.mlp import GatedMLP, _native_expert_rows, amx_experts_fit, gated_experts
 from hybridkv.ops.derived import derived
 from hybridkv.ops.registry import OpImpl, declare
 
@@ -481,9 +483,63 @@ def looped_experts(
     return out.to(x.dtype)
 
 
+# Nemotron-H's experts (`UngatedExperts`), keyed by x's dtype; each implementation takes
+# (experts, x, routing) -> [T, dim]:
+#   float32 and bfloat16 on a CPU      native (`relu2_experts_fit`: the relu2 activation, float32
+#     with AVX2, up to                   routing weights; `ops.native.moe.vector_relu2_experts`:
+#     NATIVE_EXPERT_ROWS tokens          every pair in one call, summed in float32 as below)
+#   otherwise                          torch (`looped_experts`)
+# The native link is one kernel call a layer, so that a decode step can be captured.
+UNGATED_EXPERTS = declare(
+    "moe_ungated_experts",
+    (
+        OpImpl("native", f"{__name__}:_vector_ungated", _CPU, _FLOATS, ("native", "avx2"),
+               max_rows=_native_expert_rows, strict=True,
+               description="moe.c: every pair of the relu2 experts in one call"),
+        OpImpl("torch", f"{__name__}:torch_ungated", description="looped_experts"),
+    ),
+)  # fmt: skip
+
+
+def relu2_experts_fit(experts: UngatedExperts, x: torch.Tensor, routing: Routing) -> bool:
+    """The native relu2 experts' rule (`ops.native.moe.vector_relu2_experts`): inference; the
+    relu2 activation; x [T, dim] and both weights (contiguous) float32 or bfloat16 on the CPU,
+    routing weights float32 (the Router's), expert ids int64 [T, k]; the library loaded."""
+    from hybridkv.ops import native
+
+    if torch.is_grad_enabled() or experts.act is not relu2 or x.dim() != 2:
+        return False
+    up, down = experts.up_proj, experts.down_proj
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+        return False
+    if any(w.dtype != x.dtype or w.device.type != "cpu" or not w.is_contiguous()
+           for w in (up, down)):  # fmt: skip
+        return False
+    chosen, weights = routing
+    if chosen.dtype != torch.int64 or weights.dtype != torch.float32 or chosen.dim() != 2:
+        return False
+    if weights.shape != chosen.shape or chosen.shape[0] != x.shape[0]:
+        return False
+    return x.shape[1] == up.shape[2] and native.library() is not None
+
+
+def _vector_ungated(
+    experts: UngatedExperts, x: torch.Tensor, routing: Routing
+) -> torch.Tensor | None:
+    from hybridkv.ops.native import moe
+
+    chosen, weights = routing
+    return moe.vector_relu2_experts(x, chosen, weights, experts.up_proj, experts.down_proj)
+
+
+def torch_ungated(experts: UngatedExperts, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    return looped_experts(x, routing, experts.num_experts, experts._expert, torch.float32)
+
+
 class UngatedExperts(nn.Module):
     """Stacked non-gated expert MLPs, down(act(up x)): up_proj [E, I, H], down_proj [E, H, I]
-    (Nemotron-H); the weighted outputs summed in float32, as transformers does."""
+    (Nemotron-H); the weighted outputs summed in float32, as transformers does. The
+    `UNGATED_EXPERTS` chain of x's dtype (native: relu2, `relu2_experts_fit`)."""
 
     def __init__(
         self, num_experts: int, dim: int, intermediate: int, act: Callable[..., torch.Tensor]
@@ -503,8 +559,11 @@ class UngatedExperts(nn.Module):
         return F.linear(self.act(F.linear(rows, self.up_proj[e])), self.down_proj[e])
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """x: [T, dim] -> [T, dim]."""
-        return looped_experts(x, routing, self.num_experts, self._expert, torch.float32)
+        """x: [T, dim]; routing weights float32 (the Router's) -> [T, dim]."""
+        chain = UNGATED_EXPERTS.of(x)
+        if chain.links[0].impl.name == "native" and not relu2_experts_fit(self, x, routing):
+            chain = UNGATED_EXPERTS.chain(x.device, x.dtype, ("native",))
+        return chain.for_rows(x.shape[0])(self, x, routing)
 
 
 class ClampedSwigluExperts(nn.Module):

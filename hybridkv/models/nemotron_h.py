@@ -240,12 +240,13 @@ class NemotronHMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]; the router and the shared expert see x, the experts its latent
-        routing = self.gate(x)  # weights: [T, k] float32
+        routing = self.gate(x)  # weights: [T, k] float32 (the native router's too)
         h = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
         h = self.experts(h, routing)
         if self.fc2_latent_proj is not None:
             h = self.fc2_latent_proj(h)
-        return self.tp.all_reduce(h + self.shared_experts(x, reduce=False))
+        # (the sum natively: a decode step stays one list of kernel calls)
+        return self.tp.all_reduce(residual_add(h, self.shared_experts(x, reduce=False)))
 
 
 def build_mixer(cfg: NemotronHConfig, index: int, kind: str) -> nn.Module:

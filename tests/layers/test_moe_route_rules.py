@@ -262,11 +262,14 @@ def test_routers_take_the_native_chain(dtype, monkeypatch):
         routing = router(x)
         expected = layer.torch_route(x, router, rule, router.e_score_correction_bias)
         gate = nn.Linear(40, 9, bias=False).to(dtype)
+        g = torch.Generator().manual_seed(3)
+        gate.weight.copy_(torch.randn(9, 40, generator=g) / 40**0.5 * 3)
         lfm_routing = layer.route(x, gate, lfm2(2), torch.zeros(9, dtype=dtype))
         lfm_expected = layer.torch_route(x, gate, lfm2(2), torch.zeros(9, dtype=dtype))
     assert len(calls) == 2
     clear = _clear(router.logits(x), rule, router.e_score_correction_bias, 1e-5)
     _compare(routing, expected, clear, rtol=1e-5)
     assert lfm_routing.weights.dtype == dtype
-    clear = _clear(F.linear(x, gate.weight), lfm2(2), None, 2**-6)
-    _compare(lfm_routing, lfm_expected, clear, rtol=2**-6)
+    margin = 1e-5 if dtype == torch.float32 else 2**-6
+    clear = _clear(F.linear(x, gate.weight), lfm2(2), None, margin)
+    _compare(lfm_routing, lfm_expected, clear, rtol=margin)

@@ -165,3 +165,73 @@ def test_the_chains_take_the_native_kernels(dtype, monkeypatch):
     assert routing.weights.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_relu2_experts_match_the_pytorch_loop(shape, dtype):
+    """Nemotron-H's experts (down relu(up x)^2, float32 routing weights, the weighted rows
+    summed in float32 and rounded once) in one call: as `looped_experts` computes them
+    (float32: summation order only; bfloat16: the products' roundings, within bfloat16)."""
+    from hybridkv.layers.activation import relu2
+
+    tokens, hidden, num_experts, k, inter = shape
+    x, gate, gate_up, down = _problem(tokens, hidden, num_experts, inter, dtype, seed=tokens + 9)
+    experts = layer.UngatedExperts(num_experts, hidden, inter, relu2).to(dtype)
+    with torch.inference_mode():
+        experts.up_proj.copy_(gate_up[:, :inter])
+        experts.down_proj.copy_(down)
+        routing = layer.Routing(
+            *moe.vector_route(x, gate, k, moe.TOPK_SOFTMAX, None, torch.float32)
+        )
+        out = moe.vector_relu2_experts(x, *routing, experts.up_proj, experts.down_proj)
+        expected = layer.torch_ungated(experts, x, routing)
+    assert out.shape == x.shape and out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    else:
+        scale = expected.float().abs().max()
+        assert (out.float() - expected.float()).abs().max() <= 2**-7 * scale
+
+
+def test_relu2_experts_declined():
+    """Other activations, bfloat16 routing weights or mixed dtypes stay on PyTorch."""
+    from hybridkv.layers.activation import relu2
+
+    x, _, _, _ = _problem(3, 16, 5, 8, torch.float32, seed=2)
+    routing = layer.Routing(torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2))
+    with torch.inference_mode():
+        assert layer.relu2_experts_fit(layer.UngatedExperts(5, 16, 8, relu2), x, routing)
+        assert not layer.relu2_experts_fit(layer.UngatedExperts(5, 16, 8, F.gelu), x, routing)
+        half = layer.Routing(routing.experts, routing.weights.bfloat16())
+        assert not layer.relu2_experts_fit(layer.UngatedExperts(5, 16, 8, relu2), x, half)
+        bf16 = layer.UngatedExperts(5, 16, 8, relu2).bfloat16()
+        assert not layer.relu2_experts_fit(bf16, x, routing)
+        assert moe.vector_relu2_experts(x, *half, bf16.up_proj, bf16.down_proj) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_ungated_chain_takes_the_native_kernel(dtype, monkeypatch):
+    """On a CPU with AVX2 UngatedExperts with relu2 runs the native kernel up to
+    NATIVE_EXPERT_ROWS tokens, PyTorch's loop past them."""
+    from hybridkv.layers.activation import relu2
+    from hybridkv.ops.registry import capabilities
+
+    if not {"native", "avx2"} <= capabilities("cpu"):
+        pytest.skip("no AVX2 build: the chain is PyTorch's")
+    calls = []
+    kernel = moe.vector_relu2_experts
+    monkeypatch.setattr(moe, "vector_relu2_experts", lambda *a: calls.append(1) or kernel(*a))
+    experts = layer.UngatedExperts(6, 24, 16, relu2).to(dtype)
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape) * 0.2)
+        for tokens in (5, mlp.NATIVE_EXPERT_ROWS + 1):
+            x = torch.randn(tokens, 24).to(dtype)
+            chosen = torch.randint(0, 6, (tokens, 2))
+            routing = layer.Routing(chosen, torch.rand(tokens, 2))
+            out = experts(x, routing)
+            torch.testing.assert_close(out, layer.torch_ungated(experts, x, routing),
+                                       rtol=2e-2, atol=2e-2)  # fmt: skip
+    assert len(calls) == 1

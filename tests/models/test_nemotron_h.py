@@ -20,7 +20,8 @@ from .utils import (
 )
 
 # checkpoints whose decode steps must be captured (test_captured_decode_equals_eager)
-CAPTURED = ("dense",)  # (its MoE routing runs in PyTorch)
+CAPTURED = ("dense", "moe")  # (MoE: the native router and relu2 experts, a CPU with AVX2)
+CAPTURED_BF16 = CAPTURED
 
 VOCAB = 96
 # "latent": MoE experts between fc1/fc2_latent_proj (moe_latent_size); prefill test only

@@ -156,18 +156,18 @@ def test_sliding_window_attention_captures(tmp_path_factory):
 
 
 def test_a_model_with_pytorch_ops_in_its_step_stays_eager(tmp_path_factory, caplog):
-    """Nemotron-H's MoE routes its experts in PyTorch (sigmoid scores with a choice bias):
-    the capture is refused, said once in the log, and every step runs eagerly."""
-    from tests.models.test_nemotron_h import build
+    """gpt-oss routes with a gate bias and runs its clamped SwiGLU experts in PyTorch: the
+    capture is refused, said once in the log, and every step runs eagerly."""
+    from tests.models.test_gpt_oss import build_default
 
-    folder, _ = build(tmp_path_factory, "moe")
+    folder = save_model(build_default(), tmp_path_factory.mktemp("gpt_oss"))
     ids = prompts(VOCAB, [7, 12])
     params = uneven_params(len(ids))
     eager, _ = run(folder, ids, params, enforce_eager=True)
     with caplog.at_level("INFO", logger="hybridkv"):
         captured, graphs = run(folder, ids, params)
     assert captured == eager
-    # (the router's aten ops; the linears' mkldnn ones first without AVX-512)
+    # (the router's and experts' aten ops; the linears' mkldnn ones first without AVX-512)
     assert graphs.disabled.startswith("computes outside native kernels: ")
     assert graphs.replays == 0 and not graphs.steps
     assert "run eagerly" in caplog.text

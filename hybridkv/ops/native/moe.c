@@ -627,6 +627,7 @@ void hkv_silu_mul_f32(const float *gate, int64_t g_stride, const float *up, int6
                       float *out, int64_t rows, int64_t I);
 void hkv_silu_mul_bf16(const uint16_t *gate, int64_t g_stride, const uint16_t *up,
                        int64_t u_stride, uint16_t *out, int64_t rows, int64_t I);
+void hkv_relu2(const void *x, void *out, int64_t n, int bf16);
 
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ w [N, K]^T in float32 or bfloat16 */
 static void moe_linear(int bf16, const void *x, int64_t ldx, const void *w, int64_t M,
@@ -711,7 +712,7 @@ static void moe_add_weighted(int bf16, void *out, const void *y, const void *w, 
 
 /* What the two phases of hkv_moe_experts read: h, Y and the gathered rows by sorted pair. */
 struct moe_vec {
-    int bf16;
+    int bf16, relu2; /* relu2: up [E, I, H] and relu(up x)^2 (else gate_up, SwiGLU) */
     int64_t es, H, I;
     const int64_t *offsets;
     const void *gate_up, *down;
@@ -734,13 +735,18 @@ static void moe_vec_a(const struct moe_vec *s, int64_t e, int64_t part, int64_t 
     int64_t c0, c1;
     moe_part(I, part, split, &c0, &c1);
     if (n == 0 || c1 <= c0) return;
-    const char *w = (const char *)s->gate_up + e * 2 * I * H * es, *x = s->xg + p0 * H * es;
+    const int64_t rows = s->relu2 ? I : 2 * I; /* of an expert's first weight */
+    const char *w = (const char *)s->gate_up + e * rows * H * es, *x = s->xg + p0 * H * es;
     char *g = s->gu + p0 * 2 * I * es;
     moe_linear(s->bf16, x, H, w + c0 * H * es, n, c1 - c0, H, g + c0 * es, 2 * I);
-    moe_linear(s->bf16, x, H, w + (I + c0) * H * es, n, c1 - c0, H, g + (I + c0) * es, 2 * I);
+    if (!s->relu2)
+        moe_linear(s->bf16, x, H, w + (I + c0) * H * es, n, c1 - c0, H, g + (I + c0) * es,
+                   2 * I);
     for (int64_t r = 0; r < n; r++) { /* h row by row: [n, c1 - c0] at h's row stride I */
         char *gr = g + r * 2 * I * es, *a = s->h + ((p0 + r) * I + c0) * es;
-        if (s->bf16)
+        if (s->relu2)
+            hkv_relu2(gr + c0 * es, a, c1 - c0, s->bf16);
+        else if (s->bf16)
             hkv_silu_mul_bf16((uint16_t *)gr + c0, 0, (uint16_t *)gr + I + c0, 0, (uint16_t *)a,
                               1, c1 - c0);
         else
@@ -760,13 +766,41 @@ static void moe_vec_b(const struct moe_vec *s, int64_t e, int64_t part, int64_t 
                s->Y + (p0 * H + c0) * es, H);
 }
 
-/* SwiGLU experts, every (token, expert) pair of a step in one call:
+/* out[t] (T = 1 row) = the sum of a token's k rows of Y (of out's dtype) times their float32
+ * weights, in float32 and rounded once (UngatedExperts: `(h * w).to(float32)` index_add_ into
+ * float32 zeros, then `.to(x.dtype)`): rows [k] sorted positions in expert order; acc [H]. */
+static void moe_sum_f32(int bf16, void *out, const char *Y, const float *w,
+                        const int64_t *order, const int64_t *rows, int64_t k, int64_t H,
+                        float *acc) {
+    const int64_t es = bf16 ? 2 : 4;
+    for (int64_t c = 0; c < H; c++) acc[c] = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        const char *y = Y + rows[j] * H * es;
+        const float wt = w[order[rows[j]]];
+        for (int64_t c = 0; c < H; c++) {
+            const float v =
+                bf16 ? hkv_bf16_to_f32(((const uint16_t *)y)[c]) : ((const float *)y)[c];
+            const float p = v * wt; /* (rounded before the sum: no contraction) */
+            acc[c] += p;
+        }
+    }
+    for (int64_t c = 0; c < H; c++) {
+        if (bf16)
+            ((uint16_t *)out)[c] = hkv_f32_to_bf16(acc[c]);
+        else
+            ((float *)out)[c] = acc[c];
+    }
+}
+
+/* SwiGLU experts (relu2 == 0), or Nemotron-H's relu2 experts (relu2 == 1), every (token,
+ * expert) pair of a step in one call:
  *     x        [T, H] rows at a row stride
- *     experts  [T, k] int64, weights [T, k] of x's dtype
- *     gate_up  [E, 2I, H] ([gate | up] rows), down [E, H, I], contiguous
+ *     experts  [T, k] int64, weights [T, k] of x's dtype (relu2: float32)
+ *     gate_up  [E, 2I, H] ([gate | up] rows) (relu2: up [E, I, H]), down [E, H, I], contiguous
  *     out      [T, H] rows at a row stride
  *     out[t] = sum over j, in ascending expert order, of
  *              w[t, j] * down_e (silu(gate_e x[t]) * up_e x[t]),   e = experts[t, j]
+ *              (relu2: w[t, j] * down_e relu(up_e x[t])^2, summed in float32: moe_sum_f32)
  * all float32 or all bfloat16 (bf16), rounded in bfloat16 as the AMX kernel above (and the
  * PyTorch path's per-expert loop): each product's output, silu before the product with up, the
  * product, y * w and the token's sum after each addition. The pairs are sorted by expert
@@ -780,12 +814,13 @@ static void moe_vec_b(const struct moe_vec *s, int64_t e, int64_t part, int64_t 
  * outside 0 .. E - 1 (out untouched), -2 without memory for the work space. */
 int hkv_moe_experts(const void *x, int64_t x_stride, int64_t T, int64_t H,
                     const int64_t *experts, const void *weights, int64_t k, int64_t E,
-                    const void *gate_up, const void *down, int64_t I, int bf16, void *out,
-                    int64_t out_stride) {
+                    const void *gate_up, const void *down, int64_t I, int bf16, int relu2,
+                    void *out, int64_t out_stride) {
     const int64_t P = T * k, es = bf16 ? 2 : 4;
     if (T <= 0) return 0;
+    const int64_t acc_at = moe_up(P * (2 * H + 3 * I) * es, 64); /* float32 acc [H] (relu2) */
     int64_t *ints = malloc(sizeof(int64_t) * (size_t)(E + 1 + 2 * P + k));
-    char *buf = malloc((size_t)(P * (2 * H + 3 * I) * es) + 64);
+    char *buf = aligned_alloc(64, (size_t)moe_up(acc_at + H * 4, 64) + 64);
     if (ints == NULL || buf == NULL) {
         free(ints), free(buf);
         return -2;
@@ -795,7 +830,8 @@ int hkv_moe_experts(const void *x, int64_t x_stride, int64_t T, int64_t H,
         free(ints), free(buf);
         return -1;
     }
-    struct moe_vec s = {bf16, es, H, I, offsets, gate_up, down, buf, buf + P * H * es, NULL, NULL};
+    struct moe_vec s = {bf16, relu2, es, H, I, offsets, gate_up, down,
+                        buf, buf + P * H * es, NULL, NULL};
     s.h = s.gu + P * 2 * I * es, s.Y = s.h + P * I * es;
     const char *X = x;
     for (int64_t p = 0; p < P; p++) /* x's rows in sorted order */
@@ -819,6 +855,10 @@ int hkv_moe_experts(const void *x, int64_t x_stride, int64_t T, int64_t H,
         char *o = (char *)out + t * out_stride * es;
         if (k == 0) memset(o, 0, (size_t)(H * es));
         moe_token_order(pos + t * k, k, mine);
+        if (relu2) {
+            moe_sum_f32(bf16, o, Y, weights, order, mine, k, H, (float *)(buf + acc_at));
+            continue;
+        }
         for (int64_t j = 0; j < k; j++)
             moe_add_weighted(bf16, o, Y + mine[j] * H * es, W + order[mine[j]] * es, H, j == 0);
     }

@@ -39,7 +39,7 @@ native.declare({
     "hkv_moe_route": [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _int, _int, _ptr, _i64, _i64,
                       _int, _f32, _f32, _ptr, _ptr, _ptr],
     "hkv_moe_experts": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int,
-                        _ptr, _i64],
+                        _int, _ptr, _i64],
 })  # fmt: skip
 native.returns_status("hkv_moe_bf16", "hkv_moe_experts")
 
@@ -347,17 +347,50 @@ def vector_experts(
     or all bfloat16 (rounded as the PyTorch path's per-expert loop) -> [T, H]; None when the
     library or these tensors don't fit. The kernel reads the expert ids and weights from their
     tensors: a captured step replays it correctly for any routing."""
+    if torch.is_grad_enabled() or not _same_float_cpu(x, weights, gate_up, down):
+        return None
+    if gate_up.dim() != 3 or gate_up.shape[1] % 2:
+        return None
+    return _experts(x, experts, weights, gate_up, down, gate_up.shape[1] // 2, relu2=False)
+
+
+def vector_relu2_experts(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor | None:
+    """Nemotron-H's experts (`layers.moe.UngatedExperts` with relu2) in one call (moe.c's
+    hkv_moe_experts, any build): out[t] = sum_j w[t, j] * down_e relu(up_e x[t])^2; x [T, H];
+    experts (int64), weights [T, k] float32; up [E, I, H], down [E, H, I] contiguous, of x's
+    dtype (float32 or bfloat16: each product and relu2 rounded as PyTorch's ops; the weighted
+    rows summed in float32, in expert order, rounded once) -> [T, H]; None when the library or
+    these tensors don't fit."""
+    if torch.is_grad_enabled() or not _same_float_cpu(x, up, down):
+        return None
+    if weights.dtype != torch.float32 or weights.device.type != "cpu" or up.dim() != 3:
+        return None
+    return _experts(x, experts, weights, up, down, up.shape[1], relu2=True)
+
+
+def _experts(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    first: torch.Tensor,
+    down: torch.Tensor,
+    inter: int,
+    relu2: bool,
+) -> torch.Tensor | None:
+    """hkv_moe_experts on tensors of checked dtypes: first [E, 2I or I, H], down [E, H, I]."""
     lib = native.library()
-    if lib is None or torch.is_grad_enabled():
+    if lib is None or x.dim() != 2 or experts.dim() != 2 or first.dim() != 3 or down.dim() != 3:
         return None
-    if x.dim() != 2 or experts.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
+    if experts.dtype != torch.int64 or not (first.is_contiguous() and down.is_contiguous()):
         return None
-    if not _same_float_cpu(x, weights, gate_up, down) or experts.dtype != torch.int64:
-        return None
-    if not (gate_up.is_contiguous() and down.is_contiguous()):
-        return None
-    num_experts, two_inter, hidden = gate_up.shape
-    if x.shape[1] != hidden or two_inter % 2 or down.shape != (num_experts, hidden, two_inter // 2):
+    num_experts, _, hidden = first.shape
+    if x.shape[1] != hidden or down.shape != (num_experts, hidden, inter):
         return None
     if weights.shape != experts.shape or experts.shape[0] != x.shape[0]:
         return None
@@ -366,10 +399,10 @@ def vector_experts(
     experts, weights = experts.contiguous(), weights.contiguous()
     tokens, k = experts.shape
     out = torch.empty(tokens, hidden, dtype=x.dtype)
-    code = native.library().hkv_moe_experts(
+    code = lib.hkv_moe_experts(
         x.data_ptr(), x.stride(0), tokens, hidden, experts.data_ptr(), weights.data_ptr(), k,
-        num_experts, gate_up.data_ptr(), down.data_ptr(), two_inter // 2,
-        int(x.dtype == torch.bfloat16), out.data_ptr(), out.stride(0),
+        num_experts, first.data_ptr(), down.data_ptr(), inter, int(x.dtype == torch.bfloat16),
+        int(relu2), out.data_ptr(), out.stride(0),
     )  # fmt: skip
     if code == -1:
         raise ValueError(f"expert ids must lie in 0..{num_experts - 1}")
