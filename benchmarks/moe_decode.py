@@ -1,5 +1,10 @@
 """Decode tokens/s of a small GraniteMoeHybrid MoE model (issue 29: native MoE on every CPU).
 
+`--model nemotron_h`: a Nemotron-H-like MoE instead (NEMOTRON_H: 10 layers M E M * E M E M * E,
+hidden 768, top-6 of 32 relu2 experts (intermediate 256) in 4 groups of which 2 are kept,
+sigmoid scores with a choice bias, a shared expert of 512; a float32 router, as transformers
+keeps it).
+
 The model: benchmarks/throughput.py's 100m layout (8 Mamba2 + 2 attention layers, hidden 768)
 with a MoE on every layer: top-4 of 16 routed SwiGLU experts (intermediate 256) beside the
 shared MLP (1024), random weights (~140M parameters). Prompts of 16 tokens; a batch of B
@@ -35,14 +40,33 @@ CONFIG = dict(
 )  # fmt: skip
 
 
-def save(folder: Path) -> Path:
+NEMOTRON_H = dict(
+    vocab_size=32000, hidden_size=768, hybrid_override_pattern="MEM*EMEM*E",
+    num_attention_heads=12, num_key_value_heads=4, head_dim=64, intermediate_size=1024,
+    mamba_num_heads=24, mamba_head_dim=64, ssm_state_size=64, n_groups=8, chunk_size=128,
+    n_routed_experts=32, num_experts_per_tok=6, moe_intermediate_size=256,
+    moe_shared_expert_intermediate_size=512, n_group=4, topk_group=2,
+    routed_scaling_factor=2.5, max_position_embeddings=2048, tie_word_embeddings=True,
+    initializer_range=0.02, mamba_ssm_cache_dtype="float32",
+)  # fmt: skip
+
+
+def save(folder: Path, model_name: str = "granite") -> Path:
     import transformers
 
     from tests.models.utils import save_tokenizer
 
-    cfg = transformers.GraniteMoeHybridConfig(**CONFIG)
     torch.manual_seed(0)
-    model = transformers.GraniteMoeHybridForCausalLM(cfg)
+    if model_name == "nemotron_h":
+        cfg = transformers.NemotronHConfig(**NEMOTRON_H)
+        model = transformers.NemotronHForCausalLM(cfg)
+        with torch.no_grad():  # a choice bias that matters
+            for name, buf in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buf.normal_(0.0, 0.05)
+    else:
+        cfg = transformers.GraniteMoeHybridConfig(**CONFIG)
+        model = transformers.GraniteMoeHybridForCausalLM(cfg)
     model.save_pretrained(folder)
     save_tokenizer(folder, cfg.vocab_size)
     return folder
@@ -113,6 +137,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-amx-moe", action="store_true")
+    p.add_argument("--model", choices=["granite", "nemotron_h"], default="granite")
     p.add_argument("--layer", action="store_true", help="one MoE layer, native vs PyTorch")
     args = p.parse_args()
     if args.layer:
@@ -131,7 +156,7 @@ def main() -> None:
         mlp.amx_experts_fit = lambda *a, **k: False
         moe.native_route_fits = lambda *a, **k: False
     with tempfile.TemporaryDirectory() as tmp:
-        folder = save(Path(tmp) / "granite-moe")
+        folder = save(Path(tmp) / args.model, args.model)
         for dtype in args.dtype:
             for batch in args.batch:
                 rate, how = measure(folder, dtype, batch, args.new_tokens, args.repeats)

@@ -339,7 +339,7 @@ def _vector_route(
     if native_rule is None:
         return None
     weight = gate.weight  # [E, H]; a Router scoring in float32: float32 (x widened in C)
-    if _logits_dtype(x, gate, rule) == torch.float32 and x.dtype == torch.bfloat16:
+    if _logits_dtype(x, gate, rule) == torch.float32:
         weight = _float32(weight, "float32_router")
     if isinstance(gate, Router) and weights_dtype is None:
         weights_dtype = torch.float32 if rule.float32 else x.dtype  # the rule's, as PyTorch's

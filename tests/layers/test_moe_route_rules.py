@@ -221,6 +221,9 @@ def test_fits_checks_the_groups_and_the_bias():
         pairs = deepseek_v3(2, 6, 3)  # one expert a group: no top-2
         assert not layer.vector_route_fits(x, Router(16, 6, pairs), pairs)
         assert not layer.vector_route_fits(x, router, rule, torch.zeros(5))  # bias [E]
+        mixed = Router(16, 6, rule).bfloat16()  # float32 x, a bfloat16 weight: widened once
+        assert layer.vector_route_fits(x, mixed, rule)
+        assert layer._vector_route(x, mixed, rule, None, None).weights.dtype == torch.float32
         lfm = lfm2(2)
         gate = nn.Linear(16, 6, bias=False)
         assert layer.vector_route_fits(x, gate, lfm, torch.zeros(6))
