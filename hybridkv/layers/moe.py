@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -65,9 +65,6 @@ from hybridkv.layers.activation import relu2
 from hybridkv.layers.mlp import GatedMLP, _native_expert_rows, amx_experts_fit, gated_experts
 from hybridkv.ops.derived import derived
 from hybridkv.ops.registry import OpImpl, declare
-
-if TYPE_CHECKING:
-    from hybridkv.ops.native.moe import NativeRule
 
 Scoring = Literal["softmax", "topk_softmax", "sigmoid"]
 GroupScore = Literal["top2_sum", "max"]
@@ -162,9 +159,11 @@ class RoutingRule:
             return moe.SOFTMAX_TOPK_RENORMALISED
         return None
 
-    def native_rule(self, logits_dtype: torch.dtype) -> NativeRule | None:
+    def native_rule(self, logits_dtype: torch.dtype) -> Any:
         """This rule as the native router of every build computes it (`moe.vector_route`)
-        from logits of that dtype, or None: topk_softmax with groups (its rule ignores them),
+        from logits of that dtype, an `ops.native.moe.NativeRule` (not named in the signature:
+        layers/ import no native module at module level, tests/test_layering.py), or None:
+        topk_softmax with groups (its rule ignores them),
         no experts to choose, or softmax / topk_softmax scored in bfloat16 (`float32=False`:
         gpt-oss's, rounded as the kernel does not)."""
         from hybridkv.ops.native import moe

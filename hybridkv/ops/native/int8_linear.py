@@ -57,32 +57,31 @@ def run(fn: Any, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
     """The kernel on checked weights (`weights_fit`) and x [M, K] float32/bfloat16 on the
     CPU: [M, N] in x's dtype. The per-call path of the int8 layers (few checks); x of another K
     raises, as F.linear does (the kernel would read K values of each row of x)."""
+    x, y, bf16 = _operands(x, q)
+    fn(x.data_ptr(), x.stride(0), bf16, q.data_ptr(), scale.data_ptr(), x.shape[0], q.shape[0],
+       q.shape[1], y.data_ptr(), q.shape[0], bf16)  # fmt: skip
+    return y
+
+
+def _operands(x: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """x with unit column stride, y [M, N] in x's dtype, and whether they are bfloat16; x of
+    another K than q raises (the kernels would read K values of each row of x)."""
     if x.shape[1] != q.shape[1]:
         raise RuntimeError(f"x {list(x.shape)} does not fit the weight {list(q.shape)}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    m, n = x.shape[0], q.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype)
-    bf16 = int(x.dtype == torch.bfloat16)
-    fn(x.data_ptr(), x.stride(0), bf16, q.data_ptr(), scale.data_ptr(), m, n, q.shape[1],
-       y.data_ptr(), n, bf16)  # fmt: skip
-    return y
+    y = torch.empty(x.shape[0], q.shape[0], dtype=x.dtype)
+    return x, y, int(x.dtype == torch.bfloat16)
 
 
 def run_amx(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`run` on AMX-INT8 tiles (`int8_amx.c`: each row of x as two 8-bit digits of its own
     scale, within 2^-16 of its largest value; exact int32 sums), for a CPU record with amx_int8
     (the op chain's choice); raises MemoryError where it cannot run."""
-    if x.shape[1] != q.shape[1]:
-        raise RuntimeError(f"x {list(x.shape)} does not fit the weight {list(q.shape)}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    m, n = x.shape[0], q.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype)
-    bf16 = int(x.dtype == torch.bfloat16)
+    x, y, bf16 = _operands(x, q)
     fn = native.library().hkv_int8_linear_amx
-    status = fn(x.data_ptr(), x.stride(0), bf16, q.data_ptr(), scale.data_ptr(), m, n,
-                q.shape[1], y.data_ptr(), n, bf16)  # fmt: skip
+    status = fn(x.data_ptr(), x.stride(0), bf16, q.data_ptr(), scale.data_ptr(), x.shape[0],
+                q.shape[0], q.shape[1], y.data_ptr(), q.shape[0], bf16)  # fmt: skip
     if status:
         raise MemoryError("the native int8 AMX linear could not run (no tiles / memory)")
     return y
