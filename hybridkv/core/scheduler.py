@@ -318,6 +318,9 @@ class Scheduler:
         parallelism, GPUs) fillers would only add rows. Without any match nobody drafts: the
         step stays a plain decode."""
         assert self.drafter is not None
+        self._real_drafts, self._first_drafts = {}, {}
+        if self._adaptive_skips():
+            return {}  # the policy said no for this batch lately: not even the caps are formed
         caps: dict[str, tuple[Request, int]] = {}
         drafts: dict[str, tuple[int, ...]] = {}
         for req in self.running:
@@ -326,7 +329,6 @@ class Scheduler:
             cap = self._draft_cap(req, req.num_tokens - req.num_computed_tokens, budget)
             if cap > 0:
                 caps[req.request_id] = (req, cap)
-        self._real_drafts, self._first_drafts = {}, {}
         if self.adaptive is not None and caps and not self.adaptive.worth_proposing(
             [Candidate(rid, r.num_tokens - r.num_computed_tokens, 0, cap)
              for rid, (r, cap) in caps.items()]
@@ -347,6 +349,18 @@ class Scheduler:
                 last = d[-1] if d else req.all_token_ids[-1]
                 drafts[rid] = d + (last,) * (cap - len(d))
         return drafts
+
+    def _adaptive_skips(self) -> bool:
+        """`adaptive_k`: the policy's recent answer for a batch of this many running requests
+        is that drafts do not pay (`GoodputPolicy.skips`; a step's draft caps, a pass over
+        every request, are then not formed)."""
+        if self.adaptive is None:
+            return False
+        running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        if not running:
+            return False
+        low = max(r.num_tokens - r.num_computed_tokens for r in running)
+        return self.adaptive.skips(len(running), low)
 
     def _pads(self, caps: dict[str, tuple[Request, int]]) -> bool:
         """Whether filler drafts up to every cap make a step of one shape that runs captured:

@@ -286,10 +286,11 @@ class GoodputPolicy:
         its cap would not beat the smallest shape at the acceptance expected, on the shapes
         measured so far (nor is a probe due), so the proposer's work is skipped too. Every
         LEARN_EVERY steps drafts are made anyway: a request that then runs without them still
-        shows by its sampled token whether its first was right (`observe_plain`)."""
+        shows by its sampled token whether its first was right (`observe_plain`), unless not
+        even drafts that are always right could pay (`_right_drafts_could_pay`)."""
         self.num_steps += 1
-        if self.num_steps % LEARN_EVERY == 0:
-            return True
+        if self.num_steps % LEARN_EVERY == 0:  # learn, unless not even right drafts could pay
+            return self._right_drafts_could_pay(candidates)
         if self._probing():
             return True
         # the answer for this batch size stands for LEARN_EVERY steps (it changes slowly)
@@ -302,6 +303,27 @@ class GoodputPolicy:
         worth = self.choose(upper, measured_only=True) != low
         self._worth[key] = (worth, self.num_steps)
         return worth
+
+    def _right_drafts_could_pay(self, candidates: Sequence[Candidate]) -> bool:
+        """Whether drafts that are always right, up to every cap, could beat the smallest shape
+        on the step times measured or predicted (`_step_seconds`; True while unknown). Where
+        not (a CPU at batch 8: verify rows cost what decode rows do), learning how often drafts
+        are right cannot change the answer, and the proposer's learning steps are skipped."""
+        n = len(candidates)
+        low = max(c.known for c in candidates)
+        base = self._step_seconds(n, low)
+        if base is None:
+            return True
+
+        def tokens(q: int) -> int:  # every draft accepted, the bonus token included
+            return sum(1 + max(0, min(c.cap, q - c.known)) for c in candidates)
+
+        rate = tokens(low) / base
+        for q in range(low + 1, max(c.known + c.cap for c in candidates) + 1):
+            seconds = self._step_seconds(n, q)
+            if seconds is None or tokens(q) / seconds > rate:
+                return True
+        return False
 
     def choose(self, candidates: Sequence[Candidate], measured_only: bool = False) -> int:
         """Tokens per chunk for this step: max known .. max(known + cap); the smallest when
@@ -341,9 +363,24 @@ class GoodputPolicy:
             return min(near, key=lambda q: self._last_step(n, q), default=best)
         return best  # if unmeasured, its prediction won: running it measures it
 
-    def _probing(self) -> bool:
-        every = self.probe_every
-        return every > 0 and self.num_steps > 0 and self.num_steps % every == 0
+    def _probing(self, step: int | None = None) -> bool:
+        every, step = self.probe_every, self.num_steps if step is None else step
+        return every > 0 and step > 0 and step % every == 0
+
+    def skips(self, num_requests: int, low: int) -> bool:
+        """Called once per step before the scheduler forms the candidates (their caps cost a
+        pass over the requests): True when this step is neither a learning nor a probing one
+        and `worth_proposing`'s answer for this batch size and `low` (the most tokens a request
+        computes anyway), decided within LEARN_EVERY steps, was no. The step then counts, as
+        `worth_proposing`'s call would have counted it; on False nothing changes."""
+        step = self.num_steps + 1
+        if step % LEARN_EVERY == 0 or self._probing(step):
+            return False
+        cached = self._worth.get((num_requests, low))
+        if cached is None or cached[0] or step - cached[1] >= LEARN_EVERY:
+            return False
+        self.num_steps = step
+        return True
 
 
 def _prefix_sums(values: list[float]) -> list[float]:

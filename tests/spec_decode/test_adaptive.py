@@ -7,6 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from hybridkv.spec_decode.adaptive import (
+    LEARN_EVERY,
     MIN_SAMPLES,
     PROBE_EVERY,
     WARMUP_RUNS,
@@ -184,6 +185,44 @@ def test_other_batch_sizes_predict_an_unmeasured_one(cost, explores):
     predicted = p._step_seconds(7, 2)
     assert predicted == pytest.approx(cost(7, 1) * cost(8, 2) / cost(8, 1))
     assert (p.choose(full(rids)) > 1) is explores
+
+
+def test_a_recent_no_skips_the_candidates_until_the_next_learning_step():
+    """`skips`: after `worth_proposing` said no for a batch size and `low`, the next steps
+    skip without forming candidates (and count), up to the next learning step; another batch
+    size, or a yes, does not skip."""
+    p = GoodputPolicy(K, rewinds=False, probe_every=0)
+    measure(p, 2, flat)  # (rows nearly free: right drafts would pay, these never are)
+    rids = ["a", "b"]
+    for rid in rids:
+        teach(p, rid, 0.0)
+    assert p.worth_proposing(full(rids)) is False  # step 1: decided
+    skipped = []
+    while p.num_steps < LEARN_EVERY - 1:
+        skipped.append(p.skips(2, 1))
+    assert all(skipped) and p.num_steps == LEARN_EVERY - 1
+    assert p.skips(2, 1) is False and p.num_steps == LEARN_EVERY - 1  # a learning step next
+    assert p.worth_proposing(full(rids)) is True  # (it learns)
+    assert p.skips(3, 1) is False and p.skips(2, 2) is False  # never decided for these
+    q = GoodputPolicy(K, rewinds=False, probe_every=0)
+    measure(q, 1, flat)
+    teach(q, "a", 1.0)
+    assert q.worth_proposing(full(["a"])) is True and q.skips(1, 1) is False
+
+
+@pytest.mark.parametrize("cost, learns", [(linear, False), (flat, True)])
+def test_learning_steps_only_where_right_drafts_could_pay(cost, learns):
+    """Every LEARN_EVERY-th step proposes drafts to learn their acceptance, but not where even
+    drafts that are always right lose on the measured step times (compute-bound rows): then
+    the acceptance cannot change the answer."""
+    p = GoodputPolicy(K, rewinds=False, probe_every=0)
+    measure(p, 2, cost)
+    rids = ["a", "b"]
+    for rid in rids:
+        teach(p, rid, 0.0)
+    answers = [p.worth_proposing(full(rids)) for _ in range(LEARN_EVERY)]
+    assert answers[:-1] == [False] * (LEARN_EVERY - 1)
+    assert answers[-1] is learns
 
 
 def test_step_times_are_medians():
