@@ -28,14 +28,16 @@ $(VENV)/.installed-test: $(VENV)/.installed
 run: $(VENV)/.installed
 	$(BIN)/hybridkv generate --prompt "def fibonacci(n):" --max-tokens 96 --temperature 0.7 --seed 0
 
+# (worksteal: an idle worker takes queued tests from the busy one, so the long model files at
+# the end of the run do not leave a core idle)
 test: $(VENV)/.installed-test
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 # everything but the model-conformance matrix, tensor parallelism and the soak test
 test-fast: $(VENV)/.installed-test
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 2 -m "not conformance and not distributed and not slow"
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not conformance and not distributed and not slow"
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .

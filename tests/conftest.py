@@ -23,9 +23,9 @@ def pytest_addoption(parser):
     parser.addoption(
         "--soak-seconds",
         type=float,
-        default=40.0,
+        default=30.0,
         help="how long the server soak test (tests/entrypoints/test_server_soak.py) runs its "
-        "clients (default 40, half plain, half speculative: about 55 s with set-up and checks, "
+        "clients (default 30, half plain, half speculative: about 45 s with set-up and checks, "
         "so that `make test` stays under 10 minutes on 2 cores; a release check passes e.g. "
         "600)",
     )

@@ -1,4 +1,4 @@
-"""Soak: mixed clients against a server for --soak-seconds (default 40; half of it plain, half
+"""Soak: mixed clients against a server for --soak-seconds (default 30; half of it plain, half
 with speculative decoding): streaming and not,
 completions and chat, several prompts per request, log-probs, clients that leave mid-stream or
 before a non-streaming answer, bad input, shared prompt prefixes, and a pool small enough that
