@@ -51,6 +51,27 @@ static inline void w8_quantize_tiny(const void *x, int bf16, int64_t K, int8_t *
     }
 }
 
+
+/* What every quantizer does once it has the row's a = max |x| (`finite`: no NaN or infinity):
+ * q [Kp] zeroed; a non-finite row gets scale NaN (NaN outputs), a zero row scale 0 (zeros), a
+ * row whose 127 / a overflows the tiny path; all three return 0 (done). Else the scale a / 127
+ * and 1: the caller multiplies x by *inv = 127 / a and rounds (its vectors). */
+static inline int w8_row_prologue(const void *x, int bf16, int64_t K, int64_t Kp, int8_t *q,
+                                  float a, int finite, float *scale, float *inv) {
+    memset(q, 0, (size_t)Kp);
+    if (!finite || a == 0.0f) {
+        *scale = finite ? 0.0f : NAN;
+        return 0;
+    }
+    *inv = 127.0f / a;
+    *scale = a / 127.0f;
+    if (isinf(*inv)) {
+        w8_quantize_tiny(x, bf16, K, q);
+        return 0;
+    }
+    return 1;
+}
+
 #if HKV_AMX_INT8
 #include <immintrin.h>
 
@@ -76,17 +97,8 @@ static void w8_quantize_row(const void *x, int bf16, int64_t K, int64_t Kp, int8
         amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
     }
     const float a = _mm512_reduce_max_ps(amax);
-    memset(q, 0, (size_t)Kp);
-    if (nan || isinf(a) || a == 0.0f) { /* a non-finite row: NaN outputs; a zero row: zeros */
-        *scale = a == 0.0f && !nan ? 0.0f : NAN;
-        return;
-    }
-    const float inv = 127.0f / a;
-    *scale = a / 127.0f;
-    if (isinf(inv)) {
-        w8_quantize_tiny(x, bf16, K, q);
-        return;
-    }
+    float inv;
+    if (!w8_row_prologue(x, bf16, K, Kp, q, a, !nan && !isinf(a), scale, &inv)) return;
     const __m512 vinv = _mm512_set1_ps(inv);
     for (int64_t k = 0; k < K; k += 16) {
         const __mmask16 m = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
@@ -291,17 +303,8 @@ static void w8_quantize_row_avx2(const void *x, int bf16, int64_t K, int64_t Kp,
         a = fabsf(v) > a ? fabsf(v) : a;
     }
     bad |= isinf(a);
-    memset(q, 0, (size_t)Kp);
-    if (bad || a == 0.0f) {
-        *scale = bad ? NAN : 0.0f;
-        return;
-    }
-    const float inv = 127.0f / a;
-    *scale = a / 127.0f;
-    if (isinf(inv)) {
-        w8_quantize_tiny(x, bf16, K, q);
-        return;
-    }
+    float inv;
+    if (!w8_row_prologue(x, bf16, K, Kp, q, a, !bad, scale, &inv)) return;
     const __m256 vinv = _mm256_set1_ps(inv);
     for (k = 0; k + 8 <= K; k += 8) {
         const __m256 v = bf16 ? hkv_bf16x8_load((const uint16_t *)x + k)
@@ -453,17 +456,8 @@ static float w8_neon_absmax(const void *x, int bf16, int64_t K) {
 static void w8_quantize_row_neon(const void *x, int bf16, int64_t K, int64_t Kp, int8_t *q,
                                  float *scale) {
     const float a = w8_neon_absmax(x, bf16, K);
-    memset(q, 0, (size_t)Kp);
-    if (!isfinite(a) || a == 0.0f) { /* a non-finite row: NaN outputs; a zero row: zeros */
-        *scale = a == 0.0f ? 0.0f : NAN;
-        return;
-    }
-    const float inv = 127.0f / a;
-    *scale = a / 127.0f;
-    if (isinf(inv)) {
-        w8_quantize_tiny(x, bf16, K, q);
-        return;
-    }
+    float inv;
+    if (!w8_row_prologue(x, bf16, K, Kp, q, a, isfinite(a), scale, &inv)) return;
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) { /* fcvtns: round to nearest, ties to even (torch.round) */
         const int32x4_t lo = vcvtnq_s32_f32(vmulq_n_f32(w8_neon_load4(x, bf16, k), inv));
