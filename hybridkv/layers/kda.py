@@ -4,9 +4,10 @@ recurrent states in pages.
     hidden x [T, hidden] -> q_proj, k_proj, v_proj -> [T, H * D] each
     q, k, v: each through its own causal depthwise conv1d (silu), with its own conv state
     g = -exp(A_log[h]) * softplus(f_b_proj(f_a_proj(x)) + dt_bias)   [T, H, D] per key channel
-    beta = sigmoid(b_proj(x))                                        [T, H]
+    beta = sigmoid(b_proj(x))                                        [T, H]      (KDA_GATES)
     o = KDA rule(q, k, v, g, beta)                 (ops.kda; state [H, D, D] per page)
     o_proj(rmsnorm(o) * o_norm.weight * sigmoid(g_b_proj(g_a_proj(x))))   per head of D
+                                                                     (KDA_OUT_NORM)
 
 KDA is a state kind of its own ("kda"), not the gated delta net with a per-channel gate:
 `hybridkv.ops.kda` gives the reasons (the decay's shape changes every path of the rule, and the
@@ -36,8 +37,10 @@ from hybridkv.distributed.parallel import column, current, declare_shards
 from hybridkv.forward_batch import ForwardBatch, StateMetadata
 from hybridkv.kv.specs import CacheDtypes, StateOps, StateSpec, StateTensor
 from hybridkv.layers.cache import CacheOwner, StateCache
+from hybridkv.ops.derived import derived
 from hybridkv.ops.kda import kda_gate
 from hybridkv.ops.kda_ops import TorchKdaOps
+from hybridkv.ops.registry import CPU_FLOATS, OpImpl, declare
 
 CONVS = ("conv_q", "conv_k", "conv_v")  # the state tensors this layer declares and reads
 RECURRENT = "recurrent"
@@ -78,6 +81,28 @@ KDA_OPS = (
     StateOps("torch", _OPS + "TorchKdaOps", description="PyTorch reference"),
 )
 TORCH_OPS = TorchKdaOps()
+
+# The layer's glue around the rule, keyed by x's dtype (a decode step stays capturable on the
+# CPU: no PyTorch op between its kernels); each implementation takes the layer first:
+#   kda_gates (layer, f [T, H * K], b [T, H]) -> g [T, H, K], beta [T, H] float32
+#   kda_out_norm (layer, o [T * H, K] float32, gate [T * H, K]) -> [T * H, K] in gate's dtype
+_CPU = frozenset({"cpu"})
+KDA_GATES = declare(
+    "kda_gates",
+    (
+        OpImpl("native", f"{__name__}:_native_kda_gates", _CPU, CPU_FLOATS, ("native",),
+               strict=True, description="kda.c: g and beta in one pass"),
+        OpImpl("torch", f"{__name__}:torch_kda_gates"),
+    ),
+)  # fmt: skip
+KDA_OUT_NORM = declare(
+    "kda_out_norm",
+    (
+        OpImpl("native", f"{__name__}:_native_kda_out_norm", _CPU, CPU_FLOATS, ("native",),
+               strict=True, description="kda.c: rounding, norm and sigmoid gate in one pass"),
+        OpImpl("torch", f"{__name__}:torch_kda_out_norm"),
+    ),
+)  # fmt: skip
 
 
 class _NormWeight(nn.Module):
@@ -201,11 +226,47 @@ class KimiDeltaAttention(CacheOwner):
             w = conv.weight[:, 0, :]
             y = ops.conv1d(proj(x), w, None, state, meta, "silu", None, conv_kept)
             qkv.append(y.reshape(t, heads, dim))  # [T, H, D]
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias)  # [T, H, D]
-        beta = torch.sigmoid(self.b_proj(x)).float()  # [T, H]
+        f = self.f_b_proj(self.f_a_proj(x))  # [T, H * D]
+        g, beta = KDA_GATES.of(x).first(self, f, self.b_proj(x))  # [T, H, D], [T, H] float32
         o = ops.rule(*qkv, g, beta, recurrent_state, meta, kept[3])  # [T, H, D] float32
-        # transformers rounds the rule's output to the model dtype before the norm
-        o = o.to(x.dtype).reshape(t * heads, dim)
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(t * heads, dim)
-        y = sigmoid_gated_rms_norm(o, gate, self.o_norm.weight, self.norm_eps)
+        y = KDA_OUT_NORM.of(x).first(self, o.reshape(t * heads, dim), gate)  # [T * H, D]
         return self.o_proj(y.reshape(t, self.width))
+
+
+def torch_kda_gates(
+    layer: KimiDeltaAttention, f: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """f: [T, H * D], b: [T, H] -> g [T, H, D], beta [T, H] float32 (beta: the sigmoid in the
+    model dtype, as transformers computes it, widened)."""
+    return kda_gate(f, layer.A_log, layer.dt_bias), torch.sigmoid(b).float()
+
+
+def _native_kda_gates(
+    layer: KimiDeltaAttention, f: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    from hybridkv.ops.native import kda as native_kda
+
+    decay = derived(layer.A_log, "neg_exp_f32", lambda w: -torch.exp(w.float()).reshape(-1))
+    dt_bias = derived(layer.dt_bias, "f32", torch.Tensor.float)
+    f = f if f.stride(-1) == 1 else f.contiguous()
+    b = b if b.stride(-1) == 1 else b.contiguous()
+    return native_kda.gates(f, b, decay, dt_bias, layer.head_dim)
+
+
+def torch_kda_out_norm(
+    layer: KimiDeltaAttention, o: torch.Tensor, gate: torch.Tensor
+) -> torch.Tensor:
+    """o: [N, D] float32, gate: [N, D] -> [N, D] in gate's dtype; transformers rounds the
+    rule's output to the model dtype before the norm."""
+    return sigmoid_gated_rms_norm(o.to(gate.dtype), gate, layer.o_norm.weight, layer.norm_eps)
+
+
+def _native_kda_out_norm(
+    layer: KimiDeltaAttention, o: torch.Tensor, gate: torch.Tensor
+) -> torch.Tensor | None:
+    from hybridkv.ops.native import kda as native_kda
+
+    weight = derived(layer.o_norm.weight, "f32", torch.Tensor.float)
+    gate = gate if gate.stride(-1) == 1 else gate.contiguous()
+    return native_kda.out_norm(o.contiguous(), gate, weight, layer.norm_eps)

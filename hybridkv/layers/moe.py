@@ -64,6 +64,7 @@ from hybridkv.distributed.parallel import column, current, declare_shards, rank0
 from hybridkv.layers.activation import relu2
 from hybridkv.layers.mlp import GatedMLP, _native_expert_rows, amx_experts_fit, gated_experts
 from hybridkv.ops.derived import derived
+from hybridkv.ops.elementwise import residual_add
 from hybridkv.ops.registry import OpImpl, declare
 
 Scoring = Literal["softmax", "topk_softmax", "sigmoid"]
@@ -658,7 +659,7 @@ class SharedExpertsMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
         routing = self.gate(x, x.dtype)  # weights in x's dtype, as the experts take them
-        out = self.experts(x, routing) + self.shared_experts(x, reduce=False)
+        out = residual_add(self.experts(x, routing), self.shared_experts(x, reduce=False))
         return self.tp.all_reduce(out)
 
 

@@ -42,6 +42,16 @@ ROPE = declare(
         OpImpl("torch", f"{__name__}:torch_rope"),
     ),
 )
+# DeepSeek's interleaved RoPE of MLA (pairs rotated, laid out [evens' | odds']; keyed by x's
+# dtype): one native pass on the CPU, as ROPE
+ROPE_PAIRS = declare(
+    "rope_pairs",
+    (
+        OpImpl("native", f"{__name__}:_native_rope_pairs", _CPU, CPU_FLOATS, ("native",),
+               strict=True),
+        OpImpl("torch", f"{__name__}:torch_rope_pairs"),
+    ),
+)  # fmt: skip
 # tables of another dtype than q / k (promoted as PyTorch promotes): no kernel takes them
 ROPE_MIXED = declare("rope_mixed_dtypes", (OpImpl("torch", f"{__name__}:torch_rope"),))
 
@@ -212,3 +222,38 @@ def torch_rope(
     rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
     out = rot * cos[:, None, :] + rotated * sin[:, None, :]
     return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+def rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
+    """RoPE over all of x's channels: x [T, heads, d] (channels contiguous, tokens and heads at
+    any stride), cos, sin [T, d] -> [T, heads, d]; over halves (`ROPE`) or, `interleaved`,
+    over pairs laid out de-interleaved as DeepSeek's MLA (`ROPE_PAIRS`)."""
+    if not interleaved:
+        return _rotate(x, cos, sin, x.shape[-1])
+    if cos.dtype != x.dtype:
+        return torch_rope_pairs(x, cos, sin)
+    return ROPE_PAIRS.of(x).first(x, cos, sin)
+
+
+def _native_rope_pairs(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor | None:
+    from hybridkv.ops.native import mla
+
+    x = x if x.stride(-1) == 1 else x.contiguous()  # the kernel reads pairs contiguously
+    return mla.rope_pairs(x, cos, sin)
+
+
+def torch_rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's interleaved RoPE: pairs (x0, x1), (x2, x3), ... each rotated by one angle;
+    the result is laid out de-interleaved [evens' | odds'] as transformers lays it out (q and k
+    alike, so their dot product is the same).
+
+    x: [T, heads, d]; cos, sin: [T, d] (= cat(freqs, freqs), the first half is used)
+    """
+    half = cos.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)

@@ -51,6 +51,7 @@ from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig
 from hybridkv.models.loader import stack_gated_experts
+from hybridkv.ops.elementwise import residual_add
 
 EXPERT_WEIGHT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 ROPE_TYPES = ("default", "yarn", "linear", "llama3")
@@ -205,7 +206,7 @@ class DeepseekV3DecoderLayer(nn.Module):
         """x: [T, hidden] -> [T, hidden] (pre-norm residual blocks)."""
         h = self.self_attn(self.input_layernorm(x), batch, rotary, cos_sin)
         x, h = self.post_attention_layernorm.add_forward(x, h)
-        return x + self.mlp(h)
+        return residual_add(x, self.mlp(h))
 
 
 class DeepseekV3Model(nn.Module):

@@ -54,6 +54,7 @@ from hybridkv.layers.moe import GatedExperts, Router, RoutingRule, SharedExperts
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import HFConfig
 from hybridkv.models.loader import stack_gated_experts
+from hybridkv.ops.elementwise import residual_add
 
 EXPERT_WEIGHT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(w1|w3|w2)\.weight$")
 MIXERS = ("full_attention", "linear_attention")
@@ -238,7 +239,7 @@ class KimiLinearDecoderLayer(nn.Module):
         """x: [T, hidden] -> [T, hidden] (pre-norm residual blocks)."""
         h = self.self_attn(self.input_layernorm(x), batch)  # MLA: no rotary (NoPE)
         x, h = self.post_attention_layernorm.add_forward(x, h)
-        return x + self.mlp(h)
+        return residual_add(x, self.mlp(h))
 
 
 class KimiLinearModel(nn.Module):

@@ -19,7 +19,13 @@ K and V (cheaper when many queries share the context) and attends as ordinary at
 
 Batches are packed and ragged as in `hybridkv.ops.attention` (query_start_loc, seq_lens: the
 queries are the last q_len of seq_len positions); invisible positions read the null block.
-Decode rows run in the native CPU kernel when available (`HYBRIDKV_NATIVE=0`: PyTorch).
+
+Two op families (`hybridkv.ops.registry`), keyed by the cache's dtype: `WRITE_MLA` (the step's
+[c | k_rope] rows into their slots) and `MLA_DECODE_ROWS` (decode rows from q_nope / q_rope to
+the values: absorb, attend, expand). On the CPU in float32 and bfloat16 both are native kernels
+(`hybridkv.ops.native.mla`), so a decode step of an MLA model is made only of kernel calls and
+can be captured (`hybridkv.worker.graphs`); elsewhere (and `HYBRIDKV_NATIVE=0`) the PyTorch
+code here.
 """
 
 from __future__ import annotations
@@ -30,13 +36,57 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.ops.attention import NULL_BLOCK, zero_pages
+from hybridkv.ops.registry import CPU_FLOATS, OpImpl, declare
 
 __all__ = [
-    "write_mla_cache", "zero_pages", "gather_latent", "mla_decode", "mla_prefill",
-    "mla_paged_attention", "absorb_query",
+    "write_mla_cache", "write_mla_rows", "zero_pages", "gather_latent", "mla_decode",
+    "mla_prefill", "mla_paged_attention", "absorb_query",
 ]  # fmt: skip
 
 DecodeFn = Callable[..., torch.Tensor]
+_CPU = frozenset({"cpu"})
+WRITE_MLA = declare(
+    "write_mla",
+    (
+        OpImpl("native", f"{__name__}:_native_write_mla", _CPU, CPU_FLOATS, ("native",),
+               strict=True, description="[c | k_rope] rows copied into their slots (C)"),
+        OpImpl("torch", f"{__name__}:torch_write_mla"),
+    ),
+)  # fmt: skip
+MLA_DECODE_ROWS = declare(
+    "mla_decode_rows",
+    (
+        OpImpl("native", f"{__name__}:_native_mla_decode_rows", _CPU, CPU_FLOATS, ("native",),
+               strict=True, description="absorb, latent attention and W_UV in one call (C)"),
+        OpImpl("torch", f"{__name__}:torch_mla_decode_rows"),
+    ),
+)  # fmt: skip
+
+
+def write_mla_rows(
+    c: torch.Tensor, k_rope: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write each token's row [c | k_rope] into its slot (slot -1: padding, skipped): c
+    [T, kv_lora_rank] (normed latent), k_rope [T, rope_dim] (rotated key); `WRITE_MLA`'s
+    choice for the cache's device and dtype."""
+    WRITE_MLA.of(kv_cache).first(c, k_rope, kv_cache, slot_mapping)
+
+
+def _native_write_mla(
+    c: torch.Tensor, k_rope: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> bool | None:
+    from hybridkv.ops.native import mla as native_mla
+
+    c, k_rope = c.to(kv_cache.dtype), k_rope.to(kv_cache.dtype)  # (views when they are)
+    c = c if c.stride(-1) == 1 else c.contiguous()
+    k_rope = k_rope if k_rope.stride(-1) == 1 else k_rope.contiguous()
+    return native_mla.write_rows(c, k_rope, kv_cache, slot_mapping.long()) or None
+
+
+def torch_write_mla(
+    c: torch.Tensor, k_rope: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    write_mla_cache(torch.cat([c, k_rope.to(c.dtype)], dim=-1), kv_cache, slot_mapping)
 
 
 def write_mla_cache(
@@ -150,18 +200,23 @@ def mla_paged_attention(
     w_kv_b: torch.Tensor,
     nope_dim: int,
     decode: DecodeFn | None = None,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Causal MLA of packed queries over each request's paged latents.
 
     q_nope: [T, heads, nope_dim]; q_rope: [T, heads, rope_dim]; w_kv_b: kv_b_proj.weight
     [heads * (nope_dim + v_dim), rank] -> [T, heads, v_dim].
 
-    Decode rows (one query) are absorbed and run together through `decode` (default: the
-    native kernel when available, else `mla_decode`), then W_UV maps their latent output to
-    values; each prefill chunk is expanded on its own.
+    Decode rows (one query) run together: through `MLA_DECODE_ROWS` (absorb, attend, expand),
+    or, given a latent-space `decode` kernel (Triton's), absorbed here, attended by it and
+    expanded by W_UV here; each prefill chunk is expanded on its own. `max_query_len` 1 with
+    one table row per token: every row a decode (nothing is read back from the batch).
     """
     num_tokens, heads, _ = q_nope.shape
     rank = kv_cache.shape[2] - q_rope.shape[2]
+    if decode is None and max_query_len == 1 and num_tokens == block_table.shape[0]:
+        return _decode_rows(q_nope, q_rope, kv_cache, block_table, seq_lens, scale, w_kv_b,
+                            nope_dim)  # fmt: skip
     w = w_kv_b.view(heads, -1, rank)  # [heads, nope + v_dim, rank]
     w_uk, w_uv = w[:, :nope_dim], w[:, nope_dim:]
     out = q_nope.new_empty(num_tokens, heads, w_uv.shape[1])
@@ -172,10 +227,17 @@ def mla_paged_attention(
     if bool(is_decode.any()):
         rows = torch.nonzero(is_decode).flatten()
         tokens = query_start_loc[:-1].long()[rows]
-        q = absorb_query(q_nope[tokens], q_rope[tokens], w_uk)  # [S, heads, rank + rope]
-        run = decode or _default_decode
-        latent = run(q, kv_cache, block_table[rows], seq_lens[rows], scale, rank)
-        out[tokens] = torch.einsum("shr,hvr->shv", latent, w_uv.to(latent.dtype)).to(out.dtype)
+        if decode is None:
+            out[tokens] = _decode_rows(
+                q_nope[tokens], q_rope[tokens], kv_cache, block_table[rows], seq_lens[rows],
+                scale, w_kv_b, nope_dim,
+            ).to(out.dtype)  # fmt: skip
+        else:
+            q = absorb_query(q_nope[tokens], q_rope[tokens], w_uk)  # [S, heads, rank + rope]
+            latent = decode(q, kv_cache, block_table[rows], seq_lens[rows], scale, rank)
+            out[tokens] = torch.einsum("shr,hvr->shv", latent, w_uv.to(latent.dtype)).to(
+                out.dtype
+            )
     starts, lens, ctx = query_start_loc.tolist(), q_lens.tolist(), seq_lens.tolist()
     for s, n in enumerate(lens):
         if n > 1:
@@ -187,21 +249,58 @@ def mla_paged_attention(
     return out
 
 
-def _default_decode(
-    q: torch.Tensor,
+def _decode_rows(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    kv_lora_rank: int,
+    w_kv_b: torch.Tensor,
+    nope_dim: int,
 ) -> torch.Tensor:
-    """The native CPU decode when it runs these tensors, else `mla_decode`."""
-    try:
-        from hybridkv.ops.native import mla as native_mla
-    except ImportError:  # pragma: no cover - the wrapper is part of the package
-        native_mla = None
-    if native_mla is not None:
-        out = native_mla.mla_decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
-        if out is not None:
-            return out
-    return mla_decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank)
+    """One query per request: `MLA_DECODE_ROWS`' choice for the cache's device and dtype."""
+    run = MLA_DECODE_ROWS.of(kv_cache).first
+    return run(q_nope, q_rope, kv_cache, block_table, seq_lens, scale, w_kv_b, nope_dim)
+
+
+def _native_mla_decode_rows(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    w_kv_b: torch.Tensor,
+    nope_dim: int,
+) -> torch.Tensor | None:
+    from hybridkv.ops.native import mla as native_mla
+
+    # the kernel takes int32 tables and lengths (the step's own: views) and q, w of one dtype
+    table = block_table if block_table.dtype == torch.int32 else block_table.int()
+    lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.int()
+    w = w_kv_b if w_kv_b.dtype == q_nope.dtype else w_kv_b.to(q_nope.dtype)
+    return native_mla.decode_absorbed(
+        q_nope, q_rope.to(q_nope.dtype), kv_cache, table, lens, scale, w.contiguous(), nope_dim
+    )
+
+
+def torch_mla_decode_rows(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    w_kv_b: torch.Tensor,
+    nope_dim: int,
+) -> torch.Tensor:
+    """Decode rows in PyTorch: q_nope [S, heads, nope], q_rope [S, heads, rope] -> [S, heads,
+    v_dim] (absorb_query, mla_decode, then W_UV; each rounded to q's dtype)."""
+    heads = q_nope.shape[1]
+    rank = kv_cache.shape[2] - q_rope.shape[2]
+    w = w_kv_b.view(heads, -1, rank)  # [heads, nope + v_dim, rank]
+    w_uk, w_uv = w[:, :nope_dim], w[:, nope_dim:]
+    q = absorb_query(q_nope, q_rope, w_uk)  # [S, heads, rank + rope]
+    latent = mla_decode(q, kv_cache, block_table, seq_lens, scale, rank)
+    return torch.einsum("shr,hvr->shv", latent, w_uv.to(latent.dtype)).to(q_nope.dtype)

@@ -204,6 +204,7 @@ DECLARING_MODULES: tuple[str, ...] = (
     "hybridkv.layers.activation",
     "hybridkv.ops.elementwise",
     "hybridkv.ops.attention",
+    "hybridkv.ops.mla",
     "hybridkv.layers.rotary",
     "hybridkv.layers.linear",
     "hybridkv.layers.quantization",
@@ -211,6 +212,7 @@ DECLARING_MODULES: tuple[str, ...] = (
     "hybridkv.layers.mlp",
     "hybridkv.layers.moe",
     "hybridkv.layers.gated_delta_net",
+    "hybridkv.layers.kda",
     "hybridkv.distributed.layers",
 )
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

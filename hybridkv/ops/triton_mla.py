@@ -28,10 +28,13 @@ import triton.language as tl
 from hybridkv.ops import mla as reference
 from hybridkv.ops.attention import zero_pages
 
-__all__ = ["write_mla_cache", "zero_pages", "mla_decode", "mla_paged_attention"]
+__all__ = [
+    "write_mla_cache", "write_mla_rows", "zero_pages", "mla_decode", "mla_paged_attention"
+]
 
 LOG2E = 1.4426950408889634
 write_mla_cache = reference.write_mla_cache
+write_mla_rows = reference.write_mla_rows
 
 
 @triton.jit
@@ -158,9 +161,10 @@ def mla_paged_attention(
     scale: float,
     w_kv_b: torch.Tensor,
     nope_dim: int,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """As `hybridkv.ops.mla.mla_paged_attention`, decode rows through the Triton kernel."""
     return reference.mla_paged_attention(
         q_nope, q_rope, kv_cache, block_table, query_start_loc, seq_lens, scale, w_kv_b,
-        nope_dim, decode=mla_decode,
+        nope_dim, decode=mla_decode, max_query_len=max_query_len,
     )  # fmt: skip

@@ -156,3 +156,51 @@ def test_native_kda_keeps_the_state_after_every_position(kernel, dtype):
             gaps = [(kept[3][row, j].float() - ref).abs().max() for j in range(len(refs))]
             assert min(range(len(refs)), key=lambda j: gaps[j]) == i
         assert all(t[row, lens[req] - 1 :].isnan().all() for t in kept)
+
+
+def _glue_layer(heads: int, dim: int, dtype: torch.dtype, seed: int) -> KimiDeltaAttention:
+    layer = KimiDeltaAttention(16, heads, dim, layer_index=0)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        layer.A_log.copy_(torch.randn(layer.A_log.shape, generator=g))
+        layer.dt_bias.copy_(torch.randn(layer.dt_bias.shape, generator=g))
+        layer.o_norm.weight.copy_(1 + 0.3 * torch.randn(dim, generator=g))
+    return layer.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "heads", "dim"), [(1, 2, 8), (5, 3, 7), (9, 1, 33)])
+def test_native_gates_and_out_norm_match_pytorch(tokens, heads, dim, dtype):
+    """KDA_GATES and KDA_OUT_NORM's native links against their PyTorch forms: f large enough
+    to take softplus's linear branch, rows as strided views; beta is the sigmoid rounded to the
+    model dtype (transformers'), the norm rounds the rule's float32 output first."""
+    from hybridkv.layers import kda
+
+    if native.library() is None:
+        pytest.skip("native kernels unavailable (no compiler)")
+    layer = _glue_layer(heads, dim, dtype, seed=dim)
+    g = torch.Generator().manual_seed(tokens)
+    fb = (torch.randn(tokens, heads * dim + heads + 3, generator=g) * 8).to(dtype)
+    f, b = fb[:, : heads * dim], fb[:, heads * dim : heads * dim + heads]  # strided rows
+    got = kda._native_kda_gates(layer, f, b)
+    want = kda.torch_kda_gates(layer, f, b)
+    assert got is not None
+    torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-7)
+    o = torch.randn(tokens * heads, dim, generator=g)  # [T * H, D] float32
+    gate = torch.randn(tokens * heads, dim + 2, generator=g).to(dtype)[:, 1 : dim + 1]
+    got = kda._native_kda_out_norm(layer, o, gate)
+    want = kda.torch_kda_out_norm(layer, o, gate)
+    assert got is not None and got.dtype == dtype
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-6
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_kda_glue_is_native_on_the_cpu():
+    from hybridkv.layers import kda
+
+    if native.library() is None:
+        pytest.skip("native kernels unavailable (no compiler)")
+    for family in (kda.KDA_GATES, kda.KDA_OUT_NORM):
+        for dtype in ("float32", "bfloat16"):
+            assert family.chain("cpu", dtype).links[0].impl.name == "native"

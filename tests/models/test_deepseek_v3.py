@@ -108,6 +108,9 @@ def build_v2():
 
 V2_SEED = 0
 BUILDERS = {"default": build_default, "odd": build_odd, "v2": build_v2}
+# decode steps captured on the CPU (MLA: RoPE, cache write and absorbed decode natively)
+CAPTURED = ("default", "odd", "v2")
+CAPTURED_BF16 = CAPTURED
 
 
 @pytest.fixture(scope="module", params=list(BUILDERS))

@@ -77,6 +77,9 @@ def _lora_dense_two():
 
 
 BUILDERS = {"kimi_linear": _base, "kimi_linear_lora": _lora_dense_two}
+# decode steps captured on the CPU (KDA gates and output norm, MLA natively)
+CAPTURED = ("kimi_linear", "kimi_linear_lora")
+CAPTURED_BF16 = CAPTURED
 # seeds whose greedy tokens keep a top-2 logit margin above conformance.MIN_MARGIN
 SEEDS = {"kimi_linear": 3, "kimi_linear_lora": 4}
 

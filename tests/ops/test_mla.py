@@ -100,3 +100,82 @@ def test_native_decode_declines_what_it_cannot_read(monkeypatch):
     bad = case.table.clone()
     bad[0, 0] = case.cache.shape[0]
     assert native_mla.mla_decode(q, case.cache, bad, case.seq_lens, case.scale, 20) is None
+
+
+def _native_on(monkeypatch):
+    from hybridkv.ops.native import mla as native_mla
+
+    monkeypatch.setenv("HYBRIDKV_NATIVE", "1")
+    registry.reset_all()  # op choices follow the new setting
+    if not native_mla.available():
+        pytest.skip("native kernels unavailable (no compiler)")
+    return native_mla
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("shape", [(3, 20, 6, 10, 7), (5, 33, 0, 9, 13), (1, 17, 2, 3, 1)])
+def test_native_absorbed_decode_rows_match_pytorch(shape, dtype, tol, monkeypatch):
+    """hkv_mla_decode_absorbed (absorb, attend, expand in one call) against the PyTorch decode
+    rows (absorb_query, mla_decode, W_UV), odd sizes and no rope part too, q_nope / q_rope as
+    strided views of one projection as the layer passes them."""
+    native_mla = _native_on(monkeypatch)
+    heads, rank, rope, nope, v_dim = shape
+    case = make_case([1] * 4, [1, 70, 129, 33], 16, ratio=3, heads=heads, rank=rank, rope=rope,
+                     nope=nope, v_dim=v_dim, dtype=dtype, seed=rank)  # fmt: skip
+    q = torch.cat([case.q_nope, case.q_rope], dim=-1)  # [S, heads, nope + rope]
+    q_nope, q_rope = q[..., :nope], q[..., nope:]
+    args = (case.cache, case.table, case.seq_lens, case.scale, case.w_kv_b, nope)
+    want = mla.torch_mla_decode_rows(q_nope, q_rope, *args)
+    got = native_mla.decode_absorbed(q_nope, q_rope, *args)
+    assert got is not None and got.dtype == dtype and got.shape == want.shape
+    assert not got.isnan().any()
+    # the kernel keeps float32 between its phases (PyTorch rounds each in bfloat16)
+    ref = expanded_reference(case).to(dtype) if dtype == torch.bfloat16 else want
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_native_decode_only_batches_take_the_absorbed_kernel(monkeypatch):
+    """mla_paged_attention of a decode-only batch (max_query_len 1) goes through
+    MLA_DECODE_ROWS' native link and computes what the mixed-batch path computes."""
+    _native_on(monkeypatch)
+    assert mla.MLA_DECODE_ROWS.chain("cpu", "float32").links[0].impl.name == "native"
+    case = make_case([1, 1, 1], [9, 40, 3], 4, seed=11)
+    args = (case.q_nope, case.q_rope, case.cache, case.table, case.query_start_loc,
+            case.seq_lens, case.scale, case.w_kv_b, case.nope)  # fmt: skip
+    fast = mla.mla_paged_attention(*args, max_query_len=1)
+    mixed = mla.mla_paged_attention(*args)
+    assert torch.equal(fast, mixed)
+    torch.testing.assert_close(fast.double(), expanded_reference(case), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_write_rows_equals_the_cat_and_scatter(dtype, monkeypatch):
+    native_mla = _native_on(monkeypatch)
+    g = torch.Generator().manual_seed(2)
+    ckv = torch.randn(5, 27, generator=g).to(dtype)  # [T, rank 21 + rope 6], strided views
+    c, k_rope = ckv[:, :21], ckv[:, 21:]
+    slots = torch.tensor([9, -1, 31, 0, 17])
+    want, got = torch.zeros(4, 8, 27, dtype=dtype), torch.zeros(4, 8, 27, dtype=dtype)
+    mla.torch_write_mla(c, k_rope, want, slots)
+    assert native_mla.write_rows(c, k_rope, got, slots)
+    assert torch.equal(got, want)
+    assert not native_mla.write_rows(c, k_rope, got.double(), slots)  # dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "dim"), [(1, 6), (3, 8), (5, 2)])
+def test_native_rope_pairs_equal_pytorch(heads, dim, dtype, monkeypatch):
+    """DeepSeek's interleaved RoPE: the kernel rounds as PyTorch's bfloat16 ops (bit-equal)."""
+    from hybridkv.layers import rotary
+
+    native_mla = _native_on(monkeypatch)
+    g = torch.Generator().manual_seed(dim)
+    q = torch.randn(7, heads, 3 + dim, generator=g).to(dtype)[..., 3:]  # a strided view
+    angles = torch.randn(7, dim // 2, generator=g)
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    got = native_mla.rope_pairs(q, cos, sin)
+    assert got is not None and got.is_contiguous()
+    assert torch.equal(got, rotary.torch_rope_pairs(q, cos, sin))
+    assert native_mla.rope_pairs(q, cos.float() if dtype == torch.bfloat16 else cos.bfloat16(),
+                                 sin) is None  # fmt: skip

@@ -38,7 +38,7 @@ from hybridkv.forward_batch import AttentionMetadata, ForwardBatch
 from hybridkv.kv.specs import CacheDtypes, MLASpec
 from hybridkv.layers.cache import AttentionCache, CacheOwner
 from hybridkv.layers.mlp import RMSNorm
-from hybridkv.layers.rotary import RotaryEmbedding
+from hybridkv.layers.rotary import RotaryEmbedding, rotate
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
@@ -73,26 +73,6 @@ def mla_softmax_scale(qk_head_dim: int, rope: Mapping[str, Any] | None) -> float
     return scale
 
 
-def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """DeepSeek's interleaved RoPE: pairs (x0, x1), (x2, x3), ... each rotated by one angle;
-    the result is laid out de-interleaved [evens' | odds'] as transformers lays it out (q and k
-    alike, so their dot product is the same).
-
-    x: [T, heads, d]; cos, sin: [T, d] (= cat(freqs, freqs), the first half is used)
-    """
-    half = cos.shape[-1] // 2
-    c, s = cos[:, None, :half], sin[:, None, :half]
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-
-
-def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Llama-style RoPE over halves. x: [T, heads, d]; cos, sin: [T, d]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 class PagedMLA(CacheOwner):
     """The cache owner of one MLA layer: declares `MLASpec(kv_lora_rank, rope_dim)`, writes the
     step's latent rows by slot and attends over its group's kernel blocks."""
@@ -120,21 +100,23 @@ class PagedMLA(CacheOwner):
         self,
         q_nope: torch.Tensor,
         q_rope: torch.Tensor,
-        latent: torch.Tensor,
+        c: torch.Tensor,
+        k_rope: torch.Tensor,
         w_kv_b: torch.Tensor,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        """q_nope: [T, heads, nope]; q_rope: [T, heads, rope]; latent: [T, rank + rope] (normed
-        c, rotated key); w_kv_b: kv_b_proj.weight [heads * (nope + v), rank] -> [T, heads * v]."""
+        """q_nope: [T, heads, nope]; q_rope: [T, heads, rope]; c: [T, rank] (normed latent);
+        k_rope: [T, rope] (rotated key); w_kv_b: kv_b_proj.weight [heads * (nope + v), rank]
+        -> [T, heads * v]. The cache row of a token is [c | k_rope]."""
         cache = self.cache
         assert isinstance(cache, AttentionCache)
         if self._ops is None:
             self._ops = mla_ops(cache.backend.name)
         meta: AttentionMetadata = self.step_metadata(batch)
-        self._ops.write_mla_cache(latent, cache.kv, meta.slot_mapping)
+        self._ops.write_mla_rows(c, k_rope, cache.kv, meta.slot_mapping)
         out = self._ops.mla_paged_attention(
             q_nope, q_rope, cache.kv, meta.block_table, meta.query_start_loc, meta.seq_lens,
-            self.scale, w_kv_b, self.nope_dim,
+            self.scale, w_kv_b, self.nope_dim, max_query_len=meta.max_query_len,
         )  # fmt: skip
         return out.reshape(out.shape[0], self.num_heads * self.v_dim)
 
@@ -232,8 +214,9 @@ class MultiHeadLatentAttention(nn.Module):
         c = self.kv_a_layernorm(ckv[:, : self.kv_lora_rank])
         k_rope = ckv[:, None, self.kv_lora_rank :]  # [T, 1, rope]
         if rotary is not None and cos_sin is not None and self.rope_dim:
-            rotate = rotate_interleaved if self.rope_interleave else rotate_halves
-            q_rope, k_rope = rotate(q_rope, *cos_sin), rotate(k_rope, *cos_sin)
-        latent = torch.cat([c, k_rope[:, 0].to(c.dtype)], dim=-1)  # [T, rank + rope]
-        out = self.attn(q_nope, q_rope, latent, self.kv_b_proj.weight, batch)
+            pairs = self.rope_interleave  # (DeepSeek's pairs, else halves)
+            q_rope = rotate(q_rope, *cos_sin, pairs)
+            k_rope = rotate(k_rope, *cos_sin, pairs)
+        # the cache row of each token: [c | k_rope] (written in place, no cat)
+        out = self.attn(q_nope, q_rope, c, k_rope[:, 0], self.kv_b_proj.weight, batch)
         return self.tp.all_reduce(self.o_proj(out))  # o_proj is row-parallel

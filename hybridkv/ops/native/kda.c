@@ -158,3 +158,62 @@ int hkv_kda_rule(void *state, int64_t page_stride, int state_bf16, const int64_t
     }
     return failed;
 }
+
+/* ---- Kimi delta attention's glue around the rule (hybridkv/layers/kda.py), one native call
+ * each where PyTorch makes several ops, so that a decode step stays capturable ----
+ *
+ * hkv_kda_gates: the rule's gates from their projections
+ *     f     [T, H * K] rows at f + t * f_stride (f_b_proj(f_a_proj(x)))
+ *     b     [T, H] rows at b + t * b_stride (b_proj(x))
+ *  -> g     [T, H, K] float32 = decay[h] * softplus(float(f) + dt_bias[h K + k])
+ *     beta  [T, H] float32 = sigmoid(b), rounded to bfloat16 first for bfloat16 b (PyTorch's
+ *           sigmoid of the model-dtype projection, then .float())
+ * f and b float32 or bfloat16 alike (bf16); decay = -exp(A_log) [H] and dt_bias [H * K] float32.
+ * softplus is PyTorch's (x above 20 is x itself, else log1p(exp(x))). */
+static inline float kda_value(const void *x, int bf16, int64_t i) {
+    return bf16 ? hkv_bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+void hkv_kda_gates(const void *f, int64_t f_stride, const void *b, int64_t b_stride, int bf16,
+                   int64_t T, int64_t H, int64_t K, const float *decay, const float *dt_bias,
+                   float *g, float *beta) {
+#pragma omp parallel for schedule(static) if (T * H * K >= (1 << 16))
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++) {
+            for (int64_t k = 0; k < K; k++) {
+                const float x = kda_value(f, bf16, t * f_stride + h * K + k) + dt_bias[h * K + k];
+                g[(t * H + h) * K + k] = decay[h] * (x > 20.0f ? x : log1pf(expf(x)));
+            }
+            const float s = 1.0f / (1.0f + expf(-kda_value(b, bf16, t * b_stride + h)));
+            beta[t * H + h] = bf16 ? hkv_bf16_to_f32(hkv_f32_to_bf16(s)) : s;
+        }
+}
+
+/* hkv_kda_out_norm: the rule's output through o_norm, gated (transformers'
+ * KimiLinearRMSNormGated with sigmoid), per row of D channels (a token's head):
+ *     x    = o rounded to the model dtype (bfloat16 when bf16), as float32
+ *     out  = (w * (x / sqrt(mean(x^2) + eps))) * sigmoid(float(gate))   rounded once
+ * o: [rows, D] float32 contiguous (the rule's output); gate rows at gate + r * gate_stride
+ * (model dtype); w: [D] float32; out: [rows, D] of the model dtype. */
+void hkv_kda_out_norm(const float *o, const void *gate, int64_t gate_stride, const float *w,
+                      void *out, int bf16, int64_t rows, int64_t D, float eps) {
+#pragma omp parallel for schedule(static) if (rows * D >= (1 << 16))
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = o + r * D;
+        float sq = 0.0f;
+        for (int64_t d = 0; d < D; d++) {
+            const float v = bf16 ? hkv_bf16_to_f32(hkv_f32_to_bf16(x[d])) : x[d];
+            sq += v * v;
+        }
+        const float inv = 1.0f / sqrtf(sq / (float)D + eps);
+        for (int64_t d = 0; d < D; d++) {
+            const float v = bf16 ? hkv_bf16_to_f32(hkv_f32_to_bf16(x[d])) : x[d];
+            const float s = 1.0f / (1.0f + expf(-kda_value(gate, bf16, r * gate_stride + d)));
+            const float y = (w[d] * (v * inv)) * s;
+            if (bf16)
+                ((uint16_t *)out)[r * D + d] = hkv_f32_to_bf16(y);
+            else
+                ((float *)out)[r * D + d] = y;
+        }
+    }
+}

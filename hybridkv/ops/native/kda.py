@@ -1,5 +1,7 @@
-"""The native KDA kernel (`kda.c`, compiled into the one native library): ctypes signature and
-the checks that keep it inside its tensors. `hybridkv.ops.kda` is the reference."""
+"""The native KDA kernels (`kda.c`, compiled into the one native library): ctypes signatures and
+the checks that keep them inside their tensors. `hybridkv.ops.kda` is the reference of the rule;
+`gates` and `out_norm` are the layer's glue around it (`hybridkv.layers.kda`: `kda_gate` with
+the sigmoid of beta, and `sigmoid_gated_rms_norm`)."""
 
 from __future__ import annotations
 
@@ -11,11 +13,13 @@ from hybridkv.ops import native
 from hybridkv.ops.native.spans import spans_inside, step_spans
 from hybridkv.ops.native.ssm import Positions, position_args
 
-_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_i64, _int, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 native.declare({
     "hkv_kda_rule": [_ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr,
                      _i64, _ptr, _i64, _ptr, _i64, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _i64,
                      _i64],
+    "hkv_kda_gates": [_ptr, _i64, _ptr, _i64, _int, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr],
+    "hkv_kda_out_norm": [_ptr, _ptr, _i64, _ptr, _ptr, _int, _i64, _i64, _f32],
 })  # fmt: skip
 native.returns_status("hkv_kda_rule")  # (a failed work-space allocation)
 
@@ -93,3 +97,62 @@ def kda_rule(
     if failed:
         raise MemoryError("the native KDA rule could not allocate its work space")
     return o
+
+
+def _f32_vector(t: torch.Tensor, n: int) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.numel() == n
+
+
+def gates(
+    f: torch.Tensor, b: torch.Tensor, decay: torch.Tensor, dt_bias: torch.Tensor, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """f [T, H * K] (f_b_proj's output), b [T, H] (b_proj's), both float32 or both bfloat16
+    with unit column stride; decay = -exp(A_log) float32 [H] and dt_bias float32 [H * K]
+    contiguous -> g [T, H, K] float32 (`ops.kda.kda_gate`), beta [T, H] float32 (sigmoid(b) in
+    b's dtype, widened); None when the kernel or these tensors don't fit."""
+    lib = native.library()
+    if lib is None or f.dim() != 2 or b.dim() != 2 or f.dtype != b.dtype or f.dtype not in DTYPES:
+        return None
+    tokens, heads = b.shape
+    if f.shape != (tokens, heads * head_dim) or f.stride(1) != 1 or b.stride(1) != 1:
+        return None
+    if f.device.type != "cpu" or b.device.type != "cpu":
+        return None
+    if not _f32_vector(decay, heads) or not _f32_vector(dt_bias, heads * head_dim):
+        return None
+    decay, dt_bias = decay.contiguous(), dt_bias.contiguous()
+    g = torch.empty(tokens, heads, head_dim, dtype=torch.float32)
+    beta = torch.empty(tokens, heads, dtype=torch.float32)
+    lib.hkv_kda_gates(
+        f.data_ptr(), f.stride(0), b.data_ptr(), b.stride(0), int(f.dtype == torch.bfloat16),
+        tokens, heads, head_dim, decay.data_ptr(), dt_bias.data_ptr(), g.data_ptr(),
+        beta.data_ptr(),
+    )  # fmt: skip
+    return g, beta
+
+
+def out_norm(
+    o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor | None:
+    """o [rows, D] float32 contiguous (the rule's output, a row per token and head), gate
+    [rows, D] of the model dtype (float32 or bfloat16, unit column stride), weight float32 [D]
+    -> w * rmsnorm(o in the model dtype) * sigmoid(gate) in the model dtype, the float32
+    products rounded once (`layers.kda.sigmoid_gated_rms_norm` of o.to(gate.dtype)); None
+    when the kernel or these tensors don't fit."""
+    lib = native.library()
+    if lib is None or o.dim() != 2 or gate.dim() != 2 or o.dtype != torch.float32:
+        return None
+    rows, dim = o.shape
+    if gate.shape != (rows, dim) or gate.dtype not in DTYPES or gate.stride(1) != 1:
+        return None
+    if not o.is_contiguous() or o.device.type != "cpu" or gate.device.type != "cpu":
+        return None
+    if not _f32_vector(weight, dim):
+        return None
+    weight = weight.contiguous()
+    out = torch.empty(rows, dim, dtype=gate.dtype)
+    lib.hkv_kda_out_norm(
+        o.data_ptr(), gate.data_ptr(), gate.stride(0), weight.data_ptr(), out.data_ptr(),
+        int(gate.dtype == torch.bfloat16), rows, dim, eps,
+    )  # fmt: skip
+    return out

@@ -43,13 +43,13 @@ static inline float mla_dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-static void mla_decode_one(const void *q, const void *cache, int bf16, int64_t kbs, int64_t rank,
-                           int64_t W, int64_t H, const int32_t *table, int64_t len, int64_t s,
-                           float scale, float *out) {
-    float *qf = malloc(sizeof(float) * (size_t)(H * W + W + H * (len > 0 ? len : 1)));
-    float *row = qf + H * W;
-    float *scores = row + W;  /* [H, len] */
-    mla_load(q, bf16, s * H * W, H * W, qf);
+/* One request's heads over its context: qf [H, W] float32 -> o [H, rank] float32. */
+static void mla_attend(const float *qf, const void *cache, int bf16, int64_t kbs, int64_t rank,
+                       int64_t W, int64_t H, const int32_t *table, int64_t len, float scale,
+                       float *o) {
+    float *row = malloc(sizeof(float) * (size_t)(W + H * (len > 0 ? len : 1)));
+    if (row == NULL) return;
+    float *scores = row + W; /* [H, len] */
     for (int64_t t = 0; t < len; t++) {
         int64_t r = (int64_t)table[t / kbs] * kbs + t % kbs;
         mla_load(cache, bf16, r * W, W, row);
@@ -66,7 +66,6 @@ static void mla_decode_one(const void *q, const void *cache, int bf16, int64_t k
         float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
         for (int64_t t = 0; t < len; t++) sc[t] *= inv;
     }
-    float *o = out + s * H * rank;
     memset(o, 0, sizeof(float) * (size_t)(H * rank));
     for (int64_t t = 0; t < len; t++) {
         int64_t r = (int64_t)table[t / kbs] * kbs + t % kbs;
@@ -77,6 +76,16 @@ static void mla_decode_one(const void *q, const void *cache, int bf16, int64_t k
             for (int64_t d = 0; d < rank; d++) oh[d] += p * row[d];
         }
     }
+    free(row);
+}
+
+static void mla_decode_one(const void *q, const void *cache, int bf16, int64_t kbs, int64_t rank,
+                           int64_t W, int64_t H, const int32_t *table, int64_t len, int64_t s,
+                           float scale, float *out) {
+    float *qf = malloc(sizeof(float) * (size_t)(H * W));
+    if (qf == NULL) return;
+    mla_load(q, bf16, s * H * W, H * W, qf);
+    mla_attend(qf, cache, bf16, kbs, rank, W, H, table, len, scale, out + s * H * rank);
     free(qf);
 }
 
@@ -90,5 +99,138 @@ void hkv_mla_decode(const void *q, const void *cache, int bf16, int64_t kbs, int
     for (int64_t s = 0; s < S; s++) {
         mla_decode_one(q, cache, bf16, kbs, rank, W, H, table + s * table_stride, lens[s], s,
                        scale, out);
+    }
+}
+
+/* ---- A decode step's whole MLA in three calls, none in PyTorch (a step stays capturable) ----
+ *
+ * hkv_mla_rope_pairs: DeepSeek's interleaved RoPE (hybridkv/layers/rotary.py, torch_rope_pairs):
+ * pairs (x[2i], x[2i+1]) rotated by angle i, laid out de-interleaved:
+ *     out[i]         = x[2i] c[i] - x[2i+1] s[i]
+ *     out[R / 2 + i] = x[2i+1] c[i] + x[2i] s[i]          (i < R / 2)
+ * x: [T, H, R] at x + t * tok_stride + h * head_stride (pairs contiguous); cos, sin: [T, R]
+ * (the first half used); out: [T, H, R] contiguous; all float32 or all bfloat16 (bf16: each
+ * product and the sum rounded, as PyTorch computes it in bfloat16). */
+void hkv_mla_rope_pairs(const void *x, int64_t tok_stride, int64_t head_stride, const void *cos,
+                        const void *sin, void *out, int bf16, int64_t T, int64_t H, int64_t R) {
+    const int64_t half = R / 2;
+#pragma omp parallel for schedule(static) if (T * H * R >= (1 << 16))
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t src = t * tok_stride + h * head_stride, dst = (t * H + h) * R;
+            for (int64_t i = 0; i < half; i++) {
+                if (!bf16) {
+                    const float *xs = (const float *)x + src;
+                    const float c = ((const float *)cos)[t * R + i];
+                    const float sn = ((const float *)sin)[t * R + i];
+                    const float a = xs[2 * i] * c, b = xs[2 * i + 1] * sn;
+                    const float e = xs[2 * i + 1] * c, f = xs[2 * i] * sn;
+                    ((float *)out)[dst + i] = a - b;
+                    ((float *)out)[dst + half + i] = e + f;
+                    continue;
+                }
+                const uint16_t *xs = (const uint16_t *)x + src;
+                const float x1 = hkv_bf16_to_f32(xs[2 * i]), x2 = hkv_bf16_to_f32(xs[2 * i + 1]);
+                const float c = hkv_bf16_to_f32(((const uint16_t *)cos)[t * R + i]);
+                const float sn = hkv_bf16_to_f32(((const uint16_t *)sin)[t * R + i]);
+#define MLA_R(v) hkv_bf16_to_f32(hkv_f32_to_bf16(v))
+                const float a = MLA_R(x1 * c), b = MLA_R(x2 * sn);
+                const float e = MLA_R(x2 * c), f = MLA_R(x1 * sn);
+#undef MLA_R
+                ((uint16_t *)out)[dst + i] = hkv_f32_to_bf16(a - b);
+                ((uint16_t *)out)[dst + half + i] = hkv_f32_to_bf16(e + f);
+            }
+        }
+}
+
+/* hkv_mla_write: the step's latent rows [c | k_rope] written into their cache slots (the
+ * PyTorch form: a cat, then write_mla_cache's scatter):
+ *     cache viewed as [rows_total, rank + rope] (slot s = row s); for every token t with
+ *     0 <= slots[t] < rows_total: row = [c[t, :rank] | kr[t, :rope]]
+ * c rows at c + t * c_stride, kr rows at kr + t * kr_stride (elements); elem: 4 or 2 bytes
+ * (c, kr and the cache share the dtype: values copied as they are). */
+void hkv_mla_write(const void *c, int64_t c_stride, const void *kr, int64_t kr_stride,
+                   void *cache, const int64_t *slots, int64_t T, int64_t rank, int64_t rope,
+                   int64_t elem, int64_t rows_total) {
+    const int64_t W = rank + rope;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0 || slot >= rows_total) continue;
+        char *dst = (char *)cache + slot * W * elem;
+        memcpy(dst, (const char *)c + t * c_stride * elem, (size_t)(rank * elem));
+        memcpy(dst + rank * elem, (const char *)kr + t * kr_stride * elem, (size_t)(rope * elem));
+    }
+}
+
+/* n float32 or bfloat16 values of a weight row, as float32 */
+static inline void mla_row(const void *w, int bf16, int64_t i, int64_t n, float *out) {
+    mla_load(w, bf16, i, n, out);
+}
+
+/* hkv_mla_decode_absorbed: decode rows of MLA from the query projections to the values, in
+ * three parallel phases (hybridkv/ops/mla.py, torch_mla_decode, is the reference):
+ *     absorb   qa[s, h] = [W_UK[h]^T q_nope[s, h] | q_rope[s, h]]          [S, H, rank + rope]
+ *     attend   lat[s, h] = softmax(scale qa[s, h] . rows) rows[:, :rank]   (mla_attend)
+ *     expand   out[s, h, j] = W_UV[h, j] . lat[s, h]                       [S, H, v]
+ * W = w_kv_b [H * (nope + v), rank] (kv_b_proj.weight: per head nope rows of W_UK, then v rows
+ * of W_UV). q_nope at q_nope + s * qn_tok + h * qn_head, q_rope at q_rope + s * qr_tok +
+ * h * qr_head (channels contiguous); q_nope, q_rope, w and out float32 (bf16 == 0) or
+ * bfloat16; the cache float32 or bfloat16 (cache_bf16); every sum in float32 (out rounded once
+ * in bfloat16). work: float32 [S, H, 2 rank + rope]. lens: int32 [S]; table: [S, table_stride]
+ * int32 kernel-block ids (the caller's: trusted, as hkv_paged_decode trusts them). */
+void hkv_mla_decode_absorbed(const void *q_nope, int64_t qn_tok, int64_t qn_head,
+                             const void *q_rope, int64_t qr_tok, int64_t qr_head, const void *w,
+                             int bf16, const void *cache, int cache_bf16, int64_t kbs,
+                             int64_t rank, int64_t rope, int64_t nope, int64_t vdim, int64_t H,
+                             const int32_t *table, int64_t table_stride, const int32_t *lens,
+                             int64_t S, float scale, float *work, void *out) {
+    const int64_t W = rank + rope, per = 2 * rank + rope, head_rows = nope + vdim;
+#pragma omp parallel for schedule(static)
+    for (int64_t sh = 0; sh < S * H; sh++) {
+        const int64_t s = sh / H, h = sh % H;
+        float *qa = work + sh * per;
+        float *wrow = malloc(sizeof(float) * (size_t)(rank + nope));
+        if (wrow == NULL) continue;
+        float *qn = wrow + rank;
+        mla_load(q_nope, bf16, s * qn_tok + h * qn_head, nope, qn);
+        memset(qa, 0, sizeof(float) * (size_t)rank);
+        for (int64_t d = 0; d < nope; d++) {
+            mla_row(w, bf16, (h * head_rows + d) * rank, rank, wrow);
+            const float a = qn[d];
+            for (int64_t r = 0; r < rank; r++) qa[r] += a * wrow[r];
+        }
+        mla_load(q_rope, bf16, s * qr_tok + h * qr_head, rope, qa + rank);
+        free(wrow);
+    }
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t s = 0; s < S; s++) {
+        float *qf = malloc(sizeof(float) * (size_t)(H * W));
+        float *lat = malloc(sizeof(float) * (size_t)(H * rank));
+        if (qf != NULL && lat != NULL) {
+            for (int64_t h = 0; h < H; h++)
+                memcpy(qf + h * W, work + (s * H + h) * per, sizeof(float) * (size_t)W);
+            mla_attend(qf, cache, cache_bf16, kbs, rank, W, H, table + s * table_stride, lens[s],
+                       scale, lat);
+            for (int64_t h = 0; h < H; h++)
+                memcpy(work + (s * H + h) * per + W, lat + h * rank, sizeof(float) * (size_t)rank);
+        }
+        free(qf);
+        free(lat);
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t sh = 0; sh < S * H; sh++) {
+        const int64_t h = sh % H;
+        const float *lat = work + sh * per + W;
+        float *wrow = malloc(sizeof(float) * (size_t)rank);
+        if (wrow == NULL) continue;
+        for (int64_t j = 0; j < vdim; j++) {
+            mla_row(w, bf16, (h * head_rows + nope + j) * rank, rank, wrow);
+            const float v = mla_dot(lat, wrow, rank);
+            if (bf16)
+                ((uint16_t *)out)[sh * vdim + j] = hkv_f32_to_bf16(v);
+            else
+                ((float *)out)[sh * vdim + j] = v;
+        }
+        free(wrow);
     }
 }
