@@ -31,6 +31,7 @@ import importlib.util
 import itertools
 import logging
 import os
+import sys
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -489,7 +490,13 @@ class Engine:
             code = 1
         if code == 0:
             dist.destroy_process_group()  # before exit: no gloo thread left running
-        raise SystemExit(code)
+        # Nothing of this process outlives it, so skip the interpreter's teardown (0.6 s of
+        # torch's module clean-up on a 2-core machine, during which rank 0's shutdown waits);
+        # the log and the standard streams are flushed first.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do for a single process)."""
