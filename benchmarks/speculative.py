@@ -8,8 +8,10 @@ speedup of whole requests, prompts included) without drafts and with
 a rejection on a state model restores and recomputes, as before they existed), greedy, EOS
 ignored, prefix caching off; the speedup over plain
 decoding, the acceptance rate and the mean accepted length (tokens per verify step and request,
-the bonus token included). Medians of --repeat runs after a warm-up pass over the same
-workload. Each run also checks that the tokens equal plain decoding's.
+the bonus token included). Medians of --repeat rounds after a warm-up pass over the same
+workload; every engine of a row is built first and their rounds interleave (the order rotated
+each round), so a load that comes and goes on the machine hits plain and speculative alike.
+Each run also checks that the tokens equal plain decoding's.
 
 Workloads:
 - "repeat": documents that repeat passages (three random 48-token passages, then the first two
@@ -140,80 +142,84 @@ def oracle_mtp(llm, oracle: Oracle) -> None:
     drafter.step = with_oracle
 
 
-def run(
-    model: str | None,
-    groups: list[list],
-    new_tokens: int,
-    k: int,
-    repeat: int,
-    oracle: Oracle | None = None,
-    adaptive: bool = False,
-    rewind: bool = False,
-    method: str = "ngram",
-) -> dict:
-    """Decode `groups` one after another (each group's prompts as one batch), `repeat` times
-    after one warm-up pass over all of them (which also lets adaptive_k measure its shapes).
-    `rewind`: the engine built as if no state ops kept per-position states."""
-    from hybridkv.ops.mamba2_ops import NativeMamba2Ops
+class Engine:
+    """One engine of the comparison: built and warmed up once, then timed a round at a time,
+    so that plain and speculative rounds interleave and the machine's drift hits both alike."""
 
-    kept = NativeMamba2Ops.keeps_positions
-    NativeMamba2Ops.keeps_positions = kept and not rewind
-    try:
-        return _run(model, groups, new_tokens, k, repeat, oracle, adaptive, method)
-    finally:
-        NativeMamba2Ops.keeps_positions = kept
+    def __init__(
+        self,
+        model: str | None,
+        groups: list[list],
+        new_tokens: int,
+        k: int,
+        oracle: Oracle | None = None,
+        adaptive: bool = False,
+        rewind: bool = False,
+        method: str = "ngram",
+    ) -> None:
+        """`rewind`: the engine built as if no state ops kept per-position states."""
+        from hybridkv import LLM, SamplingParams
+        from hybridkv.ops.mamba2_ops import NativeMamba2Ops
 
+        spec = None
+        if k and method == "mtp":
+            spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive_k": adaptive}
+        elif k:
+            spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+                    "prompt_lookup_max": 5, "adaptive_k": adaptive}  # fmt: skip
+        kept = NativeMamba2Ops.keeps_positions
+        NativeMamba2Ops.keeps_positions = kept and not rewind
+        try:  # the plan reads it when the engine is built
+            self.llm = LLM(model, dtype="float32", max_num_seqs=max(len(g) for g in groups),
+                           enable_prefix_caching=False, speculative_config=spec)  # fmt: skip
+        finally:
+            NativeMamba2Ops.keeps_positions = kept
+        self.k, self.groups, self.new_tokens = k, groups, new_tokens
+        self.params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        if oracle is not None and method == "mtp":
+            oracle_mtp(self.llm, oracle)
+        elif oracle is not None:
+            self.llm.engine.scheduler.drafter = oracle
+        # warm-up: one pass over every group (adaptive_k also measures its shapes here)
+        self.tokens = self._generate()
+        self.steps = _time_steps(self.llm.engine)
+        self.times: list[float] = []
+        self.decode_times: list[float] = []
 
-def _run(
-    model: str | None,
-    groups: list[list],
-    new_tokens: int,
-    k: int,
-    repeat: int,
-    oracle: Oracle | None,
-    adaptive: bool,
-    method: str,
-) -> dict:
-    from hybridkv import LLM, SamplingParams
+    def _generate(self) -> list[list[int]]:
+        outs = [o for g in self.groups for o in self.llm.generate(g, self.params, use_tqdm=False)]
+        return [o.outputs[0].token_ids for o in outs]
 
-    spec = None
-    if k and method == "mtp":
-        spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive_k": adaptive}
-    elif k:
-        spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
-                "prompt_lookup_max": 5, "adaptive_k": adaptive}  # fmt: skip
-    batch = max(len(g) for g in groups)
-    llm = LLM(model, dtype="float32", max_num_seqs=batch, enable_prefix_caching=False,
-              speculative_config=spec)  # fmt: skip
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    if oracle is not None and method == "mtp":
-        oracle_mtp(llm, oracle)
-    elif oracle is not None:
-        llm.engine.scheduler.drafter = oracle
-    for prompts in groups:  # warm-up
-        llm.generate(prompts, params, use_tqdm=False)
-    steps = _time_steps(llm.engine)
-    times, decode_times, tokens = [], [], None
-    for _ in range(repeat):
-        llm.engine.spec_stats = type(llm.engine.spec_stats)()
-        steps.clear()
+    def round(self) -> None:
+        """One timed pass over every group; the acceptance counts are this pass's."""
+        self.llm.engine.spec_stats = type(self.llm.engine.spec_stats)()
+        self.steps.clear()
         start = time.perf_counter()
-        outs = [o for prompts in groups for o in llm.generate(prompts, params, use_tqdm=False)]
-        times.append(time.perf_counter() - start)
-        decode_times.append(sum(s for s, prompt in steps if not prompt))
-        tokens = [o.outputs[0].token_ids for o in outs]
-    stats = llm.engine.spec_stats
-    seconds, decode_seconds = statistics.median(times), statistics.median(decode_times)
-    num_requests = sum(len(g) for g in groups)
-    return {
-        # decode: the steps without prompt tokens, which make every token but each first one
-        "tokens_per_s": num_requests * (new_tokens - 1) / decode_seconds,
-        "e2e_tokens_per_s": num_requests * new_tokens / seconds,
-        "seconds": seconds,
-        "acceptance": stats.acceptance_rate if k else None,
-        "mean_len": stats.mean_accepted_length if k else None,
-        "tokens": tokens,
-    }
+        self.tokens = self._generate()
+        self.times.append(time.perf_counter() - start)
+        self.decode_times.append(sum(s for s, prompt in self.steps if not prompt))
+
+    def result(self) -> dict:
+        stats = self.llm.engine.spec_stats
+        seconds = statistics.median(self.times)
+        decode_seconds = statistics.median(self.decode_times)
+        num_requests = sum(len(g) for g in self.groups)
+        return {
+            # decode: the steps without prompt tokens, which make every token but each first one
+            "tokens_per_s": num_requests * (self.new_tokens - 1) / decode_seconds,
+            "e2e_tokens_per_s": num_requests * self.new_tokens / seconds,
+            "seconds": seconds,
+            "acceptance": stats.acceptance_rate if self.k else None,
+            "mean_len": stats.mean_accepted_length if self.k else None,
+            "tokens": self.tokens,
+        }
+
+
+def interleave(engines: list[Engine], repeat: int) -> None:
+    """`repeat` rounds of every engine, the order rotated each time (plain first, then last)."""
+    for i in range(repeat):
+        for engine in engines[i % len(engines):] + engines[: i % len(engines)]:
+            engine.round()
 
 
 def _time_steps(engine) -> list[tuple[float, bool]]:
@@ -300,13 +306,19 @@ def main() -> None:
                     else:
                         groups = [random_prompts(vocab, batch, seed=batch)]
                     prompts = [p for g in groups for p in g]
-                    base = run(model, groups, args.new_tokens, 0, args.repeat)
-                    for k, (adaptive, rewind) in [(k, a) for k in args.ks for a in policies]:
+                    plain = Engine(model, groups, args.new_tokens, 0)
+                    configs = [(k, a) for k in args.ks for a in policies]
+                    spec = []
+                    for k, (adaptive, rewind) in configs:
                         oracle = None
                         if args.oracle is not None:
-                            oracle = Oracle(prompts, base["tokens"], args.oracle)
-                        r = run(model, groups, args.new_tokens, k, args.repeat, oracle, adaptive,
-                                rewind, args.method)
+                            oracle = Oracle(prompts, plain.tokens, args.oracle)
+                        spec.append(Engine(model, groups, args.new_tokens, k, oracle, adaptive,
+                                           rewind, args.method))  # fmt: skip
+                    interleave([plain, *spec], args.repeat)
+                    base = plain.result()
+                    for (k, (adaptive, rewind)), engine in zip(configs, spec, strict=True):
+                        r = engine.result()
                         rows.append({
                             "model": name, "method": args.method, "workload": workload,
                             "oracle": args.oracle,
@@ -318,6 +330,7 @@ def main() -> None:
                             "same_tokens": r["tokens"] == base["tokens"],
                         })  # fmt: skip
                         print_row(rows[-1], header=len(rows) == 1)
+                    del plain, spec
     if args.json:
         print(json.dumps({"cpu": line(), "rows": rows}, indent=1))
     else:

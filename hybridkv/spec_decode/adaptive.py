@@ -96,16 +96,24 @@ class StepTimes:
     another process or a page fault slowed down moves a median little, a mean a lot."""
 
     samples: deque[float] = field(default_factory=lambda: deque(maxlen=TIME_WINDOW))
-    value: float = 0.0
     last_step: int = 0  # the policy step of the latest sample
+    # the median, computed when read (a step adds a sample, few steps read one: a batch
+    # whose drafts do not pay skips the policy's reads for LEARN_EVERY steps)
+    _median: float | None = None
 
     @property
     def count(self) -> int:
         return len(self.samples)
 
+    @property
+    def value(self) -> float:
+        if self._median is None:
+            self._median = statistics.median(self.samples) if self.samples else 0.0
+        return self._median
+
     def add(self, seconds: float, step: int) -> None:
         self.samples.append(seconds)
-        self.value = statistics.median(self.samples)
+        self._median = None
         self.last_step = step
 
 
@@ -149,7 +157,10 @@ class GoodputPolicy:
         if runs < WARMUP_RUNS:
             self._runs[key] = runs + 1
             return
-        self.seconds.setdefault(key, StepTimes()).add(seconds, self.num_steps)
+        times = self.seconds.get(key)
+        if times is None:  # (not setdefault: that builds a StepTimes every step)
+            times = self.seconds[key] = StepTimes()
+        times.add(seconds, self.num_steps)
 
     def observe_rewind_step(self, num_requests: int, seconds: float) -> None:
         """A step that restored rewound requests (its chunks of mixed lengths)."""

@@ -122,7 +122,8 @@ class DecodeGraphs:
 
     def may_capture(self, size: int, q: int) -> bool:
         """Whether a step of `size` chunks of q tokens each runs (or may yet run) as a captured
-        program: not refused so far (a shape is tried at its second step)."""
+        program: not refused so far (a decode shape is tried at its second step, a verify shape
+        at its first)."""
         return (
             self.disabled is None
             and 0 < size <= self.max_size
@@ -132,8 +133,8 @@ class DecodeGraphs:
 
     def logits(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
         """The logits of a decode or uniform verify step ([S*q, vocab] float32, q rows per
-        chunk), from its captured program (capturing it first at the second step of this
-        shape); None: run the step eagerly."""
+        chunk), from its captured program (capturing it first: at the second step of a decode
+        shape, the first of a verify shape); None: run the step eagerly."""
         size = len(chunks)
         q = uniform_tokens(chunks)
         if self.disabled or not 0 < size <= self.max_size or not q:
@@ -148,8 +149,12 @@ class DecodeGraphs:
             self.replays += 1
             self.hidden = step.hidden
             return step.logits
+        # A decode batch size waits for its second step (sizes the batch only passes through
+        # are not worth a capture); a verify shape (q > 1) is scheduled on purpose, by a draft
+        # policy that will run it again (adaptive_k measures each shape it explores), so it
+        # captures at first sight instead of paying an eager step first.
         self.seen[shape] = self.seen.get(shape, 0) + 1
-        if self.seen[shape] < 2:
+        if self.seen[shape] < 2 and q == 1:
             return None
         return self._capture(chunks, q)
 
