@@ -153,7 +153,9 @@ def test_conditional_generation_checkpoint_loads_its_text_model(tmp_path, caplog
         weights = {n if n.startswith("lm_head.") else "model." + n: t for n, t in weights.items()}
         save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     with caplog.at_level(logging.INFO, logger="hybridkv"):
-        engine = Engine(str(folder), dtype="float32", kernel_block_size=4)
+        # (a small pool: the config's 131072 positions would size the default 4 GiB one, and
+        # zeroing it took 20 s in a worker process of the suite)
+        engine = Engine(str(folder), dtype="float32", kernel_block_size=4, memory_bytes=64 * 2**20)
     assert f"under '{prefix}vision_tower.'" in caplog.text
     assert f"under '{prefix}multi_modal_projector.'" in caplog.text
     asks = prompts(VOCAB - 4, [11, 23], seed=4)  # no image / boi / eoi tokens
