@@ -14,6 +14,18 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # decorated, so it is set before any test imports a kernels module.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# torch.compile's on-disk cache does not key its C++ kernels by ATEN_CPU_CAPABILITY: a kernel
+# built for this CPU's AVX-512 and loaded again under ATEN_CPU_CAPABILITY=avx2 (the AVX2
+# simulation, README "Machines") gave wrong tokens (test_compiled_decode_matches_transformers;
+# right with a fresh cache). One cache per capability.
+if os.environ.get("ATEN_CPU_CAPABILITY") and not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+    import getpass
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(
+        Path(tempfile.gettempdir())
+        / f"torchinductor-{getpass.getuser()}-{os.environ['ATEN_CPU_CAPABILITY']}"
+    )
 
 
 HAS_GPU = torch.cuda.is_available()
