@@ -8,7 +8,8 @@ and drafts accepted half the time make the step slower than plain decoding
 `disable_by_batch_size` / `num_speculative_tokens_per_batch_size` need the user to know the
 machine. This policy measures instead (the "goodput" criterion of SmartSpec, Liu et al. 2024):
 
-    steps of n requests with q tokens each  ->  seconds(n, q): median of the latest step times
+    steps of n requests with q tokens each  ->  seconds(n, q): lower quartile of the latest
+                                                step times
     (one shape per step: core/scheduler.py)
     verified drafts                         ->  a_j: the chance that draft j is accepted once
                                                 drafts 1 .. j - 1 were (over all requests);
@@ -51,29 +52,33 @@ wins, one size at a time upwards (the smallest unmeasured size is the largest co
 so a size that could pay is tried once, and a cost curve measured as steep (on a CPU each
 verify row costs what a decode token does) stops the exploration, at this batch size and at
 the others (a batch that shrinks as requests finish need not explore again). A shape's first
-two runs (eager, then building its captured program) are not counted, two more make its
-median. Every `probe_every` steps the neighbour of the choice (one draft more or fewer)
-measured longest ago runs instead, so the choice follows the machine's load. Whether drafting
-could pay at all is decided once per LEARN_EVERY steps and batch size. Only which drafts are
-verified changes, never a token: greedy output stays equal to decoding without drafts.
+two runs (building its captured program, and one more) are not counted, two more make its
+first estimate: the lower quartile of its samples, not their median, because a neighbour on a
+shared machine only ever adds time (with two samples the median is their mean, which one step
+slowed by another process moves by half its delay, enough to make a shape look steep and end
+the exploration of longer ones). Every `probe_every` steps the neighbour of the choice (one
+draft more or fewer) measured longest ago runs instead, so the choice follows the machine's
+load. Whether drafting could pay at all is decided once per LEARN_EVERY steps and batch size.
+Only which drafts are verified changes, never a token: greedy output stays equal to decoding
+without drafts.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-TIME_WINDOW = 32  # step times a shape's median is taken over (the latest)
+TIME_WINDOW = 32  # step times a shape's estimate is taken over (the latest)
 POSITION_WINDOW = 64  # verified drafts a position's acceptance average weighs
 REQUEST_WINDOW = 16  # first drafts a request's own average weighs
 PRIOR_WEIGHT = 2.0  # observations' worth of the all-request rate in a request's estimate
 PROBE_EVERY = 512  # steps between re-measurements of a neighbour of the chosen shape
-# runs of a shape not counted: the first runs eagerly, the second builds its captured program
-# (hybridkv.worker.graphs captures a shape at its second step)
+# runs of a shape not counted: the one that builds its captured program (hybridkv.worker.graphs:
+# a verify shape at its first step, a decode shape at its second, after an eager one) and one
+# more
 WARMUP_RUNS = 2
-MIN_SAMPLES = 2  # samples of a shape (after its warm-up runs) before its mean is trusted
+MIN_SAMPLES = 2  # samples of a shape (after its warm-up runs) before its estimate is trusted
 LEARN_EVERY = 8  # steps between proposals made only to learn each request's first drafts
 
 
@@ -92,14 +97,16 @@ class MovingMean:
 
 @dataclass
 class StepTimes:
-    """A shape's latest TIME_WINDOW step times and their median: a step that a collection,
-    another process or a page fault slowed down moves a median little, a mean a lot."""
+    """A shape's latest TIME_WINDOW step times and their lower quartile: a step that a
+    collection, another process or a page fault slowed down only adds time, so a low quantile
+    estimates the shape's own cost (and moves little), where a mean moves a lot and a median of
+    two samples is their mean."""
 
     samples: deque[float] = field(default_factory=lambda: deque(maxlen=TIME_WINDOW))
     last_step: int = 0  # the policy step of the latest sample
-    # the median, computed when read (a step adds a sample, few steps read one: a batch
+    # the estimate, computed when read (a step adds a sample, few steps read one: a batch
     # whose drafts do not pay skips the policy's reads for LEARN_EVERY steps)
-    _median: float | None = None
+    _estimate: float | None = None
 
     @property
     def count(self) -> int:
@@ -107,13 +114,15 @@ class StepTimes:
 
     @property
     def value(self) -> float:
-        if self._median is None:
-            self._median = statistics.median(self.samples) if self.samples else 0.0
-        return self._median
+        if self._estimate is None:
+            ordered = sorted(self.samples)
+            # lower quartile: the lowest of up to 4 samples, the 2nd of 5-8, ...
+            self._estimate = ordered[(len(ordered) - 1) // 4] if ordered else 0.0
+        return self._estimate
 
     def add(self, seconds: float, step: int) -> None:
         self.samples.append(seconds)
-        self._median = None
+        self._estimate = None
         self.last_step = step
 
 
