@@ -24,7 +24,8 @@ parallelism). A shape is (requests S, tokens per request q):
     row once per token), slots [S*q], seq_lens [S*q] (position + 1);  per state group: state
     pages [S]  -->  program.run()  -->  logits [S*q, vocab] A size is captured at
 its second step (the first runs eagerly and computes what the kernels keep with the weights,
-such as transposed conv weights), and from its third step on it replays. A model whose step
+such as transposed conv weights), and from its third step on it replays; a verify shape
+(q > 1), once any shape was captured, at its first. A model whose step
 computes anything outside native kernels (a PyTorch op somewhere, e.g. a family's MoE routing)
 cannot be captured: the first attempt says why in the log and every step stays eager. The
 captured program is the eager step's own calls, so its results are the eager step's, bit for
@@ -150,11 +151,13 @@ class DecodeGraphs:
             self.hidden = step.hidden
             return step.logits
         # A decode batch size waits for its second step (sizes the batch only passes through
-        # are not worth a capture); a verify shape (q > 1) is scheduled on purpose, by a draft
+        # are not worth a capture). A verify shape (q > 1) is scheduled on purpose, by a draft
         # policy that will run it again (adaptive_k measures each shape it explores), so it
-        # captures at first sight instead of paying an eager step first.
+        # captures at first sight instead of paying an eager step first, once some shape was
+        # captured: an eager step has then computed what the kernels keep with the weights.
         self.seen[shape] = self.seen.get(shape, 0) + 1
-        if self.seen[shape] < 2 and q == 1:
+        first_sight = q > 1 and bool(self.steps)
+        if self.seen[shape] < 2 and not first_sight:
             return None
         return self._capture(chunks, q)
 

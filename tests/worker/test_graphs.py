@@ -264,6 +264,11 @@ def test_verify_steps_replay_like_eager_ones(family, dtype, tmp_path_factory, mo
     if graphs.replays:
         assert any(q > 1 for _, q in graphs.steps), graphs.steps
         assert not graphs.refused, graphs.refused
+        # the first shape captured waited for its second step (an eager one computed what the
+        # kernels keep with the weights); a verify shape after it captured at its first
+        first, *later = list(graphs.steps)
+        assert graphs.seen[first] == 2
+        assert all(graphs.seen[shape] == 1 for shape in later if shape[1] > 1), graphs.seen
 
 
 def test_replays_expose_the_hidden_states_of_their_logits(dense):
