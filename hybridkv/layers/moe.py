@@ -17,8 +17,8 @@ Routing rules (`RoutingRule`), the modes each family declares:
     LFM2-MoE               sigmoid        -          eps 1e-6         yes       expert_bias
                                                                                 (model dtype)
 
-Every row routes natively, one kernel call a layer, on a CPU with AVX2 ("native") but gpt-oss's
-(a gate bias, softmax scores in bfloat16); in bfloat16 on AMX the first four ("native-amx").
+Every row routes natively, one kernel call a layer, on a CPU with AVX2 ("native"; gpt-oss's gate
+bias and bfloat16 scores too); in bfloat16 on AMX the first four ("native-amx").
 
 - softmax: softmax over every expert, the k largest probabilities (Mixtral, transformers'
   `softmax -> topk`); topk_softmax: the k largest logits, softmax over those k (gpt-oss,
@@ -38,14 +38,15 @@ through the same chain. Native routers, one kernel call a layer: bfloat16 on a C
 "native-amx" for the softmax / topk_softmax rules of an nn.Linear gate without a choice bias,
 groups or scaling (`native_route_fits`); float32, and bfloat16 without AMX or past it, on a CPU
 with AVX2, "native" for every rule of the table (`RoutingRule.native_rule`,
-`vector_route_fits`: a choice bias, groups, eps, scaling; a Router's float32 logits) but
-softmax / topk_softmax scored in bfloat16 (gpt-oss, whose gate bias also keeps it on "torch").
+`vector_route_fits`: a gate bias, a choice bias, groups, eps, scaling; a Router's float32
+logits) but softmax scored in bfloat16 (no family's).
 
 Experts: `GatedExperts` (SwiGLU, [gate | up] rows stacked: `mlp.gated_experts`, native on AMX in
 bfloat16 and on every CPU with AVX2 in float32 and bfloat16 up to NATIVE_EXPERT_ROWS tokens),
 `UngatedExperts` (Nemotron-H: up / down and an activation, float32 sums; with relu2 native on
 every CPU with AVX2 up to NATIVE_EXPERT_ROWS tokens, `UNGATED_EXPERTS`) and
-`ClampedSwigluExperts` (gpt-oss: x @ W layout, interleaved gate / up, biases, clamps). Tensor
+`ClampedSwigluExperts` (gpt-oss: x @ W layout, interleaved gate / up, biases, clamps; native
+on every CPU with AVX2 up to NATIVE_EXPERT_ROWS tokens, `CLAMPED_EXPERTS`). Tensor
 parallel: every expert's intermediate size is split; routers are replicated; the callers
 all-reduce the partial sums once.
 """
@@ -164,13 +165,13 @@ class RoutingRule:
         """This rule as the native router of every build computes it (`moe.vector_route`)
         from logits of that dtype, an `ops.native.moe.NativeRule` (not named in the signature:
         layers/ import no native module at module level, tests/test_layering.py), or None:
-        topk_softmax with groups (its rule ignores them),
-        no experts to choose, or softmax / topk_softmax scored in bfloat16 (`float32=False`:
-        gpt-oss's, rounded as the kernel does not)."""
+        topk_softmax with groups (its rule ignores them), no experts to choose, or softmax
+        scored in bfloat16 (its top-k of rounded probabilities; sigmoid and topk_softmax in
+        bfloat16, gpt-oss's, round as the kernel does)."""
         from hybridkv.ops.native import moe
 
         bf16_scores = not self.float32 and logits_dtype == torch.bfloat16
-        if self.top_k < 1 or (bf16_scores and self.scoring != "sigmoid"):
+        if self.top_k < 1 or (bf16_scores and self.scoring == "softmax"):
             return None
         if self.scoring == "topk_softmax" and self.grouped:
             return None
@@ -185,19 +186,19 @@ class RoutingRule:
 # The routers (`route`), keyed by x's dtype; each implementation takes (x, gate, rule,
 # choice_bias, weights_dtype) -> Routing, the gate an nn.Linear (logits gate(x), in x's dtype)
 # or a `Router` (its own weight: float32 logits from float32 inputs when the rule says so). The
-# native ones take a gate without bias and the rules they implement; for the others, the chain
-# without them:
+# native ones take the rules they implement (native-amx: a gate without bias); for the others,
+# the chain without them:
 #   bfloat16 on a CPU with AMX        native-amx (`native_route_fits`: softmax / topk_softmax,
 #                                       renormalised or not, no choice bias, groups or
 #                                       scaling; an nn.Linear gate: its logits are bfloat16)
 #   float32, and bfloat16 without     native (`vector_route_fits`: every rule of
 #     AMX or past native-amx, on a      `RoutingRule.native_rule`: softmax, topk_softmax and
 #     CPU with AVX2                     sigmoid, a choice bias, groups by top2_sum or max,
-#                                       renormalised with eps, scaled; scores in bfloat16 for
-#                                       sigmoid only. The gate's product on the small-batch
-#                                       linears, then the rule and top-k, one call)
-#   otherwise (no AVX2, other devices, torch (the gate's product, then the rule)
-#     a gate bias: gpt-oss)
+#                                       renormalised with eps, scaled; a gate bias; scores in
+#                                       bfloat16 for sigmoid and topk_softmax. The gate's
+#                                       product on the small-batch linears, then the rule and
+#                                       top-k, one call)
+#   otherwise (no AVX2, other devices) torch (the gate's product, then the rule)
 # The native routers are one kernel call a layer, so that a decode step of a MoE model can be
 # captured (hybridkv/worker/graphs.py).
 _CPU, _BF16 = frozenset({"cpu"}), frozenset({"bfloat16"})
@@ -281,14 +282,17 @@ def vector_route_fits(
 ) -> bool:
     """The native router of every build (`ops.native.moe.vector_route`): inference; a rule it
     implements (`RoutingRule.native_rule` of the logits' dtype), 0 < k <= E, E in the rule's
-    groups; a gate without bias; a choice bias [E] or None (a topk_softmax rule: None, as its
-    rule ignores one); x [T, H] and the gate's weight [E, H] (contiguous) float32 or bfloat16
-    on the CPU, of one dtype (a Router scoring in float32: either); weights float32 or
-    bfloat16; the native library loaded."""
+    groups; a gate bias [E] of the weight's dtype on the CPU, or None; a choice bias [E] or
+    None (a topk_softmax rule: None, as its rule ignores one); x [T, H] and the gate's weight
+    [E, H] (contiguous) float32 or bfloat16 on the CPU, of one dtype (a Router scoring in
+    float32: either); weights float32 or bfloat16; the native library loaded."""
     from hybridkv.ops import native
 
-    weight = gate.weight
-    if torch.is_grad_enabled() or gate.bias is not None or x.dim() != 2 or weight.dim() != 2:
+    weight, bias = gate.weight, gate.bias
+    if torch.is_grad_enabled() or x.dim() != 2 or weight.dim() != 2:
+        return False
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != weight.dtype
+                             or bias.device.type != "cpu"):  # fmt: skip
         return False
     floats = (torch.float32, torch.bfloat16)
     if x.dtype not in floats or weight.dtype not in floats or not weight.is_contiguous():
@@ -338,13 +342,16 @@ def _vector_route(
     native_rule = rule.native_rule(_logits_dtype(x, gate, rule))
     if native_rule is None:
         return None
-    weight = gate.weight  # [E, H]; a Router scoring in float32: float32 (x widened in C)
-    if _logits_dtype(x, gate, rule) == torch.float32:
+    weight, gate_bias = gate.weight, gate.bias  # [E, H], [E] or None
+    if _logits_dtype(x, gate, rule) == torch.float32:  # (a Router's: x widened in C)
         weight = _float32(weight, "float32_router")
+        gate_bias = None if gate_bias is None else _float32(gate_bias, "float32_router_bias")
+    elif gate_bias is not None and not gate_bias.is_contiguous():
+        gate_bias = derived(gate_bias, "contiguous_router_bias", torch.Tensor.contiguous)
     if isinstance(gate, Router) and weights_dtype is None:
         weights_dtype = torch.float32 if rule.float32 else x.dtype  # the rule's, as PyTorch's
     bias = None if choice_bias is None else _float32(choice_bias, "float32_choice_bias")
-    routed = moe.vector_route(x, weight, rule.top_k, native_rule, bias, weights_dtype)
+    routed = moe.vector_route(x, weight, rule.top_k, native_rule, bias, weights_dtype, gate_bias)
     return None if routed is None else Routing(*routed)  # weights: [T, k]
 
 
@@ -566,12 +573,82 @@ class UngatedExperts(nn.Module):
         return chain.for_rows(x.shape[0])(self, x, routing)
 
 
+# gpt-oss's experts (`ClampedSwigluExperts`), keyed by x's dtype; each implementation takes
+# (experts, x, routing) -> [T, H]:
+#   float32 and bfloat16 on a CPU      native (`clamped_experts_fit`: routing weights of x's
+#     with AVX2, up to                   dtype; `ops.native.moe.vector_clamped_experts` on the
+#     NATIVE_EXPERT_ROWS tokens          weights transposed to [E, N, K] rows, gate and up
+#                                        separated (`native_weights`, kept with the weights):
+#                                        every pair in one call, summed in x's dtype as below)
+#   otherwise                          torch (`looped_experts`)
+# The native link is one kernel call a layer, so that a decode step can be captured.
+CLAMPED_EXPERTS = declare(
+    "moe_clamped_experts",
+    (
+        OpImpl("native", f"{__name__}:_vector_clamped", _CPU, _FLOATS, ("native", "avx2"),
+               max_rows=_native_expert_rows, strict=True,
+               description="moe.c: every pair of gpt-oss's clamped SwiGLU experts in one call"),
+        OpImpl("torch", f"{__name__}:torch_clamped", description="looped_experts"),
+    ),
+)  # fmt: skip
+
+
+def clamped_experts_fit(experts: ClampedSwigluExperts, x: torch.Tensor, routing: Routing) -> bool:
+    """The native clamped experts' rule (`ops.native.moe.vector_clamped_experts`): inference;
+    x [T, H] and the four weights float32 or bfloat16 on the CPU, all of one dtype; routing
+    weights of x's dtype (the Router's, gpt-oss's rule scoring in the model dtype), expert ids
+    int64 [T, k]; the library loaded."""
+    from hybridkv.ops import native
+
+    if torch.is_grad_enabled() or x.dim() != 2 or x.device.type != "cpu":
+        return False
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.shape[1] != experts.hidden:
+        return False
+    weights = (experts.gate_up_proj, experts.gate_up_proj_bias, experts.down_proj,
+               experts.down_proj_bias)  # fmt: skip
+    if any(w.dtype != x.dtype or w.device.type != "cpu" for w in weights):
+        return False
+    chosen, routing_weights = routing
+    if chosen.dtype != torch.int64 or routing_weights.dtype != x.dtype or chosen.dim() != 2:
+        return False
+    if routing_weights.shape != chosen.shape or chosen.shape[0] != x.shape[0]:
+        return False
+    return native.library() is not None
+
+
+def _gate_up_rows(w: torch.Tensor) -> torch.Tensor:
+    """[E, H, 2I] (x @ W; gate at even columns, up at odd) -> [E, 2I, H] rows [gate | up]."""
+    return torch.cat([w[..., 0::2], w[..., 1::2]], dim=-1).transpose(1, 2).contiguous()
+
+
+def _gate_up_bias(b: torch.Tensor) -> torch.Tensor:
+    """[E, 2I] interleaved -> [E, 2I] ([gate | up])."""
+    return torch.cat([b[..., 0::2], b[..., 1::2]], dim=-1).contiguous()
+
+
+def _vector_clamped(
+    experts: ClampedSwigluExperts, x: torch.Tensor, routing: Routing
+) -> torch.Tensor | None:
+    from hybridkv.ops.native import moe
+
+    gate_up, gate_up_bias, down, down_bias = experts.native_weights()
+    chosen, weights = routing
+    return moe.vector_clamped_experts(
+        x, chosen, weights, gate_up, gate_up_bias, down, down_bias, experts.alpha, experts.limit
+    )
+
+
+def torch_clamped(experts: ClampedSwigluExperts, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    return looped_experts(x, routing, experts.num_experts, experts._expert, x.dtype)
+
+
 class ClampedSwigluExperts(nn.Module):
     """gpt-oss's experts as its checkpoints store them (x @ W): gate_up_proj [E, H, 2I] (gate at
     even columns, up at odd), gate_up_proj_bias [E, 2I], down_proj [E, I, H], down_proj_bias
     [E, H]; activation (up + 1) * gate * sigmoid(alpha * gate), gate clamped above at `limit`,
-    up to +-limit. Tensor parallel: interleaved (gate, up) pairs keep a slice contiguous; the
-    down bias is added by rank 0 only."""
+    up to +-limit. The `CLAMPED_EXPERTS` chain of x's dtype (native: `clamped_experts_fit`, on
+    the weights as `native_weights` lays them out). Tensor parallel: interleaved (gate, up)
+    pairs keep a slice contiguous; the down bias is added by rank 0 only."""
 
     def __init__(
         self, num_experts: int, hidden: int, intermediate: int, alpha: float, limit: float
@@ -579,7 +656,7 @@ class ClampedSwigluExperts(nn.Module):
         super().__init__()
         tp, full = current(), intermediate
         i = tp.split(full, "intermediate_size")
-        self.num_experts, self.alpha, self.limit = num_experts, alpha, limit
+        self.num_experts, self.hidden, self.alpha, self.limit = num_experts, hidden, alpha, limit
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * i))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * i))
         self.down_proj = nn.Parameter(torch.empty(num_experts, i, hidden))
@@ -601,9 +678,24 @@ class ClampedSwigluExperts(nn.Module):
         h = rows @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # [n, 2I]
         return self.activation(h) @ self.down_proj[e] + self.down_proj_bias[e]
 
+    def native_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The weights as the native kernel reads them (y = x @ w^T rows; computed once per
+        version of each weight and kept with it, `derived`: a second copy of the experts):
+        gate_up [E, 2I, H] ([gate | up] rows), its bias [E, 2I] in the same order,
+        down [E, H, I], down's bias [E, H]."""
+        return (
+            derived(self.gate_up_proj, "gate_up_rows", _gate_up_rows),
+            derived(self.gate_up_proj_bias, "gate_up_bias_rows", _gate_up_bias),
+            derived(self.down_proj, "down_rows", lambda w: w.transpose(1, 2).contiguous()),
+            derived(self.down_proj_bias, "contiguous", torch.Tensor.contiguous),
+        )
+
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """x: [T, H] -> [T, H], summed in x's dtype."""
-        return looped_experts(x, routing, self.num_experts, self._expert, x.dtype)
+        """x: [T, H]; routing weights of x's dtype -> [T, H], summed in x's dtype."""
+        chain = CLAMPED_EXPERTS.of(x)
+        if chain.links[0].impl.name == "native" and not clamped_experts_fit(self, x, routing):
+            chain = CLAMPED_EXPERTS.chain(x.device, x.dtype, ("native",))
+        return chain.for_rows(x.shape[0])(self, x, routing)
 
 
 # -- blocks ------------------------------------------------------------------------------------

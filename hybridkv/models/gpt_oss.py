@@ -38,6 +38,7 @@ from hybridkv.layers.moe import ClampedSwigluExperts, Router, RoutingRule
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import HFConfig, layer_types
+from hybridkv.ops.elementwise import residual_add
 
 DEFAULT_THETA = 150000.0
 DEFAULT_YARN = {
@@ -187,7 +188,7 @@ class GptOssDecoderLayer(nn.Module):
         """x: [T, hidden] -> [T, hidden] (pre-norm residual blocks)."""
         h = self.self_attn(self.input_layernorm(x), batch, rotary, cos_sin)
         x, h = self.post_attention_layernorm.add_forward(x, h)
-        return x + self.mlp(h)
+        return residual_add(x, self.mlp(h))
 
 
 class GptOssModel(nn.Module):

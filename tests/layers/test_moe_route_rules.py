@@ -198,8 +198,9 @@ def test_rules_the_kernel_does_not_take_stay_on_pytorch():
     sigmoid = deepseek_v3(2, 2, 1)
     with torch.inference_mode():
         gpt_oss = Router(16, 4, RoutingRule(2, "topk_softmax", float32=False), bias=True)
-        assert not layer.vector_route_fits(x, gpt_oss.bfloat16(), gpt_oss.rule)  # a gate bias
-        plain = Router(16, 4, RoutingRule(2, "topk_softmax", float32=False)).bfloat16()
+        assert layer.vector_route_fits(x, gpt_oss.bfloat16(), gpt_oss.rule)  # a gate bias: yes
+        assert not layer.vector_route_fits(x, gpt_oss.float(), gpt_oss.rule)  # mixed dtypes
+        plain = Router(16, 4, RoutingRule(2, "softmax", float32=False)).bfloat16()
         assert not layer.vector_route_fits(x, plain, plain.rule)  # softmax in bfloat16
         assert layer.vector_route_fits(x.float(), plain.float(), plain.rule)  # (float32: yes)
         grouped_topk = RoutingRule(2, "topk_softmax", groups=2, groups_kept=1)

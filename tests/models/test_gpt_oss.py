@@ -28,6 +28,9 @@ from .conformance import (  # noqa: F401
 )
 from .utils import engine_greedy, save_model, seeded
 
+CAPTURED = ("default", "odd")  # (the native router with its bias, the clamped experts)
+CAPTURED_BF16 = CAPTURED
+
 VOCAB = 96
 
 

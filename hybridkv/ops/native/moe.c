@@ -178,10 +178,11 @@ static void moe_route_token(const struct moe_rule *r, float *l, float *choice, f
     moe_topk(choice, E, k, experts, w); /* w: the chosen values of choice */
     if (r->bias != NULL)
         for (int64_t j = 0; j < k; j++) w[j] = l[experts[j]]; /* the unbiased scores */
-    if (r->mode == 2) { /* the softmax of the k largest logits */
+    if (r->mode == 2) { /* the softmax of the k largest logits (bf16: the result rounded,
+                           * as PyTorch's softmax of bfloat16 values, gpt-oss) */
         float sum = 0.0f;
         for (int64_t j = 0; j < k; j++) sum += (w[j] = expf(w[j] - top));
-        for (int64_t j = 0; j < k; j++) w[j] /= sum;
+        for (int64_t j = 0; j < k; j++) w[j] = moe_r(r, w[j] / sum);
     }
     moe_finish(r, w, k);
 }
@@ -638,9 +639,11 @@ static void moe_linear(int bf16, const void *x, int64_t ldx, const void *w, int6
         hkv_f32_linear(x, ldx, w, NULL, M, N, K, y, ldy);
 }
 
-/* The router of a gate without bias (moe.py's `vector_route`):
+/* The router (moe.py's `vector_route`):
  *     x       [T, H] rows at a row stride, float32 or bfloat16 (types & 1)
  *     gate    [E, H] contiguous, float32 or bfloat16 (types & 2: then x is bfloat16 too)
+ *     gate_bias NULL, or [E] of the gate's dtype: added to the logits (gpt-oss's router;
+ *             bfloat16: in float32 to the product's sums, rounded once, as F.linear's)
  *     bias    NULL or [E] float32: the choice bias (struct moe_rule)
  *     experts [T, k] int64 (largest choice first), weights [T, k] bfloat16 (types & 4) or
  *             float32
@@ -652,7 +655,8 @@ static void moe_linear(int bf16, const void *x, int64_t ldx, const void *w, int6
  * rounded to their dtype. k <= E; groups divides E (top2_sum: at least two experts a group),
  * 1 <= kept <= groups. */
 void hkv_moe_route(const void *x, int64_t x_stride, int64_t T, int64_t H, const void *gate,
-                   int64_t E, int64_t k, int types, int mode, const float *bias, int64_t groups,
+                   const void *gate_bias, int64_t E, int64_t k, int types, int mode,
+                   const float *bias, int64_t groups,
                    int64_t kept, int flags, float eps, float scaling, int64_t *experts,
                    void *weights, float *work) {
     if (T <= 0 || k <= 0) return;
@@ -663,15 +667,15 @@ void hkv_moe_route(const void *x, int64_t x_stride, int64_t T, int64_t H, const 
     float *gs = scratch + T * (E + H), *wk = gs + T * groups; /* then [T, k] weights */
     if (gate16) { /* bfloat16 logits [T, E] in scratch */
         uint16_t *l16 = (uint16_t *)scratch;
-        hkv_bf16_linear(x, x_stride, gate, NULL, T, E, H, l16, E);
+        hkv_bf16_linear(x, x_stride, gate, gate_bias, T, E, H, l16, E);
         for (int64_t i = 0; i < T * E; i++) logits[i] = hkv_bf16_to_f32(l16[i]);
     } else if (x16) { /* x widened to float32 [T, H] in scratch */
         for (int64_t t = 0; t < T; t++)
             for (int64_t h = 0; h < H; h++)
                 scratch[t * H + h] = hkv_bf16_to_f32(((const uint16_t *)x)[t * x_stride + h]);
-        hkv_f32_linear(scratch, H, gate, NULL, T, E, H, logits, E);
+        hkv_f32_linear(scratch, H, gate, gate_bias, T, E, H, logits, E);
     } else {
-        hkv_f32_linear(x, x_stride, gate, NULL, T, E, H, logits, E);
+        hkv_f32_linear(x, x_stride, gate, gate_bias, T, E, H, logits, E);
     }
     const int in_place = bias == NULL && kept >= groups; /* the choice is the scores */
 #pragma omp parallel for schedule(static) if (T * E >= 4096)
@@ -710,14 +714,65 @@ static void moe_add_weighted(int bf16, void *out, const void *y, const void *w, 
     }
 }
 
+/* hkv_moe_experts' activations */
+#define MOE_SWIGLU 0  /* silu(gate) * up */
+#define MOE_RELU2 1   /* relu(up)^2, up [E, I, H] */
+#define MOE_CLAMPED 2 /* gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit) */
+
 /* What the two phases of hkv_moe_experts read: h, Y and the gathered rows by sorted pair. */
 struct moe_vec {
-    int bf16, relu2; /* relu2: up [E, I, H] and relu(up x)^2 (else gate_up, SwiGLU) */
+    int bf16, relu2, act; /* relu2: up [E, I, H] and relu(up x)^2 (else gate_up) */
     int64_t es, H, I;
     const int64_t *offsets;
     const void *gate_up, *down;
+    const void *gate_up_bias, *down_bias; /* NULL or [E, 2I] ([gate | up]), [E, H] */
+    float alpha, limit;
     char *xg, *gu, *h, *Y; /* [P, H], [P, 2I], [P, I], [P, H] */
 };
+
+/* v rounded to bfloat16 when bf16 (kept in float32) */
+static inline float moe_rb(int bf16, float v) { return bf16 ? moe_round1(v) : v; }
+
+/* The value at i of a float32 or bfloat16 row */
+static inline float moe_at(int bf16, const void *p, int64_t i) {
+    return bf16 ? hkv_bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void moe_put(int bf16, void *p, int64_t i, float v) {
+    if (bf16)
+        ((uint16_t *)p)[i] = hkv_f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* row[c] = row[c] + bias[c] for c in c0 .. c1 - 1, rounded (PyTorch's `x @ W + b`: the
+ * product rounded, then the sum) */
+static void moe_add_bias(int bf16, void *row, const void *bias, int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; c++)
+        moe_put(bf16, row, c, moe_at(bf16, row, c) + moe_at(bf16, bias, c));
+}
+
+/* gpt-oss's activation of one row's columns c0 .. c1 - 1 (ClampedSwigluExperts.activation:
+ * gate_up's gate at gu[c] and up at gu[I + c], each biased first when gb: gb[c], gb[I + c]);
+ * every step rounded in bfloat16 as PyTorch's ops round it:
+ *     g = min(gate, limit), u = clamp(up, -limit, limit),
+ *     h = (u + 1) * (g * sigmoid(g * alpha)) */
+static void moe_clamped(int bf16, const void *gu, const void *gb, void *h, int64_t I, int64_t c0,
+                        int64_t c1, float alpha, float limit) {
+    for (int64_t c = c0; c < c1; c++) {
+        float g = moe_at(bf16, gu, c), u = moe_at(bf16, gu, I + c);
+        if (gb != NULL) {
+            g = moe_rb(bf16, g + moe_at(bf16, gb, c));
+            u = moe_rb(bf16, u + moe_at(bf16, gb, I + c));
+        }
+        g = g > limit ? limit : g; /* (NaN stays NaN, as clamp) */
+        u = u > limit ? limit : u < -limit ? -limit : u;
+        const float z = moe_rb(bf16, g * alpha);
+        const float s = moe_rb(bf16, 1.0f / (1.0f + expf(-z)));
+        const float glu = moe_rb(bf16, g * s);
+        moe_put(bf16, h, c - c0, moe_rb(bf16, u + 1.0f) * glu);
+    }
+}
 
 /* Columns part * n / split .. (part + 1) * n / split of n, in whole 16s (the last: the rest) */
 static void moe_part(int64_t n, int64_t part, int64_t split, int64_t *c0, int64_t *c1) {
@@ -742,9 +797,13 @@ static void moe_vec_a(const struct moe_vec *s, int64_t e, int64_t part, int64_t 
     if (!s->relu2)
         moe_linear(s->bf16, x, H, w + (I + c0) * H * es, n, c1 - c0, H, g + (I + c0) * es,
                    2 * I);
+    const char *gb = s->gate_up_bias;
+    gb = gb == NULL ? NULL : gb + e * 2 * I * es; /* the expert's [gate | up] biases */
     for (int64_t r = 0; r < n; r++) { /* h row by row: [n, c1 - c0] at h's row stride I */
         char *gr = g + r * 2 * I * es, *a = s->h + ((p0 + r) * I + c0) * es;
-        if (s->relu2)
+        if (s->act == MOE_CLAMPED)
+            moe_clamped(s->bf16, gr, gb, a, I, c0, c1, s->alpha, s->limit);
+        else if (s->relu2)
             hkv_relu2(gr + c0 * es, a, c1 - c0, s->bf16);
         else if (s->bf16)
             hkv_silu_mul_bf16((uint16_t *)gr + c0, 0, (uint16_t *)gr + I + c0, 0, (uint16_t *)a,
@@ -764,6 +823,10 @@ static void moe_vec_b(const struct moe_vec *s, int64_t e, int64_t part, int64_t 
     const char *w = (const char *)s->down + e * H * I * es;
     moe_linear(s->bf16, s->h + p0 * I * es, I, w + c0 * I * es, n, c1 - c0, I,
                s->Y + (p0 * H + c0) * es, H);
+    if (s->down_bias != NULL)
+        for (int64_t r = 0; r < n; r++)
+            moe_add_bias(s->bf16, s->Y + (p0 + r) * H * es, (const char *)s->down_bias + e * H * es,
+                         c0, c1);
 }
 
 /* out[t] (T = 1 row) = the sum of a token's k rows of Y (of out's dtype) times their float32
@@ -792,15 +855,19 @@ static void moe_sum_f32(int bf16, void *out, const char *Y, const float *w,
     }
 }
 
-/* SwiGLU experts (relu2 == 0), or Nemotron-H's relu2 experts (relu2 == 1), every (token,
- * expert) pair of a step in one call:
+/* SwiGLU experts (act MOE_SWIGLU), Nemotron-H's relu2 experts (MOE_RELU2) or gpt-oss's clamped
+ * SwiGLU experts with biases (MOE_CLAMPED), every (token, expert) pair of a step in one call:
  *     x        [T, H] rows at a row stride
  *     experts  [T, k] int64, weights [T, k] of x's dtype (relu2: float32)
  *     gate_up  [E, 2I, H] ([gate | up] rows) (relu2: up [E, I, H]), down [E, H, I], contiguous
  *     out      [T, H] rows at a row stride
  *     out[t] = sum over j, in ascending expert order, of
  *              w[t, j] * down_e (silu(gate_e x[t]) * up_e x[t]),   e = experts[t, j]
- *              (relu2: w[t, j] * down_e relu(up_e x[t])^2, summed in float32: moe_sum_f32)
+ *              (relu2: w[t, j] * down_e relu(up_e x[t])^2, summed in float32: moe_sum_f32;
+ *              clamped: w[t, j] * (down_e moe_clamped(gate_up_e x[t] + gb_e) + db_e), the
+ *              biases gate_up_bias [E, 2I] ([gate | up], as gate_up's rows) and down_bias
+ *              [E, H] of x's dtype, each NULL for none, added after their product's rounding;
+ *              alpha, limit: moe_clamped)
  * all float32 or all bfloat16 (bf16), rounded in bfloat16 as the AMX kernel above (and the
  * PyTorch path's per-expert loop): each product's output, silu before the product with up, the
  * product, y * w and the token's sum after each addition. The pairs are sorted by expert
@@ -814,8 +881,10 @@ static void moe_sum_f32(int bf16, void *out, const char *Y, const float *w,
  * outside 0 .. E - 1 (out untouched), -2 without memory for the work space. */
 int hkv_moe_experts(const void *x, int64_t x_stride, int64_t T, int64_t H,
                     const int64_t *experts, const void *weights, int64_t k, int64_t E,
-                    const void *gate_up, const void *down, int64_t I, int bf16, int relu2,
+                    const void *gate_up, const void *down, int64_t I, int bf16, int act,
+                    const void *gate_up_bias, const void *down_bias, float alpha, float limit,
                     void *out, int64_t out_stride) {
+    const int relu2 = act == MOE_RELU2;
     const int64_t P = T * k, es = bf16 ? 2 : 4;
     if (T <= 0) return 0;
     const int64_t acc_at = moe_up(P * (2 * H + 3 * I) * es, 64); /* float32 acc [H] (relu2) */
@@ -830,8 +899,8 @@ int hkv_moe_experts(const void *x, int64_t x_stride, int64_t T, int64_t H,
         free(ints), free(buf);
         return -1;
     }
-    struct moe_vec s = {bf16, relu2, es, H, I, offsets, gate_up, down,
-                        buf, buf + P * H * es, NULL, NULL};
+    struct moe_vec s = {bf16, relu2, act, es, H, I, offsets, gate_up, down,
+                        gate_up_bias, down_bias, alpha, limit, buf, buf + P * H * es, NULL, NULL};
     s.h = s.gu + P * 2 * I * es, s.Y = s.h + P * I * es;
     const char *X = x;
     for (int64_t p = 0; p < P; p++) /* x's rows in sorted order */

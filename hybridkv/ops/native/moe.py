@@ -10,9 +10,11 @@ On AMX tiles, bfloat16:
 
 On every build (AVX-512, AVX2 + FMA or plain C: the small-batch linears' kernels), float32 or
 bfloat16:
-- `vector_route`: a gate's product, the rule (softmax, topk_softmax or sigmoid; a choice bias,
-  groups, renormalisation with eps, scaling: `NativeRule`) and top-k in one call;
-- `vector_experts`: every (token, expert) pair of the SwiGLU experts in one call.
+- `vector_route`: a gate's product (with its bias, if any), the rule (softmax, topk_softmax or
+  sigmoid; a choice bias, groups, renormalisation with eps, scaling: `NativeRule`) and top-k in
+  one call;
+- `vector_experts`, `vector_relu2_experts`, `vector_clamped_experts`: every (token, expert) pair
+  of the SwiGLU, relu2 (Nemotron-H) or clamped SwiGLU (gpt-oss, biases) experts in one call.
 
 Both round as the PyTorch paths they replace (see moe.c); the tests compare them with a float64
 reference and with those paths."""
@@ -36,10 +38,10 @@ native.declare({
                            _ptr, _ptr],
 })  # fmt: skip
 native.declare({
-    "hkv_moe_route": [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _int, _int, _ptr, _i64, _i64,
-                      _int, _f32, _f32, _ptr, _ptr, _ptr],
+    "hkv_moe_route": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _int, _int, _ptr, _i64,
+                      _i64, _int, _f32, _f32, _ptr, _ptr, _ptr],
     "hkv_moe_experts": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int,
-                        _int, _ptr, _i64],
+                        _int, _ptr, _ptr, _f32, _f32, _ptr, _i64],
 })  # fmt: skip
 native.returns_status("hkv_moe_bf16", "hkv_moe_experts")
 
@@ -203,7 +205,7 @@ class NativeRule(NamedTuple):
     best `kept` of `groups` equal expert groups (kept < groups), scored by their best choice
     (`group_max`) or the sum of their best two; the k weights renormalised (+ eps when
     nonzero), then times `scaling`; `bf16_scores`: the scores and every step after them rounded
-    to bfloat16 (sigmoid only: PyTorch's ops on bfloat16 logits)."""
+    to bfloat16 (sigmoid and topk_softmax: PyTorch's ops on bfloat16 logits)."""
 
     mode: int
     groups: int = 1
@@ -259,6 +261,7 @@ def route(
 # -- every build: the router and experts on the small-batch linears ---------------------------
 
 _FLOATS = (torch.float32, torch.bfloat16)
+SWIGLU, RELU2, CLAMPED = 0, 1, 2  # hkv_moe_experts' activations (moe.c's MOE_SWIGLU, ...)
 
 
 def _same_float_cpu(*tensors: torch.Tensor) -> bool:
@@ -274,10 +277,12 @@ def vector_route(
     rule: int | NativeRule,
     choice_bias: torch.Tensor | None = None,
     weights_dtype: torch.dtype | None = None,
+    gate_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A gate without bias in one call (moe.c's hkv_moe_route, any build): x [T, H]; router
-    [E, H] contiguous, both float32 or both bfloat16 (logits in x's dtype, as an nn.Linear
-    gate's), or a float32 router (float32 logits from x widened: a Router's); rule: a
+    """A gate in one call (moe.c's hkv_moe_route, any build): x [T, H]; router [E, H]
+    contiguous, both float32 or both bfloat16 (logits in x's dtype, as an nn.Linear gate's),
+    or a float32 router (float32 logits from x widened: a Router's); gate_bias: None or [E] of
+    the router's dtype (contiguous), added to the logits as F.linear adds it; rule: a
     `NativeRule` or its mode alone; choice_bias: None or [E] float32 (contiguous) -> experts
     [T, k] int64 (largest choice first), weights [T, k] of `weights_dtype` (float32 or
     bfloat16; default x's); None when the library or these tensors don't fit."""
@@ -295,7 +300,13 @@ def vector_route(
     num_experts, hidden = router.shape
     if x.shape[1] != hidden or not 0 < k <= num_experts or not _groups_fit(rule, num_experts):
         return None
-    if rule.bf16_scores and (rule.mode != SIGMOID or router.dtype != torch.bfloat16):
+    if rule.bf16_scores and (rule.mode not in (SIGMOID, TOPK_SOFTMAX)
+                             or router.dtype != torch.bfloat16):  # fmt: skip
+        return None
+    if gate_bias is not None and not (
+        gate_bias.shape == (num_experts,) and gate_bias.dtype == router.dtype
+        and gate_bias.device.type == "cpu" and gate_bias.is_contiguous()
+    ):  # fmt: skip
         return None
     if choice_bias is not None and not _choice_bias_fits(choice_bias, num_experts):
         return None
@@ -312,7 +323,8 @@ def vector_route(
     types |= (weights_dtype == torch.bfloat16) << 2
     flags = rule.renormalise | rule.group_max << 1 | rule.bf16_scores << 2
     lib.hkv_moe_route(
-        x.data_ptr(), x.stride(0), tokens, hidden, router.data_ptr(), num_experts, k, types,
+        x.data_ptr(), x.stride(0), tokens, hidden, router.data_ptr(),
+        None if gate_bias is None else gate_bias.data_ptr(), num_experts, k, types,
         rule.mode, None if choice_bias is None else choice_bias.data_ptr(), rule.groups,
         rule.kept, flags, rule.eps, rule.scaling, experts.data_ptr(), weights.data_ptr(),
         work.data_ptr(),
@@ -351,7 +363,7 @@ def vector_experts(
         return None
     if gate_up.dim() != 3 or gate_up.shape[1] % 2:
         return None
-    return _experts(x, experts, weights, gate_up, down, gate_up.shape[1] // 2, relu2=False)
+    return _experts(x, experts, weights, gate_up, down, gate_up.shape[1] // 2, SWIGLU)
 
 
 def vector_relu2_experts(
@@ -371,7 +383,42 @@ def vector_relu2_experts(
         return None
     if weights.dtype != torch.float32 or weights.device.type != "cpu" or up.dim() != 3:
         return None
-    return _experts(x, experts, weights, up, down, up.shape[1], relu2=True)
+    return _experts(x, experts, weights, up, down, up.shape[1], RELU2)
+
+
+def vector_clamped_experts(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_bias: torch.Tensor,
+    down: torch.Tensor,
+    down_bias: torch.Tensor,
+    alpha: float,
+    limit: float,
+) -> torch.Tensor | None:
+    """gpt-oss's experts (`layers.moe.ClampedSwigluExperts`) in one call (moe.c's
+    hkv_moe_experts, any build): out[t] = sum_j w[t, j] * (down_e h + down_bias_e),
+    h = (clamp(u, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit),
+    [gate | u] = gate_up_e x[t] + gate_up_bias_e; x [T, H]; experts (int64), weights [T, k];
+    gate_up [E, 2I, H] ([gate | up] rows: the checkpoint's interleaved columns, separated and
+    transposed), gate_up_bias [E, 2I] (the same order), down [E, H, I], down_bias [E, H],
+    contiguous; all float32 or all bfloat16 (each product, bias addition and activation step
+    rounded as PyTorch's ops; the weighted rows summed in x's dtype in expert order) -> [T, H];
+    None when the library or these tensors don't fit."""
+    if torch.is_grad_enabled() or not _same_float_cpu(x, weights, gate_up, down):
+        return None
+    if not _same_float_cpu(x, gate_up_bias, down_bias) or gate_up.dim() != 3:
+        return None
+    num_experts, two_inter, hidden = gate_up.shape
+    if two_inter % 2 or gate_up_bias.shape != (num_experts, two_inter):
+        return None
+    if down_bias.shape != (num_experts, hidden):
+        return None
+    if not (gate_up_bias.is_contiguous() and down_bias.is_contiguous()):
+        return None
+    return _experts(x, experts, weights, gate_up, down, two_inter // 2, CLAMPED,
+                    (gate_up_bias, down_bias), alpha, limit)  # fmt: skip
 
 
 def _experts(
@@ -381,9 +428,13 @@ def _experts(
     first: torch.Tensor,
     down: torch.Tensor,
     inter: int,
-    relu2: bool,
+    act: int,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+    alpha: float = 0.0,
+    limit: float = 0.0,
 ) -> torch.Tensor | None:
-    """hkv_moe_experts on tensors of checked dtypes: first [E, 2I or I, H], down [E, H, I]."""
+    """hkv_moe_experts on tensors of checked dtypes: first [E, 2I or I, H], down [E, H, I];
+    biases: None or (first's [E, 2I], down's [E, H]), checked."""
     lib = native.library()
     if lib is None or x.dim() != 2 or experts.dim() != 2 or first.dim() != 3 or down.dim() != 3:
         return None
@@ -402,7 +453,9 @@ def _experts(
     code = lib.hkv_moe_experts(
         x.data_ptr(), x.stride(0), tokens, hidden, experts.data_ptr(), weights.data_ptr(), k,
         num_experts, first.data_ptr(), down.data_ptr(), inter, int(x.dtype == torch.bfloat16),
-        int(relu2), out.data_ptr(), out.stride(0),
+        act, None if biases is None else biases[0].data_ptr(),
+        None if biases is None else biases[1].data_ptr(), alpha, limit, out.data_ptr(),
+        out.stride(0),
     )  # fmt: skip
     if code == -1:
         raise ValueError(f"expert ids must lie in 0..{num_experts - 1}")
