@@ -45,23 +45,32 @@ def torch_residual_add(x: torch.Tensor, h: torch.Tensor, multiplier: float) -> t
     return x + h if multiplier == 1.0 else x + h * multiplier
 
 
-def logits_float32(logits: torch.Tensor, divisor: float = 1.0) -> torch.Tensor:
-    """The lm_head's output as float32 logits, divided by `divisor` (a family's logit scale).
-    logits: [n, vocab]."""
-    return LOGITS_FLOAT32.of(logits).first(logits, divisor)
+def logits_float32(
+    logits: torch.Tensor, divisor: float = 1.0, softcap: float | None = None
+) -> torch.Tensor:
+    """The lm_head's output as float32 logits, divided by `divisor` (a family's logit scale),
+    soft-capped first in the logits' dtype when `softcap` is set (nonzero: Gemma's final logit
+    soft-capping, tanh(logits / softcap) * softcap). logits: [n, vocab]."""
+    return LOGITS_FLOAT32.of(logits).first(logits, divisor, softcap)
 
 
-def _native_logits_float32(logits: torch.Tensor, divisor: float) -> torch.Tensor | None:
+def _native_logits_float32(
+    logits: torch.Tensor, divisor: float, softcap: float | None = None
+) -> torch.Tensor | None:
     from hybridkv.ops.native import elementwise
 
     # the kernel takes [rows, cols] with unit column stride
     rows = logits.reshape(-1, logits.shape[-1]) if logits.dim() != 2 else logits
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    out = elementwise.logits_f32(rows, divisor)
+    out = elementwise.logits_f32(rows, divisor, softcap)
     return None if out is None else out.reshape(logits.shape)
 
 
-def torch_logits_float32(logits: torch.Tensor, divisor: float) -> torch.Tensor:
+def torch_logits_float32(
+    logits: torch.Tensor, divisor: float, softcap: float | None = None
+) -> torch.Tensor:
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap  # in the logits' dtype
     out = logits.float()
     return out if divisor == 1.0 else out / divisor
 

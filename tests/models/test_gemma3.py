@@ -40,7 +40,8 @@ from .utils import (
 )
 
 # checkpoints whose decode steps must be captured (test_captured_decode_equals_eager)
-CAPTURED = ("defaults",)  # ("odd" soft-caps its logits in PyTorch)
+CAPTURED = ("defaults", "odd")  # ("odd": its logits soft-capped by the native logits kernel)
+CAPTURED_BF16 = CAPTURED
 
 VOCAB = 96
 

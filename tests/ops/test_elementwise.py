@@ -62,6 +62,40 @@ def test_logits_float32(dtype, divisor):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("divisor", [1.0, 0.3])
+@pytest.mark.parametrize("softcap", [30.0, 0.75, -2.0])
+def test_soft_capped_logits(dtype, divisor, softcap):
+    """Gemma's final logit soft-capping, tanh(x / c) * c in x's dtype, then float32 / divisor:
+    PyTorch's values (bfloat16: each of the three steps rounded; the tanh within float32's
+    rounding of PyTorch's, so within one bfloat16 step and mostly bit-equal), an odd row length
+    and a strided view; values far past the cap saturate at +-c."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 1001, generator=g) * 20).to(dtype)
+    x[0, :4] = torch.tensor([1e4, -1e4, 0.0, float("inf")]).to(dtype)
+    strided = (torch.randn(2, 2003, generator=g) * 5).to(dtype)[:, :1001]
+    for rows in (x, strided):
+        want = (torch.tanh(rows / softcap) * softcap).float() / divisor
+        got = ew.logits_f32(rows, divisor, softcap)
+        assert got.dtype == torch.float32 and got.shape == rows.shape
+        assert torch.equal(logits_float32(rows, divisor, softcap), got)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+        else:
+            step = 2**-7 * abs(softcap) / divisor
+            assert (got - want).abs().max() <= step
+            assert (got == want).float().mean() >= 0.97
+    cap = (torch.tensor([1.0, -1.0, 0.0, 1.0]) * abs(softcap)).to(dtype).float() / divisor
+    assert torch.equal(ew.logits_f32(x, divisor, softcap)[0, :4], cap)
+    assert ew.logits_f32(x, divisor, 0.0) is None  # (no cap of 0)
+
+
+def test_soft_capped_logits_of_a_large_vocabulary_run_in_parallel_and_agree():
+    x = torch.randn(1, 262144) * 40
+    want = torch.tanh(x / 30.0) * 30.0
+    torch.testing.assert_close(ew.logits_f32(x, 1.0, 30.0), want, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scaling", [1.0, 1.2])
 def test_rope_cos_sin_against_float64(dtype, scaling):
     positions = torch.tensor([0, 1, 7, 63, 4095, 131071])

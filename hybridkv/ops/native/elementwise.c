@@ -102,11 +102,34 @@ void hkv_rope_cos_sin(const int64_t *positions, int64_t n, const float *inv_freq
     }
 }
 
+/* v rounded to bfloat16, kept in float32 */
+static inline float ew_round(float v) { return hkv_bf16_to_f32(hkv_f32_to_bf16(v)); }
+
 /* Float32 logits from the lm_head's rows: out = float(x) / divisor (divisor == 1: widened
- * only). x: [rows, cols] float32 or bfloat16 at a row stride; out: [rows, cols] contiguous. */
+ * only). x: [rows, cols] float32 or bfloat16 at a row stride; out: [rows, cols] contiguous.
+ * softcap != 0 first caps every value in x's dtype, as Gemma's `tanh(x / c) * c` in PyTorch
+ * (bfloat16: the quotient, the tanh and the product each rounded): then the work is spread
+ * over the values, not the rows (a decode step's one row holds the whole vocabulary). */
 void hkv_logits_f32(const void *x, int64_t x_stride, int bf16, float *out, int64_t rows,
-                    int64_t cols, float divisor) {
+                    int64_t cols, float divisor, float softcap) {
     const int divide = divisor != 1.0f;
+    if (softcap != 0.0f) {
+        const int64_t n = rows * cols;
+#pragma omp parallel for schedule(static) if (n >= EW_PARALLEL_MIN)
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t r = i / cols, c = i % cols;
+            float v;
+            if (bf16) {
+                v = hkv_bf16_to_f32(((const uint16_t *)x)[r * x_stride + c]);
+                v = ew_round(tanhf(ew_round(v / softcap)));
+                v = ew_round(v * softcap);
+            } else {
+                v = tanhf(((const float *)x)[r * x_stride + c] / softcap) * softcap;
+            }
+            out[i] = divide ? v / divisor : v;
+        }
+        return;
+    }
 #pragma omp parallel for schedule(static) if (rows * cols >= 4 * EW_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         float *o = out + r * cols;

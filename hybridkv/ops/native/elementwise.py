@@ -18,7 +18,7 @@ native.declare({
     "hkv_embedding": [_ptr, _i64, _ptr, _i64, _i64, _int, _f32, _int, _ptr],
     "hkv_add_scaled": [_ptr, _ptr, _f32, _ptr, _i64, _int],
     "hkv_rope_cos_sin": [_ptr, _i64, _ptr, _i64, _f32, _int, _ptr, _ptr],
-    "hkv_logits_f32": [_ptr, _i64, _int, _ptr, _i64, _i64, _f32],
+    "hkv_logits_f32": [_ptr, _i64, _int, _ptr, _i64, _i64, _f32, _f32],
     "hkv_relu2": [_ptr, _ptr, _i64, _int],
     "hkv_mul_rows": [_ptr, _i64, _int, _ptr, _i64, _int, _ptr, _int, _i64, _i64],
     "hkv_to_bf16": [_ptr, _ptr, _i64],
@@ -91,18 +91,24 @@ def rope_cos_sin(
     return cos, sin
 
 
-def logits_f32(x: torch.Tensor, divisor: float = 1.0) -> torch.Tensor | None:
-    """x.float() / divisor for float32 or bfloat16 x [rows, cols] (unit column stride); a
-    float32 x with divisor 1 is returned as it is. None when not supported."""
-    if x.dtype == torch.float32 and divisor == 1.0:
+def logits_f32(
+    x: torch.Tensor, divisor: float = 1.0, softcap: float | None = None
+) -> torch.Tensor | None:
+    """x.float() / divisor for float32 or bfloat16 x [rows, cols] (unit column stride), x
+    soft-capped first when softcap is set (nonzero): tanh(x / softcap) * softcap in x's dtype,
+    as Gemma computes it; a float32 x with divisor 1 and no cap is returned as it is. None
+    when not supported (a cap of 0)."""
+    if x.dtype == torch.float32 and divisor == 1.0 and softcap is None:
         return x
+    if softcap == 0:
+        return None
     lib = native.library()
     if lib is None or not is_float_cpu(x) or x.dim() != 2 or x.stride(1) != 1:
         return None
     out = torch.empty(x.shape, dtype=torch.float32)
     lib.hkv_logits_f32(
         x.data_ptr(), x.stride(0), is_bf16(x), out.data_ptr(), x.shape[0], x.shape[1],
-        divisor,
+        divisor, 0.0 if softcap is None else softcap,
     )  # fmt: skip
     return out
 
