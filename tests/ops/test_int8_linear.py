@@ -210,6 +210,37 @@ def test_amx_on_bfloat16_x_is_its_float32_path_rounded(m):
 
 
 @needs_amx_int8
+def test_amx_scratch_kept_between_calls_and_taken_by_one_caller_at_a_time():
+    """int8_amx.c keeps its scratch (x's tiles, digit rows, sums, the padded last weight rows)
+    between calls, grown when a call needs more: small, large, then small again calls give the
+    results of fresh ones; callers on other threads while one holds it allocate their own (the
+    kernel runs without the GIL), with the same results bit for bit."""
+    import threading
+
+    cases = [case(m, k, n, torch.float32, seed=m) for m, k, n in
+             [(24, 100, 37), (600, 1600, 70), (33, 771, 5), (130, 53, 331)]]  # fmt: skip
+    first = [native_int8.run_amx(x, q, s) for x, q, s in cases]
+    for (x, q, s), y in zip(cases, first, strict=True):
+        check_amx(y, x, q, s)
+    for (x, q, s), y in zip(reversed(cases), reversed(first), strict=True):
+        assert torch.equal(native_int8.run_amx(x, q, s), y)
+    failures: list[str] = []
+
+    def caller(i: int) -> None:
+        for _ in range(20):
+            for j, (x, q, s) in enumerate(cases):
+                if (i + j) % 2 == 0 and not torch.equal(native_int8.run_amx(x, q, s), first[j]):
+                    failures.append(f"caller {i}, case {j}")
+
+    callers = [threading.Thread(target=caller, args=(i,)) for i in range(3)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert not failures
+
+
+@needs_amx_int8
 def test_amx_tiny_shapes_and_non_finite_rows():
     for m, k, n in [(1, 1, 1), (3, 1, 2), (2, 15, 1), (40, 17, 3), (17, 32, 16), (1, 64, 33)]:
         for dtype in (torch.float32, torch.bfloat16):

@@ -63,6 +63,7 @@
 #if HKV_AMX_INT8
 #include <immintrin.h>
 #include <omp.h>
+#include <stdatomic.h>
 
 #define I8A_D 2                    /* 8-bit digits per value of x */
 #define I8A_R (32 / I8A_D)         /* rows of x per pass: their digit rows fill 2 B tiles */
@@ -288,6 +289,37 @@ static void i8a_task(const int8_t *xp, const float *sx, int64_t M, int64_t Kp, c
     }
 }
 
+/* The call's scratch, kept between calls and grown when a call needs more: a fresh
+ * aligned_alloc of a few MiB every call (the B tiles of 1700 rows of x are 2.6 MiB at K = 768)
+ * came back from the OS as new pages, about 300 page faults a call at 1 thread (768 -> 3072,
+ * 1700 rows: 7.6-8.3 ms a call before). One call at a time holds it (i8a_busy); a call that
+ * finds it held (another thread's) allocates its own and frees it. */
+static atomic_flag i8a_busy = ATOMIC_FLAG_INIT;
+static void *i8a_kept;
+static size_t i8a_kept_bytes;
+
+/* `bytes` of 64-aligned scratch: the kept buffer (*kept = 1; i8a_release gives it back) or a
+ * fresh one (*kept = 0; freed there); NULL: no memory (nothing held). */
+static void *i8a_scratch(size_t bytes, int *kept) {
+    bytes = (bytes + 63) / 64 * 64;
+    *kept = !atomic_flag_test_and_set_explicit(&i8a_busy, memory_order_acquire);
+    if (!*kept) return aligned_alloc(64, bytes);
+    if (i8a_kept_bytes < bytes) {
+        free(i8a_kept);
+        i8a_kept = aligned_alloc(64, bytes);
+        i8a_kept_bytes = i8a_kept == NULL ? 0 : bytes;
+    }
+    if (i8a_kept == NULL) atomic_flag_clear_explicit(&i8a_busy, memory_order_release);
+    return i8a_kept;
+}
+
+static void i8a_release(void *scratch, int kept) {
+    if (kept)
+        atomic_flag_clear_explicit(&i8a_busy, memory_order_release);
+    else
+        free(scratch);
+}
+
 /* y = x @ (q * scale)^T on AMX-INT8 tiles (the top of this file). Returns 0, or -1: no tiles
  * here, or no memory (nothing written). */
 int hkv_int8_linear_amx(const void *x, int64_t ldx, int xbf16, const int8_t *q,
@@ -302,28 +334,33 @@ int hkv_int8_linear_amx(const void *x, int64_t ldx, int xbf16, const int8_t *q,
     }
     const int64_t Kp = (K + 63) / 64 * 64, passes = (M + I8A_R - 1) / I8A_R;
     const int64_t n_last = (N - 1) / I8A_N * I8A_N; /* the last task's first row */
-    int8_t *xd = aligned_alloc(64, (size_t)(passes * 32 * Kp));
-    int8_t *xp = aligned_alloc(64, (size_t)(passes * 32 * Kp));
-    int8_t *tail = aligned_alloc(64, (size_t)(I8A_N * Kp));
-    float *sx = malloc(sizeof(float) * (size_t)(passes * I8A_R));
     const int64_t tasks = (N + I8A_N - 1) / I8A_N;
     int64_t group = I8A_GROUP_BYTES / (32 * Kp); /* passes */
     group = group < 1 ? 1 : group;
     const int parallel = N * K >= I8A_PARALLEL_MIN, threads = parallel ? omp_get_max_threads() : 1;
-    int32_t *css = aligned_alloc(64, (size_t)(threads * group) * 4096); /* sums between chunks */
-    if (xd == NULL || xp == NULL || tail == NULL || sx == NULL || css == NULL) {
-        free(xd), free(xp), free(tail), free(sx), free(css);
-        return -1;
-    }
-    memset(tail, 0, (size_t)(I8A_N * Kp));
+    /* the scratch: B tiles of x (every pass), each thread's digit rows of one pass, the last
+     * task's zero-padded rows, sums between chunks (each thread's group), the rows' scales */
+    const size_t xp_bytes = (size_t)(passes * 32 * Kp), xd_bytes = (size_t)(32 * Kp);
+    const size_t tail_bytes = (size_t)(I8A_N * Kp), cs_bytes = (size_t)group * 4096;
+    int kept;
+    char *scratch = i8a_scratch(xp_bytes + threads * (xd_bytes + cs_bytes) + tail_bytes +
+                                    sizeof(float) * (size_t)(passes * I8A_R),
+                                &kept);
+    if (scratch == NULL) return -1;
+    int8_t *xp = (int8_t *)scratch, *xds = xp + xp_bytes;
+    int32_t *css = (int32_t *)(xds + threads * xd_bytes); /* 64-aligned: Kp, 4096 */
+    int8_t *tail = (int8_t *)((char *)css + threads * cs_bytes);
+    float *sx = (float *)(tail + tail_bytes);
+    memset(tail, 0, tail_bytes);
     for (int64_t n = n_last; n < N; n++) memcpy(tail + (n - n_last) * Kp, q + n * K, (size_t)K);
 #pragma omp parallel num_threads(threads) if (parallel)
     {
-        int32_t *cs = css + (size_t)omp_get_thread_num() * (size_t)group * 1024;
+        const int me = omp_get_thread_num();
+        int32_t *cs = (int32_t *)((char *)css + (size_t)me * cs_bytes);
+        int8_t *xd = xds + (size_t)me * xd_bytes; /* one pass's digit rows, packed from here */
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < passes; p++)
-            i8a_prepare(x, ldx, xbf16, M, K, Kp, p, xd + p * 32 * Kp, xp + p * 32 * Kp,
-                        sx + p * I8A_R);
+            i8a_prepare(x, ldx, xbf16, M, K, Kp, p, xd, xp + p * 32 * Kp, sx + p * I8A_R);
         hkv_tiles_16x64();
         /* passes in groups whose B tiles stay in L2 (I8A_GROUP_BYTES), each against every task */
         for (int64_t p0 = 0; p0 < passes; p0 += group) {
@@ -334,7 +371,7 @@ int hkv_int8_linear_amx(const void *x, int64_t ldx, int xbf16, const int8_t *q,
         }
         _tile_release();
     }
-    free(xd), free(xp), free(tail), free(sx), free(css);
+    i8a_release(scratch, kept);
     return 0;
 }
 
