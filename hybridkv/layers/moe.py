@@ -577,9 +577,10 @@ class UngatedExperts(nn.Module):
 # (experts, x, routing) -> [T, H]:
 #   float32 and bfloat16 on a CPU      native (`clamped_experts_fit`: routing weights of x's
 #     with AVX2, up to                   dtype; `ops.native.moe.vector_clamped_experts` on the
-#     NATIVE_EXPERT_ROWS tokens          weights transposed to [E, N, K] rows, gate and up
-#                                        separated (`native_weights`, kept with the weights):
-#                                        every pair in one call, summed in x's dtype as below)
+#     NATIVE_EXPERT_ROWS tokens          weights as the checkpoint stores them (x @ W, gate and
+#                                        up interleaved: read in place, no second copy of the
+#                                        experts): every pair in one call, summed in x's dtype
+#                                        as below)
 #   otherwise                          torch (`looped_experts`)
 # The native link is one kernel call a layer, so that a decode step can be captured.
 CLAMPED_EXPERTS = declare(
@@ -595,7 +596,8 @@ CLAMPED_EXPERTS = declare(
 
 def clamped_experts_fit(experts: ClampedSwigluExperts, x: torch.Tensor, routing: Routing) -> bool:
     """The native clamped experts' rule (`ops.native.moe.vector_clamped_experts`): inference;
-    x [T, H] and the four weights float32 or bfloat16 on the CPU, all of one dtype; routing
+    x [T, H] and the four weights float32 or bfloat16 on the CPU, all of one dtype (the two
+    projections contiguous: the kernel reads them in place); routing
     weights of x's dtype (the Router's, gpt-oss's rule scoring in the model dtype), expert ids
     int64 [T, k]; the library loaded."""
     from hybridkv.ops import native
@@ -608,22 +610,14 @@ def clamped_experts_fit(experts: ClampedSwigluExperts, x: torch.Tensor, routing:
                experts.down_proj_bias)  # fmt: skip
     if any(w.dtype != x.dtype or w.device.type != "cpu" for w in weights):
         return False
+    if not (experts.gate_up_proj.is_contiguous() and experts.down_proj.is_contiguous()):
+        return False  # (read in place)
     chosen, routing_weights = routing
     if chosen.dtype != torch.int64 or routing_weights.dtype != x.dtype or chosen.dim() != 2:
         return False
     if routing_weights.shape != chosen.shape or chosen.shape[0] != x.shape[0]:
         return False
     return native.library() is not None
-
-
-def _gate_up_rows(w: torch.Tensor) -> torch.Tensor:
-    """[E, H, 2I] (x @ W; gate at even columns, up at odd) -> [E, 2I, H] rows [gate | up]."""
-    return torch.cat([w[..., 0::2], w[..., 1::2]], dim=-1).transpose(1, 2).contiguous()
-
-
-def _gate_up_bias(b: torch.Tensor) -> torch.Tensor:
-    """[E, 2I] interleaved -> [E, 2I] ([gate | up])."""
-    return torch.cat([b[..., 0::2], b[..., 1::2]], dim=-1).contiguous()
 
 
 def _vector_clamped(
@@ -679,14 +673,13 @@ class ClampedSwigluExperts(nn.Module):
         return self.activation(h) @ self.down_proj[e] + self.down_proj_bias[e]
 
     def native_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The weights as the native kernel reads them (y = x @ w^T rows; computed once per
-        version of each weight and kept with it, `derived`: a second copy of the experts):
-        gate_up [E, 2I, H] ([gate | up] rows), its bias [E, 2I] in the same order,
-        down [E, H, I], down's bias [E, H]."""
+        """The weights as the native kernel reads them: the parameters themselves (x @ W, gate
+        and up interleaved; moe.c's moe_linear_cols reads that layout, so a model of hundreds of
+        experts keeps one copy of them), contiguous biases."""
         return (
-            derived(self.gate_up_proj, "gate_up_rows", _gate_up_rows),
-            derived(self.gate_up_proj_bias, "gate_up_bias_rows", _gate_up_bias),
-            derived(self.down_proj, "down_rows", lambda w: w.transpose(1, 2).contiguous()),
+            self.gate_up_proj,
+            derived(self.gate_up_proj_bias, "contiguous", torch.Tensor.contiguous),
+            self.down_proj,
             derived(self.down_proj_bias, "contiguous", torch.Tensor.contiguous),
         )
 

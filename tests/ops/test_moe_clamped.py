@@ -158,8 +158,8 @@ def test_the_clamps_and_biases_count(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_clamped_experts_read_the_routing_from_their_tensors(dtype):
     """A captured step replays the call with the same tensors: expert ids and weights written
-    into them in place are what the next call computes with; the transposed weights are kept
-    with the weights and follow an in-place write."""
+    into them in place are what the next call computes with; the weights are read in place, so
+    an in-place write to them is what the next call computes with too."""
     router, experts, g = _gpt_oss(16, 6, 2, 8, 0.5, dtype, seed=4)
     x = _x(5, 16, dtype, g)
     chosen = torch.tensor([[1, 2]] * 5)
@@ -237,3 +237,18 @@ def test_gpt_oss_moe_takes_the_native_chains(dtype, monkeypatch):
     assert calls == ["vector_route", "vector_clamped_experts", "vector_route"]
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, looped, rtol=tol, atol=tol)
+
+
+def test_the_native_experts_read_the_checkpoint_layout_in_place():
+    """No second copy of the experts (gpt-oss-20b's are most of its 21B parameters): the kernel
+    reads gate_up [E, H, 2I] (gate and up interleaved) and down [E, I, H] as stored, and agrees
+    with PyTorch on them, also for an intermediate size past one column tile of the kernel."""
+    _, experts, g = _gpt_oss(16, 3, 1, 300, 7.0, torch.float32, seed=5)
+    gate_up, _, down, _ = experts.native_weights()
+    assert gate_up is experts.gate_up_proj and down is experts.down_proj
+    x = _x(3, 16, torch.float32, g)
+    routing = Routing(torch.tensor([[0], [2], [0]]), torch.ones(3, 1))
+    with torch.inference_mode():
+        native = layer._vector_clamped(experts, x, routing)
+        expected = layer.torch_clamped(experts, x, routing)
+    torch.testing.assert_close(native, expected, rtol=1e-5, atol=1e-5)

@@ -717,7 +717,8 @@ static void moe_add_weighted(int bf16, void *out, const void *y, const void *w, 
 /* hkv_moe_experts' activations */
 #define MOE_SWIGLU 0  /* silu(gate) * up */
 #define MOE_RELU2 1   /* relu(up)^2, up [E, I, H] */
-#define MOE_CLAMPED 2 /* gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit) */
+#define MOE_CLAMPED 2 /* gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit),
+                       * on the checkpoint's x @ W layout (moe_linear_cols) */
 
 /* What the two phases of hkv_moe_experts read: h, Y and the gathered rows by sorted pair. */
 struct moe_vec {
@@ -753,17 +754,18 @@ static void moe_add_bias(int bf16, void *row, const void *bias, int64_t c0, int6
 }
 
 /* gpt-oss's activation of one row's columns c0 .. c1 - 1 (ClampedSwigluExperts.activation:
- * gate_up's gate at gu[c] and up at gu[I + c], each biased first when gb: gb[c], gb[I + c]);
- * every step rounded in bfloat16 as PyTorch's ops round it:
+ * gate and up interleaved as the checkpoint stores them, gate at gu[2c] and up at gu[2c + 1],
+ * each biased first when gb: gb[2c], gb[2c + 1]); every step rounded in bfloat16 as PyTorch's
+ * ops round it:
  *     g = min(gate, limit), u = clamp(up, -limit, limit),
  *     h = (u + 1) * (g * sigmoid(g * alpha)) */
-static void moe_clamped(int bf16, const void *gu, const void *gb, void *h, int64_t I, int64_t c0,
+static void moe_clamped(int bf16, const void *gu, const void *gb, void *h, int64_t c0,
                         int64_t c1, float alpha, float limit) {
     for (int64_t c = c0; c < c1; c++) {
-        float g = moe_at(bf16, gu, c), u = moe_at(bf16, gu, I + c);
+        float g = moe_at(bf16, gu, 2 * c), u = moe_at(bf16, gu, 2 * c + 1);
         if (gb != NULL) {
-            g = moe_rb(bf16, g + moe_at(bf16, gb, c));
-            u = moe_rb(bf16, u + moe_at(bf16, gb, I + c));
+            g = moe_rb(bf16, g + moe_at(bf16, gb, 2 * c));
+            u = moe_rb(bf16, u + moe_at(bf16, gb, 2 * c + 1));
         }
         g = g > limit ? limit : g; /* (NaN stays NaN, as clamp) */
         u = u > limit ? limit : u < -limit ? -limit : u;
@@ -781,6 +783,49 @@ static void moe_part(int64_t n, int64_t part, int64_t split, int64_t *c0, int64_
     *c1 = *c1 < n ? *c1 : n;
 }
 
+/* y[r, c - c0] = sum over k < K of x[r, k] W[k, c], for rows r < n (x at row stride ldx, y
+ * at ldy, pointing at column c0) and columns c0 .. c1 - 1 of W [K, ldw] row-major: x @ W on a
+ * weight as gpt-oss's checkpoints store it (no transposed copy), float32 sums rounded once to
+ * y's dtype. Tiles of MOE_COLS_ROWS rows x MOE_COLS_TILE columns keep their sums in L1; each
+ * row of W's tile streams once per row block (decode: once):
+ *
+ *        W [K, ldw]        columns c0 ........ c1
+ *        row k  ------->   | tile | tile | ... |     acc[r][:] += x[r, k] * W[k, tile]
+ */
+#define MOE_COLS_TILE 256
+#define MOE_COLS_ROWS 4
+static void moe_linear_cols(int bf16, const char *x, int64_t ldx, const char *W, int64_t ldw,
+                            int64_t n, int64_t c0, int64_t c1, int64_t K, char *y, int64_t ldy) {
+    const int64_t es = bf16 ? 2 : 4;
+    float acc[MOE_COLS_ROWS][MOE_COLS_TILE];
+    for (int64_t r0 = 0; r0 < n; r0 += MOE_COLS_ROWS) {
+        const int64_t rn = n - r0 < MOE_COLS_ROWS ? n - r0 : MOE_COLS_ROWS;
+        for (int64_t t0 = c0; t0 < c1; t0 += MOE_COLS_TILE) {
+            const int64_t tn = c1 - t0 < MOE_COLS_TILE ? c1 - t0 : MOE_COLS_TILE;
+            for (int64_t r = 0; r < rn; r++)
+                for (int64_t c = 0; c < tn; c++) acc[r][c] = 0.0f;
+            for (int64_t k = 0; k < K; k++) {
+                const char *w = W + (k * ldw + t0) * es;
+                for (int64_t r = 0; r < rn; r++) {
+                    const float xv = moe_at(bf16, x + (r0 + r) * ldx * es, k);
+                    float *a = acc[r];
+                    if (bf16) {
+                        const uint16_t *w16 = (const uint16_t *)w;
+                        for (int64_t c = 0; c < tn; c++) a[c] += xv * hkv_bf16_to_f32(w16[c]);
+                    } else {
+                        const float *w32 = (const float *)w;
+                        for (int64_t c = 0; c < tn; c++) a[c] += xv * w32[c];
+                    }
+                }
+            }
+            for (int64_t r = 0; r < rn; r++) {
+                char *yr = y + ((r0 + r) * ldy + (t0 - c0)) * es;
+                for (int64_t c = 0; c < tn; c++) moe_put(bf16, yr, c, acc[r][c]);
+            }
+        }
+    }
+}
+
 /* Phase A of expert e, part `part` of its I columns: gate and up of those columns for the
  * expert's rows, then h = silu(gate) * up. Called inside a parallel region: the linears' own
  * OpenMP regions nest there, and run on the calling thread (nesting is off: OpenMP's default,
@@ -793,16 +838,19 @@ static void moe_vec_a(const struct moe_vec *s, int64_t e, int64_t part, int64_t 
     const int64_t rows = s->relu2 ? I : 2 * I; /* of an expert's first weight */
     const char *w = (const char *)s->gate_up + e * rows * H * es, *x = s->xg + p0 * H * es;
     char *g = s->gu + p0 * 2 * I * es;
-    moe_linear(s->bf16, x, H, w + c0 * H * es, n, c1 - c0, H, g + c0 * es, 2 * I);
-    if (!s->relu2)
+    if (s->act == MOE_CLAMPED) /* [H, 2I], (gate, up) pairs interleaved: columns 2c0 .. 2c1 */
+        moe_linear_cols(s->bf16, x, H, w, 2 * I, n, 2 * c0, 2 * c1, H, g + 2 * c0 * es, 2 * I);
+    else
+        moe_linear(s->bf16, x, H, w + c0 * H * es, n, c1 - c0, H, g + c0 * es, 2 * I);
+    if (!s->relu2 && s->act != MOE_CLAMPED)
         moe_linear(s->bf16, x, H, w + (I + c0) * H * es, n, c1 - c0, H, g + (I + c0) * es,
                    2 * I);
     const char *gb = s->gate_up_bias;
-    gb = gb == NULL ? NULL : gb + e * 2 * I * es; /* the expert's [gate | up] biases */
+    gb = gb == NULL ? NULL : gb + e * 2 * I * es; /* the expert's interleaved biases */
     for (int64_t r = 0; r < n; r++) { /* h row by row: [n, c1 - c0] at h's row stride I */
         char *gr = g + r * 2 * I * es, *a = s->h + ((p0 + r) * I + c0) * es;
         if (s->act == MOE_CLAMPED)
-            moe_clamped(s->bf16, gr, gb, a, I, c0, c1, s->alpha, s->limit);
+            moe_clamped(s->bf16, gr, gb, a, c0, c1, s->alpha, s->limit);
         else if (s->relu2)
             hkv_relu2(gr + c0 * es, a, c1 - c0, s->bf16);
         else if (s->bf16)
@@ -821,8 +869,12 @@ static void moe_vec_b(const struct moe_vec *s, int64_t e, int64_t part, int64_t 
     moe_part(H, part, split, &c0, &c1);
     if (n == 0 || c1 <= c0) return;
     const char *w = (const char *)s->down + e * H * I * es;
-    moe_linear(s->bf16, s->h + p0 * I * es, I, w + c0 * I * es, n, c1 - c0, I,
-               s->Y + (p0 * H + c0) * es, H);
+    if (s->act == MOE_CLAMPED) /* down [I, H] (x @ W) */
+        moe_linear_cols(s->bf16, s->h + p0 * I * es, I, w, H, n, c0, c1, I,
+                        s->Y + (p0 * H + c0) * es, H);
+    else
+        moe_linear(s->bf16, s->h + p0 * I * es, I, w + c0 * I * es, n, c1 - c0, I,
+                   s->Y + (p0 * H + c0) * es, H);
     if (s->down_bias != NULL)
         for (int64_t r = 0; r < n; r++)
             moe_add_bias(s->bf16, s->Y + (p0 + r) * H * es, (const char *)s->down_bias + e * H * es,
@@ -860,12 +912,14 @@ static void moe_sum_f32(int bf16, void *out, const char *Y, const float *w,
  *     x        [T, H] rows at a row stride
  *     experts  [T, k] int64, weights [T, k] of x's dtype (relu2: float32)
  *     gate_up  [E, 2I, H] ([gate | up] rows) (relu2: up [E, I, H]), down [E, H, I], contiguous
+ *              (clamped: the checkpoint's x @ W layout, gate_up [E, H, 2I] with (gate, up)
+ *              column pairs interleaved and down [E, I, H]: moe_linear_cols, no copy)
  *     out      [T, H] rows at a row stride
  *     out[t] = sum over j, in ascending expert order, of
  *              w[t, j] * down_e (silu(gate_e x[t]) * up_e x[t]),   e = experts[t, j]
  *              (relu2: w[t, j] * down_e relu(up_e x[t])^2, summed in float32: moe_sum_f32;
  *              clamped: w[t, j] * (down_e moe_clamped(gate_up_e x[t] + gb_e) + db_e), the
- *              biases gate_up_bias [E, 2I] ([gate | up], as gate_up's rows) and down_bias
+ *              biases gate_up_bias [E, 2I] (interleaved, as gate_up's columns) and down_bias
  *              [E, H] of x's dtype, each NULL for none, added after their product's rounding;
  *              alpha, limit: moe_clamped)
  * all float32 or all bfloat16 (bf16), rounded in bfloat16 as the AMX kernel above (and the

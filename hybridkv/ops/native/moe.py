@@ -398,20 +398,23 @@ def vector_clamped_experts(
     limit: float,
 ) -> torch.Tensor | None:
     """gpt-oss's experts (`layers.moe.ClampedSwigluExperts`) in one call (moe.c's
-    hkv_moe_experts, any build): out[t] = sum_j w[t, j] * (down_e h + down_bias_e),
+    hkv_moe_experts, any build): out[t] = sum_j w[t, j] * (h @ down_e + down_bias_e),
     h = (clamp(u, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit),
-    [gate | u] = gate_up_e x[t] + gate_up_bias_e; x [T, H]; experts (int64), weights [T, k];
-    gate_up [E, 2I, H] ([gate | up] rows: the checkpoint's interleaved columns, separated and
-    transposed), gate_up_bias [E, 2I] (the same order), down [E, H, I], down_bias [E, H],
-    contiguous; all float32 or all bfloat16 (each product, bias addition and activation step
-    rounded as PyTorch's ops; the weighted rows summed in x's dtype in expert order) -> [T, H];
-    None when the library or these tensors don't fit."""
+    (gate, u) pairs = x[t] @ gate_up_e + gate_up_bias_e; x [T, H]; experts (int64), weights
+    [T, k]; the weights as the checkpoint stores them (x @ W, read in place: no second copy of
+    the experts): gate_up [E, H, 2I] with gate and up interleaved by column, gate_up_bias
+    [E, 2I] (the same order), down [E, I, H], down_bias [E, H], contiguous; all float32 or all
+    bfloat16 (each product, bias addition and activation step rounded as PyTorch's ops; the
+    weighted rows summed in x's dtype in expert order) -> [T, H]; None when the library or these
+    tensors don't fit."""
     if torch.is_grad_enabled() or not _same_float_cpu(x, weights, gate_up, down):
         return None
-    if not _same_float_cpu(x, gate_up_bias, down_bias) or gate_up.dim() != 3:
+    if not _same_float_cpu(x, gate_up_bias, down_bias) or gate_up.dim() != 3 or down.dim() != 3:
         return None
-    num_experts, two_inter, hidden = gate_up.shape
+    num_experts, hidden, two_inter = gate_up.shape
     if two_inter % 2 or gate_up_bias.shape != (num_experts, two_inter):
+        return None
+    if down.shape != (num_experts, two_inter // 2, hidden):
         return None
     if down_bias.shape != (num_experts, hidden):
         return None
@@ -433,15 +436,18 @@ def _experts(
     alpha: float = 0.0,
     limit: float = 0.0,
 ) -> torch.Tensor | None:
-    """hkv_moe_experts on tensors of checked dtypes: first [E, 2I or I, H], down [E, H, I];
-    biases: None or (first's [E, 2I], down's [E, H]), checked."""
+    """hkv_moe_experts on tensors of checked dtypes: first [E, 2I or I, H], down [E, H, I]
+    (CLAMPED: first [E, H, 2I], down [E, I, H], checked by the caller); biases: None or
+    (first's [E, 2I], down's [E, H]), checked."""
     lib = native.library()
     if lib is None or x.dim() != 2 or experts.dim() != 2 or first.dim() != 3 or down.dim() != 3:
         return None
     if experts.dtype != torch.int64 or not (first.is_contiguous() and down.is_contiguous()):
         return None
-    num_experts, _, hidden = first.shape
-    if x.shape[1] != hidden or down.shape != (num_experts, hidden, inter):
+    num_experts = first.shape[0]
+    hidden = first.shape[1] if act == CLAMPED else first.shape[2]
+    want_down = (num_experts, inter, hidden) if act == CLAMPED else (num_experts, hidden, inter)
+    if x.shape[1] != hidden or down.shape != want_down:
         return None
     if weights.shape != experts.shape or experts.shape[0] != x.shape[0]:
         return None
