@@ -112,6 +112,12 @@ class Gemma3TextConfig(HFConfig):
                 "(EmbeddingGemma, an encoder) is not supported: bidirectional attention cannot "
                 "be decoded causally, prefilled in chunks or prefix-cached"
             )
+        cap = self.final_logit_softcapping
+        if cap is not None and not cap > 0:  # (tanh(x / 0) * 0: NaN logits in transformers)
+            raise ConfigError(
+                f"config.json of {self.ARCHITECTURE}: final_logit_softcapping must be positive "
+                f"or null, got {cap}"
+            )
         if self.query_pre_attn_scalar <= 0:
             raise ConfigError(
                 f"config.json of {self.ARCHITECTURE}: query_pre_attn_scalar must be positive, "

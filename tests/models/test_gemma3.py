@@ -191,6 +191,8 @@ BAD_CONFIGS = [
     ({"rope_parameters": {"rope_type": "linear"}}, "keyed by layer type"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "unsupported rope type"),
     ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be positive"),
+    ({"final_logit_softcapping": 0.0}, "final_logit_softcapping must be positive or null"),
+    ({"final_logit_softcapping": -30.0}, "final_logit_softcapping must be positive or null"),
 ]
 
 
