@@ -35,7 +35,9 @@ process state; hybridkv tunes glibc malloc for its process, see hybridkv.worker.
 
 Precisions (`--precisions`, default the one `--dtype` names): fp32, bf16, int8, w8a8. hybridkv:
 float32, bfloat16, int8 = `LLM(..., quantization="int8")` (float32 activations) and w8a8 =
-`quantization="w8a8"` (activations rounded to int8 per token); llama.cpp:
+`quantization="w8a8"` (activations rounded to int8 per token), int8-bf16 = `dtype="bfloat16",
+quantization="int8"` (int8 weights, bfloat16 activations: norms, state updates and attention
+in bfloat16 as the bf16 row's; hybridkv only, a row of its own, "int8+bf16"); llama.cpp:
 the checkpoint converted to GGUF F32, BF16 and Q8_0; vLLM-CPU: float32 and bfloat16 (its
 gated-delta-net kernel takes nothing else but bf16). transformers runs once, in
 `--transformers-dtype` (float32 unless told otherwise), as the reference. A row that cannot run
@@ -550,11 +552,12 @@ ENGINES = {
     "hybridkv+compile": ("run_hybridkv", {"compile": True}),
 }
 ALL_ENGINES = ["transformers", "hybridkv", "hybridkv+compile", "vllm", "llamacpp"]
-PRECISIONS = ["fp32", "bf16", "int8", "w8a8"]
+PRECISIONS = ["fp32", "bf16", "int8", "int8-bf16", "w8a8"]
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 # what each engine runs for a precision: hybridkv (dtype, quantization); vLLM a dtype
 HYBRIDKV_PRECISIONS = {"fp32": ("float32", None), "bf16": ("bfloat16", None),
-                       "int8": ("float32", "int8"), "w8a8": ("float32", "w8a8")}  # fmt: skip
+                       "int8": ("float32", "int8"), "int8-bf16": ("bfloat16", "int8"),
+                       "w8a8": ("float32", "w8a8")}  # fmt: skip
 ENGINE_NAMES = {"vllm": "vllm-cpu", "llamacpp": "llama.cpp"}
 
 
@@ -712,6 +715,8 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[str, str]]:
             runs.append((engine, dtype_precision(args.transformers_dtype)))
         else:
             has = ["fp32", "bf16"] if engine == "vllm" else PRECISIONS
+            if engine == "llamacpp":  # Q8_0 runs its activations in float32: no int8-bf16
+                has = [p for p in has if p in LLAMACPP_OUTTYPES]
             runs += [(engine, p) for p in precisions if p in has]
     return runs
 
@@ -719,6 +724,8 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[str, str]]:
 def row_dtype(engine: str, precision: str) -> str:
     if engine == "llamacpp":
         return LLAMACPP_OUTTYPES[precision].upper()
+    if precision == "int8-bf16":
+        return "int8+bf16"
     return HYBRIDKV_PRECISIONS[precision][1] or HYBRIDKV_PRECISIONS[precision][0]
 
 

@@ -71,6 +71,13 @@ def test_plan_runs_engines_and_precisions():
     assert module.row_dtype("llamacpp", "int8") == "Q8_0"
     assert module.row_dtype("hybridkv", "int8") == "int8"
     assert module.row_dtype("hybridkv", "bf16") == "bfloat16"
+    # int8 weights with bfloat16 activations: a hybridkv row of its own, none for llama.cpp
+    args = parse(["--engines", "hybridkv", "llamacpp", "--precisions", "int8", "int8-bf16"])
+    assert module.plan_runs(args) == [
+        ("hybridkv", "int8"), ("hybridkv", "int8-bf16"), ("llamacpp", "int8")
+    ]  # fmt: skip
+    assert module.HYBRIDKV_PRECISIONS["int8-bf16"] == ("bfloat16", "int8")
+    assert module.row_dtype("hybridkv", "int8-bf16") == "int8+bf16"
 
 
 def test_converter_copy_of_a_granite_checkpoint(tmp_path):
