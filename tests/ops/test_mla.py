@@ -68,40 +68,6 @@ def test_bfloat16_cache_is_close():
     torch.testing.assert_close(out.double(), expanded_reference(case), rtol=0.05, atol=0.05)
 
 
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("kbs", [1, 16, 64])
-def test_native_decode_matches_the_reference(kbs, dtype, tol, monkeypatch):
-    from hybridkv.ops.native import mla as native_mla
-
-    monkeypatch.setenv("HYBRIDKV_NATIVE", "1")
-    registry.reset_all()  # op choices follow the new setting
-    if not native_mla.available():
-        pytest.skip("native kernels unavailable (no compiler)")
-    case = make_case([1] * 4, [1, 70, 129, 33], kbs, ratio=3, heads=5, dtype=dtype, seed=kbs)
-    q = absorbed(case, [0, 1, 2, 3])
-    want = mla.mla_decode(q, case.cache, case.table, case.seq_lens, case.scale, case.rank)
-    got = native_mla.mla_decode(q, case.cache, case.table, case.seq_lens, case.scale, case.rank)
-    assert got is not None and got.dtype == dtype and not got.isnan().any()
-    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
-
-
-def test_native_decode_declines_what_it_cannot_read(monkeypatch):
-    from hybridkv.ops.native import mla as native_mla
-
-    monkeypatch.setenv("HYBRIDKV_NATIVE", "1")
-    registry.reset_all()  # op choices follow the new setting
-    case = make_case([1, 1], [10, 20], 8, seed=1)
-    q = absorbed(case, [0, 1])
-    args = (case.cache, case.table, case.seq_lens, case.scale, case.rank)
-    assert native_mla.mla_decode(q.double(), *args) is None  # dtype
-    too_long = case.seq_lens.clone()
-    too_long[1] = case.table.shape[1] * 8 + 1
-    assert native_mla.mla_decode(q, case.cache, case.table, too_long, case.scale, 20) is None
-    bad = case.table.clone()
-    bad[0, 0] = case.cache.shape[0]
-    assert native_mla.mla_decode(q, case.cache, bad, case.seq_lens, case.scale, 20) is None
-
-
 def _native_on(monkeypatch):
     from hybridkv.ops.native import mla as native_mla
 

@@ -79,29 +79,6 @@ static void mla_attend(const float *qf, const void *cache, int bf16, int64_t kbs
     free(row);
 }
 
-static void mla_decode_one(const void *q, const void *cache, int bf16, int64_t kbs, int64_t rank,
-                           int64_t W, int64_t H, const int32_t *table, int64_t len, int64_t s,
-                           float scale, float *out) {
-    float *qf = malloc(sizeof(float) * (size_t)(H * W));
-    if (qf == NULL) return;
-    mla_load(q, bf16, s * H * W, H * W, qf);
-    mla_attend(qf, cache, bf16, kbs, rank, W, H, table, len, scale, out + s * H * rank);
-    free(qf);
-}
-
-/* q: [S, H, rank + rope]; cache: [num_kernel_blocks * kbs, rank + rope]; table: [S, table_stride]
- * int32 kernel-block ids; lens: [S] context lengths; out: [S, H, rank] float32 */
-void hkv_mla_decode(const void *q, const void *cache, int bf16, int64_t kbs, int64_t rank,
-                    int64_t rope, int64_t H, const int32_t *table, int64_t table_stride,
-                    const int64_t *lens, int64_t S, float scale, float *out) {
-    int64_t W = rank + rope;
-#pragma omp parallel for schedule(dynamic)
-    for (int64_t s = 0; s < S; s++) {
-        mla_decode_one(q, cache, bf16, kbs, rank, W, H, table + s * table_stride, lens[s], s,
-                       scale, out);
-    }
-}
-
 /* ---- A decode step's whole MLA in three calls, none in PyTorch (a step stays capturable) ----
  *
  * hkv_mla_rope_pairs: DeepSeek's interleaved RoPE (hybridkv/layers/rotary.py, torch_rope_pairs):
