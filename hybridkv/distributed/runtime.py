@@ -32,6 +32,7 @@ import logging
 import os
 import socket
 import sys
+import time
 import traceback
 import types
 from collections.abc import Iterable
@@ -51,6 +52,8 @@ def mapping_proxy(items: dict) -> types.MappingProxyType:
 
 copyreg.pickle(types.MappingProxyType, lambda m: (mapping_proxy, (dict(m),)))
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # workers wait this long for the next step
+# how long a failed step's error waits for a spawned rank's exit to show (`_dead_ranks`)
+DEATH_NOTICE_S = 2.0
 _JOIN: tuple[int, int, str] | None = None  # (rank, size, init_method) in a spawned worker
 
 
@@ -264,13 +267,24 @@ class DriverRunner:
             raise TensorParallelError(self.failed)
 
     def _describe(self, exc: Exception) -> str:
-        dead = [r for r, p in enumerate(self.group.processes, 1) if not p.is_alive()]
+        dead = self._dead_ranks(wait_s=DEATH_NOTICE_S)
         if dead:
             return f"tensor-parallel rank {dead[0]} died during a step; the engine stops ({exc})"
         return (
             f"a tensor-parallel step failed or a rank did not answer within "
             f"{self.timeout_s:g} s; the engine stops ({exc})"
         )
+
+    def _dead_ranks(self, wait_s: float) -> list[int]:
+        """The spawned ranks that have exited, waiting up to `wait_s` for one to show: a killed
+        rank's sockets close while its process is still exiting, so the collective that failed
+        on them can be faster than `is_alive()` (the error then named no rank)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = [r for r, p in enumerate(self.group.processes, 1) if not p.is_alive()]
+            if dead or not self.group.processes or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.02)
 
     def abandon(self) -> None:
         """Rank 0 failed before the first step: end the workers without telling them."""
