@@ -51,7 +51,7 @@ from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig
 from hybridkv.models.loader import stack_gated_experts
-from hybridkv.ops.elementwise import residual_add
+from hybridkv.ops.elementwise import concat, residual_add
 
 EXPERT_WEIGHT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 ROPE_TYPES = ("default", "yarn", "linear", "llama3")
@@ -287,7 +287,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         assert isinstance(self.mtp, DeepseekMTP)
         layer = self.mtp.layers[0]
         e = layer.enorm(self.model.embed_tokens(input_ids))  # [T, H]
-        x = layer.eh_proj(torch.cat([e, layer.hnorm(hidden)], dim=-1))  # [T, 2H] -> [T, H]
+        x = layer.eh_proj(concat(e, layer.hnorm(hidden)))  # [T, 2H] -> [T, H]
         cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
         x = DeepseekV3DecoderLayer.forward(layer, x, batch, self.rotary, cos_sin)
         return layer.shared_head.norm(x)

@@ -58,7 +58,7 @@ from hybridkv.layers.moe import GatedExperts, RoutingRule, gated_shared_expert_n
 from hybridkv.layers.rotary import RotaryEmbedding
 from hybridkv.models.base import CausalLM
 from hybridkv.models.hf_config import RopeConfig, layer_types
-from hybridkv.ops.elementwise import residual_add
+from hybridkv.ops.elementwise import concat, residual_add
 
 logger = logging.getLogger("hybridkv")
 # transformers' default partial rotary factor for these families ("assign default for BC")
@@ -384,7 +384,8 @@ class Qwen3NextForCausalLM(CausalLM):
         mtp = self.mtp
         assert isinstance(mtp, Qwen3NextMTP)
         e = mtp.pre_fc_norm_embedding(self.model.embed_tokens(input_ids))  # [T, H]
-        x = mtp.fc(torch.cat([e, mtp.pre_fc_norm_hidden(hidden)], dim=-1))  # [T, 2H] -> [T, H]
+        # (a native concatenation: an MTP pass is capturable, hybridkv.worker.graphs)
+        x = mtp.fc(concat(e, mtp.pre_fc_norm_hidden(hidden)))  # [T, 2H] -> [T, H]
         cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
         x = mtp.layers[0](x, batch, self.rotary, cos_sin)
         return mtp.norm(x)

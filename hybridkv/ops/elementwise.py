@@ -1,5 +1,5 @@
-"""Element-wise steps between the layers: the residual add, the float32 logits, conversions and
-products of projection slices.
+"""Element-wise steps between the layers: the residual add, the float32 logits, conversions,
+products of projection slices and the concatenation of two rows (an MTP layer's input).
 
 Each is an op family (`hybridkv.ops.registry`): on the CPU in float32 and bfloat16 a native
 kernel (`hybridkv.ops.native.elementwise`) rounding as the PyTorch expression here does, else
@@ -28,6 +28,7 @@ RESIDUAL_ADD = declare("residual_add", _family("residual_add"))  # keyed by x's 
 LOGITS_FLOAT32 = declare("logits_float32", _family("logits_float32"))  # by the logits' dtype
 TO_BFLOAT16 = declare("to_bfloat16", _family("to_bfloat16"))  # by the source dtype
 MUL = declare("mul", _family("mul"))  # by the product's dtype
+CONCAT = declare("concat", _family("concat"))  # by a's dtype
 
 
 def residual_add(x: torch.Tensor, h: torch.Tensor, multiplier: float = 1.0) -> torch.Tensor:
@@ -117,3 +118,21 @@ def _native_mul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.T
 
 def torch_mul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (a.to(dtype) * b.to(dtype)).contiguous()
+
+
+def concat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.cat([a, b], dim=-1) of 2-D a [rows, m] and b [rows, n] of one dtype -> [rows,
+    m + n], the same bits (an MTP layer's [embedding | hidden] input: a pass stays capturable)."""
+    return CONCAT.of(a).first(a, b)
+
+
+def _native_concat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    from hybridkv.ops.native import elementwise
+
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    b = b if b.stride(-1) == 1 else b.contiguous()
+    return elementwise.concat_rows(a, b)
+
+
+def torch_concat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.cat([a, b], dim=-1)

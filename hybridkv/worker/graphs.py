@@ -30,10 +30,27 @@ computes anything outside native kernels (a PyTorch op somewhere, e.g. a family'
 cannot be captured: the first attempt says why in the log and every step stays eager. The
 captured program is the eager step's own calls, so its results are the eager step's, bit for
 bit (tests/worker/test_graphs.py).
+
+The MTP drafter's passes (speculative decoding, method "mtp": `MtpDrafter`) are captured the
+same way by `MtpGraphs`, with the same policy: a uniform pass (q pairs per request, every
+request drafting; the passes after the first are one pair per request, the first is uniform
+where every request left the same number of pairs) of S requests is a shape (S, q), its
+program the MTP forward, the draft logits and their argmax:
+
+    pairs of S requests --> next ids, slot positions p, RoPE positions p + 1 [S*q], block
+                            table rows, slots, seq_lens (p + 1) [S*q], hidden [S*q, H]
+                        --> program.run() --> outputs [S*q, H] (arena), and at each
+                            request's last pair the draft logits [S, vocab] and greedy
+                            drafts [S] (arena)
+
+The passes run before the step's forward and
+share its arena (one program runs at a time). CPU, one process: under tensor parallelism no
+step is captured, MTP passes included (their drafts reach the other ranks by an all-reduce).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,6 +68,7 @@ from hybridkv.forward_batch import (
 )
 from hybridkv.ops.native.program import Arena, Program, capture
 from hybridkv.ops.native.spans import provide_spans
+from hybridkv.worker.sampler import ARGMAX
 
 if TYPE_CHECKING:
     from hybridkv.worker.model_runner import ModelRunner
@@ -102,24 +120,21 @@ def uniform_tokens(chunks: Sequence[ScheduledChunk]) -> int:
     return q if ok else 0
 
 
-class DecodeGraphs:
-    """The captured decode steps of one model runner, by batch size."""
+class CapturedShapes:
+    """What the captured decode steps and the captured MTP passes share: the capture policy
+    by shape (requests S, tokens each q), the static inputs of a shape and the arena."""
 
-    def __init__(self, runner: ModelRunner, max_size: int) -> None:
+    def __init__(self, runner: ModelRunner, max_size: int, arena: Arena | None = None) -> None:
         self.runner = runner
         self.max_size = max_size
-        self.steps: dict[tuple[int, int], CapturedStep] = {}  # (requests, tokens each)
         self.seen: dict[tuple[int, int], int] = {}
-        self.disabled: str | None = None  # why this model's decode steps cannot be captured
-        # verify shapes whose capture was refused, and why (e.g. more rows than a native MoE
+        self.disabled: str | None = None  # why this model's q = 1 shapes cannot be captured
+        # q > 1 shapes whose capture was refused, and why (e.g. more rows than a native MoE
         # kernel takes): they run eagerly, the other shapes are still captured
         self.refused: dict[tuple[int, int], str] = {}
         self.replays = 0
-        # the final hidden states of the last step `logits` answered ([S*q, hidden], arena
-        # memory: copy what must outlive the next step)
-        self.hidden: torch.Tensor | None = None
-        # what the captured steps allocate: one step runs at a time, so all sizes share it
-        self.arena = Arena()
+        # what the captured programs allocate: one runs at a time, so all shapes share it
+        self.arena = Arena() if arena is None else arena
 
     def may_capture(self, size: int, q: int) -> bool:
         """Whether a step of `size` chunks of q tokens each runs (or may yet run) as a captured
@@ -132,56 +147,30 @@ class DecodeGraphs:
             and (size, q) not in self.refused
         )
 
-    def logits(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
-        """The logits of a decode or uniform verify step ([S*q, vocab] float32, q rows per
-        chunk), from its captured program (capturing it first: at the second step of a decode
-        shape, the first of a verify shape); None: run the step eagerly."""
-        size = len(chunks)
-        q = uniform_tokens(chunks)
-        if self.disabled or not 0 < size <= self.max_size or not q:
-            return None
-        shape = (size, q)
-        if shape in self.refused:
-            return None
-        step = self.steps.get(shape)
-        if step is not None:
-            self._fill(step.inputs, chunks, q)
-            step.program.run()
-            self.replays += 1
-            self.hidden = step.hidden
-            return step.logits
-        # A decode batch size waits for its second step (sizes the batch only passes through
-        # are not worth a capture). A verify shape (q > 1) is scheduled on purpose, by a draft
-        # policy that will run it again (adaptive_k measures each shape it explores), so it
-        # captures at first sight instead of paying an eager step first, once some shape was
-        # captured: an eager step has then computed what the kernels keep with the weights.
+    def _eligible(self, size: int, q: int) -> bool:
+        """Whether a uniform step of this shape (q = 0: not uniform) may run captured."""
+        return bool(q) and self.may_capture(size, q)
+
+    def _capture_now(self, shape: tuple[int, int], any_captured: bool) -> bool:
+        """Counts a sight of a shape not captured yet; whether to capture it now.
+
+        A decode batch size waits for its second step (sizes the batch only passes through
+        are not worth a capture). A verify shape (q > 1) is scheduled on purpose, by a draft
+        policy that will run it again (adaptive_k measures each shape it explores), so it
+        captures at first sight instead of paying an eager step first, once some shape was
+        captured: an eager step has then computed what the kernels keep with the weights."""
         self.seen[shape] = self.seen.get(shape, 0) + 1
-        first_sight = q > 1 and bool(self.steps)
-        if self.seen[shape] < 2 and not first_sight:
-            return None
-        return self._capture(chunks, q)
+        first_sight = shape[1] > 1 and any_captured
+        return self.seen[shape] >= 2 or first_sight
 
-    def _capture(self, chunks: Sequence[ScheduledChunk], q: int) -> torch.Tensor:
-        inputs = self._static_inputs(len(chunks), q)
-        self._fill(inputs, chunks, q)
-        self._provide_spans(inputs, q)
-        model = self.runner.model
-
-        def forward() -> tuple[torch.Tensor, torch.Tensor]:
-            hidden = model(inputs.batch)
-            return hidden, model.compute_logits(hidden)
-
-        (hidden, logits), program, why = capture(forward, self.arena)
-        self.hidden = hidden
-        if program is None and q > 1:
-            self.refused[(len(chunks), q)] = why
-            logger.info("verify steps of %d x %d tokens run eagerly: %s", len(chunks), q, why)
-        elif program is None:
-            self.disabled = why
-            logger.info("decode steps of this model run eagerly: %s", why)
+    def _refuse(self, shape: tuple[int, int], why: str | None, what: str) -> None:
+        """A refused capture: a q > 1 shape stays eager, a refused q = 1 shape disables all."""
+        if shape[1] > 1:
+            self.refused[shape] = why or ""
+            logger.info("%s of %d x %d tokens run eagerly: %s", what, *shape, why)
         else:
-            self.steps[(len(chunks), q)] = CapturedStep(inputs, program, logits, hidden)
-        return logits
+            self.disabled = why
+            logger.info("%s of this model run eagerly: %s", what, why)
 
     # -- the static inputs ---------------------------------------------------------------------
 
@@ -275,6 +264,53 @@ class DecodeGraphs:
             scratch_rows = runner.scratch_rows(chunks)  # (checked against the scratch)
             inputs.scratch_rows[:] = -1 if scratch_rows is None else scratch_rows
 
+
+class DecodeGraphs(CapturedShapes):
+    """The captured decode steps of one model runner, by batch size."""
+
+    def __init__(self, runner: ModelRunner, max_size: int) -> None:
+        super().__init__(runner, max_size)
+        self.steps: dict[tuple[int, int], CapturedStep] = {}  # (requests, tokens each)
+        # the final hidden states of the last step `logits` answered ([S*q, hidden], arena
+        # memory: copy what must outlive the next step)
+        self.hidden: torch.Tensor | None = None
+
+    def logits(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
+        """The logits of a decode or uniform verify step ([S*q, vocab] float32, q rows per
+        chunk), from its captured program (capturing it first: at the second step of a decode
+        shape, the first of a verify shape); None: run the step eagerly."""
+        size, q = len(chunks), uniform_tokens(chunks)
+        if not self._eligible(size, q):
+            return None
+        step = self.steps.get((size, q))
+        if step is not None:
+            self._fill(step.inputs, chunks, q)
+            step.program.run()
+            self.replays += 1
+            self.hidden = step.hidden
+            return step.logits
+        if not self._capture_now((size, q), bool(self.steps)):
+            return None
+        return self._capture(chunks, q)
+
+    def _capture(self, chunks: Sequence[ScheduledChunk], q: int) -> torch.Tensor:
+        inputs = self._static_inputs(len(chunks), q)
+        self._fill(inputs, chunks, q)
+        self._provide_spans(inputs, q)
+        model = self.runner.model
+
+        def forward() -> tuple[torch.Tensor, torch.Tensor]:
+            hidden = model(inputs.batch)
+            return hidden, model.compute_logits(hidden)
+
+        (hidden, logits), program, why = capture(forward, self.arena)
+        self.hidden = hidden
+        if program is None:
+            self._refuse((len(chunks), q), why, "verify steps" if q > 1 else "decode steps")
+        else:
+            self.steps[(len(chunks), q)] = CapturedStep(inputs, program, logits, hidden)
+        return logits
+
     def _provide_spans(self, inputs: StaticInputs, q: int) -> None:
         """Hand the state kernels the capture step's spans (the same tensors every replay
         reads), so that they convert nothing with tensor ops."""
@@ -286,3 +322,87 @@ class DecodeGraphs:
                 meta.state_pages, meta.has_initial_state, meta.query_start_loc,
                 (meta.state_pages, *inputs.spans), bounds,
             )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PassInputs:
+    """The static inputs of an MTP pass shape (requests S, pairs each q)."""
+
+    step: StaticInputs  # its positions: the pairs' slots p (block tables, seq_lens p + 1)
+    rope: np.ndarray  # [S*q] int64: the RoPE positions the pass reads, p + 1
+    hidden: torch.Tensor  # [S*q, H]: the pairs' hidden states (outside the arena)
+    batch: ForwardBatch  # `step.batch` at the RoPE positions
+
+
+@dataclass(frozen=True)
+class CapturedPass:
+    inputs: PassInputs
+    program: Program
+    out: torch.Tensor  # [S*q, H] (arena): the MTP outputs, the next pass's hidden states
+    drafts: torch.Tensor  # [S] int64 (arena): the greedy draft at each request's last pair
+
+
+class MtpGraphs(CapturedShapes):
+    """The captured MTP passes of one model runner (`MtpDrafter`), by shape (requests, pairs
+    each), under the decode steps' policy: a one-pair shape at its second pass, a shape of
+    q > 1 pairs at its first once some shape was captured; a model whose one-pair pass cannot
+    be captured keeps every pass eager, a refused q > 1 shape keeps that shape eager."""
+
+    def __init__(self, runner: ModelRunner, max_size: int, arena: Arena) -> None:
+        super().__init__(runner, max_size, arena)  # (the decode steps' arena)
+        self.passes: dict[tuple[int, int], CapturedPass] = {}
+
+    def draft(
+        self, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int]] | None:
+        """One MTP pass over pairs laid out as chunks (`MtpDrafter._pass`), hidden [S*q, H]:
+        (the outputs at each chunk's last pair [S, H], arena memory: copy it before the next
+        program runs; each chunk's greedy draft [S]) from the captured program (capturing it
+        first); None: run the pass eagerly."""
+        size, q = len(chunks), uniform_tokens(chunks)
+        if not self._eligible(size, q):
+            return None
+        step = self.passes.get((size, q))
+        if step is not None:
+            self._fill_pass(step.inputs, chunks, hidden, q)
+            step.program.run()
+            self.replays += 1
+            out, drafts = step.out, step.drafts
+        elif self._capture_now((size, q), bool(self.passes)):
+            out, drafts = self._capture(chunks, hidden, q)
+        else:
+            return None
+        return out[q - 1 :: q], drafts.tolist()  # (each chunk's last pair)
+
+    def _capture(
+        self, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor, q: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run this pass while capturing its program: (outputs [S*q, H], drafts [S])."""
+        step = self._static_inputs(len(chunks), q)
+        rope = np.zeros_like(step.positions)
+        batch = dataclasses.replace(step.batch, positions=torch.from_numpy(rope))
+        inputs = PassInputs(step, rope, torch.empty_like(hidden), batch)
+        self._fill_pass(inputs, chunks, hidden, q)
+        model = self.runner.model
+
+        def forward() -> tuple[torch.Tensor, torch.Tensor]:
+            out = model.mtp_forward(batch.input_ids, inputs.hidden, batch)  # [S*q, H]
+            last = out.view(len(chunks), q, -1)[:, q - 1]  # [S, H] (a view: rows q*H apart)
+            logits = model.mtp_logits(last)  # [S, vocab] float32
+            return out, ARGMAX.of(logits).first(logits)  # [S] int64
+
+        (out, drafts), program, why = capture(forward, self.arena)
+        if program is None:
+            self._refuse((len(chunks), q), why, "MTP passes")
+        else:
+            self.passes[(len(chunks), q)] = CapturedPass(inputs, program, out, drafts)
+        return out, drafts
+
+    def _fill_pass(
+        self, inputs: PassInputs, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor, q: int
+    ) -> None:
+        """Write this pass's pairs into the buffers its program reads: the pairs' next ids and
+        slots as a step's tokens (`_fill`), their RoPE positions p + 1, their hidden states."""
+        self._fill(inputs.step, chunks, q)
+        np.add(inputs.step.positions, 1, out=inputs.rope)
+        inputs.hidden.copy_(hidden)

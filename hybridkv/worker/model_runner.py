@@ -50,7 +50,7 @@ from hybridkv.ops import native
 from hybridkv.ops.native.spans import provide_spans
 from hybridkv.worker.block_table import BlockTable
 from hybridkv.worker.buffers import CacheBuffers
-from hybridkv.worker.graphs import DecodeGraphs
+from hybridkv.worker.graphs import DecodeGraphs, MtpGraphs
 from hybridkv.worker.sampler import prompt_logprobs
 
 PROMPT_LOGITS_ROWS = 256  # prompt log-probs: logits rows computed at once ([rows, vocab] fp32)
@@ -148,13 +148,14 @@ class ModelRunner:
             for name in g.layer_names
         } if num_scratch_rows else {}  # fmt: skip
         model.bind_cache(self._layer_caches())
-        # MTP drafts: each request's final hidden states of its last chunk ([n, hidden], rows
-        # for positions start .. start + n - 1), which its next step's MTP pairs take
-        self.mtp = MtpDrafter(self) if model.mtp is not None else None
         self.rows: dict[str, int] = {}
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         capturable = max_capture_size > 0 and device.type == "cpu" and native.library() is not None
         self.graphs = DecodeGraphs(self, max_capture_size) if capturable else None
+        # MTP drafts: each request's final hidden states of its last chunk ([n, hidden], rows
+        # for positions start .. start + n - 1), which its next step's MTP pairs take; uniform
+        # passes captured where decode steps are
+        self.mtp = MtpDrafter(self) if model.mtp is not None else None
 
     def _layer_caches(self) -> dict[str, LayerCache]:
         caches: dict[str, LayerCache] = {}
@@ -490,7 +491,10 @@ class MtpDrafter:
                                                               allocation, rewritten later)
 
     Greedy drafts (argmax, a point mass for rejection sampling). Under tensor parallelism rank 0
-    holds the full logits: the drafts reach every rank by one all-reduce per pass."""
+    holds the full logits: the drafts reach every rank by one all-reduce per pass. Where the
+    runner captures decode steps (CPU, one process), a uniform pass (every request drafting,
+    each with the same number of pairs: the passes j > 1, pass 1 when uniform) runs as a
+    captured program (`MtpGraphs`: the MTP forward, the draft logits and their argmax)."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -498,6 +502,13 @@ class MtpDrafter:
         self.hidden: dict[str, torch.Tensor] = {}
         head = getattr(self.model, "lm_head", None)
         self.tp = getattr(head, "tp", None)
+        one_process = self.tp is None or self.tp.size == 1  # (the program has no all-reduce)
+        decode = runner.graphs
+        self.graphs = (
+            MtpGraphs(runner, decode.max_size, decode.arena)
+            if decode is not None and one_process
+            else None
+        )
 
     def keep(self, chunks: Sequence[ScheduledChunk], hidden: torch.Tensor) -> None:
         """hidden: [num_tokens, H] of the step; each chunk's rows wait for its next step."""
@@ -520,10 +531,10 @@ class MtpDrafter:
             assert c.mtp_start + len(c.mtp_next_ids) == c.start + c.num_known - 1, c
         first = [_pairs(c, c.mtp_start, c.mtp_next_ids, c.num_drafts > 0) for c in pending]
         rows = [self.hidden.pop(c.request_id)[: len(c.mtp_next_ids)] for c in pending]
-        out = self._pass(first, torch.cat(rows))  # [num drafting, H]
+        out, tokens = self._pass(first, torch.cat(rows))  # [num drafting, H], [num drafting]
         drafts: dict[str, list[int]] = {c.request_id: [] for c in drafting}
         for j in range(max((c.num_drafts for c in drafting), default=0)):
-            for c, token in zip(drafting, self._argmax(out), strict=True):
+            for c, token in zip(drafting, tokens, strict=True):
                 drafts[c.request_id].append(token)
             more = [i for i, c in enumerate(drafting) if c.num_drafts > j + 1]
             if not more:
@@ -534,19 +545,26 @@ class MtpDrafter:
                 _pairs(c, c.start + c.num_known - 1 + j, (drafts[c.request_id][-1],), True)
                 for c in drafting
             ]
-            out = self._pass(step, out[more])
+            out, tokens = self._pass(step, out[more])  # (out[more]: a copy, out may be arena)
         return replace_drafts(chunks, drafts), {rid: tuple(d) for rid, d in drafts.items()}
 
-    def _pass(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> torch.Tensor:
+    def _pass(
+        self, chunks: list[ScheduledChunk], hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int]]:
         """One MTP pass over pairs laid out as chunks (token_ids: each pair's next token, start:
         its first pair's position); hidden: [num pairs, H] -> the outputs at the last pair of
-        every sampling chunk [n, H]."""
+        every sampling chunk [n, H] and their greedy drafts [n] (a captured pass's outputs are
+        arena memory: read them before the next program runs)."""
+        if self.graphs is not None:
+            captured = self.graphs.draft(chunks, hidden)
+            if captured is not None:
+                return captured
         batch = self.runner.build_batch(chunks)
         # the K/V of pair p go to slot p; its RoPE position is its token's, p + 1 (as
         # transformers' MTP runs it: only relative positions reach the attention scores)
         batch = dataclasses.replace(batch, positions=batch.positions + 1)
-        out = self.model.mtp_forward(batch.input_ids, hidden, batch)
-        return out[batch.logits_indices]
+        out = self.model.mtp_forward(batch.input_ids, hidden, batch)[batch.logits_indices]
+        return out, self._argmax(out)
 
     def _argmax(self, out: torch.Tensor) -> list[int]:
         """Greedy drafts of MTP outputs [n, H], the same on every rank."""

@@ -175,6 +175,25 @@ def test_gelu_tanh_mul(dtype):
     torch.testing.assert_close(ew.gelu_tanh_mul(gate, up), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_concat_is_torch_cat_bit_for_bit(dtype):
+    """[a | b] per row (an MTP layer's input), strided rows too; the op family's choice."""
+    from hybridkv.ops.elementwise import CONCAT, concat
+
+    x = torch.randn(5, 48).to(dtype)
+    x[0, :3] = torch.tensor([float("nan"), -0.0, float("inf")])
+    a, b = x[:, :16], x[:, 20:44]  # column slices: strided rows
+    want = torch.cat([a, b], dim=-1)
+    got = ew.concat_rows(a, b)
+    assert got is not None and got.is_contiguous() and got.dtype == dtype
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(got.view(bits), want.view(bits))
+    assert torch.equal(concat(a, b).nan_to_num(), want.nan_to_num())
+    assert CONCAT.of(a).describe() == "native"
+    assert ew.concat_rows(a, b.to(torch.float16)) is None  # (one dtype)
+    assert ew.concat_rows(a, b[:3]) is None  # (the same rows)
+
+
 def test_to_bfloat16_rounds_as_torch():
     """Nearest even, ties, denormals, infinities and NaN as x.to(torch.bfloat16); strided x is
     declined (the caller's .to then)."""

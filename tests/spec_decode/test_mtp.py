@@ -13,8 +13,12 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
+from hybridkv.core.scheduler import replace_drafts
 from hybridkv.engine import Engine
+from hybridkv.layers.linear import native_small_linear
+from hybridkv.ops import native
 from hybridkv.sampling_params import SamplingParams
 from tests.distributed import test_tensor_parallel as dense
 from tests.distributed import test_tp_mla as mla
@@ -174,6 +178,86 @@ def test_tensor_parallel_mtp(mtp_family) -> None:
     rank by one all-reduce per pass; transformers' tokens."""
     check_case(mtp_family.fam, SETTINGS["multi-turn"], speculative_config=MTP,
                tensor_parallel_size=2)  # fmt: skip
+
+
+def right_drafts(engine: Engine, refs: dict[tuple[int, ...], list[int]]) -> None:
+    """The MTP passes run as always (what they draft is still recorded), then their drafts are
+    replaced by the right tokens (`refs`: each prompt's greedy continuation): every draft is
+    accepted, so a request's next pass 1 has k + 1 pairs, the same for every request."""
+    drafter, scheduler = engine.runner.mtp, engine.scheduler
+    step = drafter.step
+
+    def with_right_drafts(chunks):
+        chunks, drafts = step(chunks)
+        right = {}
+        for rid, made in drafts.items():
+            req = scheduler.request(rid)
+            j = req.num_output_tokens
+            ref = refs[tuple(req.prompt_token_ids)][j : j + len(made)]
+            right[rid] = tuple(ref) + made[len(ref) :]
+        return replace_drafts(chunks, right), right
+
+    drafter.step = with_right_drafts
+
+
+def run_mtp(mtp_family: MtpFamily, oracle: bool, **kwargs) -> tuple[list, list, Engine]:
+    """Greedy tokens of four requests, the drafts the MTP passes made, and the engine."""
+    fam = mtp_family.fam
+    engine = Engine(str(fam.folder), dtype="float32", speculative_config=MTP, **kwargs)
+    seen = record_drafts(engine)  # (the MTP's own drafts: recorded before any replacement)
+    prompts = fam.plain[:4]
+    if oracle:
+        right_drafts(engine, {tuple(p): r for p, r in zip(prompts, fam.plain_ref, strict=False)})
+    assert engine_greedy(engine, prompts, NEW_TOKENS) == fam.plain_ref[:4]
+    return seen, engine_greedy(engine, prompts[:1], 8), engine
+
+
+@pytest.mark.parametrize("oracle", [False, True], ids=["own-drafts", "right-drafts"])
+def test_captured_mtp_passes_draft_what_eager_ones_draft(mtp_family, oracle) -> None:
+    """Uniform MTP passes run captured (the one-pair passes, and with every draft accepted
+    pass 1's k + 1 pairs per request): the same drafts and tokens as with capture off, shapes
+    captured under the decode steps' policy (one pair: at the second sight; k + 1 pairs: at the
+    first, once a shape was captured)."""
+    eager_seen, eager_tail, eager = run_mtp(mtp_family, oracle, enforce_eager=True)
+    seen, tail, engine = run_mtp(mtp_family, oracle)
+    assert eager.runner.mtp.graphs is None
+    assert seen == eager_seen and tail == eager_tail
+    assert any(len(d) == K for _, _, d in seen)
+    graphs = engine.runner.mtp.graphs
+    if native.library() is None or not native_small_linear(torch.float32):
+        pytest.skip("no native small-batch linears here: nothing is captured")
+    if graphs.disabled is not None:  # (a one-pair pass was refused: every pass stays eager)
+        assert graphs.disabled.startswith("computes outside native kernels: "), graphs.disabled
+        assert graphs.replays == 0 and not graphs.passes
+        return
+    assert graphs.replays > 0 and not graphs.refused, graphs.refused
+    one_pair = [s for s in graphs.passes if s[1] == 1]
+    assert one_pair and all(graphs.seen[s] == 2 for s in one_pair), graphs.seen
+    if oracle:
+        wide = [s for s in graphs.passes if s[1] == K + 1]
+        assert wide and all(graphs.seen[s] == 1 for s in wide), graphs.seen
+
+
+@pytest.mark.parametrize("mtp_family", ["qwen3_5"], indirect=True)
+def test_an_mtp_layer_with_pytorch_ops_keeps_its_passes_eager(mtp_family, monkeypatch, caplog):
+    """torch.cat in the MTP forward (as before the native concatenation): the first one-pair
+    pass's capture is refused, said once in the log; every pass runs eagerly, drafts and
+    tokens unchanged, and the decode steps are still captured."""
+    from hybridkv.models import qwen3_next
+    from hybridkv.ops.elementwise import torch_concat
+
+    if native.library() is None or not native_small_linear(torch.float32):
+        pytest.skip("no native small-batch linears here: nothing is captured")
+    eager_seen, eager_tail, _ = run_mtp(mtp_family, True, enforce_eager=True)
+    monkeypatch.setattr(qwen3_next, "concat", torch_concat)
+    with caplog.at_level("INFO", logger="hybridkv"):
+        seen, tail, engine = run_mtp(mtp_family, True)
+    assert seen == eager_seen and tail == eager_tail
+    graphs = engine.runner.mtp.graphs
+    assert graphs.disabled == "computes outside native kernels: aten.cat.default"
+    assert graphs.replays == 0 and not graphs.passes and list(graphs.seen.values()) == [2]
+    assert caplog.text.count("MTP passes of this model run eagerly") == 1
+    assert engine.runner.graphs.disabled is None and engine.runner.graphs.replays > 0
 
 
 def test_mtp_needs_mtp_layers(tmp_path_factory) -> None:

@@ -1,6 +1,6 @@
 /* The small element-wise steps of a forward pass between the kernels that do the real work:
  * the embedding lookup, a residual add, the rotary cos/sin of the step's positions and the
- * float32 logits. Each is a handful of PyTorch ops, microseconds apiece at decode sizes; here
+ * float32 logits, the concatenation of two rows. Each is a handful of PyTorch ops, microseconds apiece at decode sizes; here
  * they are kernel calls, so that a decode step is nothing but kernel calls and can be replayed
  * without the interpreter (program.c). Wrapped by hybridkv/ops/native/elementwise.py.
  *
@@ -215,6 +215,20 @@ void hkv_mul_rows(const void *a, int64_t a_stride, int a_bf16, const void *b, in
                 }
             }
         }
+    }
+}
+
+/* out = [a | b] over rows (torch.cat([a, b], dim=-1) of two [rows, *] tensors of one dtype):
+ * each row of out (contiguous, a_bytes + b_bytes) is a's row then b's row, copied bytes (any
+ * dtype, bit for bit). a and b rows at their row strides in bytes, each row contiguous. */
+void hkv_concat_rows(const void *a, int64_t a_stride, int64_t a_bytes, const void *b,
+                     int64_t b_stride, int64_t b_bytes, void *out, int64_t rows) {
+    const int64_t width = a_bytes + b_bytes;
+#pragma omp parallel for schedule(static) if (rows * width >= 4 * EW_PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        char *o = (char *)out + r * width;
+        memcpy(o, (const char *)a + r * a_stride, (size_t)a_bytes);
+        memcpy(o + a_bytes, (const char *)b + r * b_stride, (size_t)b_bytes);
     }
 }
 

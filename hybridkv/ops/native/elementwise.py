@@ -1,7 +1,7 @@
 """The element-wise steps between a forward pass's kernels: embedding lookup, residual add,
-rotary cos/sin, float32 logits, relu2, products of rows, bfloat16 casts and GeGLU's
-gelu(gate) * up (`elementwise.c`); SwiGLU's silu(gate) * up, the rotary embedding and the
-argmax of rows (`kernels.c`). Each returns None when the native library or these tensors are
+rotary cos/sin, float32 logits, relu2, products of rows, bfloat16 casts, GeGLU's gelu(gate) * up
+and the concatenation of rows (`elementwise.c`); SwiGLU's silu(gate) * up, the rotary embedding
+and the argmax of rows (`kernels.c`). Each returns None when the native library or these tensors are
 not supported; `hybridkv.ops.elementwise` (and the layers) fall back to PyTorch then."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ native.declare({
     "hkv_mul_rows": [_ptr, _i64, _int, _ptr, _i64, _int, _ptr, _int, _i64, _i64],
     "hkv_to_bf16": [_ptr, _ptr, _i64],
     "hkv_gelu_tanh_mul": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _int],
+    "hkv_concat_rows": [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64],
     # (in kernels.c)
     "hkv_silu_mul_f32": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64],
     "hkv_silu_mul_bf16": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64],
@@ -151,6 +152,26 @@ def mul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | 
     lib.hkv_mul_rows(
         a.data_ptr(), a.stride(0), is_bf16(a), b.data_ptr(), b.stride(0),
         is_bf16(b), out.data_ptr(), int(dtype == torch.bfloat16), *a.shape,
+    )  # fmt: skip
+    return out
+
+
+def concat_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """torch.cat([a, b], dim=-1) of 2-D float32 or bfloat16 a [rows, m] and b [rows, n] of one
+    dtype, each with unit column stride (rows may be strided) -> [rows, m + n] contiguous, the
+    same bits; None when not supported."""
+    lib = native.library()
+    if lib is None or not is_float_cpu(a, b) or a.dtype != b.dtype:
+        return None
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0]:
+        return None
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        return None
+    out = torch.empty(a.shape[0], a.shape[1] + b.shape[1], dtype=a.dtype)
+    size = a.element_size()
+    lib.hkv_concat_rows(
+        a.data_ptr(), a.stride(0) * size, a.shape[1] * size, b.data_ptr(), b.stride(0) * size,
+        b.shape[1] * size, out.data_ptr(), a.shape[0],
     )  # fmt: skip
     return out
 
