@@ -1,8 +1,9 @@
 /* The small element-wise steps of a forward pass between the kernels that do the real work:
  * the embedding lookup, a residual add, the rotary cos/sin of the step's positions and the
- * float32 logits, the concatenation of two rows. Each is a handful of PyTorch ops, microseconds apiece at decode sizes; here
- * they are kernel calls, so that a decode step is nothing but kernel calls and can be replayed
- * without the interpreter (program.c). Wrapped by hybridkv/ops/native/elementwise.py.
+ * float32 logits, the concatenation of two rows. Each is a handful of PyTorch ops,
+ * microseconds apiece at decode sizes; here they are kernel calls, so that a decode step is
+ * nothing but kernel calls and can be replayed without the interpreter (program.c). Wrapped
+ * by hybridkv/ops/native/elementwise.py.
  *
  * Every result is rounded where PyTorch's ops round it (float32 math, bfloat16 results
  * rounded to nearest even), so a step computes the same values with or without them. */
