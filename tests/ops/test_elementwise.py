@@ -89,6 +89,21 @@ def test_soft_capped_logits(dtype, divisor, softcap):
     assert ew.logits_f32(x, divisor, 0.0) is None  # (no cap of 0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_soft_capped_logits_do_not_depend_on_where_a_value_lies(dtype):
+    """The soft-cap's vector lanes and its scalar tail give the same bits: the same values one
+    column later (every value moves between a vector and the tail or between lanes), across
+    the polynomial's boundary |x / c| = 0.3 and far past the cap."""
+    g = torch.Generator().manual_seed(5)
+    far = torch.tensor([1e3, -1e3, 95.0, -95.0, 0.0, -0.0])
+    values = torch.cat([torch.randn(200, generator=g) * 9, torch.linspace(-12, 12, 97), far])
+    x = torch.zeros(2, values.numel() + 1, dtype=dtype)
+    x[0, :-1] = values.to(dtype)
+    x[1, 1:] = values.to(dtype)
+    got = ew.logits_f32(x, 0.7, 30.0)
+    assert torch.equal(got[0, :-1], got[1, 1:])
+
+
 def test_soft_capped_logits_of_a_large_vocabulary_run_in_parallel_and_agree():
     x = torch.randn(1, 262144) * 40
     want = torch.tanh(x / 30.0) * 30.0
