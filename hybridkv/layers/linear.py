@@ -42,13 +42,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.ops.native import bf16_linear as native_bf16
-from hybridkv.ops.native import f32_linear as native_f32
 from hybridkv.ops.registry import OpImpl, declare
 
 _OPS = getattr(torch.ops, "mkldnn", None)
-# weight dtype -> the module of its native small-batch linear (SMALL_M, kernel, run, linear)
-SMALL_KERNELS = {torch.bfloat16: native_bf16, torch.float32: native_f32}
+# the weight dtypes with a native small-batch linear (`small_kernel`)
+SMALL_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@functools.cache
+def small_kernel(dtype: torch.dtype) -> Any:
+    """The module of the native small-batch linear for weights of `dtype` (small_m, kernel,
+    run, linear), or None. Imported here, when first asked: layers import no ops.native at
+    module level (tests/test_layering.py)."""
+    if dtype == torch.float32:
+        from hybridkv.ops.native import f32_linear
+
+        return f32_linear
+    if dtype == torch.bfloat16:
+        from hybridkv.ops.native import bf16_linear
+
+        return bf16_linear
+    return None
+
+
+def _small_m(dtype: torch.dtype) -> Any:
+    """The `max_rows` of a native link: its kernel's small_m(), read when the chain is bound."""
+    return lambda: small_kernel(dtype).small_m()
+
 
 # The linear family, keyed by the weight's dtype: what a `PackedLinear` runs for x of a given
 # number of rows (each implementation takes the layer and x [M, in]). On an AVX-512 Xeon:
@@ -63,12 +83,12 @@ LINEAR = declare(
     "linear",
     (
         OpImpl("native-avx512", _HERE + "_run_native", _CPU, _F32, ("native", "avx512"),
-               max_rows=native_f32.small_m, description="f32_linear.c, 16 lanes"),
+               max_rows=_small_m(torch.float32), description="f32_linear.c, 16 lanes"),
         OpImpl("native-avx2", _HERE + "_run_native", _CPU, _F32, ("native", "avx2"),
-               max_rows=native_f32.small_m, unless=("avx512",),
+               max_rows=_small_m(torch.float32), unless=("avx512",),
                description="f32_linear.c, 8 lanes"),
         OpImpl("native-avx512-bf16", _HERE + "_run_native", _CPU, _BF16,
-               ("native", "avx512_bf16"), max_rows=native_bf16.small_m,
+               ("native", "avx512_bf16"), max_rows=_small_m(torch.bfloat16),
                description="bf16_linear.c, vdpbf16ps"),
         OpImpl("onednn", _HERE + "_run_onednn", _CPU, _F32, ("onednn",),
                description="oneDNN on a pre-packed weight"),
@@ -85,7 +105,7 @@ def native_small_linear(dtype: torch.dtype) -> bool:
     """Whether this build runs small-batch linears with weights of `dtype` on a native kernel
     (AVX-512 and AVX2 builds): what lets a decode step be captured (`hybridkv.worker.graphs`);
     without it the step's linears are PyTorch ops and every step runs eagerly."""
-    small = SMALL_KERNELS.get(dtype)
+    small = small_kernel(dtype)
     return small is not None and small.kernel() is not None
 
 
@@ -93,10 +113,10 @@ def native_rows(dtype: torch.dtype) -> int:
     """Rows of x up to which linears with weights of `dtype` run on the native kernel: the
     limit of the `LINEAR` chain's native link (its `small_m()` where oneDNN follows; every M
     where the native link is the last, bfloat16 on an AVX2 CPU), 0 without one."""
-    if dtype not in SMALL_KERNELS:
+    if dtype not in SMALL_DTYPES:
         return 0
     link = LINEAR.chain("cpu", dtype).links[0]
-    if not link.impl.name.startswith("native") or SMALL_KERNELS[dtype].kernel() is None:
+    if not link.impl.name.startswith("native") or small_kernel(dtype).kernel() is None:
         return 0
     rows = link.max_rows
     return sys.maxsize if rows is None else rows
@@ -114,7 +134,7 @@ def linear_dtypes() -> tuple[torch.dtype, ...]:
     """The weight dtypes `prepack_linears` swaps for a `PackedLinear`: those oneDNN packs, and
     those it cannot but a native kernel runs at every M (bfloat16 on an AVX2 CPU)."""
     packs = prepack_dtypes()
-    return packs + tuple(d for d in SMALL_KERNELS if d not in packs and native_small_linear(d))
+    return packs + tuple(d for d in SMALL_DTYPES if d not in packs and native_small_linear(d))
 
 
 def prepack_available() -> bool:
@@ -152,7 +172,7 @@ class PackedLinear(nn.Linear):
         weights are packed once, after loading)."""
         weight = self.weight.detach()
         bias = None if self.bias is None else self.bias.detach()
-        small = SMALL_KERNELS.get(weight.dtype)
+        small = small_kernel(weight.dtype)
         fits = small is not None and small.weight_fits(weight, bias) and small.kernel() is not None
         # a weight the kernel cannot take (not contiguous): the chain as if without it
         self.chain = LINEAR.chain("cpu", weight.dtype, () if fits else ("native",))
@@ -198,7 +218,7 @@ def small_linear(
     """x [M, in] @ weight.T (+ bias) for a weight used outside its module (a projection whose
     bias a kernel applies itself): the native small-batch kernel of its dtype where it applies
     (inference, x of up to `native_rows` rows), else F.linear."""
-    small = SMALL_KERNELS.get(x.dtype)
+    small = small_kernel(x.dtype)
     if small is not None and not torch.is_grad_enabled() and x.shape[0] <= native_rows(x.dtype):
         out = small.linear(x, weight, bias)
         if out is not None:

@@ -167,5 +167,5 @@ def test_choices_take_the_record_again_after_native_was_off(monkeypatch):
     cpu.record()  # (recorded without the library again)
     monkeypatch.delenv("HYBRIDKV_NATIVE")
     limits = quant.native_limits()
-    avx2_kernel = quant.native_int8.kernel() is not None and not wide
+    avx2_kernel = quant._int8().kernel() is not None and not wide
     assert (limits[0] >= 2**31) == avx2_kernel
