@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,7 +66,7 @@ def small_kernel(dtype: torch.dtype) -> Any:
     return None
 
 
-def _small_m(dtype: torch.dtype) -> Any:
+def _small_m(dtype: torch.dtype) -> Callable[[], int]:
     """The `max_rows` of a native link: its kernel's small_m(), read when the chain is bound."""
     return lambda: small_kernel(dtype).small_m()
 

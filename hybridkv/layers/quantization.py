@@ -92,11 +92,10 @@ them): every rank's int8 weight is then exactly its slice of the single-process 
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Self
 
 import torch
 import torch.nn.functional as F
@@ -107,30 +106,6 @@ from hybridkv.distributed.layers import VocabParallelHead
 from hybridkv.distributed.parallel import SINGLE, TensorParallel
 from hybridkv.layers.linear import PackedLinear
 from hybridkv.ops.registry import OpImpl, declare
-
-
-# The native wrappers, imported when first used (layers import no ops.native at module level:
-# tests/test_layering.py); functools.cache makes a later call a lookup.
-@functools.cache
-def _int8() -> Any:
-    from hybridkv.ops.native import int8_linear
-
-    return int8_linear
-
-
-@functools.cache
-def _w8a8() -> Any:
-    from hybridkv.ops.native import w8a8_linear
-
-    return w8a8_linear
-
-
-def loaded_record() -> Any:
-    """The CPU record of the loaded native library (`ops.native.small_linear.loaded_record`)."""
-    from hybridkv.ops.native.small_linear import loaded_record as record
-
-    return record()
-
 
 SMALL_M = 16  # rows of x up to which the kernels beat dequantize + bfloat16 GEMM (AVX-512)
 CHUNK_ELEMENTS = 1 << 20  # weights dequantized at once on the GEMM path (2 MiB of bfloat16)
@@ -182,8 +157,11 @@ def native_limits() -> tuple[int, int]:
     GEMMs fast (its GEMM from there) else DEQUANT_M (float32 chunks), read at the call; every
     M and never where the kernel is the AVX2 one (the module docstring: the build and the CPU
     decide, through the CPU record)."""
+    from hybridkv.ops.native import int8_linear as native_int8
+    from hybridkv.ops.native.small_linear import loaded_record
+
     record = loaded_record()
-    if _int8().kernel() is not None and not record.supports("avx512"):
+    if native_int8.kernel() is not None and not record.supports("avx512"):
         return sys.maxsize, sys.maxsize
     return SMALL_M, BF16_GEMM_M if record.onednn_bf16 else DEQUANT_M
 
@@ -230,18 +208,24 @@ def int8_matmul(
     dtype: `INT8_LINEAR`'s link for x's rows (the module docstring).
     `native_fits`: `weights_fit(q, scale)`, if known (a weight the kernel cannot take runs
     the chain without the native links)."""
+    from hybridkv.ops.native import int8_linear as native_int8
+
     if native_fits is None:
-        native_fits = _int8().weights_fit(q, scale)
+        native_fits = native_int8.weights_fit(q, scale)
     chain = INT8_LINEAR.chain(x.device, x.dtype, () if native_fits else ("native",))
     return chain.for_rows(x.shape[0])(x, q, scale)
 
 
 def _native(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return _int8().run(_int8().kernel(), x, q, scale)
+    from hybridkv.ops.native import int8_linear as native_int8
+
+    return native_int8.run(native_int8.kernel(), x, q, scale)
 
 
 def _native_amx(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return _int8().run_amx(x, q, scale)
+    from hybridkv.ops.native import int8_linear as native_int8
+
+    return native_int8.run_amx(x, q, scale)
 
 
 def f32_int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -355,7 +339,9 @@ class Int8Linear(RowQuantizedLinear):
         self.register_buffer("qweight", qweight, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
         self.bias = bias
-        self.native_fits = _int8().weights_fit(qweight, scale)  # checked once
+        from hybridkv.ops.native import int8_linear as native_int8
+
+        self.native_fits = native_int8.weights_fit(qweight, scale)  # checked once
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight this layer multiplies by: q * scale [out, in]."""
@@ -395,8 +381,10 @@ def pack_w8a8(q: torch.Tensor) -> torch.Tensor:
         packed[nb, kb, r, n, j] = q[16 nb + n, 64 kb + 4 r + j]
 
     one AMX B tile (16 rows r of 16 columns n x 4 consecutive k) per (nb, kb)."""
+    from hybridkv.ops.native import w8a8_linear as native_w8a8
+
     n, k = q.shape
-    nb, kb, *_ = _w8a8().packed_shape(n, k)
+    nb, kb, *_ = native_w8a8.packed_shape(n, k)
     padded = torch.zeros(nb * 16, kb * 64, dtype=torch.int8)
     padded[:n, :k] = q
     return padded.view(nb, 16, kb, 16, 4).permute(0, 2, 3, 1, 4).contiguous()
@@ -434,25 +422,33 @@ def w8a8_reference(
 def _w8a8_native(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int, k: int
 ) -> torch.Tensor:
-    return _w8a8().run(x, packed, scale, n, k)
+    from hybridkv.ops.native import w8a8_linear as native_w8a8
+
+    return native_w8a8.run(x, packed, scale, n, k)
 
 
 def _w8a8_avx2(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int, k: int
 ) -> torch.Tensor:
-    return _w8a8().run(x, packed, scale, n, k, kernel="avx2")
+    from hybridkv.ops.native import w8a8_linear as native_w8a8
+
+    return native_w8a8.run(x, packed, scale, n, k, kernel="avx2")
 
 
 def _w8a8_neon_dot(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int, k: int
 ) -> torch.Tensor:
-    return _w8a8().run(x, packed, scale, n, k, kernel="neon_dot")
+    from hybridkv.ops.native import w8a8_linear as native_w8a8
+
+    return native_w8a8.run(x, packed, scale, n, k, kernel="neon_dot")
 
 
 def _w8a8_neon(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int, k: int
 ) -> torch.Tensor:
-    return _w8a8().run(x, packed, scale, n, k, kernel="neon")
+    from hybridkv.ops.native import w8a8_linear as native_w8a8
+
+    return native_w8a8.run(x, packed, scale, n, k, kernel="neon")
 
 
 _FLOATS = _F32 | _BF16
@@ -490,7 +486,9 @@ class W8A8Linear(RowQuantizedLinear):
         self.register_buffer("packed", pack_w8a8(qweight), persistent=False)
         self.register_buffer("scale", scale, persistent=False)
         self.bias = bias
-        _w8a8().check_weights(self.packed, scale, *qweight.shape)  # once, not per call
+        from hybridkv.ops.native import w8a8_linear as native_w8a8
+
+        native_w8a8.check_weights(self.packed, scale, *qweight.shape)  # once, not per call
 
     @property
     def qweight(self) -> torch.Tensor:

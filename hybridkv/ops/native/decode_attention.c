@@ -13,7 +13,7 @@
  * softcap: c > 0 caps every score s = scale * q.k to c * tanh(s / c) before the softmax
  * (attention logit soft-capping, Gemma 2); 0: none. The sinks are not capped. Vector paths
  * take tanh(y) = sign(y) (1 - e) / (1 + e), e = e^(-2|y|) by the exponential the softmax uses,
- * and below |y| = DA_TANH_SMALL (where 1 - e would lose digits) its Taylor polynomial to y^9:
+ * and below |y| = HKV_TANH_SMALL (where 1 - e would lose digits) its Taylor polynomial to y^9:
  * relative error below 3e-7 everywhere (a few float32 steps); the plain loops call tanhf.
  * Masked positions stay -inf (capped first, then masked).
  * q, the cache and out are float32, or all bfloat16 (out rounded once, to nearest even, from
@@ -85,12 +85,6 @@
 #define DA_PARALLEL_MIN (1 << 17) /* elements of K read (positions x KVH x Dh) */
 #define DA_AMX_MIN 128            /* positions x KVH below which AMX does not pay its set-up */
 #define DA_INLINE static inline __attribute__((always_inline))
-#define DA_TANH_SMALL 0.3f        /* |y| below which tanh(y) is its Taylor polynomial */
-/* Taylor coefficients of tanh(y) / y in y^2: 1, -1/3, 2/15, -17/315, 62/2835 */
-#define DA_T3 (-0.33333333f)
-#define DA_T5 0.13333333f
-#define DA_T7 (-0.053968254f)
-#define DA_T9 0.021869489f
 
 typedef struct {
     const void *cache;
@@ -247,7 +241,7 @@ static inline __m512 da_softcap16(__m512 x, float cap, float inv_cap) {
     const __m512 a = _mm512_castsi512_ps(_mm512_andnot_si512(sign, ybits)); /* |y| */
     /* (each branch only where a lane needs it: with caps well above the scores, as Gemma 2's
      * 50, every lane takes the polynomial) */
-    const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(DA_TANH_SMALL), _CMP_LT_OQ);
+    const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(HKV_TANH_SMALL), _CMP_LT_OQ);
     __m512 t = a;
     if (small != 0xffff) {
         const __m512 e = da_exp16(_mm512_mul_ps(a, _mm512_set1_ps(-2.0f)));
@@ -255,9 +249,9 @@ static inline __m512 da_softcap16(__m512 x, float cap, float inv_cap) {
     }
     if (small) {
         const __m512 a2 = _mm512_mul_ps(a, a);
-        __m512 p = _mm512_fmadd_ps(a2, _mm512_set1_ps(DA_T9), _mm512_set1_ps(DA_T7));
-        p = _mm512_fmadd_ps(a2, p, _mm512_set1_ps(DA_T5));
-        p = _mm512_fmadd_ps(a2, p, _mm512_set1_ps(DA_T3));
+        __m512 p = _mm512_fmadd_ps(a2, _mm512_set1_ps(HKV_TANH_T9), _mm512_set1_ps(HKV_TANH_T7));
+        p = _mm512_fmadd_ps(a2, p, _mm512_set1_ps(HKV_TANH_T5));
+        p = _mm512_fmadd_ps(a2, p, _mm512_set1_ps(HKV_TANH_T3));
         p = _mm512_fmadd_ps(a2, p, one);
         t = _mm512_mask_mul_ps(t, small, a, p);
     }
@@ -752,7 +746,7 @@ static inline __m256 da_sum8(const float *r) {
 static inline __m256 da_softcap8(__m256 x, float cap, float inv_cap) {
     const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(inv_cap)), one = _mm256_set1_ps(1.0f);
     const __m256 sign = _mm256_set1_ps(-0.0f), a = _mm256_andnot_ps(sign, y); /* |y| */
-    const __m256 small = _mm256_cmp_ps(a, _mm256_set1_ps(DA_TANH_SMALL), _CMP_LT_OQ);
+    const __m256 small = _mm256_cmp_ps(a, _mm256_set1_ps(HKV_TANH_SMALL), _CMP_LT_OQ);
     const int lanes = _mm256_movemask_ps(small); /* (each branch only where a lane needs it) */
     __m256 t = a;
     if (lanes != 0xff) {
@@ -761,9 +755,9 @@ static inline __m256 da_softcap8(__m256 x, float cap, float inv_cap) {
     }
     if (lanes) {
         const __m256 a2 = _mm256_mul_ps(a, a);
-        __m256 p = _mm256_fmadd_ps(a2, _mm256_set1_ps(DA_T9), _mm256_set1_ps(DA_T7));
-        p = _mm256_fmadd_ps(a2, p, _mm256_set1_ps(DA_T5));
-        p = _mm256_fmadd_ps(a2, p, _mm256_set1_ps(DA_T3));
+        __m256 p = _mm256_fmadd_ps(a2, _mm256_set1_ps(HKV_TANH_T9), _mm256_set1_ps(HKV_TANH_T7));
+        p = _mm256_fmadd_ps(a2, p, _mm256_set1_ps(HKV_TANH_T5));
+        p = _mm256_fmadd_ps(a2, p, _mm256_set1_ps(HKV_TANH_T3));
         p = _mm256_fmadd_ps(a2, p, one);
         t = _mm256_blendv_ps(t, _mm256_mul_ps(a, p), small);
     }

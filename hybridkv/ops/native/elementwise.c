@@ -108,19 +108,17 @@ static inline float ew_round(float v) { return hkv_bf16_to_f32(hkv_f32_to_bf16(v
 
 /* tanh(y) in plain arithmetic, so that a loop of it vectorizes (libm's tanhf is a scalar call:
  * 6.3 ms for one row of Gemma 3's 262144 logits, 14x PyTorch's vectorized tanh):
- * sign(y) (1 - e) / (1 + e) with e = e^(-2|y|) (hkv_exp_nonpositive), and below |y| = 0.3,
- * where 1 - e would lose digits, its Taylor polynomial to y^9 (tanh(y) / y in y^2: 1, -1/3,
- * 2/15, -17/315, 62/2835). Both sides are computed and one kept (a blend, no branch). Relative
- * error below 3e-7 (decode_attention.c's soft-cap takes the same steps); +-inf -> +-1, NaN
- * stays NaN. */
+ * hkv_common.h's HKV_TANH steps (e^(-2|y|) by hkv_exp_nonpositive, the Taylor polynomial below
+ * |y| = HKV_TANH_SMALL). Both sides are computed and one kept (a blend, no branch); +-inf ->
+ * +-1, NaN stays NaN. */
 static inline float ew_tanh(float y) {
     const float a = fabsf(y), a2 = a * a;
     const float e = hkv_exp_nonpositive(-2.0f * a);
     const float big = (1.0f - e) / (1.0f + e);
     const float small =
-        a * (1.0f + a2 * (-0.33333333f + a2 * (0.13333333f + a2 * (-0.053968254f +
-                                                                    a2 * 0.021869489f))));
-    return copysignf(a < 0.3f ? small : big, y);
+        a * (1.0f + a2 * (HKV_TANH_T3 + a2 * (HKV_TANH_T5 + a2 * (HKV_TANH_T7 +
+                                                                  a2 * HKV_TANH_T9))));
+    return copysignf(a < HKV_TANH_SMALL ? small : big, y);
 }
 
 #if HKV_AVX2 && !HKV_AVX512
@@ -132,19 +130,13 @@ static inline __m256 ew_tanh8(__m256 y) {
     const __m256 a = _mm256_andnot_ps(sign, y), a2 = _mm256_mul_ps(a, a);
     const __m256 e = hkv_exp8_nonpositive(_mm256_mul_ps(_mm256_set1_ps(-2.0f), a));
     const __m256 big = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
-    __m256 p = _mm256_mul_ps(a2, _mm256_set1_ps(0.021869489f));
-    p = _mm256_mul_ps(a2, _mm256_add_ps(_mm256_set1_ps(-0.053968254f), p));
-    p = _mm256_mul_ps(a2, _mm256_add_ps(_mm256_set1_ps(0.13333333f), p));
-    p = _mm256_mul_ps(a2, _mm256_add_ps(_mm256_set1_ps(-0.33333333f), p));
+    __m256 p = _mm256_mul_ps(a2, _mm256_set1_ps(HKV_TANH_T9));
+    p = _mm256_mul_ps(a2, _mm256_add_ps(_mm256_set1_ps(HKV_TANH_T7), p));
+    p = _mm256_mul_ps(a2, _mm256_add_ps(_mm256_set1_ps(HKV_TANH_T5), p));
+    p = _mm256_mul_ps(a2, _mm256_add_ps(_mm256_set1_ps(HKV_TANH_T3), p));
     const __m256 small = _mm256_mul_ps(a, _mm256_add_ps(one, p));
-    const __m256 lt = _mm256_cmp_ps(a, _mm256_set1_ps(0.3f), _CMP_LT_OQ);
+    const __m256 lt = _mm256_cmp_ps(a, _mm256_set1_ps(HKV_TANH_SMALL), _CMP_LT_OQ);
     return _mm256_or_ps(_mm256_blendv_ps(big, small, lt), _mm256_and_ps(sign, y));
-}
-
-/* ew_round of 8 lanes */
-static inline __m256 ew_round8(__m256 v) {
-    const __m256i wide = _mm256_cvtepu16_epi32(hkv_f32x8_to_bf16(v));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
 /* The soft-capped block's first n - n % 8 values (ew_softcap_block); returns how many. */
@@ -156,7 +148,7 @@ static int64_t ew_softcap8(const void *x, int bf16, float *o, int64_t n, float s
         __m256 v;
         if (bf16) {
             v = _mm256_div_ps(hkv_bf16x8_load((const uint16_t *)x + c), cap);
-            v = ew_round8(_mm256_mul_ps(ew_round8(ew_tanh8(ew_round8(v))), cap));
+            v = hkv_round8_bf16(_mm256_mul_ps(hkv_round8_bf16(ew_tanh8(hkv_round8_bf16(v))), cap));
         } else {
             v = _mm256_mul_ps(ew_tanh8(_mm256_div_ps(_mm256_loadu_ps((const float *)x + c), cap)),
                               cap);

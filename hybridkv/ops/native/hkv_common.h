@@ -82,6 +82,16 @@ static inline uint16_t hkv_f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+/* tanh(y) = sign(y) (1 - e) / (1 + e), e = e^(-2|y|), and below |y| = HKV_TANH_SMALL (where
+ * 1 - e would lose digits) y times its Taylor polynomial in y^2 (tanh(y) / y: 1, -1/3, 2/15,
+ * -17/315, 62/2835): relative error below 3e-7. The soft-caps of decode_attention.c and
+ * elementwise.c take these steps. */
+#define HKV_TANH_SMALL 0.3f
+#define HKV_TANH_T3 (-0.33333333f)
+#define HKV_TANH_T5 0.13333333f
+#define HKV_TANH_T7 (-0.053968254f)
+#define HKV_TANH_T9 0.021869489f
+
 /* e^x for x <= 0 in plain arithmetic, so that loops calling it vectorize (libm's expf is a
  * scalar call). e^x = 2^k * e^r with k = round(x / ln 2), |r| <= ln 2 / 2, e^r by its degree-6
  * Taylor polynomial: relative error below 3e-7. Inputs below -87 give about 1.6e-38 instead of
@@ -313,6 +323,11 @@ static inline __attribute__((always_inline)) __m128i hkv_f32x8_to_bf16(__m256 v)
                                              _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc0)), nan));
     /* (each lane < 2^16: the unsigned saturation of packusdw keeps it) */
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* hkv_bf16_to_f32(hkv_f32_to_bf16(v)) of 8 lanes: v rounded to a bfloat16 value, in float32. */
+static inline __attribute__((always_inline)) __m256 hkv_round8_bf16(__m256 v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hkv_f32x8_to_bf16(v)), 16));
 }
 
 /* The sum of v's 8 lanes, and their maximum. */

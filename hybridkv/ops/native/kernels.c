@@ -94,12 +94,6 @@ static inline void silu_row(const float *x, float *y, int64_t n) {
     for (int64_t j = i; j < n; j++) y[j] = hkv_silu(x[j]);
 }
 
-#if HKV_AVX2_ONLY
-/* hkv_bf16_to_f32(hkv_f32_to_bf16(v)) of 8 lanes: v rounded to a bfloat16 value, in float32. */
-static inline __m256 round8_bf16(__m256 v) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hkv_f32x8_to_bf16(v)), 16));
-}
-#endif
 
 /* The Mamba2 scan and the causal conv1d below let GCC contract a * b + c into FMAs, as the
  * gated delta rule's and the Mamba1 scan's sections do (-std=c11 turns that off for the file;
@@ -1175,7 +1169,7 @@ void hkv_silu_mul_bf16(const uint16_t *gate, int64_t g_stride, const uint16_t *u
         int64_t i = 0;
 #if HKV_AVX2_ONLY
         for (; i + 8 <= I; i += 8) {
-            const __m256 a = round8_bf16(hkv_silu8(hkv_bf16x8_load(g + i)));
+            const __m256 a = hkv_round8_bf16(hkv_silu8(hkv_bf16x8_load(g + i)));
             _mm_storeu_si128((__m128i *)(o + i),
                              hkv_f32x8_to_bf16(_mm256_mul_ps(a, hkv_bf16x8_load(u + i))));
         }
