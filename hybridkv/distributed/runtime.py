@@ -55,6 +55,16 @@ IDLE_TIMEOUT = datetime.timedelta(days=365)  # workers wait this long for the ne
 # how long a failed step's error waits for a spawned rank's exit to show (`_dead_ranks`)
 DEATH_NOTICE_S = 2.0
 _JOIN: tuple[int, int, str] | None = None  # (rank, size, init_method) in a spawned worker
+# what the rank-starting server imports once (model construction imports torch._dynamo)
+RANK_PRELOAD = ("hybridkv.engine", "torch._dynamo")
+# read when torch, its native libraries and hybridkv load (thread pools, CPU dispatch, allocators,
+# the native kernels' build target): a forked rank keeps the server's values of these
+LOAD_TIME_ENV = (
+    "OMP_", "KMP_", "MKL_", "ONEDNN_", "DNNL_", "ATEN_", "TORCH", "PYTORCH_", "CUDA_", "NCCL_",
+    "LD_", "PYTHON", "HYBRIDKV_",
+)  # fmt: skip
+_SERVER_ENV: dict[str, str] | None = None  # those variables as the rank-starting server has them
+_SPAWNED_ONCE = False  # this process started an engine's ranks before
 
 
 class TensorParallelError(RuntimeError):
@@ -98,6 +108,35 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _load_time_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(LOAD_TIME_ENV)}
+
+
+def _start_context(mp: Any, device_type: str) -> Any:
+    """How ranks 1.. start. A process's first engine spawns them (a new interpreter each: ~2.5
+    s of imports); CPU engines after it fork them from a server process that imported torch and
+    hybridkv once (Linux, macOS: ~0.2 s a rank), which tests, sweeps and notebooks that build
+    engine after engine feel. Spawned instead where forking is unavailable (Windows), where
+    another library started the server, or when a variable read as torch loads
+    (`LOAD_TIME_ENV`) changed since the server started; GPU ranks always spawn (a process forked
+    after anything touched the CUDA driver cannot use it, and an import can touch it). Either
+    way a rank runs with this process's environment as it is now (`_worker_main` applies it)."""
+    global _SERVER_ENV, _SPAWNED_ONCE
+    import multiprocessing.forkserver as forkserver
+
+    if device_type != "cpu" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    if _SERVER_ENV is None:
+        if not _SPAWNED_ONCE or getattr(forkserver._forkserver, "_forkserver_pid", None):
+            _SPAWNED_ONCE = True  # (a server someone else started has their preloads)
+            return mp.get_context("spawn")
+        _SERVER_ENV = _load_time_env()
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(list(RANK_PRELOAD))
+        return ctx
+    return mp.get_context("forkserver" if _load_time_env() == _SERVER_ENV else "spawn")
+
+
 def start(
     size: int, timeout_s: float, device_type: str, model: str | None, kwargs: dict[str, Any]
 ) -> Group:
@@ -116,10 +155,12 @@ def start(
         )  # fmt: skip
     else:
         rank, world, init_method = 0, size, f"tcp://127.0.0.1:{_free_port()}"
-        ctx = mp.get_context("spawn")
+        ctx = _start_context(mp, device_type)
         for r in range(1, size):
             p = ctx.Process(
-                target=_worker_main, args=(r, size, init_method, model, kwargs), daemon=True
+                target=_worker_main,
+                args=(r, size, init_method, model, kwargs, dict(os.environ)),
+                daemon=True,
             )
             p.start()
             processes.append(p)
@@ -147,11 +188,25 @@ def start(
     return Group(tp, control, processes, torchrun)
 
 
+def adopt_environment(environ: dict[str, str]) -> None:
+    """Make this process's environment exactly `environ` (a forked rank starts with the
+    server's, which predates rank 0's later changes)."""
+    os.environ.clear()
+    os.environ.update(environ)
+
+
 def _worker_main(
-    rank: int, size: int, init_method: str, model: str | None, kwargs: dict[str, Any]
+    rank: int,
+    size: int,
+    init_method: str,
+    model: str | None,
+    kwargs: dict[str, Any],
+    environ: dict[str, str],
 ) -> None:
-    """A spawned worker: build the engine's rank (which serves steps until told to stop)."""
+    """A started worker: take rank 0's environment (a forked rank has the server's), then
+    build the engine's rank (which serves steps until told to stop)."""
     global _JOIN
+    adopt_environment(environ)
     _JOIN = (rank, size, init_method)
     from hybridkv.engine import Engine
 

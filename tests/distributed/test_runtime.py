@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from hybridkv.distributed import runtime
 from hybridkv.distributed.runtime import DriverRunner, Group
 
@@ -32,3 +34,68 @@ def test_a_hung_rank_is_reported_as_such_after_the_wait(monkeypatch):
     driver = DriverRunner(None, Group(tp=None, control=None, processes=[ExitingProcess(10**9)]), 5)
     message = driver._describe(RuntimeError("timed out"))
     assert "did not answer within 5 s" in message, message
+
+
+def test_cpu_ranks_fork_from_the_server_until_a_load_time_variable_changes(monkeypatch):
+    """A process's first CPU engine spawns its ranks; later ones fork them from the server while
+    the variables read as torch loads are the same, and spawn after one changed; GPU ranks
+    always spawn."""
+    import torch.multiprocessing as mp
+
+    monkeypatch.setattr(runtime, "_SERVER_ENV", None)
+    monkeypatch.setattr(runtime, "_SPAWNED_ONCE", False)
+    monkeypatch.delenv("OMP_SCHEDULE", raising=False)
+    assert runtime._start_context(mp, "cuda").get_start_method() == "spawn"
+    if "forkserver" not in mp.get_all_start_methods():
+        assert runtime._start_context(mp, "cpu").get_start_method() == "spawn"
+        return
+    import multiprocessing.forkserver as forkserver
+
+    monkeypatch.setattr(forkserver._forkserver, "_forkserver_pid", None)
+    assert runtime._start_context(mp, "cpu").get_start_method() == "spawn"  # the first
+    assert runtime._start_context(mp, "cpu").get_start_method() == "forkserver"
+    monkeypatch.setenv("HKV_TEST_UNRELATED", "1")  # not read at load: still forked
+    assert runtime._start_context(mp, "cpu").get_start_method() == "forkserver"
+    monkeypatch.setenv("OMP_SCHEDULE", "static")
+    assert runtime._start_context(mp, "cpu").get_start_method() == "spawn"
+    monkeypatch.delenv("OMP_SCHEDULE")
+    assert runtime._start_context(mp, "cpu").get_start_method() == "forkserver"
+
+
+def test_a_server_another_library_started_is_not_used(monkeypatch):
+    import multiprocessing.forkserver as forkserver
+
+    import torch.multiprocessing as mp
+
+    monkeypatch.setattr(runtime, "_SERVER_ENV", None)
+    monkeypatch.setattr(runtime, "_SPAWNED_ONCE", True)
+    monkeypatch.setattr(forkserver._forkserver, "_forkserver_pid", 12345)
+    assert runtime._start_context(mp, "cpu").get_start_method() == "spawn"
+    assert runtime._SERVER_ENV is None
+
+
+def report_environment(environ: dict[str, str], names: list[str], queue) -> None:
+    runtime.adopt_environment(environ)
+    queue.put({n: os.environ.get(n) for n in names})
+
+
+def test_a_forked_rank_runs_with_rank_0s_environment_of_now(monkeypatch):
+    """A variable set (or removed) after the server started reaches the rank as rank 0 has it."""
+    import multiprocessing as mp
+
+    if "forkserver" not in mp.get_all_start_methods():
+        return
+    ctx = mp.get_context("forkserver")
+    monkeypatch.setenv("HKV_TEST_GONE", "old")
+    ctx.Process(target=report_environment, args=({}, [], ctx.Queue())).start()  # server up
+    monkeypatch.setenv("HKV_TEST_NEW", "new")
+    monkeypatch.delenv("HKV_TEST_GONE")
+    queue = ctx.Queue()
+    p = ctx.Process(
+        target=report_environment,
+        args=(dict(os.environ), ["HKV_TEST_NEW", "HKV_TEST_GONE"], queue),
+    )
+    p.start()
+    assert queue.get(timeout=30) == {"HKV_TEST_NEW": "new", "HKV_TEST_GONE": None}
+    p.join(timeout=30)
+    assert p.exitcode == 0
