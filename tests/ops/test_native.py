@@ -27,6 +27,62 @@ def test_library_builds_and_is_cached():
     assert native.library() is lib
 
 
+TWO_FILES = {"a.c": "int hkv_t_a(int x) { return x + 1; }\n",
+             "b.c": "int hkv_t_a(int); int hkv_t_b(int x) { return 2 * hkv_t_a(x); }\n"}
+
+
+@needs_compiler
+def test_compile_library_links_its_files_and_names_a_failure(tmp_path):
+    """Each file compiled on its own, then linked: a function calls across files; a broken
+    file raises with the compiler's message."""
+    import ctypes
+    import subprocess
+
+    files = []
+    for name, text in TWO_FILES.items():
+        files.append(tmp_path / name)
+        files[-1].write_text(text)
+    out = tmp_path / "two.so"
+    native.compile_library("gcc", native.CFLAGS, files, out)
+    assert ctypes.CDLL(str(out)).hkv_t_b(20) == 42
+    broken = tmp_path / "broken.c"
+    broken.write_text("int hkv_broken(void) { return missing_name; }\n")
+    with pytest.raises(subprocess.CalledProcessError) as err:
+        native.compile_library("gcc", native.CFLAGS, [*files, broken], tmp_path / "no.so")
+    assert "missing_name" in err.value.stderr
+    assert not (tmp_path / "no.so").exists()
+
+
+@needs_compiler
+def test_builders_of_one_library_wait_for_one_build(tmp_path, monkeypatch):
+    """Two builders of one key at once (test workers, tensor-parallel ranks): one compiles,
+    the other waits on the lock and finds its file. The compiler is a logging wrapper that
+    sleeps, so the second builder arrives while the first compiles."""
+    import threading
+
+    for name, text in TWO_FILES.items():
+        (tmp_path / name).write_text(text)
+    log = tmp_path / "cc.log"
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(f'#!/bin/sh\necho "$@" >> {log}\nsleep 0.3\nexec gcc "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setattr(native, "sources", lambda: sorted(tmp_path.glob("*.c")))
+    target = tmp_path / "cache" / "native-test.so"
+    results: list[bool] = []
+    builders = [
+        threading.Thread(target=lambda: results.append(native._build(target, "")))
+        for _ in range(2)
+    ]
+    for b in builders:
+        b.start()
+    for b in builders:
+        b.join(timeout=60)
+    assert results == [True, True] and target.is_file()
+    compiles = [line for line in log.read_text().splitlines() if " -c " in f" {line} "]
+    assert len(compiles) == 3, compiles  # a.c, b.c and the adapters, once
+
+
 def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
     registry.reset_all()  # op choices follow the new setting

@@ -68,13 +68,11 @@ def test_the_library_builds_and_runs_on_aarch64(tmp_path, march):
     adapters.write_text(_adapters())
     library = tmp_path / "libhkv-aarch64.so"
     flags = [f if not f.startswith("-march=") else f"-march={march}" for f in native.CFLAGS]
-    sources = [str(s) for s in native.sources()]
-    build = subprocess.run(
-        [CROSS_CC, *flags, *sources, str(adapters), "-o", str(library), "-lm"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert build.returncode == 0, build.stderr[-4000:]
-    assert "warning" not in build.stderr, build.stderr[-4000:]
+    try:
+        messages = native.compile_library(CROSS_CC, flags, [*native.sources(), adapters], library)
+    except subprocess.CalledProcessError as err:
+        raise AssertionError(err.stderr[-4000:]) from None
+    assert "warning" not in messages, messages[-4000:]
     done = subprocess.run(
         ["qemu-aarch64", "-L", str(ARM64_ROOT), str(python), str(CHECKS), str(library),
          *ARM_MARCHES[march]],
