@@ -63,7 +63,8 @@ LOAD_TIME_ENV = (
     "OMP_", "KMP_", "MKL_", "ONEDNN_", "DNNL_", "ATEN_", "TORCH", "PYTORCH_", "CUDA_", "NCCL_",
     "LD_", "PYTHON", "HYBRIDKV_",
 )  # fmt: skip
-_SERVER_ENV: dict[str, str] | None = None  # those variables as the rank-starting server has them
+# (pid, those variables) of the fork server this module started
+_SERVER: tuple[int, dict[str, str]] | None = None
 _SPAWNED_ONCE = False  # this process started an engine's ranks before
 
 
@@ -116,25 +117,34 @@ def _start_context(mp: Any, device_type: str) -> Any:
     """How ranks 1.. start. A process's first engine spawns them (a new interpreter each: ~2.5
     s of imports); CPU engines after it fork them from a server process that imported torch and
     hybridkv once (Linux, macOS: ~0.2 s a rank), which tests, sweeps and notebooks that build
-    engine after engine feel. Spawned instead where forking is unavailable (Windows), where
-    another library started the server, or when a variable read as torch loads
-    (`LOAD_TIME_ENV`) changed since the server started; GPU ranks always spawn (a process forked
-    after anything touched the CUDA driver cannot use it, and an import can touch it). Either
-    way a rank runs with this process's environment as it is now (`_worker_main` applies it)."""
-    global _SERVER_ENV, _SPAWNED_ONCE
+    engine after engine feel. Spawned instead where forking is unavailable (Windows), when the
+    process's fork server is not the one started here (another library's, without these
+    imports), or when a variable read as torch loads (`LOAD_TIME_ENV`) changed since it started;
+    GPU ranks always spawn (a process forked after anything touched the CUDA driver cannot use
+    it, and an import can touch it). Either way a rank runs with this process's environment as
+    it is now (`_worker_main` applies it)."""
+    global _SERVER, _SPAWNED_ONCE
     import multiprocessing.forkserver as forkserver
 
-    if device_type != "cpu" or "forkserver" not in mp.get_all_start_methods():
+    server = getattr(forkserver, "_forkserver", None)
+    if (
+        device_type != "cpu"
+        or "forkserver" not in mp.get_all_start_methods()
+        or not hasattr(server, "_forkserver_pid")
+    ):
         return mp.get_context("spawn")
-    if _SERVER_ENV is None:
-        if not _SPAWNED_ONCE or getattr(forkserver._forkserver, "_forkserver_pid", None):
-            _SPAWNED_ONCE = True  # (a server someone else started has their preloads)
-            return mp.get_context("spawn")
-        _SERVER_ENV = _load_time_env()
-        ctx = mp.get_context("forkserver")
+    if not _SPAWNED_ONCE:
+        _SPAWNED_ONCE = True
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    if server._forkserver_pid is None:  # none yet: start ours
         ctx.set_forkserver_preload(list(RANK_PRELOAD))
+        server.ensure_running()
+        _SERVER = (server._forkserver_pid, _load_time_env())
         return ctx
-    return mp.get_context("forkserver" if _load_time_env() == _SERVER_ENV else "spawn")
+    if (server._forkserver_pid, _load_time_env()) == _SERVER:
+        return ctx
+    return mp.get_context("spawn")
 
 
 def start(

@@ -36,42 +36,58 @@ def test_a_hung_rank_is_reported_as_such_after_the_wait(monkeypatch):
     assert "did not answer within 5 s" in message, message
 
 
+class FakeForkServer:
+    """multiprocessing's fork server as `_start_context` sees it: a pid once running."""
+
+    def __init__(self, pid: int | None = None) -> None:
+        self._forkserver_pid = pid
+
+    def ensure_running(self) -> None:
+        self._forkserver_pid = self._forkserver_pid or 4242
+
+
 def test_cpu_ranks_fork_from_the_server_until_a_load_time_variable_changes(monkeypatch):
-    """A process's first CPU engine spawns its ranks; later ones fork them from the server while
-    the variables read as torch loads are the same, and spawn after one changed; GPU ranks
-    always spawn."""
+    """A process's first CPU engine spawns its ranks; later ones fork them from the server it
+    starts, while the variables read as torch loads stay the same; GPU ranks always spawn."""
+    import multiprocessing.forkserver as forkserver
+
     import torch.multiprocessing as mp
 
-    monkeypatch.setattr(runtime, "_SERVER_ENV", None)
-    monkeypatch.setattr(runtime, "_SPAWNED_ONCE", False)
-    monkeypatch.delenv("OMP_SCHEDULE", raising=False)
-    assert runtime._start_context(mp, "cuda").get_start_method() == "spawn"
     if "forkserver" not in mp.get_all_start_methods():
         assert runtime._start_context(mp, "cpu").get_start_method() == "spawn"
         return
-    import multiprocessing.forkserver as forkserver
-
-    monkeypatch.setattr(forkserver._forkserver, "_forkserver_pid", None)
+    monkeypatch.setattr(forkserver, "_forkserver", FakeForkServer())
+    monkeypatch.setattr(runtime, "_SERVER", None)
+    monkeypatch.setattr(runtime, "_SPAWNED_ONCE", False)
+    monkeypatch.delenv("OMP_SCHEDULE", raising=False)
+    assert runtime._start_context(mp, "cuda").get_start_method() == "spawn"
     assert runtime._start_context(mp, "cpu").get_start_method() == "spawn"  # the first
     assert runtime._start_context(mp, "cpu").get_start_method() == "forkserver"
-    monkeypatch.setenv("HKV_TEST_UNRELATED", "1")  # not read at load: still forked
+    assert runtime._SERVER[0] == 4242
+    monkeypatch.setenv("HKV_TEST_UNRELATED", "1")  # not read as torch loads: still forked
     assert runtime._start_context(mp, "cpu").get_start_method() == "forkserver"
     monkeypatch.setenv("OMP_SCHEDULE", "static")
     assert runtime._start_context(mp, "cpu").get_start_method() == "spawn"
     monkeypatch.delenv("OMP_SCHEDULE")
     assert runtime._start_context(mp, "cpu").get_start_method() == "forkserver"
+    assert runtime._start_context(mp, "cuda").get_start_method() == "spawn"
 
 
-def test_a_server_another_library_started_is_not_used(monkeypatch):
+def test_a_fork_server_this_module_did_not_start_is_not_used(monkeypatch):
+    """Another library's server (or one restarted since) lacks the imports and may have another
+    environment: ranks spawn."""
     import multiprocessing.forkserver as forkserver
 
     import torch.multiprocessing as mp
 
-    monkeypatch.setattr(runtime, "_SERVER_ENV", None)
+    if "forkserver" not in mp.get_all_start_methods():
+        return
+    monkeypatch.setattr(forkserver, "_forkserver", FakeForkServer(pid=999))
     monkeypatch.setattr(runtime, "_SPAWNED_ONCE", True)
-    monkeypatch.setattr(forkserver._forkserver, "_forkserver_pid", 12345)
+    monkeypatch.setattr(runtime, "_SERVER", None)
     assert runtime._start_context(mp, "cpu").get_start_method() == "spawn"
-    assert runtime._SERVER_ENV is None
+    monkeypatch.setattr(runtime, "_SERVER", (1000, runtime._load_time_env()))
+    assert runtime._start_context(mp, "cpu").get_start_method() == "spawn"
 
 
 def report_environment(environ: dict[str, str], names: list[str], queue) -> None:
@@ -80,14 +96,17 @@ def report_environment(environ: dict[str, str], names: list[str], queue) -> None
 
 
 def test_a_forked_rank_runs_with_rank_0s_environment_of_now(monkeypatch):
-    """A variable set (or removed) after the server started reaches the rank as rank 0 has it."""
-    import multiprocessing as mp
+    """Through the server `_start_context` starts (the one later engines of this test process
+    use too): a variable set or removed after the server started reaches the rank as rank 0
+    has it."""
+    import torch.multiprocessing as mp
 
     if "forkserver" not in mp.get_all_start_methods():
         return
-    ctx = mp.get_context("forkserver")
     monkeypatch.setenv("HKV_TEST_GONE", "old")
-    ctx.Process(target=report_environment, args=({}, [], ctx.Queue())).start()  # server up
+    monkeypatch.setattr(runtime, "_SPAWNED_ONCE", True)
+    ctx = runtime._start_context(mp, "cpu")
+    assert ctx.get_start_method() == "forkserver"
     monkeypatch.setenv("HKV_TEST_NEW", "new")
     monkeypatch.delenv("HKV_TEST_GONE")
     queue = ctx.Queue()
@@ -96,6 +115,6 @@ def test_a_forked_rank_runs_with_rank_0s_environment_of_now(monkeypatch):
         args=(dict(os.environ), ["HKV_TEST_NEW", "HKV_TEST_GONE"], queue),
     )
     p.start()
-    assert queue.get(timeout=30) == {"HKV_TEST_NEW": "new", "HKV_TEST_GONE": None}
+    assert queue.get(timeout=60) == {"HKV_TEST_NEW": "new", "HKV_TEST_GONE": None}
     p.join(timeout=30)
     assert p.exitcode == 0
