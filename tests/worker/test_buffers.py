@@ -140,3 +140,29 @@ def test_fp8_kv_view():
     plan = make_plan(layers, CacheConfig(num_pages=4, page_tokens=16, kernel_block_size=8))
     view = CacheBuffers(plan).views["layers.0.attention"]
     assert view.dtype == torch.float8_e4m3fn and tuple(view.shape) == (8, 2, 8, 1, 8)
+
+
+def test_a_new_pool_is_zero_and_costs_memory_only_where_touched():
+    """The CPU pool is an anonymous mapping: every byte reads 0 and writes stick, and resident
+    memory grows by the pages written, not by the pool's size (torch.zeros committed it all)."""
+    import os
+    from pathlib import Path
+
+    from hybridkv.worker.buffers import zeroed_bytes
+
+    def resident_bytes() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    if not Path("/proc/self/statm").is_file():
+        pytest.skip("reads /proc")
+    size = 256 * 2**20
+    before = resident_bytes()
+    pool = zeroed_bytes(size, torch.device("cpu"))
+    pool[: 2**20] = 7  # one MiB written
+    pool[-1] = 9
+    grown = resident_bytes() - before
+    assert grown < 32 * 2**20, f"the pool made {grown} bytes resident"
+    assert pool.dtype == torch.uint8 and pool.numel() == size
+    assert int(pool[2**20 : 4 * 2**20].count_nonzero()) == 0
+    assert int(pool[:8].sum()) == 56 and int(pool[-1]) == 9
+    assert zeroed_bytes(0, torch.device("cpu")).numel() == 0
