@@ -59,6 +59,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, marker))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_references(request, tmp_path_factory):
+    """The workers of an xdist run share transformers' reference tokens (tests/models/
+    conformance.py) in the run's temporary folder, which pytest removes with old runs."""
+    if not hasattr(request.config, "workerinput"):  # one process: its own dict serves
+        return
+    from tests.models import conformance
+
+    conformance.SHARED_REFERENCES = tmp_path_factory.getbasetemp().parent / "references"
+
+
 @pytest.fixture(autouse=True)
 def cpu_unless_marked(request, monkeypatch):
     """Tests run on the CPU, also on a machine with a GPU: engines built with device="auto"

@@ -12,6 +12,9 @@ PyTorch ops instead.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,18 +86,55 @@ class Family:
     turn_ref: list[list[int]]
 
 
+_REFERENCES: dict[str, dict[str, Any]] = {}  # this process's, by `_reference_key`
+# where the workers of a pytest-xdist run share them (tests/conftest.py sets it under the run's
+# temporary folder); None: this process's dict only
+SHARED_REFERENCES: Path | None = None
+
+
+def _reference_key(folder: Path, vocab: int) -> str:
+    """The saved checkpoint's bytes (config and weights) and how the references are made."""
+    key = hashlib.sha256(repr((vocab, LENGTHS, NEW_TOKENS, TURNS)).encode())
+    for path in sorted(folder.iterdir()):
+        if path.is_file():
+            key.update(path.name.encode() + path.read_bytes())
+    return key.hexdigest()[:32]
+
+
+def _references(folder: Path, hf_model, vocab: int, plain, shared) -> dict[str, Any]:
+    """transformers' greedy tokens for the family's prompts, computed once per checkpoint and
+    test run: several modules build the same seeded checkpoint (a family's tests, its
+    speculation and tensor-parallel tests), and the reference of one (Kimi-Linear: ~8 s) is
+    most of its set-up."""
+    key = _reference_key(folder, vocab)
+    stored = None if SHARED_REFERENCES is None else SHARED_REFERENCES / f"{key}.json"
+    if key not in _REFERENCES and stored is not None and stored.is_file():
+        _REFERENCES[key] = json.loads(stored.read_text())
+    if key not in _REFERENCES:
+        plain_ref, m1 = reference_greedy(hf_model, plain, NEW_TOKENS)
+        shared_ref, m2 = reference_greedy(hf_model, shared, NEW_TOKENS)
+        more = prompts(vocab, [5, 9, 3, 6], seed=7)
+        turns = [plain[i] + plain_ref[i] + more[i] for i in range(TURNS)]
+        turn_ref, m3 = reference_greedy(hf_model, turns, NEW_TOKENS)
+        _REFERENCES[key] = {"plain_ref": plain_ref, "shared_ref": shared_ref, "turns": turns,
+                            "turn_ref": turn_ref, "margin": min(m1, m2, m3)}  # fmt: skip
+        if stored is not None:  # written whole, then renamed: a reader never sees a part
+            stored.parent.mkdir(parents=True, exist_ok=True)
+            partial = stored.with_suffix(f".{os.getpid()}.part")
+            partial.write_text(json.dumps(_REFERENCES[key]))
+            partial.replace(stored)
+    return _REFERENCES[key]
+
+
 def make_family(folder: Path, hf_model, vocab: int) -> Family:
     plain = prompts(vocab, LENGTHS, seed=1)
     # 20 shared tokens: shorter than any page the tiny models get (>= 32 tokens)
     shared = prompts(vocab, [24, 30, 45, 21, 60, 33, 26, 52], seed=2, shared=20)
-    plain_ref, m1 = reference_greedy(hf_model, plain, NEW_TOKENS)
-    shared_ref, m2 = reference_greedy(hf_model, shared, NEW_TOKENS)
-    more = prompts(vocab, [5, 9, 3, 6], seed=7)
-    turns = [plain[i] + plain_ref[i] + more[i] for i in range(TURNS)]
-    turn_ref, m3 = reference_greedy(hf_model, turns, NEW_TOKENS)
-    margin = min(m1, m2, m3)
+    ref = _references(folder, hf_model, vocab, plain, shared)
+    margin = ref["margin"]
     assert margin > MIN_MARGIN, f"random weights too flat to compare (margin {margin})"
-    return Family(folder, vocab, plain, plain_ref, shared, shared_ref, turns, turn_ref)
+    return Family(folder, vocab, plain, ref["plain_ref"], shared, ref["shared_ref"],
+                  ref["turns"], ref["turn_ref"])  # fmt: skip
 
 
 def check_case(family: Family, case: Case, **engine_kwargs: Any) -> None:
