@@ -25,10 +25,10 @@ Build: `gcc -O3 -march=native -fopenmp -shared` (`HYBRIDKV_NATIVE_MARCH=x86-64-v
 target) into `$XDG_CACHE_HOME/hybridkv` (default
 `~/.cache/hybridkv`), keyed by the source, the compiler flags and the CPU's flags, so a cache
 shared between machines never loads a build for another CPU. Built once: each C file compiled
-at the same time (a job per CPU), ~8 s on 2 cores, ~3 s on 8 or more; processes starting
-together wait for one build (a lock beside it). No
-compiler, a failed build, a tensor of a dtype the kernel does not take (float32 and bfloat16;
-the Mamba2 scan's other inputs float32 only), or `HYBRIDKV_NATIVE=0` in the environment: the callers
+at the same time (a job per CPU: 9 s on the 2-core Xeon instead of 17; the largest file alone
+takes 3 s); processes starting together wait for one build (a lock beside it). No compiler,
+a failed build, a tensor of a dtype the kernel does not take (float32 and bfloat16; the Mamba2
+scan's other inputs float32 only), or `HYBRIDKV_NATIVE=0` in the environment: the callers
 keep their PyTorch path (the reference the tests compare both with), or, for the state ops chosen
 by the plan, the plan does not choose native ones.
 """
