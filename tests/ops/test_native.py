@@ -83,6 +83,20 @@ def test_builders_of_one_library_wait_for_one_build(tmp_path, monkeypatch):
     assert len(compiles) == 3, compiles  # a.c, b.c and the adapters, once
 
 
+@needs_compiler
+def test_a_failed_build_warns_with_the_compilers_last_line(tmp_path, monkeypatch):
+    (tmp_path / "a.c").write_text(TWO_FILES["a.c"])
+    failing = tmp_path / "cc"
+    failing.write_text('#!/bin/sh\necho "fatal: no room left on the device" >&2\nexit 1\n')
+    failing.chmod(0o755)
+    monkeypatch.setenv("CC", str(failing))
+    monkeypatch.setattr(native, "sources", lambda: [tmp_path / "a.c"])
+    target = tmp_path / "cache" / "native-test.so"
+    with pytest.warns(RuntimeWarning, match="failed .fatal: no room left on the device"):
+        assert native._build(target, "") is False
+    assert not target.exists()
+
+
 def test_disabled_by_environment(monkeypatch):
     monkeypatch.setenv("HYBRIDKV_NATIVE", "0")
     registry.reset_all()  # op choices follow the new setting

@@ -239,7 +239,15 @@ def _build(target: Path, adapters: str) -> bool:
                 compile_library(compiler, CFLAGS, [*sources(), generated], partial)
                 partial.replace(target)
                 return True
-            except (OSError, subprocess.SubprocessError):
+            except (OSError, subprocess.SubprocessError) as exc:
+                said = getattr(exc, "stderr", None) or str(exc)
+                warnings.warn(
+                    f"hybridkv: building the native kernels with {compiler} failed "
+                    f"({said.strip().splitlines()[-1] if said.strip() else exc}); running the "
+                    "PyTorch ops",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
                 return False
 
 
