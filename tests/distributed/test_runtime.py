@@ -97,8 +97,8 @@ def report_environment(environ: dict[str, str], names: list[str], queue) -> None
 
 def test_a_forked_rank_runs_with_rank_0s_environment_of_now(monkeypatch):
     """Through the server `_start_context` starts (the one later engines of this test process
-    use too): a variable set or removed after the server started reaches the rank as rank 0
-    has it."""
+    use too): a variable set after the server started reaches the rank, and one removed is gone
+    (that half can only fail where this test started the server: it had the variable then)."""
     import torch.multiprocessing as mp
 
     if "forkserver" not in mp.get_all_start_methods():

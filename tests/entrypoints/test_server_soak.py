@@ -24,6 +24,7 @@ from tests.entrypoints.server_utils import (
     running_server,
     wait_idle,
 )
+from tests.memory import rss_bytes
 
 MODEL = "tiny"
 CLIENTS = 12
@@ -37,14 +38,6 @@ OBJECT_GROWTH_BOUND = 20_000
 def python_objects() -> int:
     gc.collect()
     return len(gc.get_objects())
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
 
 
 @pytest.fixture(scope="module", params=["plain", "speculative"])

@@ -27,6 +27,14 @@ def test_library_builds_and_is_cached():
     assert native.library() is lib
 
 
+def fake_compiler(folder, body: str):
+    """An executable shell script standing in for gcc (`CC`)."""
+    script = folder / "cc"
+    script.write_text(f"#!/bin/sh\n{body}\n")
+    script.chmod(0o755)
+    return script
+
+
 TWO_FILES = {"a.c": "int hkv_t_a(int x) { return x + 1; }\n",
              "b.c": "int hkv_t_a(int); int hkv_t_b(int x) { return 2 * hkv_t_a(x); }\n"}
 
@@ -63,9 +71,7 @@ def test_builders_of_one_library_wait_for_one_build(tmp_path, monkeypatch):
     for name, text in TWO_FILES.items():
         (tmp_path / name).write_text(text)
     log = tmp_path / "cc.log"
-    wrapper = tmp_path / "cc"
-    wrapper.write_text(f'#!/bin/sh\necho "$@" >> {log}\nsleep 0.3\nexec gcc "$@"\n')
-    wrapper.chmod(0o755)
+    wrapper = fake_compiler(tmp_path, f'echo "$@" >> {log}\nsleep 0.3\nexec gcc "$@"')
     monkeypatch.setenv("CC", str(wrapper))
     monkeypatch.setattr(native, "sources", lambda: sorted(tmp_path.glob("*.c")))
     target = tmp_path / "cache" / "native-test.so"
@@ -86,9 +92,7 @@ def test_builders_of_one_library_wait_for_one_build(tmp_path, monkeypatch):
 @needs_compiler
 def test_a_failed_build_warns_with_the_compilers_last_line(tmp_path, monkeypatch):
     (tmp_path / "a.c").write_text(TWO_FILES["a.c"])
-    failing = tmp_path / "cc"
-    failing.write_text('#!/bin/sh\necho "fatal: no room left on the device" >&2\nexit 1\n')
-    failing.chmod(0o755)
+    failing = fake_compiler(tmp_path, 'echo "fatal: no room left on the device" >&2\nexit 1')
     monkeypatch.setenv("CC", str(failing))
     monkeypatch.setattr(native, "sources", lambda: [tmp_path / "a.c"])
     target = tmp_path / "cache" / "native-test.so"

@@ -145,22 +145,19 @@ def test_fp8_kv_view():
 def test_a_new_pool_is_zero_and_costs_memory_only_where_touched():
     """The CPU pool is an anonymous mapping: every byte reads 0 and writes stick, and resident
     memory grows by the pages written, not by the pool's size (torch.zeros committed it all)."""
-    import os
     from pathlib import Path
 
     from hybridkv.worker.buffers import zeroed_bytes
+    from tests.memory import rss_bytes
 
-    def resident_bytes() -> int:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    if not Path("/proc/self/statm").is_file():
+    if not Path("/proc/self/status").is_file():
         pytest.skip("reads /proc")
     size = 256 * 2**20
-    before = resident_bytes()
+    before = rss_bytes()
     pool = zeroed_bytes(size, torch.device("cpu"))
     pool[: 2**20] = 7  # one MiB written
     pool[-1] = 9
-    grown = resident_bytes() - before
+    grown = rss_bytes() - before
     assert grown < 32 * 2**20, f"the pool made {grown} bytes resident"
     assert pool.dtype == torch.uint8 and pool.numel() == size
     assert int(pool[2**20 : 4 * 2**20].count_nonzero()) == 0
