@@ -27,6 +27,7 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -53,6 +54,15 @@ POLICIES = ("prefix_aware", "least_loaded", "round_robin")
 POLL_INTERVAL_S = 0.1
 POLL_TIMEOUT_S = 2.0
 MAX_BUFFERED_EVENTS = 1_000_000
+# Ray Serve's controller kills a proxy that does not answer its first ready check within
+# RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S (5 s), and serve.start then fails ("The actor is dead
+# because it was killed by `ray.kill`"): on a small machine busy with replicas importing torch,
+# or loaded otherwise, the proxy's start takes longer (seen: one core shared with other work).
+# A local cluster started by `init_ray` gets these instead; a value the user set wins.
+LOCAL_RAY_ENV = {
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30",
+}
 # request headers not forwarded (hop-by-hop, or recomputed by the replica's app)
 _DROP_REQUEST = {"host", "connection", "transfer-encoding", "keep-alive", "upgrade"}
 # response headers not relayed (the ingress's response computes its own)
@@ -640,6 +650,43 @@ def engine_kwargs_of(args: Any) -> dict[str, Any]:
     return kwargs
 
 
+def init_ray(address: str | None = None, **kwargs: Any) -> None:
+    """`ray.init` without the dashboard or workers' logs on the driver. Starting a local
+    cluster (`address` None) sets `LOCAL_RAY_ENV` where unset, before Ray's processes start
+    (they take their environment from this one); a cluster joined by address keeps its own."""
+    import ray
+
+    if address is None:
+        for name, value in LOCAL_RAY_ENV.items():
+            os.environ.setdefault(name, value)
+    ray.init(address=address, include_dashboard=False, log_to_driver=False, **kwargs)
+
+
+def run_app(
+    app: serve.Application, http_options: dict[str, Any], deadline_s: float = 300.0
+) -> None:
+    """`serve.start` then `serve.run(app)`, waiting up to `deadline_s` for Ray Serve's proxies.
+
+    Both calls give up after Ray Serve's fixed 60 s (HTTP_PROXY_TIMEOUT, not configurable) if
+    the proxies are not serving; on a slow or busy machine their start takes longer, while the
+    controller and the proxies it started keep starting. A call after such a timeout finds them
+    (serve.start connects to the running controller; serve.run deploys the same app again), so
+    each call is repeated until the deadline."""
+    deadline = time.monotonic() + deadline_s
+    for call in (
+        lambda: serve.start(http_options=http_options),
+        lambda: serve.run(app, name="hybridkv", route_prefix="/"),
+    ):
+        while True:
+            try:
+                call()
+                break
+            except TimeoutError as err:
+                if time.monotonic() >= deadline:
+                    raise
+                logger.warning("Ray Serve is still starting (%s); waiting", err)
+
+
 def run_cli(args: Any, max_request_bytes: int) -> int:
     """Start (or join, `args.ray_address`) Ray, run the app on args.host:args.port and block
     until interrupted. Returns the exit status."""
@@ -653,7 +700,7 @@ def run_cli(args: Any, max_request_bytes: int) -> int:
         "reasoning_parser": args.reasoning_parser,
     }
     start = time.monotonic()
-    ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=False)
+    init_ray(args.ray_address)
     cpus = float(ray.cluster_resources().get("CPU", 1.0))
     replica_cpus = min(1.0, round(cpus / (num + 1), 2))  # room for the ingress
     app = build_app(
@@ -662,8 +709,7 @@ def run_cli(args: Any, max_request_bytes: int) -> int:
         ingress_cpus=min(0.25, replica_cpus),
     )  # fmt: skip
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(app, name="hybridkv", route_prefix="/")
+        run_app(app, {"host": args.host, "port": args.port})
         print(
             f"serving {name} on http://{args.host}:{args.port} with {num} replica(s) on Ray "
             f"({args.routing_policy} routing), up in {time.monotonic() - start:.1f}s",
