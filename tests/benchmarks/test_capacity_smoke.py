@@ -20,12 +20,19 @@ KEYS = {
 }
 
 
-def test_quick_capacity_run(capsys):
-    spec = importlib.util.spec_from_file_location("capacity_bench", SCRIPT)
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while defining
     spec.loader.exec_module(module)
-    assert module.main(["--quick", "--json"]) == 0
+    return module
+
+
+def test_quick_capacity_run(capsys):
+    """Every row of `--quick`, in this process (the default runs each model in a fresh
+    process for its timings, which this test does not read: that path is the next test's)."""
+    module = _module("capacity_bench")
+    assert module.main(["--quick", "--json", "--in-process"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert {(r["model"], r["workload"], r["mode"]) for r in rows} == {
         (m, w, mode) for m in module.QUICK_MODELS for w in module.WORKLOADS for mode in module.MODES
@@ -44,6 +51,21 @@ def test_quick_capacity_run(capsys):
     mamba = "mistralai/Mamba-Codestral-7B-v0.1"
     assert by[(mamba, "multi_turn", "block")]["hit_rate"] > 0.5
     assert by[(mamba, "short_chat", "block")]["unused_pinned_tokens_per_request"] == 0
+
+
+def test_a_model_in_its_own_process_gives_the_in_process_rows(capsys):
+    """The default run: each model replayed by a fresh Python process (`run_isolated`); its
+    rows are the in-process rows but for the manager's timing."""
+    module = _module("capacity_bench_isolated")
+    argv = ["--quick", "--json", "--models", "mistralai/Mamba-Codestral-7B-v0.1",
+            "--workloads", "short_chat"]  # fmt: skip
+    assert module.main(argv) == 0
+    isolated = json.loads(capsys.readouterr().out)
+    assert module.main([*argv, "--in-process"]) == 0
+    here = json.loads(capsys.readouterr().out)
+    timing = "manager_us_per_request_step"
+    assert len(isolated) == len(module.MODES) and all(r[timing] > 0 for r in isolated)
+    assert [{**r, timing: 0} for r in isolated] == [{**r, timing: 0} for r in here]
 
 
 def test_speculative_replay_keeps_hits_and_snapshots():
