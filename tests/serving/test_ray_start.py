@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -53,3 +54,11 @@ def test_run_app_waits_past_ray_serves_fixed_timeouts(monkeypatch) -> None:
     failures["start"] = 1
     with pytest.raises(TimeoutError, match="start"):
         ray_app.run_app(object(), {"port": 1}, deadline_s=0.0)
+
+
+def test_the_cluster_module_runs_first_so_no_worker_splits_it(request) -> None:
+    """tests/conftest.py RUN_FIRST: the Ray Serve module's tests lead the collection (where it
+    is collected), so xdist's worksteal keeps them on one worker and one cluster."""
+    names = [Path(str(item.fspath)).name for item in request.session.items]
+    ray_tests = [k for k, name in enumerate(names) if name == "test_ray_serve.py"]
+    assert ray_tests == list(range(len(ray_tests)))
