@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from hybridkv.distributed import runtime
 from hybridkv.distributed.runtime import DriverRunner, Group
 
@@ -81,7 +83,7 @@ def test_a_fork_server_this_module_did_not_start_is_not_used(monkeypatch):
     import torch.multiprocessing as mp
 
     if "forkserver" not in mp.get_all_start_methods():
-        return
+        pytest.skip("no fork server on this platform (ranks always spawn)")
     monkeypatch.setattr(forkserver, "_forkserver", FakeForkServer(pid=999))
     monkeypatch.setattr(runtime, "_SPAWNED_ONCE", True)
     monkeypatch.setattr(runtime, "_SERVER", None)
@@ -102,7 +104,7 @@ def test_a_forked_rank_runs_with_rank_0s_environment_of_now(monkeypatch):
     import torch.multiprocessing as mp
 
     if "forkserver" not in mp.get_all_start_methods():
-        return
+        pytest.skip("no fork server on this platform (ranks always spawn)")
     monkeypatch.setenv("HKV_TEST_GONE", "old")
     monkeypatch.setattr(runtime, "_SPAWNED_ONCE", True)
     ctx = runtime._start_context(mp, "cpu")
