@@ -340,5 +340,12 @@ class CompiledMamba2Ops(TorchMamba2Ops):
         decoding = is_decode(meta.max_query_len, x.shape[0], meta.state_pages)
         if positions is None and decoding and x.shape[0] > 0 and bool(meta.has_initial_state.all()):
             f = scan_inputs(x, dt, p.A, B, C, p.D, p.dt_bias, p.dt_limit)
+            # the request count as a size unknown at compile time, so that one graph serves
+            # every batch (a size the compiler may see as 1 gets a graph of its own: a second
+            # compile, ~2.5 s, the first time a single request decodes)
+            from torch._dynamo.decorators import mark_unbacked  # (imported with torch.compile)
+
+            for t in (meta.state_pages, f.x, f.dt, f.B, f.C):  # [R, ...] each
+                mark_unbacked(t, 0)
             return self._compiled()(ssm_state, meta.state_pages, *f).to(out_dtype)
         return super().scan(x, dt, B, C, ssm_state, meta, p, out_dtype, positions)

@@ -5,9 +5,11 @@ and imports `family` and `test_greedy_matches_transformers` from here, which run
 allocation page and block; kernel-block ratios 1, 2 and 3; prefix caching on and off with
 shared prefixes (one shorter than a page); a second turn whose prompts extend the first turn's
 prompts and answers (prefix hits on the state snapshots the first turn left); chunked prefill
-split at unaligned positions; a pool so small that requests are preempted and resumed. Every
-case runs on the native CPU kernels where they build (hybridkv.ops.native); one case runs on the
-PyTorch ops instead.
+split at unaligned positions; a pool so small that requests are preempted and resumed. The
+"block", two-turn and preemption cases compare 32 answer tokens per request with
+transformers', the other settings the first 16 (`SETTING_TOKENS`). Every case runs on the
+native CPU kernels where they build (hybridkv.ops.native); one case runs on the PyTorch ops
+instead.
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ from .utils import (
 )
 
 NEW_TOKENS = 32
+# What a cache-setting case generates: the settings differ in where tokens are stored and
+# found, which the prompts (2 to 64 tokens, shared prefixes, chunks of 13) and the first 16
+# answer tokens already cross (kernel blocks of 4 to 48 tokens, pages of 32 and 48); the
+# decode arithmetic of the remaining 16 tokens is the "block" case's. The reference's first
+# SETTING_TOKENS tokens are compared (a token flip can only come from a bug, see MIN_MARGIN).
+SETTING_TOKENS = 16
 # The smallest top-2 logit gap along the reference tokens must dwarf float32 noise: hybridkv and
 # transformers differ by at most ~2e-6 in the logits of these float32 models, so with a gap of
 # 1e-4 or more a token flip can only come from a bug.
@@ -51,10 +59,11 @@ class Case:
     multi_turn: bool = False  # a first turn, then prompts = its prompt + answer + more
     expect_preemption: bool = False
     env: dict[str, str] = field(default_factory=dict)  # environment for the engine run
+    new_tokens: int = SETTING_TOKENS  # answer tokens per request, compared to the reference's
 
 
 CASES = [
-    Case("block"),
+    Case("block", new_tokens=NEW_TOKENS),
     Case("page", {"allocation": "page"}),
     Case("ratio1", {"page_tokens": 48, "kernel_block_size": 48}),
     Case("ratio2", {"page_tokens": 48, "kernel_block_size": 24}),
@@ -62,10 +71,23 @@ CASES = [
     Case("prefix-block", {"kernel_block_size": 4}, shared_prefix=True),
     Case("prefix-page", {"allocation": "page"}, shared_prefix=True),
     Case("no-prefix-cache", {"enable_prefix_caching": False}, shared_prefix=True),
-    Case("multi-turn", {"kernel_block_size": 4}, multi_turn=True),
-    Case("multi-turn-page", {"allocation": "page", "page_tokens": 32}, multi_turn=True),
+    # (the second turn extends the first turn's prompts by their whole reference answers)
+    Case("multi-turn", {"kernel_block_size": 4}, multi_turn=True, new_tokens=NEW_TOKENS),
+    Case(
+        "multi-turn-page",
+        {"allocation": "page", "page_tokens": 32},
+        multi_turn=True,
+        new_tokens=NEW_TOKENS,
+    ),
     Case("chunked", {"max_num_batched_tokens": 13, "kernel_block_size": 8}),
-    Case("preempt", {"num_pages": 14, "kernel_block_size": 8}, expect_preemption=True),
+    # (a pool of 14 pages is small enough to preempt every family's 32-token answers, and big
+    # enough to hold each 64-token prompt's request)
+    Case(
+        "preempt",
+        {"num_pages": 14, "kernel_block_size": 8},
+        expect_preemption=True,
+        new_tokens=NEW_TOKENS,
+    ),
     Case(
         "torch-ops-chunked",
         {"max_num_batched_tokens": 13, "kernel_block_size": 8},
@@ -111,13 +133,14 @@ def _references(folder: Path, hf_model, vocab: int, plain, shared) -> dict[str, 
     if key not in _REFERENCES and stored is not None and stored.is_file():
         _REFERENCES[key] = json.loads(stored.read_text())
     if key not in _REFERENCES:
-        plain_ref, m1 = reference_greedy(hf_model, plain, NEW_TOKENS)
-        shared_ref, m2 = reference_greedy(hf_model, shared, NEW_TOKENS)
+        # the plain and shared prompts in one batch: one forward per token serves both
+        both, m12 = reference_greedy(hf_model, plain + shared, NEW_TOKENS)
+        plain_ref, shared_ref = both[: len(plain)], both[len(plain) :]
         more = prompts(vocab, [5, 9, 3, 6], seed=7)
         turns = [plain[i] + plain_ref[i] + more[i] for i in range(TURNS)]
         turn_ref, m3 = reference_greedy(hf_model, turns, NEW_TOKENS)
         _REFERENCES[key] = {"plain_ref": plain_ref, "shared_ref": shared_ref, "turns": turns,
-                            "turn_ref": turn_ref, "margin": min(m1, m2, m3)}  # fmt: skip
+                            "turn_ref": turn_ref, "margin": min(m12, m3)}  # fmt: skip
         if stored is not None:  # written whole, then renamed: a reader never sees a part
             stored.parent.mkdir(parents=True, exist_ok=True)
             partial = stored.with_suffix(f".{os.getpid()}.part")
@@ -152,27 +175,33 @@ def check_case(family: Family, case: Case, **engine_kwargs: Any) -> None:
 
 
 def _check_engine(family: Family, case: Case, engine: Engine) -> None:
+    n = case.new_tokens
     if case.shared_prefix:
-        first = engine_greedy(engine, family.shared[:3], NEW_TOKENS)
-        assert first == family.shared_ref[:3]
-        got = engine_greedy(engine, family.shared, NEW_TOKENS)
-        assert got == family.shared_ref
+        first = engine_greedy(engine, family.shared[:3], n)
+        assert first == _first(family.shared_ref[:3], n)
+        got = engine_greedy(engine, family.shared, n)
+        assert got == _first(family.shared_ref, n)
         if engine.cache_config.enable_prefix_caching and case.kwargs.get("allocation") != "page":
             assert engine.cache.stats.hit_tokens > 0, "the prefix cache was never hit"
         if not engine.cache_config.enable_prefix_caching:
             assert engine.cache.stats.hit_tokens == 0
     elif case.multi_turn:
-        assert engine_greedy(engine, family.plain[:TURNS], NEW_TOKENS) == family.plain_ref[:TURNS]
+        assert n == NEW_TOKENS, "the second turn extends the whole first-turn answers"
+        assert engine_greedy(engine, family.plain[:TURNS], n) == family.plain_ref[:TURNS]
         hits = engine.cache.stats.hit_tokens
-        assert engine_greedy(engine, family.turns, NEW_TOKENS) == family.turn_ref
+        assert engine_greedy(engine, family.turns, n) == family.turn_ref
         # every turn hit at least its first prompt: blocks, and the first turn's final rolling
         # state snapshots where the model has state groups
         assert engine.cache.stats.hit_tokens - hits >= sum(map(len, family.plain[:TURNS]))
     else:
-        got = engine_greedy(engine, family.plain, NEW_TOKENS)
-        assert got == family.plain_ref
+        got = engine_greedy(engine, family.plain, n)
+        assert got == _first(family.plain_ref, n)
     if case.expect_preemption:
         assert engine.scheduler.num_preemptions > 0, "the small pool never preempted"
+
+
+def _first(answers: list[list[int]], n: int) -> list[list[int]]:
+    return [a[:n] for a in answers]
 
 
 def check_small_state_pool(
@@ -193,7 +222,8 @@ def check_small_state_pool(
         return out
 
     engine.scheduler.schedule = counting_schedule
-    assert engine_greedy(engine, family.plain, NEW_TOKENS) == family.plain_ref
+    n = case.new_tokens
+    assert engine_greedy(engine, family.plain, n) == _first(family.plain_ref, n)
     assert peak == 3, f"expected 3 requests at once in a pool of 3 states, saw {peak}"
     assert engine.scheduler.num_preemptions == 0
 

@@ -55,7 +55,8 @@ def base() -> Iterator[str]:
         print(f"\nray serve app up in {time.monotonic() - start:.1f}s")
         yield url
     finally:
-        serve.shutdown()
+        # the cluster is this fixture's: stopping it ends every replica, the proxy and the
+        # controller at once (serve.shutdown first would wait ~5 s for each graceful stop)
         ray.shutdown()
 
 
