@@ -21,12 +21,9 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q $(TRANSFORMERS_PIN) -e .
 	touch $@
 
-# (on its own, not after .installed: one pip run resolves and installs the package and its test
-# extras, ~15 s less on a fresh 2-core machine than installing the package first)
-$(VENV)/.installed-test: $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install -q $(TORCH_PIN)
+$(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/python -m pip install -q $(TORCH_PIN) $(TRANSFORMERS_PIN) -e ".[test]"
-	touch $(VENV)/.installed $@
+	touch $@
 
 run: $(VENV)/.installed
 	$(BIN)/hybridkv generate --prompt "def fibonacci(n):" --max-tokens 96 --temperature 0.7 --seed 0
