@@ -121,6 +121,7 @@ def test_kept_states_are_one_token_at_a_time(kind, ops_class):
     tokens = [t if t is None else t.to(dev) for t in tokens]
     state0 = state0.to(dev)
     ops = ops_class()
+    graphs = _compiled_graphs()
     state = state0.clone()
     kept = torch.full((3, DEPTH, *state0.shape[1:]), float("nan"), device=dev)
     out = call(ops, tokens, state, meta(LENS, PAGES, HAS, ROWS, dev), kept)
@@ -151,6 +152,15 @@ def test_kept_states_are_one_token_at_a_time(kind, ops_class):
         torch.testing.assert_close(state[page], ref[page], **tol)
         assert kept[row, n - 1 :].isnan().all()
     assert not kept[[2, 0, 1]][:, 0].isnan().any()  # every speculating request wrote position 0
+    if ops_class is CompiledMamba2Ops:  # one compiled graph for steps of 1 and of 3 requests
+        assert _compiled_graphs() - graphs <= 1
+
+
+def _compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def test_the_schedule_is_worked_out_once_per_step():
