@@ -26,7 +26,12 @@ if os.environ.get("ATEN_CPU_CAPABILITY") and not os.environ.get("TORCHINDUCTOR_C
         Path(tempfile.gettempdir())
         / f"torchinductor-{getpass.getuser()}-{os.environ['ATEN_CPU_CAPABILITY']}"
     )
-
+# torch.compile's first CPU kernel checks which vector instruction sets the C++ compiler can
+# build by compiling and loading a probe for each (AMX, AVX-512, AVX2: ~7 s of g++ per process,
+# twice that on a half-speed machine, on every fresh machine). The suite takes the CPU's flags
+# for it (a compiler that cannot build one then fails the kernel's build, loudly); runs outside
+# the suite keep torch's probes.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 HAS_GPU = torch.cuda.is_available()
 
