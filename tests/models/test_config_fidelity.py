@@ -191,18 +191,11 @@ SKIP = {
 SKIP_PATTERNS = re.compile(r".*dropout.*|.*_pdrop$")
 
 
-def hf_config_class(arch: str) -> type:
-    """transformers' config class of `arch` (its modeling module stays unimported: collecting
-    this module's cases needs only the configs)."""
-    from transformers import CONFIG_MAPPING
-
-    return CONFIG_MAPPING[MODEL_TYPES[arch]]
-
-
 def hf_classes(arch: str) -> tuple[type, type]:
     import transformers
+    from transformers import CONFIG_MAPPING
 
-    return hf_config_class(arch), getattr(transformers, arch)
+    return CONFIG_MAPPING[MODEL_TYPES[arch]], getattr(transformers, arch)
 
 
 def _kind(annotation: Any, value: Any) -> str | None:
@@ -254,7 +247,7 @@ VALUES: dict[str, dict[str, Any]] = {
 
 def variants(arch: str) -> list[tuple[str, str, Any]]:
     """(name, key written to config.json, value) for every varied key and alias."""
-    config_class = hf_config_class(arch)
+    config_class, _ = hf_classes(arch)
     base = config_class(**NO_IDS, **BASES[arch])
     fields = {f.name: f.type for f in dataclasses.fields(config_class)}
     out = []
@@ -280,7 +273,7 @@ def variants(arch: str) -> list[tuple[str, str, Any]]:
 def config_dict(arch: str, key: str | None = None, value: Any = None) -> dict[str, Any]:
     """The config.json of a variant: the base keys, `key` set to `value` (an alias replaces
     its target)."""
-    config_class = hf_config_class(arch)
+    config_class, _ = hf_classes(arch)
     data: dict[str, Any] = {**NO_IDS, **BASES[arch]}
     if key is not None:
         target = config_class.attribute_map.get(key)
