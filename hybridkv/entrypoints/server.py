@@ -1156,20 +1156,24 @@ def build_app(server: Server) -> FastAPI:
             server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
 
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": server.model_name,
+            "object": "model",
+            "created": server.created,
+            "owned_by": "hybridkv",
+            "max_model_len": server.engine.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": server.model_name,
-                    "object": "model",
-                    "created": server.created,
-                    "owned_by": "hybridkv",
-                    "max_model_len": server.engine.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    # The OpenAI SDK's `models.retrieve(id)`; ids may hold slashes ("org/name").
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        server.check_model(model_id)
+        return model_card()
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -68,6 +68,17 @@ def test_models_and_health(server, client):
     assert httpx.get(server.base_url + "/health").json() == {"status": "ok"}
 
 
+def test_models_retrieve(server, client):
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model" and card.owned_by == "hybridkv"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("other-model")
+    assert err.value.body["code"] == "model_not_found" and "other-model" in err.value.message
+    # Hugging Face ids hold a slash: the whole path is the id, not another route.
+    r = httpx.get(server.base_url + "/v1/models/org/name")
+    assert r.status_code == 404 and "`org/name` does not exist" in r.json()["error"]["message"]
+
+
 def test_completion(client):
     out = client.completions.create(
         model=MODEL, prompt="t1 t2 t3", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
