@@ -102,7 +102,8 @@ class ModelConfig:
     - `model`: a folder with config.json, safetensors and tokenizer.json (None: the built-in
       default model). Without tokenizer.json it runs in token-id mode: prompts are lists of
       token ids, outputs have token ids and empty text, and stop strings are refused.
-    - `dtype`: "auto" (the checkpoint's dtype), "float32" or "bfloat16".
+    - `dtype`: "auto" (the checkpoint's dtype), "float32", "bfloat16" or "float16" (on the
+      CPU float16 runs the PyTorch ops: the native kernels take float32 and bfloat16).
     - `device`: "auto" (CUDA if available, else CPU), "cpu" or "cuda".
     - `prepack`: CPU: oneDNN pre-packed linear weights (`hybridkv.layers.linear`).
     - `compile`: let state layers run a torch.compile'd decode step (the "compiled" ops, slow

@@ -271,7 +271,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="checkpoint folder (config.json, safetensors, tokenizer.json; without "
         "tokenizer.json prompts must be token ids); default: the built-in default model",
     )
-    p.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
+    p.add_argument(
+        "--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16"
+    )
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument(
         "--memory",
@@ -475,16 +477,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
     for prompt, out in zip(prompts, outs, strict=True):
         if args.json:
-            print(
-                json.dumps(
-                    {
-                        "prompt": prompt,
-                        "text": out.text,
-                        "token_ids": out.token_ids,
-                        "finish_reason": out.finish_reason,
-                    }
-                )
-            )
+            row = {
+                "prompt": prompt,
+                "text": out.text,
+                "token_ids": out.token_ids,
+                "finish_reason": out.finish_reason,
+            }
+            print(json.dumps(row | ({} if out.error is None else {"error": out.error})))
         else:
             if isinstance(prompt, list):
                 print(f"{_ids_text(prompt)} -> {_ids_text(out.token_ids)}")
@@ -496,7 +495,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 f"--- {len(out.token_ids)} tokens, finish_reason={out.finish_reason}",
                 file=sys.stderr,
             )
-    return 0
+        if out.error is not None:
+            print(f"hybridkv generate: error: {out.error}", file=sys.stderr)
+    # an engine failure, not a usage error: exit 1
+    return 1 if any(out.error is not None for out in outs) else 0
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:

@@ -64,7 +64,7 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool = False
 ) -> torch.Tensor:
     """RMSNorm over the last dimension. x: [..., hidden]; weight: [hidden] -> [..., hidden]."""
-    return RMS_NORM.of(x).first(x, weight, eps, weight_in_fp32)
+    return RMS_NORM.of(x, weight).first(x, weight, eps, weight_in_fp32)
 
 
 def torch_rms_norm(
@@ -84,7 +84,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A residual add and the next norm: (s, rms_norm(s)) with s = x + h * multiplier.
     x, h: [..., hidden] of one dtype; weight: [hidden]."""
-    return ADD_RMS_NORM.of(x).first(x, h, multiplier, weight, eps, weight_in_fp32)
+    return ADD_RMS_NORM.of(x, h, weight).first(x, h, multiplier, weight, eps, weight_in_fp32)
 
 
 def torch_add_rms_norm(
@@ -121,7 +121,7 @@ def gated_rms_norm(
         return torch_gated_rms_norm(
             x, gate, weight, eps, group_size, norm_before_gate, weight_in_fp32, out_dtype
         )
-    run = GATED_RMS_NORM.of(x).first
+    run = GATED_RMS_NORM.of(x, gate).first
     return run(x, gate, weight, eps, group_size, norm_before_gate, weight_in_fp32, out_dtype)
 
 

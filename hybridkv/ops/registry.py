@@ -186,10 +186,20 @@ class OpFamily:
                 self._chains[key if not without else (*key, *without)] = found
         return found
 
-    def of(self, x: torch.Tensor) -> Chain:
-        """The chain for x's device and dtype (a dict lookup after the first call)."""
-        found = self._chains.get((x.device.type, _DTYPE_NAMES.get(x.dtype, "-")))
-        return found if found is not None else self.chain(x.device, x.dtype)
+    def of(self, x: torch.Tensor, *others: torch.Tensor | None) -> Chain:
+        """The chain for x's device and dtype (a dict lookup after the first call). `others`:
+        inputs that carry the model's compute dtype where x may be a float32 stream (a residual
+        kept in float32, a scan's float32 output): the first of them in another dtype than a
+        float32 x picks the chain instead, so a float16 model's mixed call is the float16
+        chain's, whose implementations take float16 inputs."""
+        dtype = x.dtype
+        if dtype == torch.float32:
+            for t in others:
+                if t is not None and t.dtype != dtype:
+                    dtype = t.dtype
+                    break
+        found = self._chains.get((x.device.type, _DTYPE_NAMES.get(dtype, "-")))
+        return found if found is not None else self.chain(x.device, dtype)
 
     def reset(self) -> None:
         """Forget the chosen chains (tests that change what the machine has)."""

@@ -43,6 +43,24 @@ def test_generate_json(capsys, tiny_model_dir):
     assert "loading" in err and "loaded GraniteMoeHybridForCausalLM" in err
 
 
+def test_generate_says_why_a_request_failed_and_exits_1(capsys, tiny_model_dir, monkeypatch):
+    """A step that fails ends its requests with finish_reason "abort": the command prints the
+    engine's reason (text and --json) and exits 1, not 0."""
+    from hybridkv.worker.model_runner import ModelRunner
+
+    def broken(self, out):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(ModelRunner, "execute", broken)
+    args = ["generate", "--model", str(tiny_model_dir), "--prompt", "t1 t2", "--dtype", "float32"]
+    code, out, err = run(capsys, *args)
+    assert code == 1 and "finish_reason=abort" in err
+    assert "hybridkv generate: error:" in err and "kernel exploded" in err
+    code, out, err = run(capsys, *args, "--json")
+    (row,) = [json.loads(line) for line in out.splitlines()]
+    assert code == 1 and row["finish_reason"] == "abort" and "kernel exploded" in row["error"]
+
+
 def test_generate_text_and_prompts_file(capsys, tiny_model_dir, tmp_path):
     f = tmp_path / "prompts.txt"
     f.write_text("t1 t2\n\nt4 t5\n")

@@ -63,6 +63,25 @@ def test_chain_runs_the_link_for_the_rows(monkeypatch) -> None:
     assert fam.of(torch.zeros(1)) is chain  # chosen once, then looked up
 
 
+def test_a_float32_stream_mixed_with_the_model_dtype_takes_its_chain(monkeypatch) -> None:
+    """x in float32 beside an input in the model's dtype (a float32 residual into a float16
+    norm weight): the model dtype's chain, whose implementations take it; x's own dtype wins
+    otherwise, and None inputs are skipped."""
+    monkeypatch.setattr(registry, "capabilities", lambda device: frozenset({"avx512"}))
+    fam = OpFamily(
+        "mixed",
+        (
+            OpImpl("fast", f"{_ME}:fast", frozenset({"cpu"}), frozenset({"float32"}), ("avx512",)),
+            OpImpl("slow", f"{_ME}:slow"),
+        ),
+    )
+    x32, x16 = torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.float16)
+    assert fam.of(x32).describe() == "fast" and fam.of(x32, None, x32).describe() == "fast"
+    assert fam.of(x32, None, x16).describe() == "slow"
+    assert fam.of(x32, x16).dtype == "float16"
+    assert fam.of(x16, x32).dtype == "float16"  # a non-float32 x keeps its own dtype
+
+
 def test_a_family_must_end_with_an_unlimited_implementation() -> None:
     with pytest.raises(ValueError, match="any rows"):
         OpFamily("bad", (OpImpl("a", f"{_ME}:fast", max_rows=8),))

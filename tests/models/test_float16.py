@@ -1,0 +1,52 @@
+"""float16 checkpoints (`dtype="float16"`, or "auto" on a checkpoint saved in float16) run every
+registered architecture on the CPU: the op chains are chosen by the model's dtype where a layer
+mixes it with a float32 stream (a Mamba2 scan's float32 output into the gated norm, a residual
+kept in float32 into the RMSNorm), so no native kernel declared for float32 and bfloat16 is
+handed a float16 tensor. Each architecture's tiny model (the config-fidelity base config, real
+seeded weights): prefill logits as close to transformers' float32 ones as transformers' own
+float16 model's, and a batched greedy decode that finishes with the cache intact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridkv.engine import Engine
+
+from .test_config_fidelity import COVERED, config_dict, hf_classes
+from .utils import (
+    engine_greedy,
+    engine_prefill_logits,
+    position_errors,
+    prompts,
+    reference_logits,
+    save_model,
+    seeded,
+)
+
+
+@pytest.mark.parametrize("arch", COVERED)
+def test_float16_as_close_as_transformers(arch, tmp_path):
+    config_class, model_class = hf_classes(arch)
+    hf32 = seeded(model_class, config_class(**config_dict(arch), initializer_range=0.1))
+    folder = save_model(hf32.half(), tmp_path / "model")  # a checkpoint saved in float16
+    hf32.float()
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "float16"
+    hf16 = seeded(model_class, hf32.config)
+    hf16.load_state_dict(hf32.state_dict())
+    hf16.half()
+    if hf16._can_set_experts_implementation():
+        # transformers' grouped-GEMM experts refuse float16 strides of these tiny sizes on the CPU
+        hf16.set_experts_implementation("eager")
+    engine = Engine(str(folder), kernel_block_size=4)  # dtype "auto": the checkpoint's
+    assert engine.runtime.dtype == "float16"
+    ids = prompts(hf32.config.vocab_size, [13, 5], seed=3)
+    ref32 = reference_logits(hf32, ids[0])
+    ours, theirs = engine_prefill_logits(engine, ids[0]), reference_logits(hf16, ids[0])
+    ours_error, theirs_error = position_errors(ours, ref32), position_errors(theirs, ref32)
+    assert 0 < ours_error.median() <= 1.5 * theirs_error.median()
+    answers = engine_greedy(engine, ids, 6)  # asserts no request failed, the cache intact
+    assert [len(a) for a in answers] == [6, 6]
+    assert torch.isfinite(ours).all()
