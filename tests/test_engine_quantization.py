@@ -26,7 +26,7 @@ MAX_LOGIT_ERROR = 0.06
 MIN_AGREEMENT = 0.8  # fraction of greedy tokens equal to the float engine's (measured: 1.0)
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "float16"])
 def engines(request):
     kwargs = {"dtype": request.param, "memory_bytes": 2**27, "max_num_seqs": 4}
     return Engine(None, **kwargs), Engine(None, quantization="int8", **kwargs)
@@ -89,7 +89,7 @@ def test_bad_quantization_is_a_one_line_error(value, message):
 MAX_W8A8_LOGIT_ERROR = 0.1
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "float16"])
 def w8a8_engines(request):
     kwargs = {"dtype": request.param, "memory_bytes": 2**27, "max_num_seqs": 4}
     return Engine(None, **kwargs), Engine(None, quantization="w8a8", **kwargs)

@@ -373,6 +373,7 @@ class Int8VocabParallelHead(QuantizedVocabHead, Int8Linear):
 #   float32 / bfloat16   native-amx-int8 (w8a8_linear.c), native-avx2 (the same file: 8-bit
 #                        products on 256-bit vectors), native-neon-dot / native-neon (aarch64:
 #                        sdot, or 16-bit products), else the PyTorch reference below
+#   float16              the PyTorch reference
 
 
 def pack_w8a8(q: torch.Tensor) -> torch.Tensor:
@@ -464,7 +465,7 @@ W8A8_LINEAR = declare(
                description="w8a8_linear.c: aarch64, 4-wide int8 dot products (sdot)"),
         OpImpl("native-neon", _HERE + "_w8a8_neon", _CPU, _FLOATS, ("native", "neon"),
                description="w8a8_linear.c: aarch64 without sdot, 16-bit products (smull)"),
-        OpImpl("torch", _HERE + "w8a8_reference", _CPU, _FLOATS,
+        OpImpl("torch", _HERE + "w8a8_reference", _CPU, _FLOATS | {"float16"},
                description="the reference: float64 sums of the int8 products"),
     ),
 )  # fmt: skip
