@@ -727,7 +727,7 @@ def plan_runs(args: argparse.Namespace) -> list[tuple[str, str]]:
             if engine == "llamacpp":  # one Q8_0 row for int8 / int8-f32 / w8a8
                 has = [p for p in has if p in LLAMACPP_OUTTYPES]
                 q8 = [p for p in precisions if LLAMACPP_OUTTYPES.get(p) == "q8_0"]
-                has = [p for p in has if LLAMACPP_OUTTYPES[p] != "q8_0" or p == q8[0]]
+                has = [p for p in has if LLAMACPP_OUTTYPES[p] != "q8_0" or p in q8[:1]]
             runs += [(engine, p) for p in precisions if p in has]
     return runs
 

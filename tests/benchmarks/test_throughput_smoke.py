@@ -82,6 +82,8 @@ def test_plan_runs_engines_and_precisions():
     ]  # fmt: skip
     args = parse(["--engines", "llamacpp", "--precisions", "int8-f32", "w8a8"])
     assert module.plan_runs(args) == [("llamacpp", "int8-f32")]
+    args = parse(["--engines", "hybridkv", "llamacpp", "--precisions", "bf16"])  # no Q8_0 row
+    assert module.plan_runs(args) == [("hybridkv", "bf16"), ("llamacpp", "bf16")]
 
 
 def test_converter_copy_of_a_granite_checkpoint(tmp_path):
