@@ -259,8 +259,9 @@ def _decode_rows(
     w_kv_b: torch.Tensor,
     nope_dim: int,
 ) -> torch.Tensor:
-    """One query per request: `MLA_DECODE_ROWS`' choice for the cache's device and dtype."""
-    run = MLA_DECODE_ROWS.of(kv_cache).first
+    """One query per request: `MLA_DECODE_ROWS`' choice for the cache's device and the cache's
+    and the query's dtypes."""
+    run = MLA_DECODE_ROWS.of(kv_cache, q_nope).first
     return run(q_nope, q_rope, kv_cache, block_table, seq_lens, scale, w_kv_b, nope_dim)
 
 

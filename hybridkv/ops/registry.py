@@ -14,7 +14,9 @@ printed by `hybridkv plan`, `hybridkv bench` and the engine's start-up log:
 
 A call looks the chain up by its input's (device, dtype) and runs the link for its rows; no
 implementation is tried and abandoned at call time (an implementation declared for a dtype takes
-every input of it, or raises). The state kinds (Mamba, GDN, KDA, short conv) declare their ops
+every input of it, or raises). A call whose inputs mix dtypes (a float32 residual into a float16
+norm, a float16 query over a bfloat16 cache) names them all (`OpFamily.of(x, *others)`): its
+chain, keyed e.g. "float16+float32", holds only implementations declared for every one. The state kinds (Mamba, GDN, KDA, short conv) declare their ops
 the same way with `hybridkv.kv.specs.StateOps`, chosen per cache group by the plan.
 """
 
@@ -57,7 +59,8 @@ class OpImpl:
         """Why this implementation cannot run here (None: it can)."""
         if device not in self.devices:
             return f"runs on {', '.join(sorted(self.devices))}, not {device}"
-        if self.dtypes is not None and dtype not in self.dtypes:
+        # a mixed call's key names every input dtype ("bfloat16+float32"): all must be taken
+        if self.dtypes is not None and not set(dtype.split("+")) <= self.dtypes:
             return f"takes {', '.join(sorted(self.dtypes))}, not {dtype}"
         missing = [n for n in self.needs if n not in have]
         if missing:
@@ -188,17 +191,17 @@ class OpFamily:
 
     def of(self, x: torch.Tensor, *others: torch.Tensor | None) -> Chain:
         """The chain for x's device and dtype (a dict lookup after the first call). `others`:
-        inputs that carry the model's compute dtype where x may be a float32 stream (a residual
-        kept in float32, a scan's float32 output): the first of them in another dtype than a
-        float32 x picks the chain instead, so a float16 model's mixed call is the float16
-        chain's, whose implementations take float16 inputs."""
-        dtype = x.dtype
-        if dtype == torch.float32:
-            for t in others:
-                if t is not None and t.dtype != dtype:
-                    dtype = t.dtype
-                    break
-        found = self._chains.get((x.device.type, _DTYPE_NAMES.get(dtype, "-")))
+        more inputs of the call (None skipped); where their dtypes differ from x's (a float32
+        residual into a float16 norm, a float16 query over a bfloat16 cache) the chain is the
+        mixed key's, e.g. "float16+float32", whose implementations are declared for every one
+        of the dtypes."""
+        dtype = _DTYPE_NAMES.get(x.dtype, "-")
+        for t in others:
+            if t is not None and t.dtype != x.dtype:  # (rare: the set only then)
+                names = {_DTYPE_NAMES.get(o.dtype, "-") for o in (x, *others) if o is not None}
+                dtype = "+".join(sorted(names))
+                break
+        found = self._chains.get((x.device.type, dtype))
         return found if found is not None else self.chain(x.device, dtype)
 
     def reset(self) -> None:

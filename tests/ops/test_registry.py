@@ -63,23 +63,28 @@ def test_chain_runs_the_link_for_the_rows(monkeypatch) -> None:
     assert fam.of(torch.zeros(1)) is chain  # chosen once, then looked up
 
 
-def test_a_float32_stream_mixed_with_the_model_dtype_takes_its_chain(monkeypatch) -> None:
-    """x in float32 beside an input in the model's dtype (a float32 residual into a float16
-    norm weight): the model dtype's chain, whose implementations take it; x's own dtype wins
-    otherwise, and None inputs are skipped."""
+def test_a_mixed_call_takes_a_chain_declared_for_every_input_dtype(monkeypatch) -> None:
+    """Inputs in several dtypes (a float32 residual into a float16 norm weight): the chain of
+    the mixed key, whose implementations are declared for all of them; None inputs skipped."""
     monkeypatch.setattr(registry, "capabilities", lambda device: frozenset({"avx512"}))
+    floats = frozenset({"float32", "bfloat16"})
     fam = OpFamily(
         "mixed",
         (
-            OpImpl("fast", f"{_ME}:fast", frozenset({"cpu"}), frozenset({"float32"}), ("avx512",)),
+            OpImpl("fast", f"{_ME}:fast", frozenset({"cpu"}), floats, ("avx512",)),
             OpImpl("slow", f"{_ME}:slow"),
         ),
     )
     x32, x16 = torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.float16)
+    b16 = torch.zeros(2, 4, dtype=torch.bfloat16)
     assert fam.of(x32).describe() == "fast" and fam.of(x32, None, x32).describe() == "fast"
+    assert fam.of(x32, b16).describe() == "fast" and fam.of(x32, b16).dtype == "bfloat16+float32"
     assert fam.of(x32, None, x16).describe() == "slow"
-    assert fam.of(x32, x16).dtype == "float16"
-    assert fam.of(x16, x32).dtype == "float16"  # a non-float32 x keeps its own dtype
+    assert fam.of(b16, x16).dtype == fam.of(x16, b16).dtype == "bfloat16+float16"
+    assert fam.of(b16, x16).describe() == "slow"
+    assert "takes bfloat16, float32, not float16+float32" in str(
+        fam.impls[0].why_not("cpu", "float16+float32", frozenset({"avx512"}))
+    )
 
 
 def test_a_family_must_end_with_an_unlimited_implementation() -> None:
