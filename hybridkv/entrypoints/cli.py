@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hybridkv.config import CacheConfig, ParallelConfig, check_quantization
+from hybridkv.config import CacheConfig, ParallelConfig, SchedulerConfig, check_quantization
 from hybridkv.dtypes import parse_bytes
 
 EXIT_USAGE = 2
@@ -151,12 +151,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--memory", default="40GiB", help="cache budget, e.g. 40GiB (default)")
     budget.add_argument("--num-pages", type=int, default=None, help="number of pages instead")
-    p.add_argument("--page-tokens", type=int, default=None)
-    p.add_argument("--kernel-block-size", type=int, default=None)
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--state-dtype", default="auto")
-    p.add_argument("--ssm-state-dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
+    _add_cache_layout_args(p)
     p.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -171,6 +166,37 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
+
+
+def _add_cache_layout_args(p: argparse.ArgumentParser) -> None:
+    """The cache's layout and the longest request (plan, generate, serve)."""
+    p.add_argument(
+        "--page-tokens", type=int, default=None, help="tokens per page (default: planned)"
+    )
+    p.add_argument(
+        "--kernel-block-size",
+        type=int,
+        default=None,
+        help="tokens per attention kernel block (default: the backend's choice)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto (the model's), float32, bfloat16, float16, fp8_e4m3 or fp8_e5m2",
+    )
+    p.add_argument("--state-dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument(
+        "--ssm-state-dtype",
+        default="auto",
+        help="the recurrent part of a state (auto: the config's mamba_ssm_dtype, else the "
+        "state's)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the longest request, prompt + output (default: the model's own limit)",
+    )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -198,6 +224,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     name = args.model or "the built-in default model"
     dtype = None if args.dtype is None else canonical_dtype(args.dtype)
     ParallelConfig(tensor_parallel_size=args.tensor_parallel_size)  # one-line errors
+    SchedulerConfig(max_model_len=args.max_model_len)
     spec = None
     if args.speculative_config is not None:
         from hybridkv.spec_decode.config import SpeculativeConfig
@@ -211,8 +238,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         spec = spec.for_target(model, args.tensor_parallel_size, layers)  # one-line errors
     speculation = (0, 0)
     if spec is not None:  # its state scratch: at the engine's default max_num_seqs
-        from hybridkv.config import SchedulerConfig
-
         rows = spec.max_drafting_batch(SchedulerConfig().max_num_seqs)
         speculation = (rows, spec.num_speculative_tokens or 1)
     plan = plan_for_config(
@@ -281,6 +306,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="cache budget, e.g. 2GiB (default: sized for max-num-seqs requests)",
     )
     p.add_argument("--allocation", default="block", choices=["block", "page"])
+    _add_cache_layout_args(p)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per step, decodes plus prefill chunks (default 2048)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse cached prompt prefixes (default: on)",
+    )
     p.add_argument(
         "--max-capture-size",
         type=int,
@@ -356,8 +394,18 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "quantization": _quantization(args),
         "enforce_eager": args.enforce_eager,
     }
-    if args.max_capture_size is not None:
-        kwargs["max_capture_size"] = args.max_capture_size
+    optional = {
+        "max_capture_size": args.max_capture_size,
+        "page_tokens": args.page_tokens,
+        "kernel_block_size": args.kernel_block_size,
+        "max_model_len": args.max_model_len,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_prefix_caching": args.enable_prefix_caching,
+    }
+    kwargs |= {k: v for k, v in optional.items() if v is not None}
+    for name in ("kv_cache_dtype", "state_dtype", "ssm_state_dtype"):
+        if getattr(args, name) != "auto":
+            kwargs[name] = getattr(args, name)
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.memory is not None:

@@ -16,8 +16,9 @@ A call looks the chain up by its input's (device, dtype) and runs the link for i
 implementation is tried and abandoned at call time (an implementation declared for a dtype takes
 every input of it, or raises). A call whose inputs mix dtypes (a float32 residual into a float16
 norm, a float16 query over a bfloat16 cache) names them all (`OpFamily.of(x, *others)`): its
-chain, keyed e.g. "float16+float32", holds only implementations declared for every one. The state kinds (Mamba, GDN, KDA, short conv) declare their ops
-the same way with `hybridkv.kv.specs.StateOps`, chosen per cache group by the plan.
+chain, keyed e.g. "float16+float32", holds only implementations declared for every one. The
+state kinds (Mamba, GDN, KDA, short conv) declare their ops the same way with
+`hybridkv.kv.specs.StateOps`, chosen per cache group by the plan.
 """
 
 from __future__ import annotations

@@ -104,15 +104,42 @@ def test_generate_text_and_prompts_file(capsys, tiny_model_dir, tmp_path):
         (["serve", "--speculative-config", '{"method": "eagle3"}'], "method 'eagle3'"),
         (["bench", "--speculative-config", '{"method": "ngram"}'], "needs num_speculative_tokens"),
         (["generate", "--speculative-config", '{"method": "mtp"}'], "needs a checkpoint with"),
+        (["generate", "--max-model-len", "0"], "max_model_len must be a positive integer"),
+        (["serve", "--max-num-batched-tokens", "0"], "max_num_batched_tokens must be a positive"),
+        (["generate", "--kv-cache-dtype", "int4"], "unknown dtype 'int4'"),
+        (["serve", "--state-dtype", "fp8"], "state_dtype must be auto or one of"),
+        (["plan", "--max-model-len", "-1"], "max_model_len must be a positive integer"),
+        (["generate", "--prompt", "t1 " * 40, "--max-model-len", "16"], "max_model_len is 16"),
     ],
 )
 def test_errors_are_one_line(capsys, tiny_model_dir, argv, message):
     if "--model" not in argv and argv[0] != "bench":
         argv = [*argv, "--model", str(tiny_model_dir)]
     code, _, err = run(capsys, *argv)
-    lines = [ln for ln in err.splitlines() if not ln.startswith("loading")]
+    lines = [ln for ln in err.splitlines() if not ln.startswith(("loading", "loaded"))]
     assert code == 2 and len(lines) == 1 and message in lines[0], err
     assert "Traceback" not in err
+
+
+def test_cache_and_scheduler_flags_reach_the_engine(capsys, tiny_model_dir):
+    """vLLM's engine flags on generate and serve: the engine is built with them."""
+    from hybridkv.entrypoints.cli import build_parser, engine_kwargs
+
+    flags = [
+        "--max-model-len", "96", "--max-num-batched-tokens", "64", "--no-enable-prefix-caching",
+        "--kv-cache-dtype", "bfloat16", "--kernel-block-size", "8", "--state-dtype", "float32",
+    ]  # fmt: skip
+    for command in ("generate", "serve"):
+        kwargs = engine_kwargs(build_parser().parse_args([command, *flags]))
+        assert kwargs["max_model_len"] == 96 and kwargs["max_num_batched_tokens"] == 64
+        assert kwargs["enable_prefix_caching"] is False and kwargs["kv_cache_dtype"] == "bfloat16"
+        assert kwargs["kernel_block_size"] == 8 and kwargs["state_dtype"] == "float32"
+        assert "page_tokens" not in kwargs and "ssm_state_dtype" not in kwargs  # the defaults
+    plain = engine_kwargs(build_parser().parse_args(["generate"]))
+    assert not {"max_model_len", "enable_prefix_caching", "kv_cache_dtype"} & set(plain)
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "t1 t2", "--dtype", "float32"]
+    code, _, err = run(capsys, *argv, *flags)
+    assert code == 0 and "finish_reason=" in err
 
 
 def test_bench(capsys, tiny_model_dir):

@@ -1,10 +1,12 @@
 """float16 checkpoints (`dtype="float16"`, or "auto" on a checkpoint saved in float16) run every
-registered architecture on the CPU: the op chains are chosen by the model's dtype where a layer
-mixes it with a float32 stream (a Mamba2 scan's float32 output into the gated norm, a residual
-kept in float32 into the RMSNorm, a float16 query over an MLA cache of another dtype), so no
-native kernel declared for float32 and bfloat16 is handed a float16 tensor. Each architecture's tiny model (the config-fidelity base config, real
-seeded weights): prefill logits as close to transformers' float32 ones as transformers' own
-float16 model's, and a batched greedy decode that finishes with the cache intact."""
+registered architecture on the CPU: where a call mixes dtypes (a Mamba2 scan's float32 output
+into the gated norm, a residual kept in float32 into the RMSNorm, a float16 query over an MLA
+cache of another dtype) its op chain is chosen for all of them (`OpFamily.of`), so no native
+kernel declared for float32 and bfloat16 is handed a float16 tensor. Each architecture's tiny
+model (the config-fidelity base config, real seeded weights), with the KV cache in the model's
+dtype, float32 and bfloat16: prefill logits about as close to transformers' float32 ones as
+transformers' own float16 model's, and a batched greedy decode that finishes with the cache
+intact."""
 
 from __future__ import annotations
 
