@@ -113,26 +113,30 @@ B16_INLINE void b16_tile(const uint16_t *x, int64_t ldx, const uint16_t *w, cons
     B16_UNROLL for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
     const int64_t whole = K & ~(int64_t)31;
     const __mmask32 tail = (__mmask32)((1ull << (K - whole)) - 1);
-    if (seq && mb == 1) {
-        /* one row of x: a second sum per weight row takes every other step, so that a step's
-         * vdpbf16ps does not wait for the one before it (one chain of them held the stream
-         * back: 6-18% more time per layer, weights out of cache, 2 threads on Zen 4; four
-         * sums gain nothing over two) */
+    if (seq && mb <= 2) {
+        /* one or two rows of x: a second sum per row of x and weight row takes every other
+         * step, so that a step's vdpbf16ps does not wait for the one before it (one chain per
+         * row of x held the stream back: benchmarks/native_ab.py, 2 threads on Zen 4, weights
+         * from memory: 7-15% less time per layer at M = 1; four sums gain nothing over two) */
         B16_UNROLL for (int j = 0; j < NB; j++) {
-            __m512 odd = _mm512_setzero_ps();
+            __m512 odd[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
             int64_t k = 0;
             for (; k + 64 <= whole; k += 64) {
-                const uint16_t *wk = wr[j] + k, *xk = xr[0] + k;
+                const uint16_t *wk = wr[j] + k;
                 _mm_prefetch((const char *)wk + B16_AHEAD, _MM_HINT_T0);
                 _mm_prefetch((const char *)wk + B16_AHEAD + 64, _MM_HINT_T0);
-                acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)B16_LOAD(0, xk),
-                                          (__m512bh)B16_LOAD(0, wk));
-                odd = _mm512_dpbf16_ps(odd, (__m512bh)B16_LOAD(0, xk + 32),
-                                       (__m512bh)B16_LOAD(0, wk + 32));
+                const __m512bh w0 = (__m512bh)B16_LOAD(0, wk);
+                const __m512bh w1 = (__m512bh)B16_LOAD(0, wk + 32);
+                B16_UNROLL for (int i = 0; i < mb; i++) {
+                    acc[i * NB + j] = _mm512_dpbf16_ps(
+                        acc[i * NB + j], (__m512bh)B16_LOAD(0, xr[i] + k), w0);
+                    odd[i] = _mm512_dpbf16_ps(odd[i], (__m512bh)B16_LOAD(0, xr[i] + k + 32), w1);
+                }
             }
             for (; k < whole; k += 32) B16_ROW_STEP(0, B16_LOAD);
             if (k < K) B16_ROW_STEP(tail, B16_LOADZ);
-            acc[j] = _mm512_add_ps(acc[j], odd);
+            B16_UNROLL for (int i = 0; i < mb; i++)
+                acc[i * NB + j] = _mm512_add_ps(acc[i * NB + j], odd[i]);
         }
     } else if (seq) {
         B16_UNROLL for (int j = 0; j < NB; j++) {
