@@ -146,6 +146,8 @@ class OpFamily:
     impls: tuple[OpImpl, ...]
     description: str = ""
     _chains: dict[tuple[str, str], Chain] = field(default_factory=dict, repr=False)
+    # `of` with several inputs: (device, their torch dtypes) -> the chain of their names
+    _by_dtypes: dict[tuple[str, tuple], Chain] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         names = [i.name for i in self.impls]
@@ -195,19 +197,26 @@ class OpFamily:
         more inputs of the call (None skipped); where their dtypes differ from x's (a float32
         residual into a float16 norm, a float16 query over a bfloat16 cache) the chain is the
         mixed key's, e.g. "float16+float32", whose implementations are declared for every one
-        of the dtypes."""
-        dtype = _DTYPE_NAMES.get(x.dtype, "-")
+        of the dtypes (every call of a bfloat16 Mamba2 layer's gated norm is such a call: the
+        dtypes' tuple is looked up, the key named once)."""
         for t in others:
-            if t is not None and t.dtype != x.dtype:  # (rare: the set only then)
-                names = {_DTYPE_NAMES.get(o.dtype, "-") for o in (x, *others) if o is not None}
-                dtype = "+".join(sorted(names))
-                break
-        found = self._chains.get((x.device.type, dtype))
-        return found if found is not None else self.chain(x.device, dtype)
+            if t is not None and t.dtype != x.dtype:
+                return self._mixed(x, others)
+        found = self._chains.get((x.device.type, _DTYPE_NAMES.get(x.dtype, "-")))
+        return found if found is not None else self.chain(x.device, x.dtype)
+
+    def _mixed(self, x: torch.Tensor, others: tuple[torch.Tensor | None, ...]) -> Chain:
+        dtypes = (x.dtype, *(None if t is None else t.dtype for t in others))
+        found = self._by_dtypes.get((x.device.type, dtypes))
+        if found is None:
+            names = sorted({_DTYPE_NAMES.get(d, "-") for d in dtypes if d is not None})
+            found = self._by_dtypes[(x.device.type, dtypes)] = self.chain(x.device, "+".join(names))
+        return found
 
     def reset(self) -> None:
         """Forget the chosen chains (tests that change what the machine has)."""
         self._chains.clear()
+        self._by_dtypes.clear()
 
 
 _LOCK = threading.Lock()
