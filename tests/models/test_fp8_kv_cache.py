@@ -1,10 +1,11 @@
 """An fp8 KV cache (`kv_cache_dtype="fp8_e4m3"` / `"fp8_e5m2"`) computes exactly what
-transformers computes with its keys and values rounded to that fp8 format before attention: the
-cache's only effect is the rounding (no scale: a value is cast, as vLLM does with its default
-scale of 1). Every architecture whose attention layers cache keys and values (the MLA families
-cache a latent instead), its tiny config-fidelity model with real seeded weights, the prompt
-prefilled in chunks of 16 so that later chunks read the earlier ones' keys and values back from
-the fp8 cache.
+transformers computes with what the cache holds rounded to that fp8 format: the cache's only
+effect is the rounding (no scale: a value is cast, as vLLM does with its default scale of 1).
+Keys and values before attention for the attention layers; for MLA (DeepSeek-V2/V3,
+Kimi-Linear) the normed latent and the rotary key part. Every architecture with attention, its
+tiny config-fidelity model with real seeded weights, the prompt prefilled in chunks of 16 so that
+later chunks read the earlier ones' entries back from the fp8 cache. Measured: 3e-7..9e-6 of the
+largest logit from the rounded reference, 5e-2..0.6 from the unrounded one.
 """
 
 from __future__ import annotations
@@ -19,22 +20,27 @@ from hybridkv.engine import Engine
 from .test_config_fidelity import COVERED, config_dict, hf_classes
 from .utils import engine_prefill_logits, max_rel_error, prompts, save_model, seeded
 
-NO_KV_CACHE = {  # MLA caches a latent; Mamba-only models cache no attention at all
-    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiLinearForCausalLM",
-    "MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM",
-}  # fmt: skip
+MLA = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiLinearForCausalLM"}
+NO_ATTENTION = {"MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM"}
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
+def _round(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype).to(t.dtype)
+
+
 def fp8_reference_logits(hf, ids: list[int], dtype: torch.dtype, monkeypatch) -> torch.Tensor:
-    """transformers' float32 logits with every attention call's keys and values rounded to
-    `dtype` (the registered attention function, or the module's eager one)."""
+    """transformers' float32 logits with what hybridkv caches rounded to `dtype`: every attention
+    call's keys and values (the registered attention function, or the module's eager one); for
+    MLA the latent (kv_a_layernorm's output) and the rotary key part after its rotation (before
+    it where the model has no rotation function: Kimi-Linear's NoPE)."""
+    if type(hf).__name__ in MLA:
+        return _mla_reference_logits(hf, ids, dtype, monkeypatch)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     def rounding(attend):
         def attend_rounded(module, q, k, v, *args, **kwargs):
-            return attend(module, q, k.to(dtype).to(k.dtype), v.to(dtype).to(v.dtype), *args,
-                          **kwargs)  # fmt: skip
+            return attend(module, q, _round(k, dtype), _round(v, dtype), *args, **kwargs)
 
         return attend_rounded
 
@@ -52,8 +58,43 @@ def fp8_reference_logits(hf, ids: list[int], dtype: torch.dtype, monkeypatch) ->
     return logits
 
 
+def _mla_reference_logits(hf, ids: list[int], dtype: torch.dtype, monkeypatch) -> torch.Tensor:
+    module = sys.modules[type(hf).__module__]
+    rotations = [n for n in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave",
+                             "apply_rotary_emb") if hasattr(module, n)]  # fmt: skip
+    for name in rotations:
+        rotate = getattr(module, name)
+
+        def rotate_rounded(*args, _rotate=rotate, **kwargs):
+            q, k = _rotate(*args, **kwargs)
+            return q, _round(k, dtype)
+
+        monkeypatch.setattr(module, name, rotate_rounded)
+    def round_out(m, i, out):
+        return _round(out, dtype)
+
+    hooks = []
+    for attn in (m for m in hf.modules() if hasattr(m, "kv_a_layernorm")):
+        hooks.append(attn.kv_a_layernorm.register_forward_hook(round_out))
+        if not rotations:  # the rotary part straight from the projection: [..., rank + rope]
+            rope = attn.qk_rope_head_dim
+
+            def round_rope(m, i, out, rope=rope):
+                return torch.cat([out[..., :-rope], _round(out[..., -rope:], dtype)], dim=-1)
+
+            if rope:
+                hooks.append(attn.kv_a_proj_with_mqa.register_forward_hook(round_rope))
+    try:
+        with torch.inference_mode():
+            return hf(torch.tensor([ids]), use_cache=False).logits[0].float()
+    finally:
+        for hook in hooks:
+            hook.remove()
+        monkeypatch.undo()
+
+
 @pytest.mark.parametrize("kv_cache_dtype", sorted(FP8))
-@pytest.mark.parametrize("arch", [a for a in COVERED if a not in NO_KV_CACHE])
+@pytest.mark.parametrize("arch", [a for a in COVERED if a not in NO_ATTENTION])
 def test_fp8_cache_is_transformers_with_rounded_keys_and_values(
     arch, kv_cache_dtype, tmp_path, monkeypatch
 ):
