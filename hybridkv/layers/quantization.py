@@ -370,7 +370,8 @@ class Int8VocabParallelHead(QuantizedVocabHead, Int8Linear):
 # y = (sum * sx[m]) * scale[n], rounded once to x's dtype. Faster than the weight-only layer at
 # every M on AMX-INT8 (benchmarks/int8_activations.py), at the cost of the activations' 8-bit
 # rounding (docs/quantization.md has the accuracy); llama.cpp's Q8_0 rounds activations too.
-#   float32 / bfloat16   native-amx-int8 (w8a8_linear.c), native-avx2 (the same file: 8-bit
+#   float32 / bfloat16   native-amx-int8 (w8a8_linear.c), native-avx512-vnni (the same file:
+#                        a B tile row per 512-bit vpdpbusd), native-avx2 (8-bit
 #                        products on 256-bit vectors), native-neon-dot / native-neon (aarch64:
 #                        sdot, or 16-bit products), else the PyTorch reference below
 #   float16              the PyTorch reference
@@ -428,6 +429,14 @@ def _w8a8_native(
     return native_w8a8.run(x, packed, scale, n, k)
 
 
+def _w8a8_avx512_vnni(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int, k: int
+) -> torch.Tensor:
+    from hybridkv.ops.native import w8a8_linear as native_w8a8
+
+    return native_w8a8.run(x, packed, scale, n, k, kernel="avx512_vnni")
+
+
 def _w8a8_avx2(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int, k: int
 ) -> torch.Tensor:
@@ -458,6 +467,9 @@ W8A8_LINEAR = declare(
     (
         OpImpl("native-amx-int8", _HERE + "_w8a8_native", _CPU, _FLOATS, ("native", "amx_int8"),
                description="w8a8_linear.c: x rounded to int8 per row, AMX-INT8 tiles"),
+        OpImpl("native-avx512-vnni", _HERE + "_w8a8_avx512_vnni", _CPU, _FLOATS,
+               ("native", "avx512_vnni"),
+               description="w8a8_linear.c: 16 columns' 4-byte dot products per vpdpbusd"),
         OpImpl("native-avx2", _HERE + "_w8a8_avx2", _CPU, _FLOATS, ("native", "avx2"),
                description="w8a8_linear.c: 8-bit products with vpmaddubsw / AVX-VNNI"),
         OpImpl("native-neon-dot", _HERE + "_w8a8_neon_dot", _CPU, _FLOATS,

@@ -20,6 +20,7 @@ from hybridkv.ops.native import cpu
 from hybridkv.ops.native import w8a8_linear as native_w8a8
 
 HAS_AMX_INT8, HAS_AVX2 = cpu.record().supports("amx_int8"), cpu.record().supports("avx2")
+HAS_VNNI = cpu.record().supports("avx512_vnni")
 HAS_NEON_DOT, HAS_NEON = cpu.record().supports("neon_dot"), cpu.record().supports("neon")
 needs_amx_int8 = pytest.mark.skipif(
     not HAS_AMX_INT8, reason="no AMX-INT8 here (build, CPU or OS tile permission)"
@@ -33,11 +34,13 @@ def _kernel(name: str, runs: bool, reason: str):
 # (the NEON kernels run on aarch64 only: tests/ops/test_native_aarch64.py checks them under qemu)
 KERNELS = [
     pytest.param("amx", marks=needs_amx_int8),
+    _kernel("avx512_vnni", HAS_VNNI, "no AVX-512 VNNI build"),
     _kernel("avx2", HAS_AVX2, "no AVX2 build"),
     _kernel("neon_dot", HAS_NEON_DOT, "no aarch64 dot product build"),
     _kernel("neon", HAS_NEON, "no aarch64 NEON build"),
 ]
-RUNS = {"amx": HAS_AMX_INT8, "avx2": HAS_AVX2, "neon_dot": HAS_NEON_DOT, "neon": HAS_NEON}
+RUNS = {"amx": HAS_AMX_INT8, "avx512_vnni": HAS_VNNI, "avx2": HAS_AVX2,
+        "neon_dot": HAS_NEON_DOT, "neon": HAS_NEON}  # fmt: skip
 RUNNABLE = [kernel for kernel, runs in RUNS.items() if runs]  # in the declaration's order
 # (M, N, K): tails of every tile dimension, one or two A / B tiles, K past one 64-block
 SHAPES = [(1, 16, 64), (1, 1, 1), (5, 40, 100), (15, 17, 64), (16, 32, 128), (17, 31, 130),
@@ -163,8 +166,9 @@ def test_rows_too_small_for_127_over_their_max(dtype):
 
 def test_declaration_takes_the_kernel_where_the_cpu_has_amx_int8():
     chain = W8A8_LINEAR.chain(torch.device("cpu"), torch.float32)
-    want = {"amx": "native-amx-int8", "avx2": "native-avx2", "neon_dot": "native-neon-dot",
-            "neon": "native-neon"}  # fmt: skip
+    want = {"amx": "native-amx-int8", "avx512_vnni": "native-avx512-vnni", "avx2": "native-avx2",
+            "neon_dot": "native-neon-dot", "neon": "native-neon"}  # fmt: skip
     assert chain.describe() == (want[RUNNABLE[0]] if RUNNABLE else "torch")
-    names = ["native-amx-int8", "native-avx2", "native-neon-dot", "native-neon", "torch"]
+    names = ["native-amx-int8", "native-avx512-vnni", "native-avx2", "native-neon-dot",
+             "native-neon", "torch"]  # fmt: skip
     assert [i.name for i in W8A8_LINEAR.impls] == names

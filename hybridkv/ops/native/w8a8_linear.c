@@ -329,6 +329,39 @@ static inline __m256i w8_dot4(__m256i acc, __m256i w, __m256i xb) {
 #endif
 }
 
+/* y[row + n0 .. n0 + 7] (those below N) = ((float) sums * sx) * sw[n], the reference's order,
+ * rounded once to y's dtype. */
+static void w8_avx2_store8(__m256i sums, float sx, const uint16_t *sw, int64_t N, int64_t n0,
+                           void *y, int64_t row, int y_bf16) {
+    const int64_t cols = N - n0 < 8 ? N - n0 : 8;
+    if (cols <= 0) return;
+    __m256 ws;
+    if (cols == 8) {
+        ws = hkv_bf16x8_load(sw + n0);
+    } else {
+        uint16_t part[8] = {0};
+        memcpy(part, sw + n0, 2 * (size_t)cols);
+        ws = hkv_bf16x8_load(part);
+    }
+    const __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(sx)), ws);
+    const int64_t at = row + n0;
+    if (y_bf16) {
+        const __m128i b = hkv_f32x8_to_bf16(v);
+        if (cols == 8) _mm_storeu_si128((__m128i *)((uint16_t *)y + at), b);
+        else {
+            uint16_t part[8];
+            _mm_storeu_si128((__m128i *)part, b);
+            memcpy((uint16_t *)y + at, part, 2 * (size_t)cols);
+        }
+    } else if (cols == 8) {
+        _mm256_storeu_ps((float *)y + at, v);
+    } else {
+        float part[8];
+        _mm256_storeu_ps(part, v);
+        memcpy((float *)y + at, part, 4 * (size_t)cols);
+    }
+}
+
 /* Columns 16 nb .. 16 nb + 15 for rows m0 .. m0 + mr - 1 (mr <= W8_AVX2_ROWS). */
 static void w8_avx2_tile(const int8_t *xq, const float *sx, int64_t m0, int64_t mr, int64_t Kp,
                          const int8_t *wp, const uint16_t *sw, int64_t N, int64_t nb, void *y,
@@ -355,39 +388,9 @@ static void w8_avx2_tile(const int8_t *xq, const float *sx, int64_t m0, int64_t 
             acc[i][1] = w8_dot4(acc[i][1], w1, xb);
         }
     }
-    const int64_t n0 = 16 * nb;
-    for (int h = 0; h < 2; h++) {
-        const int64_t cols = N - n0 - 8 * h < 8 ? N - n0 - 8 * h : 8;
-        if (cols <= 0) break;
-        __m256 ws;
-        if (cols == 8) {
-            ws = hkv_bf16x8_load(sw + n0 + 8 * h);
-        } else {
-            uint16_t part[8] = {0};
-            memcpy(part, sw + n0 + 8 * h, 2 * (size_t)cols);
-            ws = hkv_bf16x8_load(part);
-        }
-        for (int64_t i = 0; i < mr; i++) {
-            const __m256 v = _mm256_mul_ps(
-                _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i][h]), _mm256_set1_ps(sx[m0 + i])), ws);
-            const int64_t at = (m0 + i) * ldy + n0 + 8 * h;
-            if (y_bf16) {
-                const __m128i b = hkv_f32x8_to_bf16(v);
-                if (cols == 8) _mm_storeu_si128((__m128i *)((uint16_t *)y + at), b);
-                else {
-                    uint16_t part[8];
-                    _mm_storeu_si128((__m128i *)part, b);
-                    memcpy((uint16_t *)y + at, part, 2 * (size_t)cols);
-                }
-            } else if (cols == 8) {
-                _mm256_storeu_ps((float *)y + at, v);
-            } else {
-                float part[8];
-                _mm256_storeu_ps(part, v);
-                memcpy((float *)y + at, part, 4 * (size_t)cols);
-            }
-        }
-    }
+    for (int64_t i = 0; i < mr; i++)
+        for (int h = 0; h < 2; h++) w8_avx2_store8(acc[i][h], sx[m0 + i], sw, N, 16 * nb + 8 * h,
+                                                   y, (m0 + i) * ldy, y_bf16);
 }
 
 /* y = w8a8(x) with AVX2 (the same arguments and result as hkv_w8a8_linear). 0, or -1: no
@@ -404,6 +407,81 @@ int hkv_w8a8_linear_avx2(const void *x, int64_t ldx, int x_bf16, int64_t M, int6
 int hkv_w8a8_linear_avx2(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K,
                          const int8_t *wp, const uint16_t *sw, int64_t N, void *y, int64_t ldy,
                          int y_bf16) {
+    (void)x, (void)ldx, (void)x_bf16, (void)M, (void)K, (void)wp, (void)sw, (void)N, (void)y;
+    (void)ldy, (void)y_bf16;
+    return -1;
+}
+
+#endif
+
+/* ---- AVX-512 VNNI: a whole row r of a B tile per vector ------------------------------------
+ *
+ * A row r of a B tile (64 bytes: 16 columns x the 4 weights of k = 4r .. 4r + 3) is one 512-bit
+ * vector, the layout of vpdpbusd (each 32-bit lane adds the products of its 4 unsigned bytes
+ * with the same lane's 4 signed bytes). Its unsigned side is x: the quantized row is stored as
+ * xq + 128 (xq ^ 0x80: 1..255, zero padding 128), broadcast 4 bytes to every lane, so one
+ * instruction adds 16 columns' 4 products; sum((xq + 128) w) - 128 sum(w) is the exact sum, the
+ * second term made once per tile and k step by a vpdpbusd of 128s with the same weights and
+ * shared by the tile's rows (|sums| <= 255 x 127 x K: exact in int32 up to K = 66,000). Register
+ * tiles of W8_VNNI_ROWS rows of x by 16 columns; the scaling and rounding are the AVX2
+ * kernel's (w8_avx2_store8), so the result is the reference's bit for bit. Ice Lake, Cascade
+ * Lake, Zen 4 and Sapphire Rapids without the tile permission run it; AMX-INT8 goes first. */
+
+#if HKV_AVX512_VNNI && HKV_AVX2
+
+#define W8_VNNI_ROWS 8
+
+/* w8_quantize_row_avx2's row, moved to the unsigned side: xq + 128 */
+static void w8_quantize_row_vnni(const void *x, int bf16, int64_t K, int64_t Kp, int8_t *q,
+                                 float *scale) {
+    w8_quantize_row_avx2(x, bf16, K, Kp, q, scale);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t k = 0; k < Kp; k += 64) /* Kp is a multiple of 64 */
+        _mm512_storeu_si512(q + k, _mm512_xor_si512(_mm512_loadu_si512(q + k), flip));
+}
+
+/* Columns 16 nb .. 16 nb + 15 for rows m0 .. m0 + mr - 1 (mr <= W8_VNNI_ROWS). */
+static void w8_vnni_tile(const int8_t *xq, const float *sx, int64_t m0, int64_t mr, int64_t Kp,
+                         const int8_t *wp, const uint16_t *sw, int64_t N, int64_t nb, void *y,
+                         int64_t ldy, int y_bf16) {
+    const int64_t KB = Kp / 64, NB = (N + 15) / 16;
+    const int8_t *W = wp + nb * KB * 1024;
+    const __m512i offset = _mm512_set1_epi8((char)0x80); /* 128 as the unsigned side */
+    __m512i acc[W8_VNNI_ROWS], shift = _mm512_setzero_si512();
+    for (int i = 0; i < W8_VNNI_ROWS; i++) acc[i] = _mm512_setzero_si512();
+    const int8_t *ahead = nb + 1 < NB ? W + KB * 1024 : W; /* as the AVX2 tile: a line a step */
+    for (int64_t kr = 0; kr < KB * 16; kr++) {             /* rows r of the tiles, 4 k each */
+        const int8_t *row = W + (kr >> 4) * 1024 + (kr & 15) * 64;
+        _mm_prefetch((const char *)(ahead + (row - W)), _MM_HINT_T1);
+        const __m512i w = _mm512_loadu_si512(row);
+        shift = _mm512_dpbusd_epi32(shift, offset, w); /* 128 sum(w) per column */
+        const int64_t at = (kr >> 4) * 64 + (kr & 15) * 4;
+        for (int64_t i = 0; i < mr; i++) {
+            int32_t four;
+            memcpy(&four, xq + (m0 + i) * Kp + at, 4);
+            acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(four), w);
+        }
+    }
+    for (int64_t i = 0; i < mr; i++) {
+        const __m512i sums = _mm512_sub_epi32(acc[i], shift);
+        for (int h = 0; h < 2; h++)
+            w8_avx2_store8(h ? _mm512_extracti64x4_epi64(sums, 1) : _mm512_castsi512_si256(sums),
+                           sx[m0 + i], sw, N, 16 * nb + 8 * h, y, (m0 + i) * ldy, y_bf16);
+    }
+}
+
+int hkv_w8a8_linear_avx512_vnni(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K,
+                                const int8_t *wp, const uint16_t *sw, int64_t N, void *y,
+                                int64_t ldy, int y_bf16) {
+    return w8_vector_run(x, ldx, x_bf16, M, K, wp, sw, N, y, ldy, y_bf16, w8_quantize_row_vnni,
+                         w8_vnni_tile, W8_VNNI_ROWS);
+}
+
+#else /* no AVX-512 VNNI in this build */
+
+int hkv_w8a8_linear_avx512_vnni(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K,
+                                const int8_t *wp, const uint16_t *sw, int64_t N, void *y,
+                                int64_t ldy, int y_bf16) {
     (void)x, (void)ldx, (void)x_bf16, (void)M, (void)K, (void)wp, (void)sw, (void)N, (void)y;
     (void)ldy, (void)y_bf16;
     return -1;

@@ -1,5 +1,6 @@
 """The native int8 x int8 linear (`w8a8_linear.c`, compiled into the one native library): on
-AMX-INT8 tiles, with AVX2 (vpmaddubsw, or AVX-VNNI's vpdpbusd), or on aarch64 with NEON (sdot
+AMX-INT8 tiles, with AVX-512 VNNI (vpdpbusd on 512-bit vectors), with AVX2 (vpmaddubsw, or
+AVX-VNNI's vpdpbusd), or on aarch64 with NEON (sdot
 where the build has the dot product, else 16-bit products); ctypes signatures and the checks
 that keep them inside their tensors.
 `hybridkv.layers.quantization` (quantization="w8a8") is the caller and holds the reference,
@@ -17,6 +18,7 @@ _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 _ARGS = [_ptr, _i64, _int, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int]
 KERNELS = {
     "amx": "hkv_w8a8_linear",
+    "avx512_vnni": "hkv_w8a8_linear_avx512_vnni",  # AVX-512 VNNI without AMX-INT8
     "avx2": "hkv_w8a8_linear_avx2",
     "neon_dot": "hkv_w8a8_linear_neon_dot",  # aarch64 with the dot product (ARMv8.2+)
     "neon": "hkv_w8a8_linear_neon",  # any aarch64
@@ -53,9 +55,10 @@ def run(
     kernel: str = "amx",
 ) -> torch.Tensor:
     """x [M, k] float32 / bfloat16 on the CPU, a weight `check_weights` passed -> [M, n] in
-    x's dtype, through `kernel` ("amx": AMX-INT8 tiles; "avx2": 8-bit products on 256-bit
-    vectors; "neon_dot" / "neon": aarch64's sdot / 16-bit products; the same result). The
-    per-call path: x is checked (a wrong K raises, as F.linear does), the weight is not."""
+    x's dtype, through `kernel` ("amx": AMX-INT8 tiles; "avx512_vnni": 16 columns' 4-byte dot
+    products per instruction; "avx2": 8-bit products on 256-bit vectors; "neon_dot" / "neon":
+    aarch64's sdot / 16-bit products; the same result). The per-call path: x is checked (a
+    wrong K raises, as F.linear does), the weight is not."""
     if x.dim() != 2 or x.shape[1] != k or x.dtype not in DTYPES or x.device.type != "cpu":
         raise RuntimeError(f"x {list(x.shape)} {x.dtype} does not fit the weight [{n}, {k}]")
     if x.stride(1) != 1:
