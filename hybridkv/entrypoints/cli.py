@@ -707,6 +707,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
     quantization = _quantization(args)
     check_quantization(quantization)  # before any prompt is made
+    from hybridkv.engine import ModelConfig
+
+    ModelConfig(dtype=args.dtype)  # a bad dtype: one line before anything is printed
     speculative = _speculative(args)
     folder = args.model or str(DEFAULT_MODEL)
     vocab = family_config(load_model_config(folder)).vocab_size

@@ -99,6 +99,7 @@ def test_generate_text_and_prompts_file(capsys, tiny_model_dir, tmp_path):
         (["generate", "--quantization", "int4"], "quantization must be None or one of 'int8'"),
         (["serve", "--quantization", "fp8"], "quantization must be None or one of 'int8'"),
         (["bench", "--quantization", "q8_0"], "got 'q8_0'"),
+        (["bench", "--dtype", "float8"], "dtype must be auto, float32, bfloat16 or float16"),
         (["generate", "--max-capture-size", "-1"], "max_capture_size must be an integer >= 0"),
         (["generate", "--speculative-config", "{bad"], "--speculative-config is not valid JSON"),
         (["serve", "--speculative-config", '{"method": "eagle3"}'], "method 'eagle3'"),
