@@ -561,6 +561,11 @@ class Engine:
             raise ValueError(
                 f"sampling params must be a SamplingParams, got {type(params).__name__}"
             )
+        if params.n != 1:
+            raise ValueError(
+                f"n={params.n}: an engine request is one sequence; LLM.generate runs n choices "
+                "(or add n requests, each with n=1)"
+            )
         ids, text = self._prompt_ids(prompt)
         self._check_stop_strings(params)
         self._check_logit_bias(params)

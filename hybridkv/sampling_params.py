@@ -9,6 +9,15 @@ MAX_SEED = 2**64 - 1  # what torch.Generator.manual_seed takes
 MAX_TOKENS = 2**31 - 1
 MAX_TOKEN_ID = 2**31 - 1
 MAX_LOGPROBS = 20
+MAX_CHOICES = 32  # n (and the server's best_of)
+
+
+def choice_seed(seed: int | None, k: int) -> int | None:
+    """Choice k's seed of an n > 1 request: seed + k (mod 2**64), so n seeded choices differ
+    and repeat (an invalid seed is passed on for SamplingParams to refuse, naming it)."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+        return seed
+    return (seed + k) % (MAX_SEED + 1)
 
 
 def _is_number(value: object) -> bool:
@@ -64,6 +73,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     structured: Any = None  # hybridkv.structured.GrammarSpec
+    # choices per prompt (vLLM's n): `LLM.generate` runs them as n engine requests, the first's
+    # prefill shared through the prefix cache, choice k seeded seed + k; the engine takes n = 1
+    n: int = 1
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +95,7 @@ class SamplingParams:
         self._check_int("max_tokens", self.max_tokens, 1, MAX_TOKENS)
         self._check_int("min_tokens", self.min_tokens, 0, MAX_TOKENS)
         self._check_int("top_k", self.top_k, -1, MAX_TOKENS)
+        self._check_int("n", self.n, 1, MAX_CHOICES)
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

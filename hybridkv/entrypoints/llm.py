@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from hybridkv.engine import Engine
 from hybridkv.outputs import RequestOutput
-from hybridkv.sampling_params import SamplingParams
+from hybridkv.sampling_params import SamplingParams, choice_seed
 from hybridkv.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -46,11 +47,31 @@ class LLM:
         for prompt, sp in zip(prompt_list, params, strict=True):
             self.engine._prompt_ids(prompt)  # validate everything first
             self.engine._check_stop_strings(sp)
-        ids = [
-            self.engine.add_request(p, sp).request_id
-            for p, sp in zip(prompt_list, params, strict=True)
-        ]
-        return self._run(ids, use_tqdm)
+        # n > 1: n engine requests per prompt, choice k seeded seed + k; the others wait for
+        # the first's prefill and take it from the prefix cache (as the server's n does)
+        groups: list[list[str]] = []
+        for p, sp in zip(prompt_list, params, strict=True):
+            first = self.engine.add_request(p, replace(sp, n=1)).request_id
+            more = [
+                self.engine.add_request(
+                    p, replace(sp, n=1, seed=choice_seed(sp.seed, k)), after=first
+                ).request_id
+                for k in range(1, sp.n)
+            ]
+            groups.append([first, *more])
+        outs = self._run([i for g in groups for i in g], use_tqdm)
+        by_id = {o.request_id: o for o in outs}
+        return [self._merge([by_id[i] for i in g]) for g in groups]
+
+    @staticmethod
+    def _merge(choices: list[RequestOutput]) -> RequestOutput:
+        """One prompt's n choices as one output (vLLM's shape: outputs[k].index = k)."""
+        if len(choices) == 1:
+            return choices[0]
+        first = choices[0]
+        outputs = [replace(c.outputs[0], index=k) for k, c in enumerate(choices)]
+        error = next((c.error for c in choices if c.error is not None), None)
+        return replace(first, outputs=outputs, error=error)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(ids)

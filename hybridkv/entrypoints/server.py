@@ -78,7 +78,12 @@ from hybridkv.entrypoints.reasoning import get_reasoning_parser
 from hybridkv.entrypoints.structured import check_tools, grammar_of, tool_grammar, tool_mode
 from hybridkv.entrypoints.tool_parsers import default_tool_parser, get_tool_parser
 from hybridkv.outputs import RequestOutput
-from hybridkv.sampling_params import MAX_SEED, SamplingParams, check_unicode
+from hybridkv.sampling_params import (
+    MAX_CHOICES,
+    SamplingParams,
+    check_unicode,
+    choice_seed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -543,7 +548,6 @@ def _completion_prompts(body: CompletionRequest) -> list[str | list[int]]:
     return list(p)  # type: ignore[arg-type]
 
 
-MAX_CHOICES = 32  # n and best_of
 
 
 def _choice_counts(n: int, best_of: int | None, stream: bool) -> tuple[int, int]:
@@ -557,13 +561,6 @@ def _choice_counts(n: int, best_of: int | None, stream: bool) -> tuple[int, int]
     if stream and best > n:
         raise OpenAIError("best_of > n cannot be streamed", param="best_of")
     return n, best
-
-
-def _choice_seed(seed: int | None, k: int) -> int | None:
-    """Choice k's seed: seed + k (mod 2**64), so n seeded choices differ and repeat."""
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
-        return seed  # (SamplingParams refuses it, naming it)
-    return (seed + k) % (MAX_SEED + 1)
 
 
 def _truncate(ids: list[int], keep: int | None) -> list[int]:
@@ -618,7 +615,7 @@ def _prepare_completion(server: Server, body: CompletionRequest) -> _CompletionP
     for i in ids:
         first = len(plan.params)
         for c in range(best_of):
-            more: dict[str, Any] = {"seed": _choice_seed(body.seed, c), "structured": spec}
+            more: dict[str, Any] = {"seed": choice_seed(body.seed, c), "structured": spec}
             if c == 0 and scored:
                 more["prompt_logprobs"] = max(scored)
             max_tokens = 1 if echo_only else body.max_tokens
@@ -845,7 +842,7 @@ def _prepare_chat(server: Server, body: ChatCompletionRequest) -> _ChatPlan:
         names["max_tokens"] = "max_completion_tokens"
     params = [
         server.sampling_params(body, len(ids), max_tokens, top, names,
-                               seed=_choice_seed(body.seed, c), structured=spec)  # fmt: skip
+                               seed=choice_seed(body.seed, c), structured=spec)  # fmt: skip
         for c in range(n)
     ]
     options = [_cache_options(body, 0 if c else None) for c in range(n)]

@@ -43,6 +43,30 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
     assert llm.generate([[9, 8, 7]], differ, use_tqdm=False)[0].token_ids != alone
 
 
+def test_n_choices_per_prompt(llm):
+    """vLLM's n: one output per prompt with n choices (index k); choice k is the request
+    seeded seed + k alone, so seeded choices repeat and differ; greedy choices agree; the
+    engine itself takes one sequence per request and says where n is run."""
+    p = SamplingParams(max_tokens=10, temperature=1.0, seed=40, ignore_eos=True, n=3)
+    outs = llm.generate([[9, 8, 7], "t1 t2"], p, use_tqdm=False)
+    assert [len(o.outputs) for o in outs] == [3, 3]
+    assert [c.index for c in outs[0].outputs] == [0, 1, 2]
+    texts = [c.token_ids for c in outs[0].outputs]
+    assert len({tuple(t) for t in texts}) == 3 and all(len(t) == 10 for t in texts)
+    for k in range(3):
+        alone = SamplingParams(max_tokens=10, temperature=1.0, seed=40 + k, ignore_eos=True)
+        assert llm.generate([[9, 8, 7]], alone, use_tqdm=False)[0].token_ids == texts[k]
+    again = llm.generate([[9, 8, 7]], p, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == texts
+    greedy = llm.generate([[5, 6]], SamplingParams(max_tokens=6, temperature=0, n=2),
+                          use_tqdm=False)[0]  # fmt: skip
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+    with pytest.raises(ValueError, match="n=2: an engine request is one sequence"):
+        llm.engine.add_request([1, 2], SamplingParams(n=2))
+    assert not llm.engine.has_unfinished
+    llm.engine.cache.check_integrity()
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy(llm):
     greedy = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].token_ids
     k1 = SamplingParams(max_tokens=8, temperature=1.5, top_k=1, seed=1, ignore_eos=True)
@@ -162,6 +186,9 @@ def test_bad_prompts_are_rejected_before_entering(llm, prompt, message):
         ({"logprobs": 50}, r"logprobs must be in \[0, 20\]"),
         ({"stop": [""]}, "stop must be a list of non-empty strings"),
         ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+        ({"n": 0}, r"n must be in \[1, 32\]"),
+        ({"n": 33}, r"n must be in \[1, 32\]"),
+        ({"n": 2.0}, "n must be an integer"),
     ],
 )
 def test_bad_sampling_params(kwargs, message):
