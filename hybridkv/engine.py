@@ -622,7 +622,12 @@ class Engine:
                 "use stop_token_ids instead"
             )
 
-    def _prompt_ids(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+    def _prompt_ids(
+        self, prompt: str | list[int], add_special_tokens: bool = True
+    ) -> tuple[list[int], str | None]:
+        """(token ids, text) of a prompt. `add_special_tokens=False` for a rendered chat prompt:
+        its template writes the BOS itself, and the tokenizer's post-processor would add
+        another (Llama 3, Gemma 3: a doubled BOS changes the answers)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self._no_tokenizer()}: give prompts as lists of token ids")
@@ -636,7 +641,7 @@ class Engine:
                     f"prompt has {len(prompt)} characters, far more than max_model_len="
                     f"{self.max_model_len} tokens hold"
                 )
-            ids, text = self.tokenizer.encode(prompt), prompt
+            ids, text = self.tokenizer.encode(prompt, add_special_tokens), prompt
         elif isinstance(prompt, list | tuple):
             ids, text = list(prompt), None
             bad = [

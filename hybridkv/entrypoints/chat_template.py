@@ -210,6 +210,26 @@ def normalise_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+# The template of a tokenizer without one: every message as "<|role|>\n{content}\n", then
+# "<|assistant|>\n".
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def token_text(token: Any) -> str:
+    """A tokenizer_config.json special token's text (a string, or an AddedToken dict)."""
+    if isinstance(token, dict):
+        return str(token.get("content", ""))
+    return str(token or "")
+
+
+def special_token_texts(tokenizer_config: Mapping[str, Any]) -> dict[str, str]:
+    """The `bos_token` and `eos_token` template variables of a tokenizer's config."""
+    return {name: token_text(tokenizer_config.get(name)) for name in ("bos_token", "eos_token")}
+
+
 class ChatTemplate:
     """A compiled chat template (compile once, render per request)."""
 

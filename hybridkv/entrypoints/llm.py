@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from hybridkv.engine import Engine
+from hybridkv.entrypoints.chat_template import (
+    DEFAULT_CHAT_TEMPLATE,
+    ChatTemplate,
+    normalise_messages,
+    special_token_texts,
+)
 from hybridkv.outputs import RequestOutput
 from hybridkv.sampling_params import SamplingParams, choice_seed
 from hybridkv.tokenizer import Tokenizer
@@ -62,6 +68,41 @@ class LLM:
         outs = self._run([i for g in groups for i in g], use_tqdm)
         by_id = {o.request_id: o for o in outs}
         return [self._merge([by_id[i] for i in g]) for g in groups]
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of message dicts) or several, each
+        rendered by the tokenizer's chat template (or `chat_template`; the server's default
+        where the tokenizer has none) as the server renders a chat completion, tokenized
+        without added special tokens (the template writes them), then generated. Each
+        output's `prompt` is the rendered text."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError(f"{self.engine._no_tokenizer()}: chat needs a chat template")
+        one = bool(messages) and isinstance(messages[0], Mapping)
+        conversations = [messages] if one else list(messages)
+        if not conversations or not all(isinstance(c, list | tuple) and c for c in conversations):
+            raise ValueError("messages must be a list of message dicts or a list of such lists")
+        template = ChatTemplate(chat_template or tok.chat_template or DEFAULT_CHAT_TEMPLATE)
+        texts = [
+            template.render(
+                normalise_messages(list(c)), tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                **{**special_token_texts(tok.config), **(chat_template_kwargs or {})},
+            )  # fmt: skip
+            for c in conversations
+        ]
+        ids = [self.engine._prompt_ids(t, add_special_tokens=False)[0] for t in texts]
+        outs = self.generate(ids, sampling_params, use_tqdm)
+        return [replace(o, prompt=t) for o, t in zip(outs, texts, strict=True)]
 
     @staticmethod
     def _merge(choices: list[RequestOutput]) -> RequestOutput:

@@ -62,7 +62,12 @@ from hybridkv.entrypoints.adapters import (
 )
 from hybridkv.entrypoints.async_engine import AsyncEngine, RequestFailed, Submission
 from hybridkv.entrypoints.chat import ChatOutput
-from hybridkv.entrypoints.chat_template import ChatTemplate, normalise_messages
+from hybridkv.entrypoints.chat_template import (
+    DEFAULT_CHAT_TEMPLATE,
+    ChatTemplate,
+    normalise_messages,
+    special_token_texts,
+)
 from hybridkv.entrypoints.metrics import Metrics
 from hybridkv.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -87,10 +92,6 @@ from hybridkv.sampling_params import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 INLINE_PARSE_BYTES = 64 * 2**10  # bodies up to this size are parsed on the event loop
 CLIENT_GONE = 499  # the status logged for a request whose client left (nobody receives it)
@@ -235,7 +236,10 @@ class Server:
             raise OpenAIError(f"invalid {param}: {exc}", param=param) from None
         return spec
 
-    def prompt_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+    def prompt_ids(
+        self, prompt: str | list[int], param: str = "prompt", add_special_tokens: bool = True
+    ) -> list[int]:
+        """A prompt's token ids (`add_special_tokens=False`: a rendered chat prompt)."""
         if isinstance(prompt, str) and self.engine.tokenizer is None:
             raise OpenAIError(
                 "this model has no tokenizer, so it takes token-id prompts only: give prompt "
@@ -243,7 +247,7 @@ class Server:
                 param=param,
             )
         try:  # reads only what the engine never changes: its tokenizer and limits
-            ids, _ = self.engine._prompt_ids(prompt)
+            ids, _ = self.engine._prompt_ids(prompt, add_special_tokens)
         except ValueError as exc:
             raise OpenAIError(str(exc), param=param) from None
         return ids
@@ -268,8 +272,7 @@ class Server:
                 normalise_messages(messages),
                 tools=tools,
                 add_generation_prompt=body.add_generation_prompt,
-                bos_token=_token_text(cfg.get("bos_token")),
-                eos_token=_token_text(cfg.get("eos_token")),
+                **special_token_texts(cfg),
                 **(body.chat_template_kwargs or {}),
             )
         except ValueError as exc:  # a template error is the request's fault (its messages)
@@ -407,12 +410,6 @@ def _param_path(loc: Sequence[Any], data: Any, missing: bool) -> str:
             break
         parts.append(str(key))
     return ".".join(parts)
-
-
-def _token_text(token: Any) -> str:
-    if isinstance(token, dict):
-        return str(token.get("content", ""))
-    return str(token or "")
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
@@ -830,7 +827,9 @@ def _prepare_chat(server: Server, body: ChatCompletionRequest) -> _ChatPlan:
     mode, function = tool_mode(body.tool_choice, tools)
     forced = tool_grammar(mode, function, tools, body.parallel_tool_calls)
     spec = server.grammar(grammar_of(body, forced), "structured output")
-    ids = server.prompt_ids(server.chat_prompt(body, body.tools or None), param="messages")
+    # the template writes the special tokens (as vLLM: no BOS added on top)
+    prompt = server.chat_prompt(body, body.tools or None)
+    ids = server.prompt_ids(prompt, param="messages", add_special_tokens=False)
     ids = _truncate(ids, body.truncate_prompt_tokens)
     top = body.top_logprobs if body.logprobs else None
     if body.logprobs and top is None:

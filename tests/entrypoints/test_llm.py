@@ -233,3 +233,62 @@ def test_bad_model_folders(tiny_model_dir, tmp_path):
         Engine(str(tiny_model_dir), block_size=16)
     with pytest.raises(ValueError, match="dtype must be"):
         Engine(str(tiny_model_dir), dtype="int8")
+
+
+@pytest.fixture(scope="module")
+def bos_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with a tokenizer that adds a BOS (t1) itself, as Llama 3's and Gemma 3's
+    do, and a chat template that writes {{ bos_token }} too."""
+    from tokenizers import Tokenizer, processors
+
+    folder = tmp_path_factory.mktemp("bos-model")
+    for f in tiny_model_dir.iterdir():
+        shutil.copy(f, folder / f.name)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(
+        single="t1 $A", pair="t1 $A t1 $B", special_tokens=[("t1", 1)]
+    )
+    tok.save(str(folder / "tokenizer.json"))
+    template = "{{ bos_token }}{% for m in messages %} {{ m.content }}{% endfor %} t2"
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "t1", "eos_token": "t95", "chat_template": template})
+    )
+    return folder
+
+
+def test_chat_renders_the_template_without_a_second_bos(bos_model_dir):
+    """LLM.chat: the tokenizer's template, tokenized without added special tokens (the
+    template writes the BOS: a post-processor's BOS on top would double it)."""
+    llm = LLM(str(bos_model_dir), dtype="float32")
+    assert llm.get_tokenizer().encode("t5") == [1, 5]  # the tokenizer adds its BOS
+    conversation = [{"role": "user", "content": "t5 t6"}, {"role": "user", "content": "t7"}]
+    (out,) = llm.chat(conversation, GREEDY, use_tqdm=False)
+    assert out.prompt == "t1 t5 t6 t7 t2" and out.prompt_token_ids == [1, 5, 6, 7, 2]
+    same = llm.generate([[1, 5, 6, 7, 2]], GREEDY, use_tqdm=False)[0]
+    assert out.token_ids == same.token_ids
+    two = llm.chat([conversation, conversation[:1]], GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in two] == [[1, 5, 6, 7, 2], [1, 5, 6, 2]]
+    kw = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template="{{ x }} t3",
+                  chat_template_kwargs={"x": "t4"})[0]  # fmt: skip
+    assert kw.prompt_token_ids == [4, 3]
+    with pytest.raises(ValueError, match="messages must be a list of message dicts"):
+        llm.chat([], GREEDY)
+
+
+def test_server_chat_prompt_has_one_bos_as_tokenize_counts(bos_model_dir):
+    """The server's chat completions tokenize the rendered prompt as LLM.chat does (one BOS:
+    the template's), and /tokenize's count for the same messages agrees."""
+    import httpx
+    import openai
+
+    from tests.entrypoints.server_utils import running_server
+
+    messages = [{"role": "user", "content": "t5 t6"}]
+    with running_server(Engine(str(bos_model_dir), dtype="float32"), "m") as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
+        out = client.chat.completions.create(model="m", messages=messages, max_tokens=2)
+        assert out.usage.prompt_tokens == 4  # t1 t5 t6 t2, not t1 t1 t5 t6 t2
+        counted = httpx.post(srv.base_url + "/tokenize", json={"messages": messages}).json()
+        assert counted["tokens"] == [1, 5, 6, 2]
+        text = httpx.post(srv.base_url + "/tokenize", json={"prompt": "t5 t6"}).json()
+        assert text["tokens"] == [1, 5, 6]  # plain prompts keep the tokenizer's BOS
