@@ -141,20 +141,31 @@ class LLM:
 
     @staticmethod
     def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-        if isinstance(prompts, str):
-            return [prompts]
-        if (
-            isinstance(prompts, list | tuple)
-            and prompts
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
-        ):
-            return [list(prompts)]  # one prompt given as token ids
+        if isinstance(prompts, str | Mapping):
+            prompts = [prompts]  # type: ignore[list-item]
         if not isinstance(prompts, list | tuple) or not prompts:
             raise ValueError(
                 "prompts must be a string, a list of strings or a list of token-id "
                 "lists, and not empty"
             )
-        return [list(p) if isinstance(p, list | tuple) else p for p in prompts]
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]  # one prompt given as token ids
+        unwrapped = [LLM._unwrap(p) if isinstance(p, Mapping) else p for p in prompts]
+        return [list(p) if isinstance(p, list | tuple) else p for p in unwrapped]
+
+    @staticmethod
+    def _unwrap(prompt: Mapping[str, Any]) -> Prompt:
+        """vLLM's prompt dicts: {"prompt": text} (TextPrompt) or {"prompt_token_ids": ids}
+        (TokensPrompt); any other key (multimodal data, ...) is refused by name."""
+        keys = set(prompt)
+        if keys not in ({"prompt"}, {"prompt_token_ids"}):
+            other = sorted(keys - {"prompt", "prompt_token_ids"})
+            raise ValueError(
+                f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids', one of them; got "
+                f"{sorted(keys)}" + (f" ({', '.join(other)} not supported)" if other else "")
+            )
+        value = prompt.get("prompt", prompt.get("prompt_token_ids"))
+        return list(value) if isinstance(value, list | tuple) else value
 
     @staticmethod
     def _params_list(params, n: int) -> list[SamplingParams]:

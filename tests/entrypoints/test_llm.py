@@ -33,6 +33,17 @@ def test_generate_strings_and_token_ids(llm):
     assert again.token_ids == outs[0].token_ids
 
 
+def test_vllm_prompt_dicts(llm):
+    """vLLM's TextPrompt and TokensPrompt dicts, alone or in a list, as their text or ids."""
+    plain = llm.generate(["t1 t2 t3", [4, 5]], GREEDY, use_tqdm=False)
+    dicts = llm.generate([{"prompt": "t1 t2 t3"}, {"prompt_token_ids": [4, 5]}], GREEDY,
+                         use_tqdm=False)  # fmt: skip
+    assert [o.token_ids for o in dicts] == [o.token_ids for o in plain]
+    assert dicts[0].prompt == "t1 t2 t3" and dicts[1].prompt_token_ids == [4, 5]
+    (one,) = llm.generate({"prompt_token_ids": [4, 5]}, GREEDY, use_tqdm=False)
+    assert one.token_ids == plain[1].token_ids
+
+
 def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
     p = SamplingParams(max_tokens=12, temperature=1.0, seed=123, ignore_eos=True)
     alone = llm.generate([[9, 8, 7]], p, use_tqdm=False)[0].token_ids
@@ -168,6 +179,9 @@ def test_bfloat16_runs(tiny_model_dir):
         ([1, -2], "token ids must be integers"),
         (3.5, "a prompt is a string or a list of token ids"),
         ([1] * 300, "prompt has 300 tokens; max_model_len is 256"),
+        ({"prompt": "t1", "multi_modal_data": {}}, r"\(multi_modal_data not supported\)"),
+        ({"prompt": "t1", "prompt_token_ids": [1]}, "one of them"),
+        ({"prompt_token_ids": [1, 500]}, r"token ids must be integers in \[0, 96\)"),
     ],
 )
 def test_bad_prompts_are_rejected_before_entering(llm, prompt, message):
