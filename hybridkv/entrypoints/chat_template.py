@@ -225,9 +225,25 @@ def token_text(token: Any) -> str:
     return str(token or "")
 
 
-def special_token_texts(tokenizer_config: Mapping[str, Any]) -> dict[str, str]:
-    """The `bos_token` and `eos_token` template variables of a tokenizer's config."""
-    return {name: token_text(tokenizer_config.get(name)) for name in ("bos_token", "eos_token")}
+# what `ChatTemplate.render` sets from its own arguments: template kwargs may not set these
+RENDER_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt")
+
+
+def template_variables(
+    tokenizer_config: Mapping[str, Any], template_kwargs: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """The extra variables of a render: the tokenizer's `bos_token` and `eos_token` texts, then
+    a request's `chat_template_kwargs` (which may override them, as in transformers).
+    ValueError (one line) for kwargs that name what the render sets from the request itself."""
+    kwargs = dict(template_kwargs or {})
+    taken = sorted(k for k in kwargs if k in RENDER_ARGUMENTS)
+    if taken:
+        raise ValueError(
+            f"chat_template_kwargs may not set {', '.join(taken)} (set by the request itself: "
+            "its messages, tools and add_generation_prompt)"
+        )
+    specials = {n: token_text(tokenizer_config.get(n)) for n in ("bos_token", "eos_token")}
+    return {**specials, **kwargs}
 
 
 class ChatTemplate:

@@ -11,7 +11,7 @@ from hybridkv.entrypoints.chat_template import (
     DEFAULT_CHAT_TEMPLATE,
     ChatTemplate,
     normalise_messages,
-    special_token_texts,
+    template_variables,
 )
 from hybridkv.outputs import RequestOutput
 from hybridkv.sampling_params import SamplingParams, choice_seed
@@ -56,15 +56,17 @@ class LLM:
         # n > 1: n engine requests per prompt, choice k seeded seed + k; the others wait for
         # the first's prefill and take it from the prefix cache (as the server's n does)
         groups: list[list[str]] = []
-        for p, sp in zip(prompt_list, params, strict=True):
-            first = self.engine.add_request(p, replace(sp, n=1)).request_id
-            more = [
-                self.engine.add_request(
-                    p, replace(sp, n=1, seed=choice_seed(sp.seed, k)), after=first
-                ).request_id
-                for k in range(1, sp.n)
-            ]
-            groups.append([first, *more])
+        try:
+            for p, sp in zip(prompt_list, params, strict=True):
+                group = [self.engine.add_request(p, replace(sp, n=1)).request_id]
+                groups.append(group)
+                for k in range(1, sp.n):
+                    choice = replace(sp, n=1, seed=choice_seed(sp.seed, k))
+                    group.append(self.engine.add_request(p, choice, after=group[0]).request_id)
+        except BaseException:  # (a check only add_request makes, e.g. logit_bias ids)
+            for rid in (i for g in groups for i in g):
+                self.engine.abort(rid)  # nothing of this call keeps running
+            raise
         outs = self._run([i for g in groups for i in g], use_tqdm)
         by_id = {o.request_id: o for o in outs}
         return [self._merge([by_id[i] for i in g]) for g in groups]
@@ -92,12 +94,10 @@ class LLM:
         if not conversations or not all(isinstance(c, list | tuple) and c for c in conversations):
             raise ValueError("messages must be a list of message dicts or a list of such lists")
         template = ChatTemplate(chat_template or tok.chat_template or DEFAULT_CHAT_TEMPLATE)
+        variables = template_variables(tok.config, chat_template_kwargs)
         texts = [
-            template.render(
-                normalise_messages(list(c)), tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                **{**special_token_texts(tok.config), **(chat_template_kwargs or {})},
-            )  # fmt: skip
+            template.render(normalise_messages(list(c)), tools=tools,
+                            add_generation_prompt=add_generation_prompt, **variables)  # fmt: skip
             for c in conversations
         ]
         ids = [self.engine._prompt_ids(t, add_special_tokens=False)[0] for t in texts]

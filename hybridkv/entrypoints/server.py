@@ -66,7 +66,7 @@ from hybridkv.entrypoints.chat_template import (
     DEFAULT_CHAT_TEMPLATE,
     ChatTemplate,
     normalise_messages,
-    special_token_texts,
+    template_variables,
 )
 from hybridkv.entrypoints.metrics import Metrics
 from hybridkv.entrypoints.protocol import (
@@ -266,14 +266,16 @@ class Server:
             except ValueError as exc:
                 raise OpenAIError(str(exc), param="chat_template") from None
         messages = [self._chat_message(m, k) for k, m in enumerate(body.messages)]
-        cfg = self.engine.tokenizer.config
+        try:
+            variables = template_variables(self.engine.tokenizer.config, body.chat_template_kwargs)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param="chat_template_kwargs") from None
         try:
             return template.render(
                 normalise_messages(messages),
                 tools=tools,
                 add_generation_prompt=body.add_generation_prompt,
-                **special_token_texts(cfg),
-                **(body.chat_template_kwargs or {}),
+                **variables,
             )
         except ValueError as exc:  # a template error is the request's fault (its messages)
             raise OpenAIError(f"cannot apply the chat template: {exc}", param="messages") from None

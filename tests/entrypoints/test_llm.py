@@ -54,6 +54,18 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
     assert llm.generate([[9, 8, 7]], differ, use_tqdm=False)[0].token_ids != alone
 
 
+def test_a_request_refused_at_add_leaves_none_of_the_call_running(llm):
+    """A check only the engine's add makes (logit_bias ids against the vocabulary) refuses the
+    second prompt: the first prompt's choices, already added, are aborted with it."""
+    ok = SamplingParams(max_tokens=4, temperature=1.0, seed=1, n=3)
+    bad = SamplingParams(max_tokens=4, logit_bias={500: 1.0})
+    with pytest.raises(ValueError, match=r"logit_bias token ids must be in \[0, 96\)"):
+        llm.generate([[1, 2], [3]], [ok, bad], use_tqdm=False)
+    assert not llm.engine.has_unfinished and not llm.engine.requests
+    llm.engine.cache.check_integrity()
+    assert llm.engine.cache.usage()["in_use"] == 0
+
+
 def test_n_choices_per_prompt(llm):
     """vLLM's n: one output per prompt with n choices (index k); choice k is the request
     seeded seed + k alone, so seeded choices repeat and differ; greedy choices agree; the
@@ -285,6 +297,10 @@ def test_chat_renders_the_template_without_a_second_bos(bos_model_dir):
     kw = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template="{{ x }} t3",
                   chat_template_kwargs={"x": "t4"})[0]  # fmt: skip
     assert kw.prompt_token_ids == [4, 3]
+    bos = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template_kwargs={"bos_token": "t9"})
+    assert bos[0].prompt_token_ids == [9, 5, 6, 7, 2]  # the kwargs override the tokenizer's
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set add_generation_prompt"):
+        llm.chat(conversation, GREEDY, chat_template_kwargs={"add_generation_prompt": False})
     with pytest.raises(ValueError, match="messages must be a list of message dicts"):
         llm.chat([], GREEDY)
 
@@ -306,3 +322,14 @@ def test_server_chat_prompt_has_one_bos_as_tokenize_counts(bos_model_dir):
         assert counted["tokens"] == [1, 5, 6, 2]
         text = httpx.post(srv.base_url + "/tokenize", json={"prompt": "t5 t6"}).json()
         assert text["tokens"] == [1, 5, 6]  # plain prompts keep the tokenizer's BOS
+        # chat_template_kwargs override the special tokens; the request's own fields they
+        # may not set (a 400 naming the field, where this was a 500 TypeError)
+        body = {"model": "m", "messages": messages, "max_tokens": 2}
+        url = srv.base_url + "/v1/chat/completions"
+        over = httpx.post(url, json={**body, "chat_template_kwargs": {"bos_token": "t9"}})
+        assert over.status_code == 200 and over.json()["usage"]["prompt_tokens"] == 4
+        for name in ("tools", "messages", "add_generation_prompt"):
+            r = httpx.post(url, json={**body, "chat_template_kwargs": {name: 1}})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "chat_template_kwargs" and name in err["message"]

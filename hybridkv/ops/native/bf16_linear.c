@@ -117,8 +117,9 @@ B16_INLINE void b16_tile(const uint16_t *x, int64_t ldx, const uint16_t *w, cons
         /* one or two rows of x: a second sum per row of x and weight row takes every other
          * step, so that a step's vdpbf16ps does not wait for the one before it (one chain per
          * row of x held the stream back: benchmarks/native_ab.py, 2 threads on Zen 4, weights
-         * from memory: 6-18% less time per layer at M = 1 and 6-10% at M = 2 while the memory
-         * kept up, 1-7% at M = 1 when it streamed slower; four sums gain nothing over two) */
+         * from memory: 6-18% less time per layer at M = 1 while the memory kept up, 1-7% when
+         * it streamed slower; 6-10% at M = 2, where unchanged code read +1-5% in the same runs;
+         * four sums gain nothing over two) */
         B16_UNROLL for (int j = 0; j < NB; j++) {
             __m512 odd[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
             int64_t k = 0;
